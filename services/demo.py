@@ -1,0 +1,52 @@
+"""The ``make run`` demo: several prompts sent at once, the first streamed live."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Give me three tips for learning Python.",
+    "Explain what a KV cache is in one sentence.",
+]
+
+
+async def _one(client, i: int, prompt: str, live: bool) -> tuple[int, str, float, float, int]:
+    t0 = time.perf_counter()
+    ttft, parts, n = None, [], 0
+    async for d in client.stream(messages=[{"role": "user", "content": prompt}],
+                                 max_tokens=96, temperature=0):
+        if ttft is None and d.token_ids:
+            ttft = time.perf_counter() - t0
+        n += len(d.token_ids)
+        parts.append(d.text)
+        if live:
+            sys.stdout.write(d.text)
+            sys.stdout.flush()
+    if live:
+        print()
+    return i, "".join(parts), ttft or 0.0, time.perf_counter() - t0, n
+
+
+async def _demo(address: str) -> None:
+    from pagedserve_client import AsyncClient
+    async with AsyncClient(address) as client:
+        print(f"\n>>> {len(PROMPTS)} prompts sent at once; streaming the first live:\n"
+              f"[0] {PROMPTS[0]}\n", flush=True)
+        results = await asyncio.gather(*(_one(client, i, p, i == 0)
+                                         for i, p in enumerate(PROMPTS)))
+        for i, text, ttft, total, n in results:
+            if i:
+                print(f"\n[{i}] {PROMPTS[i]}\n{text.strip()}")
+        print()
+        for i, _text, ttft, total, n in results:
+            print(f"[{i}] {n} tokens, TTFT {ttft * 1000:.0f} ms, {n / total:.1f} tok/s")
+        print(flush=True)
+
+
+def run_demo(address: str) -> None:
+    """Send the demo prompts to the router at ``address`` and print the answers."""
+    asyncio.run(_demo(address))

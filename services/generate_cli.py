@@ -1,0 +1,45 @@
+"""``pagedserve generate``: stream one completion from a running router to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import grpc
+
+from services.common.config import add_flag
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, stream the answer, print usage to stderr. Exits 1 on a gRPC error."""
+    from pagedserve_client import Client
+
+    p = argparse.ArgumentParser("pagedserve generate")
+    add_flag(p, "--address", default="127.0.0.1:50051", help="router host:port")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="plain-text prompt")
+    group.add_argument("--chat", help="one user message, rendered with the chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    a = p.parse_args(argv)
+    sampling = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
+                    top_k=a.top_k, seed=a.seed, stop=a.stop or None)
+    messages = [{"role": "user", "content": a.chat}] if a.chat is not None else None
+    prompt = a.prompt if a.chat is None else None
+    with Client(a.address) as client:
+        try:
+            for d in client.stream(prompt, messages=messages, **sampling):
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+                if d.finish_reason:
+                    print()
+                    print(f"[finish_reason={d.finish_reason} prompt_tokens="
+                          f"{d.usage.prompt_tokens} completion_tokens="
+                          f"{d.usage.completion_tokens}]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\npagedserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            raise SystemExit(1) from None

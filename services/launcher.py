@@ -1,0 +1,96 @@
+"""``pagedserve serve``: run worker, scheduler and router as child processes on localhost.
+
+Starts them in dependency order, waits until each answers gRPC health SERVING, and stops them
+all on Ctrl-C / SIGTERM (or when one of them dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+from services.common.grpc_utils import check_health
+
+
+def _spawn(name: str, argv: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "services.cli", name, *argv]
+    return subprocess.Popen(cmd, start_new_session=True)
+
+
+def _stop_all(procs: dict[str, subprocess.Popen], timeout: float = 10.0) -> None:
+    for p in procs.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs.values():
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+async def _wait_healthy(procs, addresses: dict[str, str], timeout: float) -> str | None:
+    """None when every service is SERVING; else why not."""
+    deadline = time.monotonic() + timeout
+    for name, address in addresses.items():
+        while not await check_health(address, timeout=1.0):
+            for n, p in procs.items():
+                if p.poll() is not None:
+                    return f"{n} exited with code {p.returncode} during start-up"
+            if time.monotonic() > deadline:
+                return f"{name} at {address} not healthy after {timeout:.0f}s"
+            await asyncio.sleep(0.5)
+        print(f"pagedserve: {name} is serving on {address}", file=sys.stderr, flush=True)
+    return None
+
+
+def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
+    """Start the stack, optionally run the demo, and serve until interrupted. Returns the exit
+    code (0 on Ctrl-C / SIGTERM)."""
+    host = "127.0.0.1"
+    ports = {"worker": ns.worker_port, "scheduler": ns.scheduler_port, "router": ns.port}
+    wiring = {
+        "worker": ["--host", host, "--port", str(ns.worker_port)],
+        "scheduler": ["--host", host, "--port", str(ns.scheduler_port),
+                      "--workers", f"{host}:{ns.worker_port}"],
+        "router": ["--host", host, "--port", str(ns.port),
+                   "--scheduler", f"{host}:{ns.scheduler_port}"],
+    }
+    procs: dict[str, subprocess.Popen] = {}
+    stopping = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stopping["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for name in ("worker", "scheduler", "router"):
+            procs[name] = _spawn(name, wiring[name] + service_argv[name])
+        addresses = {n: f"{host}:{p}" for n, p in ports.items()}
+        error = asyncio.run(_wait_healthy(procs, addresses, ns.startup_timeout))
+        if error:
+            print(f"pagedserve serve: {error}", file=sys.stderr)
+            return 1
+        if ns.demo:
+            from services.demo import run_demo
+            run_demo(addresses["router"])
+        print(f"pagedserve: serving on {host}:{ns.port}. Try:\n"
+              f"  .venv/bin/pagedserve generate --address {host}:{ns.port} "
+              f"--chat \"What is the capital of France?\" --temperature 0 --max-tokens 20\n"
+              f"Ctrl-C stops.", file=sys.stderr, flush=True)
+        while True:
+            for name, p in procs.items():
+                if p.poll() is not None:
+                    print(f"pagedserve serve: {name} exited with code {p.returncode}",
+                          file=sys.stderr)
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        _stop_all(procs)

@@ -1,0 +1,132 @@
+"""The router's side of the router↔scheduler protocol: one long-lived Connect stream.
+
+Submits and aborts go up one outgoing queue (a single writer, as grpc.aio streams require);
+one reader task dispatches each TokenBatch's outputs to the queue of the request they belong to.
+If the stream breaks, every pending request gets an UNAVAILABLE error output and the client
+reconnects in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from services.common.grpc_utils import CHANNEL_OPTIONS
+from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _unavailable(request_id: str, why: str) -> engine_pb2.RequestOutput:
+    return engine_pb2.RequestOutput(
+        request_id=request_id, finish_reason=engine_pb2.ENGINE_FINISH_REASON_ABORT,
+        error_code=grpc.StatusCode.UNAVAILABLE.value[0], error_message=why)
+
+
+class EngineClient:
+    """A connection to one scheduler replica.
+
+    Args:
+        address: the scheduler's ``host:port``.
+    """
+
+    def __init__(self, address: str):
+        self.address = address
+        self.info: engine_pb2.GetEngineInfoResponse | None = None
+        self.load = engine_pb2.LoadReport()
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        self._pending: dict[str, asyncio.Queue] = {}
+        self._outgoing: asyncio.Queue | None = None
+        self._task: asyncio.Task | None = None
+        self.connected = asyncio.Event()
+
+    async def start(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
+        """Wait up to ``timeout`` s for the scheduler, fetch its info and open the stream.
+
+        Raises:
+            TimeoutError: the scheduler did not become ready in time.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                self.info = await self._stub.GetEngineInfo(
+                    engine_pb2.GetEngineInfoRequest(), timeout=5, wait_for_ready=True)
+                break
+            except grpc.RpcError as e:
+                if loop.time() > deadline:
+                    raise TimeoutError(f"scheduler {self.address} not ready after {timeout:.0f}s"
+                                       f" ({e.code().name})") from e
+                await asyncio.sleep(0.5)
+        self._task = asyncio.create_task(self._run())
+        await self.connected.wait()
+        return self.info
+
+    def submit(self, request_id: str, prompt_token_ids: list[int],
+               params: engine_pb2.EngineSamplingParams) -> asyncio.Queue:
+        """Send a request; returns the queue its RequestOutputs arrive on (the last one has
+        finish_reason set or an error_code)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        if not self.connected.is_set():
+            queue.put_nowait(_unavailable(request_id, f"scheduler {self.address} unavailable"))
+            return queue
+        self._pending[request_id] = queue
+        self._outgoing.put_nowait(engine_pb2.EngineRequest(submit=engine_pb2.SubmitRequest(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params)))
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to end a request; its final output will still arrive (and is dropped
+        if the caller stopped listening)."""
+        if request_id in self._pending and self._outgoing is not None:
+            self._outgoing.put_nowait(engine_pb2.EngineRequest(
+                abort=engine_pb2.AbortRequest(request_id=request_id)))
+
+    def release(self, request_id: str) -> None:
+        """Forget a request whose caller no longer listens."""
+        self._pending.pop(request_id, None)
+
+    async def _requests(self, outgoing: asyncio.Queue):
+        while True:
+            yield await outgoing.get()
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while True:
+            self._outgoing = asyncio.Queue()
+            call = self._stub.Connect(self._requests(self._outgoing))
+            self.connected.set()
+            try:
+                async for batch in call:
+                    backoff = 0.2
+                    self.load = batch.load
+                    for out in batch.outputs:
+                        queue = self._pending.get(out.request_id)
+                        if queue is None:
+                            continue
+                        queue.put_nowait(out)
+                        if out.finish_reason or out.error_code:
+                            del self._pending[out.request_id]
+                why = "scheduler closed the stream"
+            except grpc.RpcError as e:
+                why = f"scheduler stream failed: {e.code().name}"
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            self.connected.clear()
+            log.warning("%s (%s); failing %d requests and reconnecting", why, self.address,
+                        len(self._pending))
+            for rid, queue in self._pending.items():
+                queue.put_nowait(_unavailable(rid, why))
+            self._pending.clear()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def close(self) -> None:
+        """Stop the stream and close the channel."""
+        if self._task:
+            self._task.cancel()
+        await self._channel.close()

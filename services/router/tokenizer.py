@@ -1,0 +1,130 @@
+"""Load the model's tokenizer and turn prompts (text or chat) into token ids.
+
+A transformers folder loads through ``AutoTokenizer``. A GGUF file carries its tokenizer in its
+metadata: transformers converts it (``AutoTokenizer.from_pretrained(folder, gguf_file=name)``)
+once, and ``save_pretrained`` writes the result to ``source.cache_dir("tokenizer")``; later
+starts load that folder. SmolLM2, measured here: ~20 s the first time (child start included),
+~0.4 s from the cache.
+
+NOTE: transformers' GGUF reader needs torch (``load_gguf_checkpoint`` raises ImportError
+without it), and the router must not import torch. So the one-time conversion runs in a child
+Python process; the router process only ever loads the converted folder, which needs neither
+torch nor gguf. (A torch-less router image therefore needs the cache filled beforehand.)
+``AutoTokenizer`` itself imports torch whenever torch is installed, so transformers folders
+load it in the router process of a dev install; an image without torch is unaffected.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerFast
+
+from services.common.model_files import ModelSource, resolve_model
+from services.router.validation import invalid
+
+_CONVERT_TIMEOUT_S = 600
+_CONVERT_SCRIPT = (
+    "import sys\n"
+    "from transformers import AutoTokenizer\n"
+    "tok = AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2])\n"
+    "tok.save_pretrained(sys.argv[3])\n"
+)
+
+
+def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
+    """Load the tokenizer of ``--model`` (None or "" is the packaged default, SmolLM2).
+
+    Raises:
+        FileNotFoundError: no such model (see ``resolve_model``).
+        RuntimeError: the GGUF conversion failed (the child's error output is in the message).
+        subprocess.TimeoutExpired: the conversion took over 600 s.
+        ValueError: the folder only has a slow (pure-Python) tokenizer.
+    """
+    source = resolve_model(model)
+    if source.is_gguf:
+        cache = source.cache_dir("tokenizer")
+        if not cache.is_dir():
+            install_atomically(cache, lambda tmp: _convert_gguf(source, tmp))
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cache))
+    else:
+        from transformers import AutoTokenizer  # imports torch when it is installed
+
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise ValueError(f"{source.path}: no fast tokenizer (tokenizer.json) found, got "
+                         f"{type(tokenizer).__name__}")
+    return tokenizer
+
+
+def install_atomically(target: Path, fill: Callable[[Path], None]) -> None:
+    """Create the folder ``target`` by calling ``fill(tmp)`` on an empty temporary folder next
+    to it, then renaming it into place, so no reader ever sees a half-written ``target``.
+
+    If another process installed ``target`` first, its copy is kept and ours is dropped.
+
+    Raises:
+        Whatever ``fill`` raises (the temporary folder is removed).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like its parent
+        fill(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not target.is_dir():  # not a lost race: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_gguf(source: ModelSource, out_dir: Path) -> None:
+    """Convert the GGUF tokenizer into ``out_dir`` (tokenizer.json + config) in a child process."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CONVERT_SCRIPT, source.folder, source.gguf_file, str(out_dir)],
+        capture_output=True, text=True, timeout=_CONVERT_TIMEOUT_S)
+    if proc.returncode != 0 or not (out_dir / "tokenizer.json").is_file():
+        raise RuntimeError(f"converting the tokenizer of {source.path} failed "
+                           f"(exit {proc.returncode}): {proc.stderr[-2000:]}")
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    """Token ids of a plain-text prompt, with the special tokens (e.g. BOS) the tokenizer adds
+    by default (its post-processor; SmolLM2 adds none), as vLLM's completions API does."""
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template, followed by the
+    assistant prefix (``add_generation_prompt=True``).
+
+    The template writes any BOS itself, so the rendered text is encoded without adding special
+    tokens (vLLM's chat default): the ids never start with a doubled BOS.
+
+    Args:
+        messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): no messages, a message without string role/content, no
+            chat template, or the template rejected the conversation (e.g. role order).
+    """
+    if not messages:
+        raise invalid("chat.messages is empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise invalid(f"chat.messages[{i}] needs a string role and content")
+    if not tokenizer.chat_template:
+        raise invalid("this model has no chat template: send a plain prompt instead")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja2 TemplateError, or raise_exception() in the template
+        raise invalid(f"chat template rejected the messages: {e}") from e
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,145 @@
+"""Request validation: public SamplingParams -> engine params + router-side text options.
+
+Every rule raises ``RequestError`` (gRPC INVALID_ARGUMENT) with a message that names the field,
+the allowed range and the value received, in vLLM's wording, e.g.
+``temperature must be >= 0, got -1.0`` or ``top_p must be in (0, 1], got 1.5``.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_REQUEST_ID_CHARS = 128
+TOP_K_OFF = -1
+
+
+class RequestError(Exception):
+    """A request the router refuses; the servicer turns it into a gRPC status.
+
+    Attributes:
+        code: the gRPC status code (INVALID_ARGUMENT for every rule here).
+        message: what is wrong, naming the field and its allowed range.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> RequestError:
+    """A RequestError with INVALID_ARGUMENT (every validation rule's code)."""
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True, slots=True)
+class TextOptions:
+    """The options the router applies to the output text (the engine never sees them).
+
+    Attributes:
+        stop: stop strings, matched on the detokenized text.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+        skip_special_tokens: leave special tokens out of the text.
+    """
+
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+def _fmt(x: float) -> str:
+    """A float32 proto value as the client most likely wrote it (0.1, not 0.10000000149)."""
+    return repr(float(f"{x:.7g}"))
+
+
+def _finite(name: str, x: float) -> float:
+    if not math.isfinite(x):
+        raise invalid(f"{name} must be a finite number, got {_fmt(x)}")
+    return x
+
+
+def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
+                      ) -> tuple[engine_pb2.EngineSamplingParams, TextOptions]:
+    """Check ``params`` and split them into what the engine samples with and what the router
+    applies to the text. Unset fields take the defaults documented in api.proto.
+
+    top_k 0, -1 and values >= vocab_size all mean "off" and become -1.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): a field is out of range (the message names it).
+    """
+    temperature = _finite("temperature", params.temperature) if params.HasField(
+        "temperature") else 1.0
+    if temperature < 0:
+        raise invalid(f"temperature must be >= 0, got {_fmt(temperature)}")
+    top_p = _finite("top_p", params.top_p) if params.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
+        raise invalid(f"top_p must be in (0, 1], got {_fmt(top_p)}")
+    top_k = params.top_k if params.HasField("top_k") else TOP_K_OFF
+    if top_k < -1:
+        raise invalid(f"top_k must be -1 (off) or >= 0, got {top_k}")
+    if top_k == 0 or top_k >= vocab_size:
+        top_k = TOP_K_OFF
+    if params.HasField("max_tokens") and params.max_tokens < 1:
+        raise invalid(f"max_tokens must be >= 1, got {params.max_tokens}")
+    stop = tuple(params.stop)
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
+            raise invalid(f"stop[{i}] must have 1 to {MAX_STOP_STRING_CHARS} characters, "
+                               f"got {len(s)}")
+    _check_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+    engine = engine_pb2.EngineSamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=params.seed if params.HasField("seed") else None,
+        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
+        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+    text = TextOptions(
+        stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
+        skip_special_tokens=(params.skip_special_tokens
+                             if params.HasField("skip_special_tokens") else True))
+    return engine, text
+
+
+def validate_prompt_ids(ids: Sequence[int], *, max_model_len: int, vocab_size: int) -> None:
+    """Check a tokenized prompt: non-empty, shorter than ``max_model_len`` (so at least one
+    token can be generated), every id in [0, vocab_size).
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): naming the lengths or the first bad id and its index.
+    """
+    if len(ids) == 0:
+        raise invalid("prompt is empty")
+    if len(ids) >= max_model_len:
+        raise invalid(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}: "
+                           "the prompt must be shorter than max_model_len")
+    _check_ids("prompt_token_ids", ids, vocab_size)
+
+
+def validate_request_id(request_id: str) -> str:
+    """Return the client's request id, or a fresh one (32 hex digits) when it is empty.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): longer than 128 characters.
+    """
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"request_id must have at most {MAX_REQUEST_ID_CHARS} characters, "
+                           f"got {len(request_id)}")
+    return request_id or uuid.uuid4().hex
+
+
+def _check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Raise naming the first id outside [0, vocab_size); O(n) in C for the common case."""
+    if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):
+        i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+        raise invalid(f"{name}[{i}] must be in [0, {vocab_size}), got {bad}")

@@ -1,0 +1,181 @@
+"""The scheduler's asyncio engine loop: schedule → one StepRequest to every rank → results →
+one TokenBatch per router stream.
+
+Routers attach a ``RouterSink`` per Connect stream; every request remembers its sink so its
+tokens go back down the stream that submitted it. The loop sleeps while nothing is unfinished.
+
+NOTE: the core ``Scheduler`` is only touched from this event loop's thread, so submits and
+aborts that arrive while a step is on the workers interleave between steps safely: an aborted
+request's sampled token is ignored by ``update_from_output``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.pb.pagedserve.v1 import engine_pb2
+from services.scheduler.request import EngineSamplingParams, FinishReason, Request
+from services.scheduler.scheduler import RequestUpdate, Scheduler
+from services.scheduler.worker_client import WorkerError, WorkerGroup
+
+log = logging.getLogger(__name__)
+
+_FINISH = {None: engine_pb2.ENGINE_FINISH_REASON_UNSPECIFIED,
+           FinishReason.STOP: engine_pb2.ENGINE_FINISH_REASON_STOP,
+           FinishReason.LENGTH: engine_pb2.ENGINE_FINISH_REASON_LENGTH,
+           FinishReason.ABORT: engine_pb2.ENGINE_FINISH_REASON_ABORT}
+
+
+@dataclass(eq=False)
+class RouterSink:
+    """One router's Connect stream: the TokenBatches waiting to be sent down it."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_ids: set[str] = field(default_factory=set)
+
+
+def params_from_pb(p: engine_pb2.EngineSamplingParams) -> EngineSamplingParams:
+    """Decode the wire sampling parameters (the router has validated them)."""
+    return EngineSamplingParams(
+        temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+
+
+def error_output(request_id: str, code: grpc.StatusCode, message: str) -> engine_pb2.RequestOutput:
+    """A final RequestOutput that ends a request with an error."""
+    return engine_pb2.RequestOutput(
+        request_id=request_id, finish_reason=engine_pb2.ENGINE_FINISH_REASON_ABORT,
+        error_code=code.value[0], error_message=message)
+
+
+class Engine:
+    """Runs the core ``Scheduler`` against a ``WorkerGroup`` and fans results out to routers.
+
+    Args:
+        scheduler: the pure-Python core (owns queues and blocks).
+        workers: connected worker ranks.
+        on_health: called with True/False when the workers come and go.
+    """
+
+    def __init__(self, scheduler: Scheduler, workers: WorkerGroup, on_health=None,
+                 reconnect_timeout: float = 3600.0):
+        self.scheduler = scheduler
+        self.workers = workers
+        self._sinks: dict[str, RouterSink] = {}
+        self._wakeup = asyncio.Event()
+        self.on_health = on_health
+        self._reconnect_timeout = reconnect_timeout
+        self.num_steps_total = 0
+        self.healthy = True
+
+    # ---- requests from routers -------------------------------------------------------------
+    def submit(self, sink: RouterSink, msg: engine_pb2.SubmitRequest) -> None:
+        """Queue a request; a rejected one gets an error output on its sink at once."""
+        rid = msg.request_id
+        if not self.healthy:
+            sink.queue.put_nowait(self._batch([error_output(
+                rid, grpc.StatusCode.UNAVAILABLE, "engine has no worker; retry later")]))
+            return
+        if rid in self._sinks:
+            sink.queue.put_nowait(self._batch([error_output(
+                rid, grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already running")]))
+            return
+        try:
+            req = Request(request_id=rid, prompt_token_ids=list(msg.prompt_token_ids),
+                          sampling_params=params_from_pb(msg.sampling_params),
+                          arrival_time=time.monotonic())
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            sink.queue.put_nowait(self._batch([error_output(
+                rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))]))
+            return
+        self._sinks[rid] = sink
+        sink.request_ids.add(rid)
+        self._wakeup.set()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request now (frees its blocks) and send its final output."""
+        update = self.scheduler.abort_request(request_id)
+        if update is not None:
+            self._publish([update])
+
+    def detach(self, sink: RouterSink) -> None:
+        """A router stream ended: abort everything it still has in flight."""
+        for rid in list(sink.request_ids):
+            self.scheduler.abort_request(rid)
+            self._sinks.pop(rid, None)
+        sink.request_ids.clear()
+
+    # ---- the loop --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Step forever; on a worker failure fail every request and reconnect."""
+        while True:
+            if not self.scheduler.has_unfinished_requests():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            out = self.scheduler.schedule()
+            if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
+                await asyncio.sleep(0.001)  # nothing fits this step; should not happen
+                continue
+            try:
+                result = await self.workers.execute(out)
+            except WorkerError as e:
+                await self._fail_and_reconnect(str(e))
+                continue
+            self.num_steps_total += 1
+            sampled = dict(zip(result.request_ids, result.sampled_token_ids))
+            self._publish(self.scheduler.update_from_output(out, sampled), out.step_id)
+
+    async def _fail_and_reconnect(self, reason: str) -> None:
+        log.error("worker failure: %s; failing %d requests", reason, len(self._sinks))
+        self.healthy = False
+        if self.on_health:
+            await self.on_health(False)
+        for rid, sink in list(self._sinks.items()):
+            self.scheduler.abort_request(rid)
+            sink.queue.put_nowait(self._batch([error_output(
+                rid, grpc.StatusCode.UNAVAILABLE, f"worker failed: {reason}")]))
+            sink.request_ids.discard(rid)
+        self._sinks.clear()
+        while True:
+            try:
+                await self.workers.connect(timeout=self._reconnect_timeout)
+                break
+            except WorkerError as e:
+                log.warning("reconnecting to workers: %s", e)
+        log.info("workers back; serving again")
+        self.healthy = True
+        if self.on_health:
+            await self.on_health(True)
+
+    # ---- results -----------------------------------------------------------------------------
+    def _batch(self, outputs: list[engine_pb2.RequestOutput], step_id: int = 0):
+        s = self.scheduler
+        return engine_pb2.TokenBatch(step_id=step_id, outputs=outputs, load=engine_pb2.LoadReport(
+            num_running=s.num_running, num_waiting=s.num_waiting,
+            kv_cache_usage=s.block_manager.usage))
+
+    def _publish(self, updates: list[RequestUpdate], step_id: int = 0) -> None:
+        by_sink: dict[int, tuple[RouterSink, list]] = {}
+        for u in updates:
+            sink = self._sinks.get(u.request_id)
+            if sink is None:
+                continue
+            out = engine_pb2.RequestOutput(
+                request_id=u.request_id, new_token_ids=u.new_token_ids,
+                finish_reason=_FINISH[u.finish_reason], num_prompt_tokens=u.num_prompt_tokens,
+                num_output_tokens=u.num_output_tokens)
+            by_sink.setdefault(id(sink), (sink, []))[1].append(out)
+            if u.finish_reason is not None:
+                del self._sinks[u.request_id]
+                sink.request_ids.discard(u.request_id)
+        for sink, outs in by_sink.values():
+            sink.queue.put_nowait(self._batch(outs, step_id))

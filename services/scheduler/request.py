@@ -1,0 +1,153 @@
+"""One generation request as the scheduler sees it: token ids, block ids, counters.
+
+The scheduler never touches text or tensors. A request is its prompt token ids, the token ids
+sampled so far, the KV block table that holds their keys/values, and a few counters that drive
+the scheduling rule of DESIGN.md §2.
+
+Index arithmetic (positions are token indices into ``all_token_ids``)::
+
+    index:          0    1    2    3    4    5    6    7    8    9
+    all_token_ids: [p0   p1   p2   p3   p4   p5 | o0   o1   o2   o3]
+                   |<-- num_prompt_tokens = 6 ->|<-- num_output -->|
+                   |<----- num_computed_tokens = 7 ---->|<- 3 --->|
+                   |<------------------ num_tokens = 10 ---------->|
+
+    num_computed_tokens   tokens whose K/V are already in the cache (here a request that was
+                          preempted and is recomputing prompt + output: 7 of 10 done).
+    num_scheduled_tokens  tokens computed in one step (chosen by the Scheduler):
+                          min(num_tokens - num_computed_tokens, token budget left).
+    sampling              the worker samples a next token only when the step's chunk reaches
+                          the end: num_computed_tokens + num_scheduled_tokens == num_tokens.
+    blocks                the block table must cover num_computed_tokens + num_scheduled_tokens
+                          slots: ceil(that / block_size) blocks; slot of token i is
+                          block_ids[i // block_size] * block_size + i % block_size.
+
+In steady-state decode num_computed_tokens == num_tokens - 1 (the last sampled token is the one
+to feed); during a prefill it lags further behind.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a request stopped; the values are the OpenAI/vLLM ``finish_reason`` strings."""
+
+    STOP = "stop"  # eos or one of stop_token_ids was sampled
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # the client (or the router, e.g. on a stop string) aborted it
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle: WAITING -> RUNNING (<-> PREEMPTED -> RUNNING ...) -> FINISHED_*."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, blocks freed, must recompute
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    def is_finished(self) -> bool:
+        """True for the three FINISHED_* states (usable as ``RequestStatus.is_finished(s)``)."""
+        return self in _STATUS_TO_REASON
+
+
+_STATUS_TO_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+_REASON_TO_STATUS = {reason: status for status, reason in _STATUS_TO_REASON.items()}
+
+
+@dataclass(slots=True)
+class EngineSamplingParams:
+    """Sampling parameters the engine needs (names follow vLLM's SamplingParams).
+
+    Text-level options (stop strings, detokenization) live in the router; the scheduler uses
+    only ``max_tokens``, ``stop_token_ids`` and ``ignore_eos``, the worker the rest.
+
+    Raises:
+        ValueError: on an out-of-range value (see the checks in ``__post_init__``).
+    """
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # 0 or -1 = off
+    seed: int | None = None  # per-request RNG seed; None = engine's RNG
+    max_tokens: int | None = None  # output tokens; None = fill up to max_model_len
+    stop_token_ids: list[int] = field(default_factory=list)  # finish STOP when sampled
+    ignore_eos: bool = False  # keep generating past the model's eos token(s)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A request's scheduling state. Identity-compared (``eq=False``) and hashable.
+
+    Only the Scheduler mutates a Request after ``add_request``; ``prompt_token_ids`` and
+    ``output_token_ids`` are append-only from its point of view.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: EngineSamplingParams = field(default_factory=EngineSamplingParams)
+    arrival_time: float = field(default_factory=time.monotonic)  # seconds, time.monotonic()
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    block_ids: list[int] = field(default_factory=list)  # block table, logical order
+    num_tokens_sent: int = 0  # prefix of all_token_ids the worker already holds
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + output as a new list (O(num_tokens); prefer ``token_ids_from`` for diffs)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_from(self, start: int) -> list[int]:
+        """``all_token_ids[start:]`` in O(num_tokens - start), without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt :]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def finish(self, reason: FinishReason) -> None:
+        """Set ``status`` and ``finish_reason`` together (they must always agree)."""
+        self.status = _REASON_TO_STATUS[reason]
+        self.finish_reason = reason

@@ -1,0 +1,369 @@
+"""The engine core's scheduler: which requests run each step, how many tokens each computes.
+
+One rule (DESIGN.md §2, vLLM V1's): every request has ``num_tokens`` (prompt + output) and
+``num_computed_tokens`` (K/V already cached); each step gives each request up to
+``num_tokens - num_computed_tokens`` tokens within ``max_num_batched_tokens`` and
+``max_num_seqs``. Continuous batching, chunked prefill and mixed prefill/decode batches all fall
+out of it. See ``request.py`` for the index diagram.
+
+Per step: ``schedule()`` -> SchedulerOutput -> every worker rank -> sampled token ids ->
+``update_from_output()`` -> RequestUpdates for the routers.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.request import (
+    EngineSamplingParams,
+    FinishReason,
+    Request,
+    RequestStatus,
+)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Scheduling limits. Raises ValueError if any is < 1."""
+
+    max_num_seqs: int = 256  # running requests at most (= rows of a decode batch)
+    max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
+    max_model_len: int = 8192  # prompt + output tokens of one request
+    block_size: int = 16  # tokens per KV block
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the worker has never seen, sent in full once."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # all_token_ids at first schedule (what the worker must hold)
+    sampling_params: EngineSamplingParams
+    block_ids: list[int]  # the whole block table, logical order
+    num_computed_tokens: int  # tokens already cached (0 until prefix caching); compute from here
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the worker already holds: only what changed since it last saw it."""
+
+    request_id: str
+    new_token_ids: list[int]  # appended since last sent: the last sampled token; [] mid-prefill
+    new_block_ids: list[int]  # appended to the table this step; whole table if resumed
+    resumed_from_preemption: bool  # the worker must replace (not extend) the block table
+    num_computed_tokens: int  # tokens whose K/V are cached; this step computes from here
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One engine step, sent to every worker rank."""
+
+    step_id: int  # increases by one per schedule() call
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step
+    total_num_scheduled_tokens: int  # sum of num_scheduled_tokens, <= max_num_batched_tokens
+    finished_req_ids: set[str]  # finished/aborted since the last step: worker drops their state
+    preempted_req_ids: set[str]  # preempted this step: worker drops blocks, keeps token ids
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What a router needs about one request after a step: its new tokens, or its end."""
+
+    request_id: str
+    new_token_ids: list[int]  # [] when only finishing (abort)
+    finish_reason: FinishReason | None  # None while still running
+    num_prompt_tokens: int
+    num_output_tokens: int  # after this update
+
+
+class Scheduler:
+    """FCFS scheduler with chunked prefill and preemption by recompute.
+
+    ``running`` and ``waiting`` together are always in arrival order (the order of
+    ``add_request``): admission takes the front of ``waiting`` to the back of ``running``, and
+    preemption moves the back of ``running`` to the front of ``waiting``. So the tail of
+    ``running`` is the latest arrival, the preemption victim.
+
+    Each non-empty SchedulerOutput must be passed to ``update_from_output`` before the next
+    ``schedule()`` (unless every request in it has been aborted meanwhile, e.g. after a worker
+    failure). Outputs with nothing scheduled still carry ``finished_req_ids``: forward them.
+
+    Args:
+        config: scheduling limits.
+        num_kv_blocks: KV blocks per worker rank (the minimum over ranks).
+        eos_token_ids: the model's end-of-sequence ids (finish STOP unless ignore_eos).
+
+    Raises:
+        ValueError: if one request of ``max_model_len`` tokens cannot fit in the KV cache.
+    """
+
+    def __init__(self, config: SchedulerConfig, num_kv_blocks: int, eos_token_ids: list[int]):
+        bs, max_len = config.block_size, config.max_model_len
+        needed = -(-max_len // bs)
+        if needed > num_kv_blocks:
+            raise ValueError(
+                f"KV cache has {num_kv_blocks} blocks ({num_kv_blocks * bs} tokens) but "
+                f"max_model_len={max_len} needs {needed} blocks; raise --kv-cache-memory "
+                f"or lower --max-model-len"
+            )
+        self.config = config
+        self.block_manager = BlockManager(num_kv_blocks, bs)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.requests: dict[str, Request] = {}  # unfinished (waiting + running) by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions_total = 0
+        self._step_id = 0
+        self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self._in_flight: SchedulerOutput | None = None  # non-empty output not yet updated
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self.requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request`` at the back of the waiting queue; it can run from the next step.
+
+        Raises:
+            ValueError: empty prompt, prompt of >= max_model_len tokens (no room for one output
+                token), a duplicate unfinished request_id, or a request that is not WAITING.
+        """
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens == 0:
+            raise ValueError(f"request {request.request_id}: empty prompt")
+        if request.num_prompt_tokens >= max_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt has {request.num_prompt_tokens} tokens, "
+                f"max_model_len={max_len} leaves no room for output"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id} already exists")
+        if request.status is not RequestStatus.WAITING:
+            raise ValueError(f"request {request.request_id} is {request.status.name}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> RequestUpdate | None:
+        """Finish a request now with reason ABORT and free its blocks (O(queue length)).
+
+        Returns:
+            Its final RequestUpdate, or None if the id is unknown or already finished.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT)
+        return _update(request, [], FinishReason.ABORT)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating blocks for them.
+
+        The rule: each request gets up to ``num_tokens - num_computed_tokens`` tokens, running
+        requests first (in order), then waiting ones from the front (FIFO), within the token
+        budget, ``max_num_seqs`` and the free blocks. A running request that cannot get a block
+        preempts the latest-arrived running request (possibly itself). A waiting request that
+        cannot get its blocks stops admission; no admission in a step that preempted.
+
+        Cost: O(running + admitted) plus the block operations.
+
+        Raises:
+            RuntimeError: the previous non-empty output was not passed to update_from_output
+                and some of its requests are still unfinished (they would be computed twice).
+        """
+        if self._in_flight is not None:
+            if any(rid in self.requests for rid in self._in_flight.num_scheduled_tokens):
+                raise RuntimeError(
+                    f"schedule() called before update_from_output() of step "
+                    f"{self._in_flight.step_id}"
+                )
+            self._in_flight = None  # NOTE: all its requests were aborted; its result is moot.
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: set[str] = set()
+
+        # 1. Running requests, oldest first; victims come off the tail.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not bm.can_allocate(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                new_blocks[request.request_id] = bm.allocate(request, num_new)
+                num_scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests, FIFO. NOTE: after a preemption the cache is full; admitting
+        # would only thrash (the newcomer would be the next victim).
+        resumed: set[str] = set()
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not bm.can_allocate(request, num_new):
+                break  # NOTE: FIFO: never let a later (smaller) request skip ahead of this one.
+            self.waiting.popleft()
+            if request.status is RequestStatus.PREEMPTED:
+                resumed.add(request.request_id)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_blocks[request.request_id] = bm.allocate(request, num_new)
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # 3. Diffs for the workers (each request: O(its new tokens + new blocks)).
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        for request_id in num_scheduled:
+            request = self.requests[request_id]
+            if request.num_tokens_sent == 0:
+                new_reqs.append(NewRequestData(
+                    request_id, request.all_token_ids, request.sampling_params,
+                    list(request.block_ids), request.num_computed_tokens,
+                ))
+            else:
+                is_resumed = request_id in resumed
+                cached_reqs.append(CachedRequestData(
+                    request_id, request.token_ids_from(request.num_tokens_sent),
+                    list(request.block_ids) if is_resumed else new_blocks[request_id],
+                    is_resumed, request.num_computed_tokens,
+                ))
+            request.num_tokens_sent = request.num_tokens
+
+        self._step_id += 1
+        total = sum(num_scheduled.values())
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        output = SchedulerOutput(
+            self._step_id, new_reqs, cached_reqs, num_scheduled, total, finished, preempted
+        )
+        if total:
+            self._in_flight = output
+        return output
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[RequestUpdate]:
+        """Apply a finished step: advance num_computed_tokens, append tokens, finish requests.
+
+        ``sampled_token_ids`` maps request_id -> the token sampled for it. Tokens are used only
+        for requests whose chunk reached the end (num_computed_tokens == num_tokens after the
+        step) and that are still running; others (mid-prefill, aborted in flight) are ignored.
+        A request whose chunk reached the end but got no token redoes its last position.
+
+        Returns:
+            One RequestUpdate per request that got a token (and maybe finished), in schedule
+            order.
+
+        Raises:
+            RuntimeError: ``output`` is not the step awaiting its result (e.g. applied twice).
+        """
+        if output.total_num_scheduled_tokens == 0:
+            return []
+        if self._in_flight is None or output.step_id != self._in_flight.step_id:
+            in_flight = self._in_flight.step_id if self._in_flight else None
+            raise RuntimeError(
+                f"update_from_output() for step {output.step_id}, but the step in flight is "
+                f"{in_flight}"
+            )
+        self._in_flight = None
+        updates: list[RequestUpdate] = []
+        any_finished = False
+        for request_id, num_new in output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens != request.num_tokens:
+                continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
+            token_id = sampled_token_ids.get(request_id)
+            if token_id is None:
+                # NOTE: the worker owed a token and sent none. Recompute the last position next
+                # step (same slot, same K/V) rather than leave a request with nothing to do.
+                request.num_computed_tokens -= 1
+                continue
+            request.output_token_ids.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                del self.requests[request_id]
+                self._finish(request, reason)
+                any_finished = True
+            updates.append(_update(request, [token_id], reason))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        # NOTE: STOP wins over LENGTH when both hold (the model did end the text, OpenAI's
+        # "stop"); vLLM V1 checks length first. The eos/stop token stays in output_token_ids.
+        params = request.sampling_params
+        if (not params.ignore_eos and token_id in self.eos_token_ids) or (
+            token_id in params.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, back to the waiting front."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Free blocks, set the final status; tell the workers if they ever saw it."""
+        self.block_manager.free(request)
+        request.finish(reason)
+        # NOTE: num_tokens_sent > 0 <=> the request was in some SchedulerOutput (prompts are
+        # non-empty); workers hold state only for those.
+        if request.num_tokens_sent > 0:
+            self._finished_req_ids.add(request.request_id)
+
+
+def _update(
+    request: Request, new_token_ids: list[int], reason: FinishReason | None
+) -> RequestUpdate:
+    return RequestUpdate(
+        request.request_id, new_token_ids, reason,
+        request.num_prompt_tokens, request.num_output_tokens,
+    )

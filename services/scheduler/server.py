@@ -1,0 +1,159 @@
+"""The scheduler service: EngineService servicer (thin) and its start-up.
+
+Start-up: connect to every worker rank, check they agree (model, dtype, block_size), take the
+minimum KV block count, build the core ``Scheduler`` (which refuses to start when one request of
+max_model_len cannot fit), then serve routers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+
+from services.common.config import add_flag
+from services.common.grpc_utils import install_uvloop, new_server, set_serving, stop_event_on_signals
+from services.common.logs import setup_logging
+from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from services.scheduler.engine import Engine, RouterSink
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.worker_client import WorkerGroup
+
+log = logging.getLogger(__name__)
+SERVICE = "pagedserve.v1.EngineService"
+
+
+class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
+    """Decode protobuf → call the Engine → encode protobuf; nothing else."""
+
+    def __init__(self):
+        # Set once the workers are connected; until then RPCs answer UNAVAILABLE.
+        self.engine: Engine | None = None
+        self.info: engine_pb2.GetEngineInfoResponse | None = None
+
+    async def _require_engine(self, context) -> Engine:
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is waiting for its workers")
+        return self.engine
+
+    async def Connect(self, request_iterator, context):
+        await self._require_engine(context)
+        sink = RouterSink()
+
+        async def read_requests():
+            try:
+                async for msg in request_iterator:
+                    if msg.HasField("submit"):
+                        self.engine.submit(sink, msg.submit)
+                    elif msg.HasField("abort"):
+                        self.engine.abort(msg.abort.request_id)
+            finally:
+                sink.queue.put_nowait(None)  # the router closed its side: end the stream
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (batch := await sink.queue.get()) is not None:
+                yield batch
+        finally:
+            reader.cancel()
+            self.engine.detach(sink)
+
+    async def GetEngineInfo(self, request, context):
+        await self._require_engine(context)
+        return self.info
+
+    async def GetEngineStats(self, request, context):
+        s = (await self._require_engine(context)).scheduler
+        bm = s.block_manager
+        return engine_pb2.GetEngineStatsResponse(
+            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_used_blocks=bm.num_used_blocks, num_running=s.num_running,
+            num_waiting=s.num_waiting, num_preemptions_total=s.num_preemptions_total,
+            num_steps_total=self.engine.num_steps_total)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    """The scheduler's flags (also accepted by ``pagedserve serve``)."""
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind")
+    add_flag(p, "--port", type=int, default=50052, help="EngineService port")
+    add_flag(p, "--workers", default="127.0.0.1:50053",
+             help="comma-separated worker rank addresses, rank 0 first")
+    add_flag(p, "--worker-connect-timeout", type=float, default=900.0,
+             help="seconds to wait for the workers at start-up")
+    add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
+    add_flag(p, "--max-num-seqs", type=int, default=256, help="most requests in one step")
+    add_flag(p, "--max-num-batched-tokens", type=int, default=2048,
+             help="most tokens computed in one step (the chunked-prefill budget)")
+    add_flag(p, "--max-model-len", type=int, default=None,
+             help="longest prompt+output in tokens (default: the model's context length)")
+    add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+
+
+async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
+    """Connect to the workers and build the Engine.
+
+    Raises:
+        ValueError: workers disagree, block sizes differ, or max_model_len cannot fit.
+        WorkerError: workers not reachable within --worker-connect-timeout.
+    """
+    workers = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()])
+    infos = await workers.connect(timeout=args.worker_connect_timeout)
+    first = infos[0]
+    for addr, info in zip(workers.addresses, infos):
+        if (info.model, info.dtype, info.block_size) != (first.model, first.dtype, first.block_size):
+            raise ValueError(f"worker {addr} serves {info.model}/{info.dtype}/block {info.block_size}"
+                             f" but rank 0 serves {first.model}/{first.dtype}/block {first.block_size}")
+        if info.block_size != args.block_size:
+            raise ValueError(f"worker {addr} has block_size {info.block_size} but the scheduler's "
+                             f"--block-size is {args.block_size}; start both with the same value")
+    num_blocks = min(i.num_kv_blocks for i in infos)
+    max_model_len = min(first.max_model_len, args.max_model_len or first.max_model_len)
+    config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             max_model_len=max_model_len, block_size=args.block_size)
+    scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids))
+    info = engine_pb2.GetEngineInfoResponse(
+        model=first.model, max_model_len=max_model_len, block_size=args.block_size,
+        num_kv_blocks=num_blocks, vocab_size=first.vocab_size,
+        eos_token_ids=first.eos_token_ids, dtype=first.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens)
+    return Engine(scheduler, workers), info
+
+
+async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
+    """Run the scheduler until ``stop`` (or SIGINT/SIGTERM) is set."""
+    server, port, health = await new_server(args.host, args.port)
+    args.port = port
+    servicer = EngineServicer()
+    engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
+    await server.start()  # health answers NOT_SERVING while we wait for the workers
+    engine, info = await build_engine(args)
+    engine.on_health = lambda ok: set_serving(health, ok, [SERVICE])
+    servicer.engine, servicer.info = engine, info
+    loop_task = asyncio.create_task(engine.run())
+    await set_serving(health, True, [SERVICE])
+    log.info("scheduler serving on %s:%d: %s, %d KV blocks of %d tokens, max_model_len %d",
+             args.host, port, info.model, info.num_kv_blocks, info.block_size, info.max_model_len)
+    if ready:
+        ready.set()
+    stop = stop or stop_event_on_signals()
+    await stop.wait()
+    await set_serving(health, False, [SERVICE])
+    loop_task.cancel()
+    await engine.workers.close()
+    await server.stop(grace=1.0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``pagedserve scheduler`` entry point."""
+    p = argparse.ArgumentParser("pagedserve scheduler")
+    add_args(p)
+    args = p.parse_args(argv)
+    setup_logging(args.log_level, "scheduler")
+    install_uvloop()
+    try:
+        asyncio.run(serve(args))
+    except ValueError as e:
+        raise SystemExit(f"pagedserve scheduler: {e}") from None

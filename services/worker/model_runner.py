@@ -1,0 +1,200 @@
+"""ModelRunner: one worker's model, KV cache and step execution (no gRPC; usable in-process).
+
+KV cache layout (DESIGN.md §3): per layer one K and one V tensor, each
+``[num_kv_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, zero-initialised.
+Token position ``p`` of a request lives at block ``block_table[p // block_size]``, offset
+``p % block_size``; the flat slot is ``block * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from services.worker.attention import select_backend
+from services.worker.input_batch import InputBatch
+from services.worker.loader import load_model
+from services.worker.sampler import Sampler
+from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput,
+                                        StepOutput)
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # bytes
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU has bf16 matmul instructions (AVX512-BF16 or AMX)."""
+    capability = torch.backends.cpu.get_cpu_capability().upper()
+    if "AMX" in capability or "BF16" in capability:
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` = CUDA when available, else CPU; anything else as torch spells it. A CUDA
+    device always gets an index (the current device when none is given)."""
+    resolved = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` = bfloat16 on CUDA or a CPU with native bf16, else float32.
+
+    Raises:
+        ValueError: an unknown dtype name.
+    """
+    if dtype == "auto":
+        native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+        return torch.bfloat16 if native_bf16 else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class ModelRunner:
+    """Loads the model, allocates the paged KV cache and runs engine steps.
+
+    Args:
+        model: transformers folder or ``.gguf`` file; None = the packaged SmolLM2.
+        dtype: ``"auto"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
+        block_size: tokens per KV block.
+        kv_cache_memory: KV cache bytes on CPU (default 2 GiB); ignored on CUDA.
+        gpu_memory_utilization: fraction of the GPU's total memory this worker may use (weights,
+            activations and KV cache); the KV cache gets what the profiled peak leaves.
+        max_num_batched_tokens: tokens of the largest step, used to profile peak memory on CUDA.
+        max_model_len: longest sequence (tokens); default and upper bound: the model's.
+        attention_backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        max_num_seqs: sequences of the largest step (the profiling step samples this many rows).
+    Raises:
+        ValueError: bad dtype/backend/max_model_len, or no room for a single KV block.
+    """
+
+    def __init__(self, model: str | None, dtype: str = "auto", device: str = "auto",
+                 block_size: int = 16, kv_cache_memory: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, attention_backend: str = "auto",
+                 max_num_seqs: int = 256) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype_name = str(self.dtype).removeprefix("torch.")
+        self.block_size = block_size
+        backend = select_backend(attention_backend, self.device)
+        self.attention_backend_name = backend.name  # "torch" or "triton" ("auto" resolved)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            non_torch_before = total - free - torch.cuda.memory_reserved(self.device)
+        self.model, self.hf_config, info = load_model(model, self.dtype, self.device, backend)
+        if max_model_len is not None and max_model_len > info.max_model_len:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {info.max_model_len}")
+        self.max_model_len = max_model_len or info.max_model_len
+        self.eos_token_ids, self.vocab_size, self.model_name = (
+            info.eos_token_ids, info.vocab_size, info.name)
+        cfg = self.model.config
+        self.bytes_per_block = (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads
+                                * cfg.head_dim * self.dtype.itemsize)
+        self.sampler = Sampler()
+        self.input_batch = InputBatch(self.device, block_size, 0, self.vocab_size)
+        if self.device.type == "cuda":
+            kv_bytes = self._profile_cuda(max_num_batched_tokens, max_num_seqs,
+                                          gpu_memory_utilization, total, non_torch_before)
+        else:
+            kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+        num_blocks = int(kv_bytes // self.bytes_per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory for the KV cache: {kv_bytes / 2**20:.1f} MiB available, one block "
+                f"needs {self.bytes_per_block / 2**20:.2f} MiB; raise "
+                + ("--gpu-memory-utilization or lower --max-num-batched-tokens"
+                   if self.device.type == "cuda" else "--kv-cache-memory"))
+        self.num_kv_blocks = num_blocks
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        self.input_batch.num_kv_blocks = num_blocks
+        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s) on %s", num_blocks, block_size,
+                 num_blocks * self.bytes_per_block / 2**30, self.dtype_name, self.device)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model.config
+        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # NOTE: zeros, not empty: kernels that load whole blocks and mask afterwards would turn
+        # garbage NaNs in unused slots into NaN outputs (0 * NaN).
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(cfg.num_hidden_layers)]
+
+    def _profile_cuda(self, max_num_batched_tokens: int, max_num_seqs: int, utilization: float,
+                      total: int, non_torch_before: int) -> int:
+        """KV-cache bytes left after the peak of a dummy step of ``max_num_batched_tokens``.
+
+        ``utilization * total - peak_torch - non_torch_increase``, where peak_torch is the
+        allocator's peak over weights and the dummy step (less its throwaway KV cache), and
+        non_torch_increase is memory this process took outside the allocator meanwhile
+        (cuBLAS workspaces, ...). Other processes' memory is not counted, as in vLLM: the
+        fraction is per worker.
+        """
+        num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
+        lens = [max_num_batched_tokens // num_seqs + (i < max_num_batched_tokens % num_seqs)
+                for i in range(num_seqs)]
+        requests, next_block = [], 0
+        for i, n in enumerate(lens):  # room for n + 1 tokens: the prefill, then one decode
+            blocks = list(range(next_block, next_block + n // self.block_size + 1))
+            next_block += len(blocks)
+            requests.append(NewRequest(f"__profile_{i}", [0] * n, SamplingOptions(1.0, 0.9, 50),
+                                       blocks, 0, n))
+        self.kv_caches = self._allocate_kv_cache(next_block)
+        dummy_bytes = next_block * self.bytes_per_block
+        self.input_batch.num_kv_blocks = next_block
+        out = self.execute_step(StepInput(-2, requests, [], []))
+        # A decode step too, so both kernel variants are compiled before serving.
+        self.execute_step(StepInput(-1, [], [
+            CachedRequest(r.request_id, [t], [], False, len(r.prompt_token_ids), 1)
+            for r, t in zip(requests, out.sampled_token_ids, strict=True)], []))
+        self.execute_step(StepInput(-1, [], [], [r.request_id for r in requests]))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - dummy_bytes
+        del self.kv_caches
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        non_torch_increase = max(
+            0, total - free - torch.cuda.memory_reserved(self.device) - non_torch_before)
+        kv_bytes = int(utilization * total) - peak - non_torch_increase
+        log.info("profiled %d tokens in %d seqs: peak %.2f GiB, non-torch +%.2f GiB, "
+                 "KV cache gets %.2f GiB of %.2f GiB x %.2f", max_num_batched_tokens, num_seqs,
+                 peak / 2**30, non_torch_increase / 2**30, kv_bytes / 2**30, total / 2**30,
+                 utilization)
+        return kv_bytes
+
+    @torch.inference_mode()
+    def execute_step(self, step: StepInput) -> StepOutput:
+        """Apply ``step``'s diffs, run the scheduled tokens, and sample where a chunk ends.
+
+        Safe to call from any (one at a time) thread. Raises KeyError / ValueError on an
+        inconsistent step (unknown request, tokens or blocks missing, bad block id).
+        """
+        scheduled = self.input_batch.update(step)
+        if not scheduled:
+            return StepOutput(step.step_id, [], [])
+        batch = self.input_batch.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                            batch.attn_metadata)  # [T, E]
+        if not batch.sampled_request_ids:
+            return StepOutput(step.step_id, [], [])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, V] float32
+        token_ids = self.sampler(logits, batch.sampling)  # [S] int64
+        return StepOutput(step.step_id, batch.sampled_request_ids, token_ids.tolist())

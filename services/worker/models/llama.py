@@ -1,0 +1,237 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, ...) over a flat token batch.
+
+Written as readable math in the gpt-fast style; numerics follow transformers'
+``LlamaForCausalLM`` (RMSNorm in float32, rotate-half RoPE, SiLU-gated MLP) so float32 outputs
+match it closely. The batch has no padding and no batch dimension: ``T`` tokens of any number of
+sequences, concatenated. Attention goes through an ``AttentionBackend`` (``services/worker/
+attention.py``), which writes this step's K/V into the paged cache and attends over it.
+
+Weights are named like ours (``layers.N.attn.qkv_proj.weight``); ``services/worker/loader.py``
+maps transformers' checkpoint names onto them (q/k/v and gate/up are fused into one matmul each).
+
+Shape letters: T tokens, E hidden size, H query heads, K kv heads, D head dim, I intermediate,
+V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class LlamaConfig:
+    """The architecture numbers, read from a transformers ``config.json`` by ``from_hf``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None  # None = default RoPE; else {"rope_type": ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
+                             f"of num_key_value_heads {self.num_key_value_heads}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+        """Build from a ``config.json`` dict (transformers 4 ``rope_theta``/``rope_scaling`` or
+        transformers 5 ``rope_parameters`` style). Raises ValueError on an unsupported RoPE type."""
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+        )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies ``[D/2]`` float32 (Su et al. 2021, "RoFormer"), with the "linear"
+    (position interpolation) and "llama3" (Meta's Llama 3.1 frequency smoothing) scalings,
+    computed as transformers' ``modeling_rope_utils`` does."""
+    d = cfg.head_dim
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d  # [D/2]
+    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        return inv_freq / scaling["factor"]
+    if scaling.get("rope_type") == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
+        super().__init__()
+        self.backend = backend
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        self.q_size = self.n_heads * self.head_dim
+        self.kv_size = self.n_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
+        k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, K, D]
+        v = v.view(T, self.n_kv_heads, self.head_dim)  # [T, K, D]
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(T, self.q_size))  # [T, E]
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
+        x = x + self.attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder stack plus the LM head.
+
+    Args:
+        cfg: architecture numbers.
+        backend: an ``AttentionBackend`` (``write_kv`` / ``attend``), shared by all layers.
+
+    ``inv_freq`` is a float32 buffer that is not in the state dict; it stays float32 as long as
+    the model is only moved with ``.to(device)`` (the loader casts weights before assigning them).
+    """
+
+    def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = (None if cfg.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+        # Computed on the CPU even under a meta-device context, so loading with assign=True
+        # (which skips buffers) keeps real values; the loader then moves it with .to(device).
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def set_attention_backend(self, backend: Any) -> None:
+        for layer in self.layers:
+            layer.attn.backend = backend
+
+    def rope(self, positions: torch.Tensor,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, D]`` in ``dtype`` for int64 ``positions [T]`` (computed in float32)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                attn_metadata: Any) -> torch.Tensor:
+        """Run ``T`` tokens through the decoder, writing their K/V into ``kv_caches``.
+
+        Args:
+            input_ids: ``[T]`` int64 token ids.
+            positions: ``[T]`` int64 position of each token in its sequence.
+            kv_caches: per layer ``(k_cache, v_cache)``, each
+                ``[num_blocks, block_size, K, D]`` in the model dtype.
+            attn_metadata: ``AttentionMetadata`` of this step (slot mapping, block tables, ...).
+        Returns:
+            ``[T, E]`` final hidden states (after the last norm), model dtype.
+        """
+        x = self.embed_tokens(input_ids)  # [T, E]
+        cos, sin = self.rope(positions, x.dtype)  # [T, D]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, E]`` -> logits ``[N, V]`` float32 (matmul in the model dtype)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

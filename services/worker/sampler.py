@@ -1,0 +1,125 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+
+Everything is vectorised over the batch except one loop over the *seeded* rows, each of which
+draws its noise from its own ``torch.Generator`` so that a seeded request's tokens do not depend
+on what else is in the batch. The recipe follows vLLM V1's sampler
+(``vllm/v1/sample/ops/topk_topp_sampler.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling parameters of one step, on the logits' device.
+
+    Attributes:
+        temperature: ``[B]`` float32; ``< 1e-5`` means greedy for that row.
+        top_p: ``[B]`` float32 in (0, 1]; 1 = off.
+        top_k: ``[B]`` int64 in [1, V]; V = off.
+        generators: row index -> that request's generator (seeded rows only).
+        all_greedy / no_top_k / no_top_p: batch-wide flags that skip work.
+    """
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    generators: dict[int, torch.Generator]
+    all_greedy: bool
+    no_top_k: bool
+    no_top_p: bool
+
+    @classmethod
+    def build(cls, temperature: list[float], top_p: list[float], top_k: list[int],
+              generators: dict[int, torch.Generator], vocab_size: int,
+              device: torch.device) -> SamplingTensors:
+        """From per-row Python lists (vLLM conventions: top_k 0 or -1 = off, k >= V = off).
+
+        Raises:
+            ValueError: a negative temperature, top_p outside (0, 1] or top_k < -1.
+        """
+        if any(t < 0 for t in temperature) or any(not 0 < p <= 1 for p in top_p):
+            raise ValueError(f"bad sampling parameters: temperature {temperature}, top_p {top_p}")
+        if any(k < -1 for k in top_k):
+            raise ValueError(f"bad top_k {top_k}: use 0 or -1 for off, else k >= 1")
+        ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_k]
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            temperature=tensor(temperature, torch.float32),
+            top_p=tensor(top_p, torch.float32),
+            top_k=tensor(ks, torch.int64),
+            generators=generators,
+            all_greedy=all(t < _SAMPLING_EPS for t in temperature),
+            no_top_k=all(k == vocab_size for k in ks),
+            no_top_p=all(p >= 1.0 for p in top_p),
+        )
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                      top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) the tokens outside each row's top-k and top-p sets; one sort for both.
+
+    ``logits [B, V]`` float32, ``top_k [B]`` int64 in [1, V] or None, ``top_p [B]`` in (0, 1]
+    or None. Top-p is nucleus sampling (Holtzman et al., "The Curious Case of Neural Text
+    Degeneration", ICLR 2020): keep the smallest set of most likely tokens whose mass reaches
+    ``p``, always at least one token. Applied after top-k, on the top-k renormalised probs.
+    """
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False)  # [B, V] ascending
+    if top_k is not None:
+        kth_largest = logits_sort.gather(1, (logits.shape[1] - top_k).unsqueeze(1))  # [B, 1]
+        logits_sort.masked_fill_(logits_sort < kth_largest, float("-inf"))
+    if top_p is not None:
+        probs_sum = logits_sort.softmax(dim=-1).cumsum(dim=-1)  # [B, V]
+        tail = probs_sum <= 1 - top_p.unsqueeze(1)
+        tail[:, -1] = False  # the most likely token always stays
+        logits_sort.masked_fill_(tail, float("-inf"))
+    return logits_sort.scatter(1, logits_idx, logits_sort)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row of ``probs [B, V]``: ``argmax(probs / E)`` with ``E ~ Exp(1)``.
+
+    The "exponential race" (Gumbel-max in another form): the token whose exponential clock
+    ``E_i / p_i`` rings first is distributed as ``p``. No CPU sync and no cumsum. Seeded rows
+    draw ``E`` from their own generator, one row at a time; the rest share one draw.
+    Returns ``[B]`` int64.
+    """
+    noise = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    # NOTE: exponential_ may return exactly 0; a tiny floor keeps 0/0 out of masked tokens and
+    # still lets a positive-probability token with a zero clock win, as it should.
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div(noise).argmax(dim=-1)
+
+
+class Sampler:
+    """``logits [B, V]`` float32 -> next token ids ``[B]`` int64.
+
+    Per row: greedy (argmax) when temperature < 1e-5; otherwise logits / temperature, then
+    top-k, then top-p, softmax, and the exponential race.
+    """
+
+    def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        greedy = logits.argmax(dim=-1)  # [B]
+        if params.all_greedy:
+            return greedy
+        is_greedy = params.temperature < _SAMPLING_EPS  # [B]
+        temperature = torch.where(is_greedy, 1.0, params.temperature)
+        logits = logits / temperature.unsqueeze(1)  # [B, V]
+        if not (params.no_top_k and params.no_top_p):
+            logits = apply_top_k_top_p(logits, None if params.no_top_k else params.top_k,
+                                       None if params.no_top_p else params.top_p)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)  # [B, V]
+        sampled = exponential_race(probs, params.generators)
+        return torch.where(is_greedy, greedy, sampled)

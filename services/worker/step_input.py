@@ -1,0 +1,65 @@
+"""What one engine step asks of a worker, and what it answers (plain dataclasses, no torch).
+
+The gRPC servicer converts the StepRequest protobuf into a ``StepInput`` and a ``StepOutput``
+back into a StepResult. vLLM V1 style: a request is sent in full once (``NewRequest``), then
+only as diffs (``CachedRequest``); the worker keeps the rest (token ids, block table, sampling
+options, RNG) in its per-request state. The scheduler is the only source of tokens: a sampled
+token comes back to the worker as ``new_token_ids`` of the next step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class SamplingOptions:
+    """The sampling parameters the worker applies (vLLM SamplingParams names)."""
+
+    temperature: float = 1.0  # 0 = greedy (argmax)
+    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
+    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
+    seed: int | None = None  # per-request RNG seed: output independent of the batch
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the worker has not seen (or has dropped), sent in full once."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # every token the worker must hold (prompt + any output so far)
+    sampling: SamplingOptions
+    block_ids: list[int]  # the block table, in logical order
+    num_computed_tokens: int  # tokens whose K/V are already in the cache (e.g. a prefix hit)
+    num_scheduled_tokens: int  # tokens to compute this step
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    """A request the worker already holds: what changed since the previous step."""
+
+    request_id: str
+    new_token_ids: list[int]  # appended to the worker's token list (the last sampled token)
+    new_block_ids: list[int]  # appended to the block table, or the whole table if resumed
+    resumed_from_preemption: bool  # True: new_block_ids REPLACES the block table
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One engine step. Requests are computed in the order new_requests, then cached_requests."""
+
+    step_id: int
+    new_requests: list[NewRequest]
+    cached_requests: list[CachedRequest]
+    finished_request_ids: list[str]  # dropped before anything else in this step
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The sampled tokens of the requests whose chunk reached the end of their token list."""
+
+    step_id: int
+    request_ids: list[str]
+    sampled_token_ids: list[int]  # parallel to request_ids

@@ -1,0 +1,88 @@
+"""End to end: ``pagedserve serve`` runs the three services as processes; the CLI talks to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+CLI = [sys.executable, "-m", "services.cli"]
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while subprocess.run(CLI + ["health", "--address", address],
+                         capture_output=True).returncode != 0:
+        assert proc.poll() is None, f"serve exited early with {proc.returncode}"
+        assert time.monotonic() < deadline, "stack not healthy in time"
+        time.sleep(1)
+
+
+@pytest.fixture
+def serve():
+    procs = []
+
+    def start(*flags: str) -> str:
+        port, sport, wport = _free_ports(3)
+        proc = subprocess.Popen(CLI + ["serve", "--port", str(port), "--scheduler-port",
+                                       str(sport), "--worker-port", str(wport), *flags],
+                                start_new_session=True)
+        procs.append((proc, [port, sport, wport]))
+        address = f"127.0.0.1:{port}"
+        _wait_healthy(address, proc)
+        return address
+
+    yield start
+    for proc, ports in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0, "serve did not exit 0 on SIGTERM"
+        for p in ports:  # every child is gone: nothing answers on its port
+            assert subprocess.run(CLI + ["health", "--address", f"127.0.0.1:{p}",
+                                         "--timeout", "0.5"], capture_output=True).returncode == 1
+
+
+def test_serve_smollm2_answers_paris(serve):
+    address = serve()  # the packaged default model, default dtype
+    out = subprocess.run(CLI + ["generate", "--address", address, "--chat",
+                                "What is the capital of France?", "--temperature", "0",
+                                "--max-tokens", "20"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    assert "finish_reason=" in out.stderr
+
+
+def test_serve_tiny_model_with_flags(serve, tmp_path):
+    from services.router.tokenizer import load_tokenizer
+    from tests.helpers import make_tiny_llama
+
+    model = str(tmp_path / "tiny")
+    make_tiny_llama(model, vocab_size=49152)
+    load_tokenizer(None).save_pretrained(model)
+    address = serve("--model", model, "--dtype", "float32", "--block-size", "32",
+                    "--kv-cache-memory", "32MiB", "--max-num-seqs", "8",
+                    "--max-num-batched-tokens", "128", "--max-model-len", "512")
+    out = subprocess.run(CLI + ["generate", "--address", address, "--prompt", "Hi",
+                                "--max-tokens", "5", "--seed", "1", "--stop", "zzzz"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "completion_tokens=" in out.stderr
+    bad = subprocess.run(CLI + ["generate", "--address", address, "--prompt", "Hi",
+                                "--temperature", "-1"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr

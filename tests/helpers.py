@@ -1,0 +1,104 @@
+"""Shared test helpers: tiny random-weight models written the way real checkpoints are."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_LLAMA_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    # Large enough that the logits are well separated: greedy ties would make exact token
+    # comparisons against transformers flaky.
+    initializer_range=0.15,
+)
+
+
+def make_tiny_llama(path: str | Path, seed: int = 0, **overrides) -> Path:
+    """Write a random-weight transformers ``LlamaForCausalLM`` (safetensors) into ``path``.
+
+    ``overrides`` replace ``TINY_LLAMA_CONFIG`` entries or add any ``LlamaConfig`` field
+    (e.g. ``rope_scaling``, ``attention_bias``, ``eos_token_id``). Returns ``path``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    config = LlamaConfig(**{**TINY_LLAMA_CONFIG, **overrides})
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _permute_for_gguf(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's Q/K row permutation (rotate-half -> interleaved RoPE), as its converter does."""
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def make_tiny_gguf(path: str | Path, hf_folder: str | Path, eos_token_id: int = 2) -> Path:
+    """Write the Llama of ``hf_folder`` (from ``make_tiny_llama``) as an F32 GGUF file at ``path``.
+
+    Tensors are named and Q/K-permuted the way llama.cpp's ``convert_hf_to_gguf.py`` does, so
+    transformers' GGUF loader must undo the permutation to get the original model back. No
+    tokenizer is stored (the model loads without one). Returns ``path``.
+    """
+    import json
+
+    import gguf
+    from safetensors.torch import load_file
+
+    path, hf_folder = Path(path), Path(hf_folder)
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name(path.stem)
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_dimension_count(cfg["head_dim"])
+    writer.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(eos_token_id)
+    for name, tensor in load_file(hf_folder / "model.safetensors").items():
+        tensor = tensor.float()
+        if name == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            name = "output.weight"
+        else:  # model.layers.N.<module>.weight
+            _, _, layer, *module, _ = name.split(".")
+            module = ".".join(module)
+            if module == "self_attn.q_proj":
+                tensor = _permute_for_gguf(tensor, cfg["num_attention_heads"])
+            elif module == "self_attn.k_proj":
+                tensor = _permute_for_gguf(tensor, cfg["num_key_value_heads"])
+            name = f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+        writer.add_tensor(name, tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

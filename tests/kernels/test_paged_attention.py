@@ -1,0 +1,254 @@
+"""Paged attention (torch and Triton) against the float64 per-sequence reference.
+
+Batches are lists of (query_len, seq_len) pairs: ``seq_len`` counts the cached context AND the
+query tokens, so (1, 37) is a decode step at position 36, (5, 18) a 5-token prefill chunk after
+13 cached tokens, (9, 9) a whole prompt. Block tables are random permutations of the block ids.
+On CPU the Triton kernel runs under TRITON_INTERPRET=1 (see conftest.py), so shapes are small;
+with CUDA the larger vLLM-style cases are added.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import (
+    reference_paged_attention,
+    torch_paged_attention,
+    torch_reshape_and_cache,
+    triton_paged_attention,
+    triton_reshape_and_cache,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+# (atol, rtol) against the float64 reference, by input dtype; one table for every backend.
+TOLERANCES = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+BACKENDS = {"torch": torch_paged_attention, "triton": triton_paged_attention}
+
+CASES = {
+    "decode": [(1, 37), (1, 16), (1, 17)],
+    "chunked_prefill": [(5, 18)],
+    "prefill": [(17, 40)],
+    "single_token_prompt": [(1, 1)],
+    "mixed": [(1, 37), (5, 18), (17, 40), (1, 1), (9, 9), (1, 33)],
+}
+if CUDA:  # full size on a GPU
+    CASES["decode_long"] = [(1, 1328), (1, 1), (1, 4097)] * 4
+    CASES["mixed_long"] = [(129, 463), (1, 1328), (5, 18), (256, 256), (1, 3)] * 3
+
+# NOTE: the Triton interpreter multiplies the raw bits of bfloat16 operands in tl.dot
+# (triton-lang/triton#11584, not supported upstream), so Triton bfloat16 runs on CUDA only;
+# float16 exercises the same low-precision path on CPU.
+DTYPE_PARAMS = [
+    pytest.param("torch", torch.bfloat16, id="torch-bf16"),
+    pytest.param("torch", torch.float16, id="torch-fp16"),
+    pytest.param("triton", torch.float16, id="triton-fp16"),
+    *([pytest.param("triton", torch.bfloat16, id="triton-bf16")] if CUDA else []),
+]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def make_batch(
+    pairs: list[tuple[int, int]],
+    num_heads: int = 6,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    spare_blocks: int = 3,
+) -> dict:
+    """Random query, filled caches and the metadata of one step, as attention keyword args."""
+    num_seqs = len(pairs)
+    blocks_per_seq = max(math.ceil(seq_len / block_size) for _, seq_len in pairs) + 1
+    num_blocks = num_seqs * blocks_per_seq + spare_blocks
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(cache_shape, dtype=dtype, device=DEVICE)
+    # random physical blocks; entries past a sequence's last block stay 0 (unused)
+    perm = torch.randperm(num_blocks, device=DEVICE)
+    block_tables = torch.zeros(num_seqs, blocks_per_seq, dtype=torch.int32, device=DEVICE)
+    used = 0
+    for i, (_, seq_len) in enumerate(pairs):
+        n = math.ceil(seq_len / block_size)
+        block_tables[i, :n] = perm[used : used + n]
+        used += n
+    query_lens = torch.tensor([q for q, _ in pairs], dtype=torch.int32)
+    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    query_start_loc[1:] = torch.cumsum(query_lens, 0)
+    return dict(
+        query=torch.randn(int(query_start_loc[-1]), num_heads, head_dim, dtype=dtype, device=DEVICE),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor([s for _, s in pairs], dtype=torch.int32, device=DEVICE),
+        query_start_loc=query_start_loc.to(DEVICE),
+        max_query_len=max(q for q, _ in pairs),
+        max_seq_len=max(s for _, s in pairs),
+        scale=head_dim**-0.5,
+    )
+
+
+def assert_matches_reference(out: torch.Tensor, batch: dict) -> None:
+    expected = reference_paged_attention(**batch)
+    assert out.shape == batch["query"].shape and out.dtype == batch["query"].dtype
+    atol, rtol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_queries_per_kv", [1, 3])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_matches_reference_fp32(backend, case, num_queries_per_kv, block_size):
+    batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2, block_size=block_size)
+    assert_matches_reference(BACKENDS[backend](**batch), batch)
+
+
+@pytest.mark.parametrize(("backend", "dtype"), DTYPE_PARAMS)
+def test_matches_reference_low_precision(backend, dtype):
+    batch = make_batch(CASES["mixed"], num_heads=6, num_kv_heads=2, dtype=dtype)
+    assert_matches_reference(BACKENDS[backend](**batch), batch)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_head_dim_128(backend):
+    batch = make_batch(CASES["mixed"], num_heads=3, num_kv_heads=1, head_dim=128, block_size=32)
+    assert_matches_reference(BACKENDS[backend](**batch), batch)
+
+
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_ignores_unused_blocks_padding_slots_and_padding_tokens(backend, case):
+    """Unused table entries hold garbage, unwritten slots hold NaN, padding tokens trail."""
+    batch = make_batch(CASES[case])
+    block_size = batch["k_cache"].shape[1]
+    in_use = torch.zeros(batch["k_cache"].shape[:2], dtype=torch.bool, device=DEVICE)
+    for i, seq_len in enumerate(batch["seq_lens"].tolist()):
+        for pos in range(seq_len):
+            in_use[batch["block_tables"][i, pos // block_size], pos % block_size] = True
+        batch["block_tables"][i, math.ceil(seq_len / block_size) :] = 2**30  # out of range
+    batch["k_cache"][~in_use] = float("nan")
+    batch["v_cache"][~in_use] = float("nan")
+    num_real = batch["query"].shape[0]
+    batch["query"] = torch.cat([batch["query"], torch.randn_like(batch["query"][:4])])
+
+    out = BACKENDS[backend](**batch)
+
+    assert torch.isfinite(out).all()
+    assert (out[num_real:] == 0).all()
+    expected = reference_paged_attention(**batch)
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(out[:num_real], expected[:num_real], atol=atol, rtol=rtol)
+
+
+def test_torch_path_is_bitwise_sdpa_for_one_sequence():
+    """For a batch of one sequence the torch path is exactly transformers' SDPA call:
+    ``sdpa(q, k, v, is_causal=True, enable_gqa=True)`` for a prompt, no mask for a decode step."""
+    batch = make_batch([(23, 23)], num_heads=9, num_kv_heads=3)
+    block_size = batch["k_cache"].shape[1]
+    pos = torch.arange(23, device=DEVICE)
+    slots = batch["block_tables"][0, pos // block_size].long(), pos % block_size
+    k = batch["k_cache"][slots].transpose(0, 1)[None]  # [1, Hkv, S, D]
+    v = batch["v_cache"][slots].transpose(0, 1)[None]
+    q = batch["query"].transpose(0, 1)[None]  # [1, H, S, D]
+    sdpa = F.scaled_dot_product_attention
+    prompt = sdpa(q, k, v, is_causal=True, scale=batch["scale"], enable_gqa=True)[0].transpose(0, 1)
+    assert torch.equal(torch_paged_attention(**batch), prompt)
+
+    decode = {**batch, "query": batch["query"][-1:], "max_query_len": 1}
+    decode["query_start_loc"] = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
+    step = sdpa(q[:, :, -1:], k, v, scale=batch["scale"], enable_gqa=True)[0].transpose(0, 1)
+    assert torch.equal(torch_paged_attention(**decode), step)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_chunked_prefill_then_decode_equals_dense_causal_attention(backend):
+    """The engine's use: write each step's K/V, then attend; chunks + decodes = one dense pass."""
+    attention = BACKENDS[backend]
+    reshape_and_cache = {"torch": torch_reshape_and_cache, "triton": triton_reshape_and_cache}[backend]
+    num_heads, num_kv_heads, head_dim, block_size, total = 6, 2, 64, 16, 21
+    q = torch.randn(total, num_heads, head_dim, device=DEVICE)
+    k = torch.randn(total, num_kv_heads, head_dim, device=DEVICE)
+    v = torch.randn(total, num_kv_heads, head_dim, device=DEVICE)
+    k_cache = torch.zeros(8, block_size, num_kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    block_table = torch.tensor([[5, 2, 7]], dtype=torch.int32, device=DEVICE)
+    pos = torch.arange(total, device=DEVICE)
+    slots = block_table[0, pos // block_size].long() * block_size + pos % block_size
+
+    outs, start = [], 0
+    for chunk in [8, 8, 3, 1, 1]:  # chunked prefill of a 19-token prompt, then 2 decode steps
+        end = start + chunk
+        reshape_and_cache(k[start:end], v[start:end], k_cache, v_cache, slots[start:end])
+        outs.append(attention(
+            q[start:end], k_cache, v_cache, block_table,
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE),
+            max_query_len=chunk, max_seq_len=end, scale=head_dim**-0.5,
+        ))
+        start = end
+
+    dense = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(torch.cat(outs), dense, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_large_num_blocks_do_not_overflow_int32_offsets(backend):
+    """K/V in blocks whose element offset is past 2**31 (one combined K/V cache of 4 GiB
+    virtual memory; only the touched pages are ever allocated)."""
+    num_kv_heads, head_dim, block_size = 1, 64, 16
+    per_block = 2 * block_size * num_kv_heads * head_dim
+    num_blocks = 2**31 // per_block + 8
+    try:
+        kv_cache = torch.empty(
+            num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=torch.float16, device=DEVICE
+        )
+    except (RuntimeError, MemoryError) as e:  # address space refused
+        pytest.skip(f"cannot reserve a >2**31-element cache here: {e}")
+    k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]  # block stride 2 * block_size * H * D
+    block_tables = torch.tensor(
+        [[num_blocks - 1, 3, num_blocks - 5], [num_blocks - 2, num_blocks - 7, 0]],
+        dtype=torch.int32, device=DEVICE,
+    )
+    pairs = [(5, 40), (1, 20)]
+    seq_lens = torch.tensor([s for _, s in pairs], dtype=torch.int32, device=DEVICE)
+    for i, seq_len in enumerate(seq_lens.tolist()):  # fill the used slots through the write kernel
+        pos = torch.arange(seq_len, device=DEVICE)
+        slots = block_tables[i, pos // block_size].long() * block_size + pos % block_size
+        key = torch.randn(seq_len, num_kv_heads, head_dim, dtype=torch.float16, device=DEVICE)
+        value = torch.randn_like(key)
+        write = torch_reshape_and_cache if backend == "torch" else triton_reshape_and_cache
+        write(key, value, k_cache, v_cache, slots)
+        assert torch.equal(k_cache[block_tables[i, pos // block_size].long(), pos % block_size], key)
+        assert torch.equal(v_cache[block_tables[i, pos // block_size].long(), pos % block_size], value)
+    batch = dict(
+        query=torch.randn(6, 3, head_dim, dtype=torch.float16, device=DEVICE),
+        k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+        query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32, device=DEVICE),
+        max_query_len=5, max_seq_len=40, scale=head_dim**-0.5,
+    )
+    assert_matches_reference(BACKENDS[backend](**batch), batch)
+
+
+@pytest.mark.parametrize(
+    "attention", [reference_paged_attention, torch_paged_attention, triton_paged_attention]
+)
+def test_rejects_num_heads_not_multiple_of_num_kv_heads(attention):
+    batch = make_batch([(1, 5)], num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="multiple"):
+        attention(**batch)

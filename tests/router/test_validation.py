@@ -1,0 +1,125 @@
+"""Request validation: ranges, defaults, vLLM-style messages, INVALID_ARGUMENT everywhere."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.validation import (
+    RequestError,
+    TextOptions,
+    validate_prompt_ids,
+    validate_request_id,
+    validate_sampling,
+)
+
+VOCAB = 49152
+
+
+def check(**fields):
+    return validate_sampling(api_pb2.SamplingParams(**fields), vocab_size=VOCAB)
+
+
+def error(fn, *args, **kwargs) -> str:
+    with pytest.raises(RequestError) as e:
+        fn(*args, **kwargs)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(e.value) == e.value.message
+    return e.value.message
+
+
+def test_defaults():
+    engine, text = check()
+    assert (engine.temperature, engine.top_p, engine.top_k) == (1.0, 1.0, -1)
+    assert not engine.HasField("seed") and not engine.HasField("max_tokens")
+    assert list(engine.stop_token_ids) == [] and not engine.ignore_eos
+    assert text == TextOptions(stop=(), include_stop_str_in_output=False,
+                               skip_special_tokens=True)
+
+
+def test_values_are_carried_over():
+    engine, text = check(temperature=0.0, top_p=0.9, top_k=40, seed=2**64 - 1, max_tokens=7,
+                         stop=["\n\n", "User:"], stop_token_ids=[2, 0, VOCAB - 1],
+                         ignore_eos=True, include_stop_str_in_output=True,
+                         skip_special_tokens=False)
+    assert engine.temperature == 0.0 and math.isclose(engine.top_p, 0.9, rel_tol=1e-6)
+    assert (engine.top_k, engine.seed, engine.max_tokens) == (40, 2**64 - 1, 7)
+    assert list(engine.stop_token_ids) == [2, 0, VOCAB - 1] and engine.ignore_eos
+    assert text == TextOptions(("\n\n", "User:"), True, False)
+
+
+@pytest.mark.parametrize("top_k", [0, -1, VOCAB, VOCAB + 5, 2**31 - 1])
+def test_top_k_off_values_become_minus_one(top_k):
+    assert check(top_k=top_k)[0].top_k == -1
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number, got nan"),
+    ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+    ({"top_p": -0.1}, "top_p must be in (0, 1], got -0.1"),
+    ({"top_p": float("-inf")}, "top_p must be a finite number, got -inf"),
+    ({"top_k": -2}, "top_k must be -1 (off) or >= 0, got -2"),
+    ({"max_tokens": -3}, "max_tokens must be >= 1, got -3"),
+    ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+    ({"stop": ["x"] * 17}, "stop must have at most 16 strings, got 17"),
+    ({"stop": ["ok", ""]}, "stop[1] must have 1 to 256 characters, got 0"),
+    ({"stop": ["é" * 257]}, "stop[0] must have 1 to 256 characters, got 257"),
+    ({"stop_token_ids": [5, VOCAB]}, f"stop_token_ids[1] must be in [0, {VOCAB}), got {VOCAB}"),
+    ({"stop_token_ids": [-1]}, f"stop_token_ids[0] must be in [0, {VOCAB}), got -1"),
+])
+def test_out_of_range_fields(fields, message):
+    assert error(check, **fields) == message
+
+
+def test_limits_are_inclusive():
+    check(temperature=0.0, top_p=1.0, top_k=0, max_tokens=1, stop=["x" * 256] * 16,
+          stop_token_ids=[0, VOCAB - 1])
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True, width=32))
+def test_temperature_is_accepted_iff_finite_and_non_negative(t):
+    ok = math.isfinite(t) and t >= 0
+    if ok:
+        assert check(temperature=t)[0].temperature == t
+    else:
+        error(check, temperature=t)
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True, width=32))
+def test_top_p_is_accepted_iff_in_half_open_unit_interval(p):
+    if math.isfinite(p) and 0 < p <= 1:
+        assert check(top_p=p)[0].top_p == p
+    else:
+        assert "top_p must be" in error(check, top_p=p)
+
+
+def test_prompt_ids():
+    validate_prompt_ids([0, 5, VOCAB - 1], max_model_len=4, vocab_size=VOCAB)
+    assert error(validate_prompt_ids, [], max_model_len=8192, vocab_size=VOCAB) == \
+        "prompt is empty"
+    assert error(validate_prompt_ids, [1] * 9000, max_model_len=8192, vocab_size=VOCAB) == (
+        "prompt has 9000 tokens but max_model_len is 8192: the prompt must be shorter than "
+        "max_model_len")
+    assert "prompt has 8 tokens" in error(validate_prompt_ids, [1] * 8, max_model_len=8,
+                                          vocab_size=VOCAB)
+    assert error(validate_prompt_ids, [1, 2, -4], max_model_len=8, vocab_size=VOCAB) == \
+        f"prompt_token_ids[2] must be in [0, {VOCAB}), got -4"
+    assert error(validate_prompt_ids, [VOCAB, 1], max_model_len=8, vocab_size=VOCAB) == \
+        f"prompt_token_ids[0] must be in [0, {VOCAB}), got {VOCAB}"
+
+
+def test_request_id():
+    assert validate_request_id("req-1") == "req-1"
+    assert validate_request_id("x" * 128) == "x" * 128
+    made = validate_request_id("")
+    assert len(made) == 32 and made != validate_request_id("")
+    assert error(validate_request_id, "x" * 129) == \
+        "request_id must have at most 128 characters, got 129"

@@ -1,0 +1,170 @@
+"""Factories and a fake worker for the scheduler tests.
+
+``FakeWorker`` plays every worker rank: it rebuilds each request's token ids and block table
+from the SchedulerOutput diffs alone (as a real worker must), checks them against the
+scheduler's own Request objects, writes a "KV cache" of (request_id, position, token_id) per
+slot, and before sampling checks that every slot of the request still holds its token, so a
+wrong block table, a shared block or a missed recompute fails loudly.
+
+The fake model: the token sampled for a request depends only on (its id's number, the position
+it is sampled at), so a run's outputs can be predicted without any scheduling
+(``expected_output``) and compared exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.scheduler.request import EngineSamplingParams, FinishReason, Request
+from services.scheduler.scheduler import (
+    RequestUpdate,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+EOS = 0  # the fake model never samples it (fake tokens are 10..59) unless a test forces it
+
+
+def fake_token(request_id: str, position: int) -> int:
+    """The token the fake model samples at ``position`` (= tokens before it) for a request."""
+    return (position * 7 + int(request_id.rsplit("-", 1)[1])) % 50 + 10
+
+
+def make_scheduler(
+    num_kv_blocks: int = 64,
+    *,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 128,
+    eos_token_ids: tuple[int, ...] = (EOS,),
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=block_size,
+    )
+    return Scheduler(config, num_kv_blocks, list(eos_token_ids))
+
+
+def make_request(
+    index: int, prompt_len: int, arrival_time: float | None = None, **sampling
+) -> Request:
+    """Request ``req-<index>`` with prompt [1000*index + 0, 1000*index + 1, ...]."""
+    prompt = [1000 * index + 100 + j for j in range(prompt_len)]
+    params = EngineSamplingParams(**sampling)
+    if arrival_time is None:
+        return Request(f"req-{index}", prompt, params)
+    return Request(f"req-{index}", prompt, params, arrival_time=arrival_time)
+
+
+def make_requests(n: int, prompt_len: int, start: int = 0, **sampling) -> list[Request]:
+    """``n`` requests req-<start> .. req-<start+n-1>, arrival times in that order."""
+    return [make_request(start + i, prompt_len, arrival_time=float(start + i), **sampling)
+            for i in range(n)]
+
+
+def expected_output(
+    request: Request, max_model_len: int, eos_token_ids=(EOS,)
+) -> tuple[list[int], FinishReason]:
+    """The outputs and finish reason the fake model gives ``request``, scheduling aside."""
+    params = request.sampling_params
+    num_prompt = request.num_prompt_tokens
+    out: list[int] = []
+    while True:
+        token = fake_token(request.request_id, num_prompt + len(out))
+        out.append(token)
+        if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+            return out, FinishReason.STOP
+        if params.max_tokens is not None and len(out) >= params.max_tokens:
+            return out, FinishReason.LENGTH
+        if num_prompt + len(out) >= max_model_len:
+            return out, FinishReason.LENGTH
+
+
+@dataclass
+class _WorkerState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeWorker:
+    """Applies SchedulerOutputs the way a worker does and samples with ``fake_token``."""
+
+    scheduler: Scheduler
+    sample: callable = fake_token
+    states: dict[str, _WorkerState] = field(default_factory=dict)
+    kv: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # slot -> (id, pos, tok)
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        sched, bs = self.scheduler, self.scheduler.config.block_size
+        self.outputs.append(out)
+        for rid in out.finished_req_ids:
+            assert rid not in out.num_scheduled_tokens
+            del self.states[rid]  # KeyError: told to drop a request it never saw
+        for rid in out.preempted_req_ids:
+            assert rid not in out.num_scheduled_tokens, "preempted and scheduled in one step"
+            state = self.states[rid]
+            state.block_ids, state.num_computed_tokens = [], 0
+        for new in out.scheduled_new_reqs:
+            assert new.request_id not in self.states, "NewRequestData for a known request"
+            self.states[new.request_id] = _WorkerState(
+                list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
+            )
+        for cached in out.scheduled_cached_reqs:
+            state = self.states[cached.request_id]
+            assert cached.num_computed_tokens == state.num_computed_tokens
+            state.token_ids += cached.new_token_ids
+            if cached.resumed_from_preemption:
+                assert state.block_ids == [] and cached.num_computed_tokens == 0
+                state.block_ids = list(cached.new_block_ids)
+            else:
+                state.block_ids += cached.new_block_ids
+        assert len(out.scheduled_new_reqs) + len(out.scheduled_cached_reqs) == len(
+            out.num_scheduled_tokens
+        )
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+
+        sampled: dict[str, int] = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            state, request = self.states[rid], sched.get_request(rid)
+            assert n >= 1
+            assert state.token_ids == request.all_token_ids
+            assert state.block_ids == request.block_ids
+            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            assert end <= len(state.token_ids) and end <= len(state.block_ids) * bs
+            for pos in range(start, end):
+                slot = state.block_ids[pos // bs] * bs + pos % bs
+                self.kv[slot] = (rid, pos, state.token_ids[pos])
+            state.num_computed_tokens = end
+        for rid in out.num_scheduled_tokens:  # after every write of the step
+            state = self.states[rid]
+            if state.num_computed_tokens == len(state.token_ids):
+                for pos, tok in enumerate(state.token_ids):
+                    slot = state.block_ids[pos // bs] * bs + pos % bs
+                    assert self.kv.get(slot) == (rid, pos, tok), f"{rid} lost K/V at {pos}"
+                sampled[rid] = self.sample(rid, len(state.token_ids))
+        return sampled
+
+    def step(self) -> list[RequestUpdate]:
+        out = self.scheduler.schedule()
+        return self.scheduler.update_from_output(out, self.execute(out))
+
+
+def run_to_completion(
+    scheduler: Scheduler, worker: FakeWorker | None = None, max_steps: int = 10_000
+) -> list[RequestUpdate]:
+    """Step until nothing is unfinished; returns all updates. Fails after ``max_steps``."""
+    worker = worker or FakeWorker(scheduler)
+    updates: list[RequestUpdate] = []
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return updates
+        updates += worker.step()
+        scheduler.block_manager.check_invariants(scheduler.requests.values())
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")

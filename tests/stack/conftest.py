@@ -1,0 +1,67 @@
+"""Fixtures: the in-process stack on a tiny random Llama (float32) and on SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import make_tiny_llama
+from tests.stack_harness import InProcessStack
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, gguf_file=None,
+              ignore_eos: bool = True):
+    """transformers' greedy ``generate`` token ids for each prompt, one at a time, float32.
+
+    With ``ignore_eos`` generation runs to max_new_tokens; otherwise it ends with the model's
+    EOS token included, as the engine's output does."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file,
+                                                 dtype=torch.float32).eval()
+    eos = None if ignore_eos else model.generation_config.eos_token_id
+    if ignore_eos:
+        model.generation_config.eos_token_id = None
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                           pad_token_id=0)
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(torch.tensor([ids]), generation_config=cfg,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random-weight Llama (safetensors) with SmolLM2's tokenizer files beside it."""
+    from services.router.tokenizer import load_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    make_tiny_llama(path, vocab_size=49152)  # the whole SmolLM2 vocabulary: real multi-byte text
+    load_tokenizer(None).save_pretrained(path)
+    return path
+
+
+def _leak_check(stack: InProcessStack) -> None:
+    s = stack.wait_idle()
+    assert s.num_running == 0 and s.num_waiting == 0
+    assert s.num_free_blocks + s.num_used_blocks == s.num_total_blocks
+    assert s.num_free_blocks == s.num_total_blocks, "KV blocks leaked"
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_model_dir):
+    stack = InProcessStack(tiny_model_dir,
+                           worker_argv=["--dtype", "float32", "--kv-cache-memory", "64MiB"],
+                           scheduler_argv=["--max-num-batched-tokens", "256"]).start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def tiny(tiny_stack):
+    """The tiny stack, with a KV-block leak check after the test."""
+    yield tiny_stack
+    _leak_check(tiny_stack)

@@ -1,0 +1,110 @@
+"""The whole stack — worker, scheduler, router — in one background thread on ephemeral ports.
+
+Every link is real gRPC over loopback; only the processes are shared, which keeps the tests
+fast. ``tests/e2e`` runs the same services as separate processes through ``pagedserve serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+import time
+
+import grpc
+
+from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from services.router import server as router_server
+from services.scheduler import server as scheduler_server
+from services.worker import server as worker_server
+
+
+def _args(module, argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    module.add_args(p)
+    return p.parse_args(argv)
+
+
+class InProcessStack:
+    """Start with ``start()``, stop with ``stop()``; ``address`` is the router's.
+
+    Args:
+        model: model folder or .gguf (None = packaged SmolLM2).
+        worker_argv / scheduler_argv: extra flags for those services.
+    """
+
+    def __init__(self, model: str | None, worker_argv: list[str] = (),
+                 scheduler_argv: list[str] = (), router_argv: list[str] = ()):
+        model_flag = ["--model", model] if model else []
+        self.worker_args = _args(worker_server, ["--port", "0", *model_flag, *worker_argv])
+        self.scheduler_args = _args(scheduler_server, ["--port", "0", *scheduler_argv])
+        self.router_args = _args(router_server, ["--port", "0", *model_flag, *router_argv])
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._stop: asyncio.Event | None = None
+        self._tasks: list = []
+        self.address = ""
+        self.scheduler_address = ""
+
+    def _run(self, coro, timeout: float = 600):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start(self):
+        self._stop = asyncio.Event()
+        for args, module in ((self.worker_args, worker_server),
+                             (self.scheduler_args, scheduler_server),
+                             (self.router_args, router_server)):
+            ready = asyncio.Event()
+            task = asyncio.ensure_future(module.serve(args, ready=ready, stop=self._stop))
+            self._tasks.append(task)
+            done, _ = await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task in done:  # serve() returned or raised before it was ready
+                task.result()
+                raise RuntimeError(f"{module.__name__} stopped during start-up")
+            if module is worker_server:
+                self.scheduler_args.workers = f"127.0.0.1:{args.port}"
+            if module is scheduler_server:
+                self.router_args.scheduler = f"127.0.0.1:{args.port}"
+                self.scheduler_address = f"127.0.0.1:{args.port}"
+        self.address = f"127.0.0.1:{self.router_args.port}"
+
+    def start(self) -> InProcessStack:
+        self._thread.start()
+        try:
+            self._run(self._start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        async def _stop():
+            if self._stop is None:
+                return
+            self._stop.set()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._run(_stop(), timeout=60)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    # ---- introspection for tests --------------------------------------------------------
+    def stats(self) -> engine_pb2.GetEngineStatsResponse:
+        """The scheduler's block and request counters."""
+        with grpc.insecure_channel(self.scheduler_address) as ch:
+            return engine_pb2_grpc.EngineServiceStub(ch).GetEngineStats(
+                engine_pb2.GetEngineStatsRequest(), timeout=10)
+
+    def info(self) -> engine_pb2.GetEngineInfoResponse:
+        with grpc.insecure_channel(self.scheduler_address) as ch:
+            return engine_pb2_grpc.EngineServiceStub(ch).GetEngineInfo(
+                engine_pb2.GetEngineInfoRequest(), timeout=10)
+
+    def wait_idle(self, timeout: float = 30.0) -> engine_pb2.GetEngineStatsResponse:
+        """Wait until no request runs or waits (aborts propagate asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
