@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import sys
 
-from services.common.config import add_flag
+from services.common.config import HelpFormatter, add_flag
 
 SERVICES = ("worker", "scheduler", "router")
 # Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
@@ -30,7 +30,7 @@ def _service_parser(name: str) -> argparse.ArgumentParser:
 
 def serve_parser() -> argparse.ArgumentParser:
     """``pagedserve serve``'s parser: its own wiring flags plus the union of the services'."""
-    p = argparse.ArgumentParser("pagedserve serve",
+    p = argparse.ArgumentParser("pagedserve serve", formatter_class=HelpFormatter,
                                 description="Start worker, scheduler and router on this machine.")
     add_flag(p, "--port", type=int, default=50051, help="router (public gRPC) port")
     add_flag(p, "--scheduler-port", type=int, default=50052, help="scheduler port")
@@ -68,13 +68,17 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     commands = {"serve", "generate", "health", *SERVICES}
     if not argv or argv[0] not in commands:
+        asked_help = bool(argv) and argv[0] in ("-h", "--help")
+        if argv and not asked_help:
+            print(f"pagedserve: unknown command {argv[0]!r}", file=sys.stderr)
         print("usage: pagedserve {serve,generate,health,router,scheduler,worker} [flags]\n"
               "  serve       start the whole stack on this machine\n"
               "  generate    stream one completion from a running router\n"
               "  health      exit 0 when the service at --address is SERVING\n"
               "  router | scheduler | worker   run one service alone\n"
-              "Run `pagedserve COMMAND --help` for its flags.", file=sys.stderr)
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+              "Run `pagedserve COMMAND --help` for its flags.",
+              file=sys.stdout if asked_help else sys.stderr)
+        raise SystemExit(0 if asked_help else 2)
     cmd, rest = argv[0], argv[1:]
     if cmd in SERVICES:
         _service_module(cmd).main(rest)
@@ -86,13 +90,14 @@ def main(argv: list[str] | None = None) -> None:
         from services.generate_cli import main as generate_main
         generate_main(rest)
     elif cmd == "health":
-        from services.common.grpc_utils import check_health
+        from services.common.grpc_utils import health_status
         p = argparse.ArgumentParser("pagedserve health")
         add_flag(p, "--address", default="127.0.0.1:50051", help="service host:port")
         add_flag(p, "--timeout", type=float, default=2.0, help="seconds")
         ns = p.parse_args(rest)
-        ok = asyncio.run(check_health(ns.address, ns.timeout))
-        print("SERVING" if ok else "NOT_SERVING")
+        status = asyncio.run(health_status(ns.address, ns.timeout))
+        ok = status == "SERVING"
+        print(status)
         raise SystemExit(0 if ok else 1)
 
 

@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     prompt = a.prompt if a.chat is None else None
     with Client(a.address) as client:
         try:
+            if sampling["seed"] is not None and sampling["seed"] < 0:
+                raise ValueError(f"--seed must be >= 0, got {sampling['seed']}")
             for d in client.stream(prompt, messages=messages, **sampling):
                 sys.stdout.write(d.text)
                 sys.stdout.flush()
@@ -43,3 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         except grpc.RpcError as e:
             print(f"\npagedserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             raise SystemExit(1) from None
+        except ValueError as e:
+            print(f"pagedserve generate: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        except KeyboardInterrupt:  # the stream is cancelled on the way out
+            print(file=sys.stderr)
+            raise SystemExit(130) from None

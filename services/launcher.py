@@ -7,17 +7,42 @@ all on Ctrl-C / SIGTERM (or when one of them dies).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 from services.common.grpc_utils import check_health
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when ``serve`` dies, however it dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux/glibc: children then outlive a SIGKILLed serve
+        pass
+
 
 def _spawn(name: str, argv: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.cli", name, *argv]
-    return subprocess.Popen(cmd, start_new_session=True)
+    # NOTE: own session, so a terminal's Ctrl-C reaches serve only and serve stops the children
+    # in order; the parent-death signal covers a serve that is killed outright.
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def ports_in_use(host: str, ports: list[int]) -> list[int]:
+    """The ports of ``ports`` that something on ``host`` already listens on."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                busy.append(port)
+    return busy
 
 
 def _stop_all(procs: dict[str, subprocess.Popen], timeout: float = 10.0) -> None:
@@ -61,12 +86,16 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
                    "--scheduler", f"{host}:{ns.scheduler_port}"],
     }
     procs: dict[str, subprocess.Popen] = {}
-    stopping = {"signal": None}
 
-    def on_signal(signum, _frame):
-        stopping["signal"] = signum
-        raise KeyboardInterrupt
+    def on_signal(_signum, _frame):
+        raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C
 
+    busy = ports_in_use(host, list(ports.values()))
+    if busy:
+        print(f"pagedserve serve: port(s) {', '.join(map(str, busy))} on {host} already in use "
+              "(another pagedserve still running?); stop it or choose --port, "
+              "--scheduler-port and --worker-port", file=sys.stderr)
+        return 1
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for name in ("worker", "scheduler", "router"):

@@ -36,6 +36,10 @@ def env_name(flag: str) -> str:
     return "PAGEDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default (ours are set from the environment when present)."""
+
+
 def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
     """``parser.add_argument`` whose default comes from the flag's environment variable.
 

@@ -28,6 +28,22 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
 ]
 
 
+def run_service(name: str, coro) -> None:
+    """Run a service's ``serve()`` coroutine on uvloop until it returns.
+
+    A start-up error the user can fix (bad flag value, missing model, peer not reachable) ends
+    the process with one line naming the service, not a traceback.
+    """
+    install_uvloop()
+    try:
+        asyncio.run(coro)
+    except (ValueError, FileNotFoundError, TimeoutError, ConnectionError, RuntimeError) as e:
+        log.debug("%s failed to start", name, exc_info=True)  # --log-level DEBUG: traceback
+        raise SystemExit(f"pagedserve {name}: {e}") from None
+    except KeyboardInterrupt:
+        pass
+
+
 def install_uvloop() -> None:
     """Use uvloop as the asyncio event loop policy (falls back silently where unavailable)."""
     try:
@@ -77,13 +93,19 @@ def stop_event_on_signals() -> asyncio.Event:
     return event
 
 
-async def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
-    """True when the gRPC health service at ``address`` answers SERVING within ``timeout`` s."""
+async def health_status(address: str, timeout: float = 2.0, service: str = "") -> str:
+    """The gRPC health status at ``address`` ("SERVING", "NOT_SERVING", ...), or
+    "UNREACHABLE (<code>)" when nothing answers within ``timeout`` seconds."""
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=service),
                                     timeout=timeout)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-    except grpc.RpcError:
-        return False
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    except grpc.RpcError as e:
+        return f"UNREACHABLE ({e.code().name})"
+
+
+async def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
+    """True when the gRPC health service at ``address`` answers SERVING within ``timeout`` s."""
+    return await health_status(address, timeout, service) == "SERVING"

@@ -32,8 +32,10 @@ class EngineClient:
         address: the scheduler's ``host:port``.
     """
 
-    def __init__(self, address: str):
+    def __init__(self, address: str, on_connection=None):
         self.address = address
+        # async callback(bool): the stream came up (first TokenBatch) or went down
+        self.on_connection = on_connection
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.load = engine_pb2.LoadReport()
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -44,25 +46,16 @@ class EngineClient:
         self.connected = asyncio.Event()
 
     async def start(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
-        """Wait up to ``timeout`` s for the scheduler, fetch its info and open the stream.
+        """Connect in the background and wait up to ``timeout`` s for the stream to be up.
 
         Raises:
             TimeoutError: the scheduler did not become ready in time.
         """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            try:
-                self.info = await self._stub.GetEngineInfo(
-                    engine_pb2.GetEngineInfoRequest(), timeout=5, wait_for_ready=True)
-                break
-            except grpc.RpcError as e:
-                if loop.time() > deadline:
-                    raise TimeoutError(f"scheduler {self.address} not ready after {timeout:.0f}s"
-                                       f" ({e.code().name})") from e
-                await asyncio.sleep(0.5)
         self._task = asyncio.create_task(self._run())
-        await self.connected.wait()
+        try:
+            await asyncio.wait_for(self.connected.wait(), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"scheduler {self.address} not ready after {timeout:.0f}s") from None
         return self.info
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
@@ -97,11 +90,17 @@ class EngineClient:
         backoff = 0.2
         while True:
             self._outgoing = asyncio.Queue()
-            call = self._stub.Connect(self._requests(self._outgoing))
-            self.connected.set()
+            call = None
             try:
+                # NOTE: fetched on every (re)connect: a restarted scheduler may have new limits.
+                self.info = await self._stub.GetEngineInfo(
+                    engine_pb2.GetEngineInfoRequest(), timeout=5, wait_for_ready=True)
+                call = self._stub.Connect(self._requests(self._outgoing))
                 async for batch in call:
-                    backoff = 0.2
+                    if not self.connected.is_set():  # the scheduler's handshake batch
+                        backoff = 0.2
+                        self.connected.set()
+                        await self._notify(True)
                     self.load = batch.load
                     for out in batch.outputs:
                         queue = self._pending.get(out.request_id)
@@ -114,16 +113,24 @@ class EngineClient:
             except grpc.RpcError as e:
                 why = f"scheduler stream failed: {e.code().name}"
             except asyncio.CancelledError:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
                 raise
-            self.connected.clear()
-            log.warning("%s (%s); failing %d requests and reconnecting", why, self.address,
-                        len(self._pending))
+            if self.connected.is_set():
+                self.connected.clear()
+                await self._notify(False)
+            if self._pending or backoff == 0.2:
+                log.warning("%s (%s); failing %d requests and reconnecting", why,
+                            self.address, len(self._pending))
             for rid, queue in self._pending.items():
                 queue.put_nowait(_unavailable(rid, why))
             self._pending.clear()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    async def _notify(self, up: bool) -> None:
+        if self.on_connection is not None:
+            await self.on_connection(up)
 
     async def close(self) -> None:
         """Stop the stream and close the channel."""

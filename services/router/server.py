@@ -10,7 +10,8 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import add_flag
-from services.common.grpc_utils import install_uvloop, new_server, set_serving, stop_event_on_signals
+from services.common.config import HelpFormatter
+from services.common.grpc_utils import new_server, run_service, set_serving, stop_event_on_signals
 from services.common.logs import setup_logging
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from services.router.engine_client import EngineClient
@@ -19,6 +20,8 @@ from services.router.tokenizer import load_tokenizer
 from services.router.validation import RequestError
 
 log = logging.getLogger(__name__)
+# Requests larger than this are validated and tokenized on a thread, not on the event loop.
+INLINE_PREPARE_BYTES = 16 * 1024
 SERVICE = api_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
@@ -33,7 +36,11 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         if self.engine.info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "router is connecting to its scheduler")
         try:
-            prepared = prepare(request, self.tokenizer, self.engine.info)
+            if request.ByteSize() > INLINE_PREPARE_BYTES:  # keep the loop free for others
+                prepared = await asyncio.to_thread(prepare, request, self.tokenizer,
+                                                   self.engine.info)
+            else:
+                prepared = prepare(request, self.tokenizer, self.engine.info)
         except RequestError as e:
             await context.abort(e.code, e.message)
         try:
@@ -43,12 +50,11 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
             await context.abort(e.code, e.message)
 
 
-def add_args(p: argparse.ArgumentParser, with_port: bool = True) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     """The router's flags (also accepted by ``pagedserve serve``)."""
-    if with_port:
-        add_flag(p, "--host", default="127.0.0.1", help="address to bind")
-        add_flag(p, "--port", type=int, default=50051, help="public gRPC port")
-        add_flag(p, "--scheduler", default="127.0.0.1:50052", help="scheduler address")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind")
+    add_flag(p, "--port", type=int, default=50051, help="public gRPC port")
+    add_flag(p, "--scheduler", default="127.0.0.1:50052", help="scheduler address")
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file whose tokenizer to use "
                   "(default: packaged SmolLM2-135M-Instruct)")
@@ -62,33 +68,32 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
     server, port, health = await new_server(args.host, args.port)
     args.port = port
-    engine = EngineClient(args.scheduler)
+    # NOTE: the router is SERVING exactly while its stream to the scheduler is up.
+    engine = EngineClient(args.scheduler,
+                          on_connection=lambda up: set_serving(health, up, [SERVICE]))
     api_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(engine, tokenizer), server)
     reflection.enable_server_reflection(
         [SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
     await server.start()
-    await engine.start(timeout=args.scheduler_connect_timeout)
-    await set_serving(health, True, [SERVICE])
-    log.info("router serving on %s:%d (model %s, max_model_len %d)", args.host, port,
-             engine.info.model, engine.info.max_model_len)
-    if ready:
-        ready.set()
-    stop = stop or stop_event_on_signals()
-    await stop.wait()
-    await set_serving(health, False, [SERVICE])
-    await server.stop(grace=2.0)
-    await engine.close()
+    try:
+        log.info("router waiting for scheduler %s", args.scheduler)
+        await engine.start(timeout=args.scheduler_connect_timeout)
+        log.info("router serving on %s:%d (model %s, max_model_len %d)", args.host, port,
+                 engine.info.model, engine.info.max_model_len)
+        if ready:
+            ready.set()
+        await (stop or stop_event_on_signals()).wait()
+    finally:
+        await set_serving(health, False, [SERVICE])
+        await server.stop(grace=2.0)
+        await engine.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     """``pagedserve router`` entry point."""
-    p = argparse.ArgumentParser("pagedserve router")
+    p = argparse.ArgumentParser("pagedserve router", formatter_class=HelpFormatter)
     add_args(p)
     args = p.parse_args(argv)
     setup_logging(args.log_level, "router")
-    install_uvloop()
-    try:
-        asyncio.run(serve(args))
-    except TimeoutError as e:
-        raise SystemExit(f"pagedserve router: {e}") from None
+    run_service("router", serve(args))

@@ -157,6 +157,10 @@ class Engine:
             await self.on_health(True)
 
     # ---- results -----------------------------------------------------------------------------
+    def load_batch(self) -> engine_pb2.TokenBatch:
+        """A TokenBatch with no outputs, only the current load."""
+        return self._batch([])
+
     def _batch(self, outputs: list[engine_pb2.RequestOutput], step_id: int = 0):
         s = self.scheduler
         return engine_pb2.TokenBatch(step_id=step_id, outputs=outputs, load=engine_pb2.LoadReport(

@@ -14,7 +14,8 @@ import logging
 import grpc
 
 from services.common.config import add_flag
-from services.common.grpc_utils import install_uvloop, new_server, set_serving, stop_event_on_signals
+from services.common.config import HelpFormatter
+from services.common.grpc_utils import new_server, run_service, set_serving, stop_event_on_signals
 from services.common.logs import setup_logging
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from services.scheduler.engine import Engine, RouterSink
@@ -54,6 +55,7 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
         reader = asyncio.create_task(read_requests())
         try:
+            yield self.engine.load_batch()  # the handshake: tells the router the stream is up
             while (batch := await sink.queue.get()) is not None:
                 yield batch
         finally:
@@ -129,31 +131,33 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     servicer = EngineServicer()
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
     await server.start()  # health answers NOT_SERVING while we wait for the workers
-    engine, info = await build_engine(args)
-    engine.on_health = lambda ok: set_serving(health, ok, [SERVICE])
-    servicer.engine, servicer.info = engine, info
-    loop_task = asyncio.create_task(engine.run())
-    await set_serving(health, True, [SERVICE])
-    log.info("scheduler serving on %s:%d: %s, %d KV blocks of %d tokens, max_model_len %d",
-             args.host, port, info.model, info.num_kv_blocks, info.block_size, info.max_model_len)
-    if ready:
-        ready.set()
-    stop = stop or stop_event_on_signals()
-    await stop.wait()
-    await set_serving(health, False, [SERVICE])
-    loop_task.cancel()
-    await engine.workers.close()
-    await server.stop(grace=1.0)
+    engine, loop_task = None, None
+    try:
+        log.info("scheduler waiting for workers %s", args.workers)
+        engine, info = await build_engine(args)
+        engine.on_health = lambda ok: set_serving(health, ok, [SERVICE])
+        servicer.engine, servicer.info = engine, info
+        loop_task = asyncio.create_task(engine.run())
+        await set_serving(health, True, [SERVICE])
+        log.info("scheduler serving on %s:%d: %s, %d KV blocks of %d tokens, max_model_len %d",
+                 args.host, port, info.model, info.num_kv_blocks, info.block_size,
+                 info.max_model_len)
+        if ready:
+            ready.set()
+        await (stop or stop_event_on_signals()).wait()
+    finally:
+        await set_serving(health, False, [SERVICE])
+        if loop_task:
+            loop_task.cancel()
+        if engine:
+            await engine.workers.close()
+        await server.stop(grace=1.0)
 
 
 def main(argv: list[str] | None = None) -> None:
     """``pagedserve scheduler`` entry point."""
-    p = argparse.ArgumentParser("pagedserve scheduler")
+    p = argparse.ArgumentParser("pagedserve scheduler", formatter_class=HelpFormatter)
     add_args(p)
     args = p.parse_args(argv)
     setup_logging(args.log_level, "scheduler")
-    install_uvloop()
-    try:
-        asyncio.run(serve(args))
-    except ValueError as e:
-        raise SystemExit(f"pagedserve scheduler: {e}") from None
+    run_service("scheduler", serve(args))

@@ -110,7 +110,9 @@ class WorkerGroup:
         try:
             await asyncio.gather(*(call.write(req) for call in self._calls))
             results = await asyncio.gather(*(call.read() for call in self._calls))
-        except (grpc.RpcError, asyncio.InvalidStateError) as e:
+        except grpc.RpcError as e:
+            raise WorkerError(f"worker stream failed: {e.code().name}: {e.details()}") from e
+        except asyncio.InvalidStateError as e:
             raise WorkerError(f"worker stream failed: {e}") from e
         for addr, res in zip(self.addresses, results):
             if res is grpc.aio.EOF or res.step_id != out.step_id:

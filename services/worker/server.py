@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common.config import add_flag, parse_bytes
-from services.common.grpc_utils import install_uvloop, new_server, set_serving, stop_event_on_signals
+from services.common.config import HelpFormatter
+from services.common.grpc_utils import new_server, run_service, set_serving, stop_event_on_signals
 from services.common.logs import setup_logging
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput)
@@ -72,11 +73,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                                         execute_seconds=time.perf_counter() - t0)
 
 
-def add_args(p: argparse.ArgumentParser, with_port: bool = True) -> None:
+def add_args(p: argparse.ArgumentParser) -> None:
     """The worker's flags (also accepted by ``pagedserve serve``)."""
-    if with_port:
-        add_flag(p, "--host", default="127.0.0.1", help="address to bind")
-        add_flag(p, "--port", type=int, default=50053, help="WorkerService port")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind")
+    add_flag(p, "--port", type=int, default=50053, help="WorkerService port")
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file (default: packaged SmolLM2-135M-Instruct)")
     add_flag(p, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -88,7 +88,8 @@ def add_args(p: argparse.ArgumentParser, with_port: bool = True) -> None:
     add_flag(p, "--gpu-memory-utilization", type=float, default=0.9,
              help="fraction of GPU memory for weights, activations and KV cache")
     add_flag(p, "--max-num-batched-tokens", type=int, default=2048,
-             help="tokens in the profiling forward pass (CUDA)")
+             help="most tokens computed in one step (the chunked-prefill budget; on CUDA also "
+                  "the size of the profiling forward pass)")
     add_flag(p, "--max-model-len", type=int, default=None, help="cap on the context length")
     add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton"],
              help="auto = triton on CUDA, torch on CPU")
@@ -123,25 +124,22 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(
         WorkerServicer(runner, worker_info(runner)), server)
     await server.start()
-    await set_serving(health, True, [SERVICE])
-    log.info("worker serving on %s:%d: %s %s, %d KV blocks", args.host, port, runner.model_name,
-             runner.dtype_name, runner.num_kv_blocks)
-    if ready:
-        ready.set()
-    stop = stop or stop_event_on_signals()
-    await stop.wait()
-    await set_serving(health, False, [SERVICE])
-    await server.stop(grace=1.0)
+    try:
+        await set_serving(health, True, [SERVICE])
+        log.info("worker serving on %s:%d: %s %s, %d KV blocks", args.host, port,
+                 runner.model_name, runner.dtype_name, runner.num_kv_blocks)
+        if ready:
+            ready.set()
+        await (stop or stop_event_on_signals()).wait()
+    finally:
+        await set_serving(health, False, [SERVICE])
+        await server.stop(grace=1.0)
 
 
 def main(argv: list[str] | None = None) -> None:
     """``pagedserve worker`` entry point."""
-    p = argparse.ArgumentParser("pagedserve worker")
+    p = argparse.ArgumentParser("pagedserve worker", formatter_class=HelpFormatter)
     add_args(p)
     args = p.parse_args(argv)
     setup_logging(args.log_level, "worker")
-    install_uvloop()
-    try:
-        asyncio.run(serve(args))
-    except ValueError as e:
-        raise SystemExit(f"pagedserve worker: {e}") from None
+    run_service("worker", serve(args))

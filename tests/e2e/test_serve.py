@@ -86,3 +86,40 @@ def test_serve_tiny_model_with_flags(serve, tmp_path):
     bad = subprocess.run(CLI + ["generate", "--address", address, "--prompt", "Hi",
                                 "--temperature", "-1"], capture_output=True, text=True)
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "temperature" in bad.stderr
+
+
+def test_serve_refuses_busy_ports():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        sport, wport = _free_ports(2)
+        out = subprocess.run(CLI + ["serve", "--port", str(port), "--scheduler-port", str(sport),
+                                    "--worker-port", str(wport)],
+                             capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert f"port(s) {port}" in out.stderr and "already in use" in out.stderr
+
+
+def test_services_exit_when_serve_is_killed(tmp_path):
+    from services.router.tokenizer import load_tokenizer
+    from tests.helpers import make_tiny_llama
+
+    model = str(tmp_path / "tiny")
+    make_tiny_llama(model, vocab_size=49152)
+    load_tokenizer(None).save_pretrained(model)
+    ports = _free_ports(3)
+    proc = subprocess.Popen(CLI + ["serve", "--port", str(ports[0]), "--scheduler-port",
+                                   str(ports[1]), "--worker-port", str(ports[2]), "--model",
+                                   model, "--kv-cache-memory", "16MiB"], start_new_session=True)
+    try:
+        _wait_healthy(f"127.0.0.1:{ports[0]}", proc)
+    finally:
+        proc.kill()  # SIGKILL: serve cannot stop its children itself
+        proc.wait()
+    deadline = time.monotonic() + 15
+    for p in ports:
+        while subprocess.run(CLI + ["health", "--address", f"127.0.0.1:{p}", "--timeout", "0.5"],
+                             capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, f"a service on port {p} outlived serve"
+            time.sleep(0.5)

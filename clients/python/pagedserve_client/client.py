@@ -35,15 +35,32 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; "
                          f"known: {sorted(_SAMPLING_FIELDS)}")
-    params = api_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None})
+    if isinstance(sampling.get("stop"), str):  # vLLM and OpenAI accept one string
+        sampling["stop"] = [sampling["stop"]]
+    params = api_pb2.SamplingParams()
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        try:
+            if isinstance(value, (list, tuple)):
+                getattr(params, name).extend(value)
+            else:
+                setattr(params, name, value)
+        except (ValueError, TypeError) as e:  # protobuf's range/type checks
+            raise type(e)(f"{name}={value!r}: {e}") from None
     req = api_pb2.GenerateRequest(sampling_params=params, request_id=request_id)
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:
-        req.chat.messages.extend(api_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                 for m in messages)
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+            req.chat.messages.append(api_pb2.ChatMessage(role=m["role"], content=m["content"]))
     else:
-        req.prompt_token_ids.ids.extend(prompt_token_ids)
+        try:
+            req.prompt_token_ids.ids.extend(prompt_token_ids)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"prompt_token_ids: {e}") from None
     return req
 
 
