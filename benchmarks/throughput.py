@@ -3,11 +3,12 @@ transformers' ``generate`` with static batches, in one command.
 
     .venv/bin/python benchmarks/throughput.py --num-requests 64 --input-len 128 --output-len 128
 
-Both sides use the same model, dtype, prompts (windows of real text tokenized with the model's
+All three — the stack, the same engine in one process without gRPC, and transformers — use
+the same model, dtype, prompts (windows of real text tokenized with the model's
 tokenizer) and a fixed number of output tokens per request (ignore_eos), so tokens/s compare
 like for like. The stack runs as separate processes (``pagedserve serve``) and is driven over
-gRPC with all requests in flight at once. Prints both output-tokens/s figures and their ratio,
-and writes them as JSON with --output.
+gRPC with all requests in flight at once. Prints the output-tokens/s figures and the ratios to
+transformers, and writes them as JSON with --output.
 """
 
 from __future__ import annotations
@@ -56,6 +57,31 @@ def bench_transformers(model_dir, gguf_file, prompts, output_len, batch_size, dt
             out = model.generate(batch, generation_config=cfg)
             n += (out.shape[1] - batch.shape[1]) * batch.shape[0]
         return n / (time.perf_counter() - t0)
+
+
+def bench_engine(model: str | None, prompts, output_len: int, dtype: str) -> float:
+    """Output tokens/s of the engine in one process: Scheduler + ModelRunner, no gRPC (each
+    step still goes through the StepRequest encoding the services use)."""
+    from services.scheduler.request import EngineSamplingParams, Request
+    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.worker_client import build_step_request
+    from services.worker.model_runner import ModelRunner
+    from services.worker.server import step_input_from_pb
+
+    runner = ModelRunner(model, dtype=dtype)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
+                          runner.num_kv_blocks, runner.eos_token_ids)
+    params = EngineSamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        scheduler.add_request(Request(f"r{i}", list(p), params))
+    n, t0 = 0, time.perf_counter()
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        res = runner.execute_step(step_input_from_pb(build_step_request(out)))
+        updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
+                                                             res.sampled_token_ids)))
+        n += sum(len(u.new_token_ids) for u in updates)
+    return n / (time.perf_counter() - t0)
 
 
 async def _drive(address: str, prompts, output_len: int) -> tuple[float, int]:
@@ -108,7 +134,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=32,
                    help="transformers' static batch size")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both sides; float32 unless the CPU has native bf16 (AVX512-BF16/AMX)")
     p.add_argument("--output", default=None, help="write the figures as JSON here")
     p.add_argument("--serve-args", default="", help="extra flags for pagedserve serve")
     a = p.parse_args()
@@ -119,14 +146,19 @@ def main() -> None:
     src = resolve_model(a.model)
     prompts = make_prompts(load_tokenizer(a.model), a.num_requests, a.input_len)
     stack = bench_stack(a.model, prompts, a.output_len, a.dtype, a.serve_args.split())
-    print(f"pagedserve stack : {stack:8.1f} output tok/s", flush=True)
+    print(f"pagedserve stack (gRPC, 3 processes): {stack:8.1f} output tok/s", flush=True)
+    engine = bench_engine(a.model, prompts, a.output_len, a.dtype)
+    print(f"pagedserve engine (one process)     : {engine:8.1f} output tok/s", flush=True)
     hf = bench_transformers(src.folder, src.gguf_file, prompts, a.output_len,
                             a.hf_batch_size, a.dtype)
-    print(f"transformers     : {hf:8.1f} output tok/s (static batches of {a.hf_batch_size})")
-    print(f"ratio            : {stack / hf:8.2f}x")
+    print(f"transformers generate               : {hf:8.1f} output tok/s "
+          f"(static batches of {a.hf_batch_size})")
+    print(f"ratio stack / transformers          : {stack / hf:8.2f}x")
+    print(f"ratio engine / transformers         : {engine / hf:8.2f}x")
     if a.output:
-        Path(a.output).write_text(json.dumps(dict(vars(a), stack_tok_s=stack, hf_tok_s=hf,
-                                                  ratio=stack / hf), indent=2))
+        Path(a.output).write_text(json.dumps(dict(
+            vars(a), stack_tok_s=stack, engine_tok_s=engine, hf_tok_s=hf,
+            stack_ratio=stack / hf, engine_ratio=engine / hf), indent=2))
 
 
 if __name__ == "__main__":

@@ -116,12 +116,13 @@ class EngineClient:
                 if call is not None:
                     call.cancel()
                 raise
-            if self.connected.is_set():
+            was_connected = self.connected.is_set()
+            if was_connected:
                 self.connected.clear()
                 await self._notify(False)
-            if self._pending or backoff == 0.2:
-                log.warning("%s (%s); failing %d requests and reconnecting", why,
-                            self.address, len(self._pending))
+            log.log(logging.WARNING if was_connected or self._pending else logging.DEBUG,
+                    "%s (%s); failing %d requests and reconnecting", why, self.address,
+                    len(self._pending))
             for rid, queue in self._pending.items():
                 queue.put_nowait(_unavailable(rid, why))
             self._pending.clear()
