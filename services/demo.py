@@ -38,7 +38,7 @@ async def _demo(address: str) -> None:
               f"[0] {PROMPTS[0]}\n", flush=True)
         results = await asyncio.gather(*(_one(client, i, p, i == 0)
                                          for i, p in enumerate(PROMPTS)))
-        for i, text, ttft, total, n in results:
+        for i, text, *_ in results:
             if i:
                 print(f"\n[{i}] {PROMPTS[i]}\n{text.strip()}")
         print()

@@ -37,6 +37,16 @@ def make_tiny_llama(path: str | Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def make_servable_tiny_llama(path: str | Path, **overrides) -> str:
+    """A tiny Llama the whole stack can serve: SmolLM2's whole vocabulary (so sampled text has
+    real multi-byte characters) and SmolLM2's tokenizer files beside the weights."""
+    from services.router.tokenizer import load_tokenizer
+
+    make_tiny_llama(path, **{"vocab_size": 49152, **overrides})
+    load_tokenizer(None).save_pretrained(str(path))
+    return str(path)
+
+
 def _permute_for_gguf(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's Q/K row permutation (rotate-half -> interleaved RoPE), as its converter does."""
     rows = weight.shape[0]

@@ -117,6 +117,9 @@ class WorkerGroup:
         for addr, res in zip(self.addresses, results):
             if res is grpc.aio.EOF or res.step_id != out.step_id:
                 raise WorkerError(f"worker {addr} closed its stream or answered out of order")
+        if len(results[0].request_ids) != len(results[0].sampled_token_ids):
+            raise WorkerError(f"worker {self.addresses[0]} sent {len(results[0].request_ids)} "
+                              f"request ids but {len(results[0].sampled_token_ids)} tokens")
         return results[0]
 
     async def close(self) -> None:

@@ -12,6 +12,7 @@ import pytest
 from pagedserve_client import Client
 
 from tests.e2e.test_serve import CLI, _free_ports
+from tests.helpers import make_servable_tiny_llama
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +32,8 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 @pytest.fixture
 def tiny_model(tmp_path):
-    from services.router.tokenizer import load_tokenizer
-    from tests.helpers import make_tiny_llama
-
-    model = str(tmp_path / "tiny")
     # a long context, so the stream below is still running when the worker dies
-    make_tiny_llama(model, vocab_size=49152, max_position_embeddings=32768)
-    load_tokenizer(None).save_pretrained(model)
-    return model
+    return make_servable_tiny_llama(tmp_path / "tiny", max_position_embeddings=32768)
 
 
 def test_worker_killed_mid_stream_then_restarted(tiny_model):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -10,6 +9,8 @@ import sys
 import time
 
 import pytest
+
+from tests.helpers import make_servable_tiny_llama
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "services.cli"]
@@ -69,12 +70,7 @@ def test_serve_smollm2_answers_paris(serve):
 
 
 def test_serve_tiny_model_with_flags(serve, tmp_path):
-    from services.router.tokenizer import load_tokenizer
-    from tests.helpers import make_tiny_llama
-
-    model = str(tmp_path / "tiny")
-    make_tiny_llama(model, vocab_size=49152)
-    load_tokenizer(None).save_pretrained(model)
+    model = make_servable_tiny_llama(tmp_path / "tiny")
     address = serve("--model", model, "--dtype", "float32", "--block-size", "32",
                     "--kv-cache-memory", "32MiB", "--max-num-seqs", "8",
                     "--max-num-batched-tokens", "128", "--max-model-len", "512")
@@ -102,12 +98,7 @@ def test_serve_refuses_busy_ports():
 
 
 def test_services_exit_when_serve_is_killed(tmp_path):
-    from services.router.tokenizer import load_tokenizer
-    from tests.helpers import make_tiny_llama
-
-    model = str(tmp_path / "tiny")
-    make_tiny_llama(model, vocab_size=49152)
-    load_tokenizer(None).save_pretrained(model)
+    model = make_servable_tiny_llama(tmp_path / "tiny")
     ports = _free_ports(3)
     proc = subprocess.Popen(CLI + ["serve", "--port", str(ports[0]), "--scheduler-port",
                                    str(ports[1]), "--worker-port", str(ports[2]), "--model",

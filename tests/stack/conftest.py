@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import make_tiny_llama
+from tests.helpers import make_servable_tiny_llama
 from tests.stack_harness import InProcessStack
 
 
@@ -36,12 +36,7 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ggu
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random-weight Llama (safetensors) with SmolLM2's tokenizer files beside it."""
-    from services.router.tokenizer import load_tokenizer
-
-    path = str(tmp_path_factory.mktemp("tiny-llama"))
-    make_tiny_llama(path, vocab_size=49152)  # the whole SmolLM2 vocabulary: real multi-byte text
-    load_tokenizer(None).save_pretrained(path)
-    return path
+    return make_servable_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _leak_check(stack: InProcessStack) -> None:

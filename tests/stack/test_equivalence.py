@@ -59,7 +59,7 @@ def test_tiny_llama_greedy_matches_transformers(tiny, prompts_and_expected, orde
         got = [None] * len(prompts)
         for i, ids in zip(idx, out):
             got[i] = ids
-    for n, g, e in zip(LENGTHS, got, expected):
+    for n, g, e in zip(LENGTHS, got, expected, strict=True):
         assert g == e, f"prompt of {n} tokens diverged from transformers"
 
 

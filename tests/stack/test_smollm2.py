@@ -42,7 +42,7 @@ def test_smollm2_greedy_chat_matches_transformers(smol_stack):
                               max_tokens=NEW_TOKENS)
     with ThreadPoolExecutor(len(CHATS)) as pool:
         results = list(pool.map(one, CHATS))
-    for chat, prompt, r, e in zip(CHATS, prompts, results, expected):
+    for chat, prompt, r, e in zip(CHATS, prompts, results, expected, strict=True):
         assert r.usage.prompt_tokens == len(prompt), f"chat template differs for {chat!r}"
         assert r.token_ids == e, f"{chat!r}: {r.text!r}"
         assert r.finish_reason == ("length" if len(e) == NEW_TOKENS else "stop")
