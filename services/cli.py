@@ -63,6 +63,20 @@ def forwarded_argv(name: str, ns: argparse.Namespace) -> list[str]:
     return argv
 
 
+def run_one_service(name: str, argv: list[str]) -> None:
+    """``pagedserve router|scheduler|worker``: parse that service's flags and serve until
+    SIGINT/SIGTERM."""
+    from services.common.grpc_utils import run_service
+    from services.common.logs import setup_logging
+
+    module = _service_module(name)
+    p = argparse.ArgumentParser(f"pagedserve {name}", formatter_class=HelpFormatter)
+    module.add_args(p)
+    args = p.parse_args(argv)
+    setup_logging(args.log_level, name)
+    run_service(name, module.serve(args))
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``pagedserve`` console script."""
     argv = sys.argv[1:] if argv is None else argv
@@ -81,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if asked_help else 2)
     cmd, rest = argv[0], argv[1:]
     if cmd in SERVICES:
-        _service_module(cmd).main(rest)
+        run_one_service(cmd, rest)
     elif cmd == "serve":
         from services.launcher import run_stack
         ns = serve_parser().parse_args(rest)

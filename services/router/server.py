@@ -10,9 +10,7 @@ import grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import add_flag
-from services.common.config import HelpFormatter
-from services.common.grpc_utils import new_server, run_service, set_serving, stop_event_on_signals
-from services.common.logs import setup_logging
+from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from services.router.engine_client import EngineClient
 from services.router.generation import EngineError, prepare, stream_responses
@@ -89,11 +87,3 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         await server.stop(grace=2.0)
         await engine.close()
 
-
-def main(argv: list[str] | None = None) -> None:
-    """``pagedserve router`` entry point."""
-    p = argparse.ArgumentParser("pagedserve router", formatter_class=HelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    setup_logging(args.log_level, "router")
-    run_service("router", serve(args))

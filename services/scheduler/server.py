@@ -14,9 +14,7 @@ import logging
 import grpc
 
 from services.common.config import add_flag
-from services.common.config import HelpFormatter
-from services.common.grpc_utils import new_server, run_service, set_serving, stop_event_on_signals
-from services.common.logs import setup_logging
+from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from services.scheduler.engine import Engine, RouterSink
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -153,11 +151,3 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
             await engine.workers.close()
         await server.stop(grace=1.0)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """``pagedserve scheduler`` entry point."""
-    p = argparse.ArgumentParser("pagedserve scheduler", formatter_class=HelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    setup_logging(args.log_level, "scheduler")
-    run_service("scheduler", serve(args))

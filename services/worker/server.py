@@ -16,9 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.common.config import add_flag, parse_bytes
-from services.common.config import HelpFormatter
-from services.common.grpc_utils import new_server, run_service, set_serving, stop_event_on_signals
-from services.common.logs import setup_logging
+from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput)
 
@@ -135,11 +133,3 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         await set_serving(health, False, [SERVICE])
         await server.stop(grace=1.0)
 
-
-def main(argv: list[str] | None = None) -> None:
-    """``pagedserve worker`` entry point."""
-    p = argparse.ArgumentParser("pagedserve worker", formatter_class=HelpFormatter)
-    add_args(p)
-    args = p.parse_args(argv)
-    setup_logging(args.log_level, "worker")
-    run_service("worker", serve(args))
