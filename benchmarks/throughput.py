@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -99,8 +100,14 @@ async def _drive(address: str, prompts, output_len: int) -> tuple[float, int]:
     return n / elapsed, n
 
 
-def bench_stack(model: str | None, prompts, output_len: int, dtype: str, extra: list[str]) -> float:
-    """Output tokens/s of the whole stack (three processes) with every request in flight."""
+@contextlib.contextmanager
+def running_stack(model: str | None, dtype: str, extra: list[str]):
+    """``pagedserve serve`` in a child process on free ports; yields the router's address once
+    it is healthy, and stops the stack on exit.
+
+    Raises:
+        RuntimeError: the stack exited or was not healthy within 600 s.
+    """
     socks = [socket.socket() for _ in range(3)]
     for s in socks:
         s.bind(("127.0.0.1", 0))
@@ -119,11 +126,17 @@ def bench_stack(model: str | None, prompts, output_len: int, dtype: str, extra: 
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("stack did not start")
             time.sleep(1)
-        tps, _ = asyncio.run(_drive(address, prompts, output_len))
-        return tps
+        yield address
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def bench_stack(model: str | None, prompts, output_len: int, dtype: str, extra: list[str]) -> float:
+    """Output tokens/s of the whole stack (three processes) with every request in flight."""
+    with running_stack(model, dtype, extra) as address:
+        tps, _ = asyncio.run(_drive(address, prompts, output_len))
+        return tps
 
 
 def main() -> None:

@@ -7,8 +7,10 @@ No Python loop over requests. One step of ``torch_paged_attention``:
    read the sequence's own token 0, which is always written, so padding is finite and masked);
 2. split the sequences into the decode group (``query_len == 1``) and the prefill group
    (``query_len > 1``: prompts, chunked-prefill chunks, prefix-cache hits);
-3. run each group as ONE ``scaled_dot_product_attention`` call with a boolean mask (key padding,
-   plus causal with per-row offset ``context_len`` for the prefill group); GQA by ``enable_gqa``
+3. run the decode group as ONE ``scaled_dot_product_attention`` call with a boolean key-padding
+   mask, and the prefill group as one such call per bucket of similar query lengths (padding
+   at most doubles a bucket's query rows; mask = key padding plus causal with per-row offset
+   ``context_len``); GQA by ``enable_gqa``
    (or, for 16-bit decode, by packing the G query heads of a KV head as G query rows);
 4. write the rows back into the flat ``[num_tokens, num_heads, head_dim]`` output.
 
@@ -173,11 +175,45 @@ def torch_paged_attention(
             )  # [Bd, H, 1, D]
         out[rows] = o.reshape(q.shape[0], num_heads, head_dim)
     if prefill is not None and prefill.numel() > 0:
-        _prefill_group(
-            out, query, k_cache, v_cache, prefill, qsl, query_lens, seq_lens,
-            key_pos, key_valid, key_slots, max_query_len, scale, gqa,
-        )
+        for group, group_query_len, group_seq_len in _prefill_buckets(
+                prefill, query_lens, seq_lens):
+            _prefill_group(
+                out, query, k_cache, v_cache, group, qsl, query_lens, seq_lens,
+                key_pos[:group_seq_len], key_valid[:, :group_seq_len],
+                key_slots[:, :group_seq_len], group_query_len, scale, gqa,
+            )
     return out
+
+
+MAX_PADDING_FACTOR = 2  # a prefill bucket computes at most this many times its real query rows
+
+
+def _prefill_buckets(prefill: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor):
+    """Split the prefill sequences into buckets of similar query length.
+
+    One padded SDPA call over all of them would compute ``Bp * max_query_len`` query rows: a
+    step with one 512-token chunk and thirty 32-token prompts (prefix-cache hits) would do 8x the
+    work. Sequences sorted by query length (longest first) go into a bucket while its padded rows
+    stay within ``MAX_PADDING_FACTOR`` times its real rows. Keys are cut to the bucket's longest
+    sequence.
+
+    Yields:
+        (indices ``[b]`` int64, the bucket's max query length, its max seq_len), in tokens.
+    """
+    q_lens = query_lens[prefill].tolist()  # NOTE: a host sync on CUDA; free on CPU
+    s_lens = seq_lens[prefill].tolist()
+    order = sorted(range(len(q_lens)), key=lambda i: -q_lens[i])
+    start = 0
+    while start < len(order):
+        longest, total, end = q_lens[order[start]], 0, start
+        while end < len(order) and longest * (end - start + 1) <= MAX_PADDING_FACTOR * (
+                total + q_lens[order[end]]):
+            total += q_lens[order[end]]
+            end += 1
+        members = order[start:end]
+        yield (prefill[torch.tensor(members, device=prefill.device)], longest,
+               max(s_lens[i] for i in members))
+        start = end
 
 
 def _prefill_group(

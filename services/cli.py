@@ -58,6 +58,9 @@ def forwarded_argv(name: str, ns: argparse.Namespace) -> list[str]:
         value = getattr(ns, action.dest, None)
         if isinstance(action, argparse._StoreTrueAction):
             argv += [action.option_strings[0]] if value else []
+        elif isinstance(action, argparse.BooleanOptionalAction):
+            if value is not None:  # --flag / --no-flag
+                argv += [action.option_strings[0 if value else 1]]
         elif value is not None:
             argv += [action.option_strings[0], str(value)]
     return argv

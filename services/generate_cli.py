@@ -1,4 +1,5 @@
-"""``pagedserve generate``: stream one completion from a running router to stdout."""
+"""``pagedserve generate``: stream one completion from a running router to stdout (with
+``--n`` > 1, print each choice whole once the request is done)."""
 
 from __future__ import annotations
 
@@ -25,23 +26,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--n", type=int, default=1, help="number of completions (choices)")
+    p.add_argument("--priority", type=int, default=0,
+                   help="lower runs sooner (needs --scheduling-policy priority on the server)")
     a = p.parse_args(argv)
     sampling = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                    top_k=a.top_k, seed=a.seed, stop=a.stop or None)
+                    top_k=a.top_k, seed=a.seed, stop=a.stop or None, n=a.n, priority=a.priority)
     messages = [{"role": "user", "content": a.chat}] if a.chat is not None else None
     prompt = a.prompt if a.chat is None else None
     with Client(a.address) as client:
         try:
             if sampling["seed"] is not None and sampling["seed"] < 0:
                 raise ValueError(f"--seed must be >= 0, got {sampling['seed']}")
+            if a.n > 1:
+                for c in client.generate(prompt, messages=messages, **sampling).choices:
+                    print(f"--- choice {c.index} ---\n{c.text}")
+                    _print_usage(c.finish_reason, c.usage)
+                return
             for d in client.stream(prompt, messages=messages, **sampling):
                 sys.stdout.write(d.text)
                 sys.stdout.flush()
                 if d.finish_reason:
                     print()
-                    print(f"[finish_reason={d.finish_reason} prompt_tokens="
-                          f"{d.usage.prompt_tokens} completion_tokens="
-                          f"{d.usage.completion_tokens}]", file=sys.stderr)
+                    _print_usage(d.finish_reason, d.usage)
         except grpc.RpcError as e:
             print(f"\npagedserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
             raise SystemExit(1) from None
@@ -51,3 +58,9 @@ def main(argv: list[str] | None = None) -> None:
         except KeyboardInterrupt:  # the stream is cancelled on the way out
             print(file=sys.stderr)
             raise SystemExit(130) from None
+
+
+def _print_usage(finish_reason, usage) -> None:
+    print(f"[finish_reason={finish_reason} prompt_tokens={usage.prompt_tokens} "
+          f"completion_tokens={usage.completion_tokens} "
+          f"cached_tokens={usage.num_cached_tokens}]", file=sys.stderr)

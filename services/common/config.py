@@ -43,11 +43,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
     """``parser.add_argument`` whose default comes from the flag's environment variable.
 
-    Boolean switches (``action="store_true"``) read the variable as 1/true/yes.
+    Boolean switches (``action="store_true"`` or ``argparse.BooleanOptionalAction``) read the
+    variable as 1/true/yes/on.
     """
     env = os.environ.get(env_name(flag))
     if env is not None:
-        if kwargs.get("action") == "store_true":
+        if kwargs.get("action") in ("store_true", argparse.BooleanOptionalAction):
             kwargs["default"] = env.strip().lower() in ("1", "true", "yes", "on")
         else:
             conv = kwargs.get("type", str)

@@ -59,17 +59,41 @@ class EngineClient:
         return self.info
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
-               params: engine_pb2.EngineSamplingParams) -> asyncio.Queue:
+               params: engine_pb2.EngineSamplingParams, *, priority: int = 0,
+               queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """Send a request; returns the queue its RequestOutputs arrive on (the last one has
-        finish_reason set or an error_code)."""
-        queue: asyncio.Queue = asyncio.Queue()
+        finish_reason set or an error_code). A request that cannot be sent gets its error output
+        in the queue at once: UNAVAILABLE with the scheduler unreachable, INVALID_ARGUMENT when
+        a request with the same id is still running.
+
+        Args:
+            priority: scheduling priority (lower runs sooner; 0 under the fcfs policy).
+            queue: deliver the outputs to this queue instead of a new one, so several requests
+                (the choices of one n > 1 request) can share it; tell them apart by
+                ``request_id``.
+        """
+        queue = asyncio.Queue() if queue is None else queue
         if not self.connected.is_set():
             queue.put_nowait(_unavailable(request_id, f"scheduler {self.address} unavailable"))
             return queue
+        if request_id in self._pending:
+            # NOTE: refused here, not only by the scheduler: its rejection would carry the same
+            # id and so end the running request's stream instead of this one.
+            queue.put_nowait(engine_pb2.RequestOutput(
+                request_id=request_id, finish_reason=engine_pb2.ENGINE_FINISH_REASON_ABORT,
+                error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                error_message=f"request_id {request_id!r} is already running"))
+            return queue
         self._pending[request_id] = queue
         self._outgoing.put_nowait(engine_pb2.EngineRequest(submit=engine_pb2.SubmitRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params)))
+            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+            priority=priority)))
         return queue
+
+    def is_running(self, request_id: str) -> bool:
+        """Whether a request with this id was submitted here and has not ended (or been
+        released)."""
+        return request_id in self._pending
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to end a request; its final output will still arrive (and is dropped

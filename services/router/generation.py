@@ -1,39 +1,50 @@
 """One Generate call, from validated request to streamed responses, without gRPC.
 
-``prepare`` validates and tokenizes; ``stream_responses`` submits to the engine and turns
-RequestOutputs into GenerateResponses: incremental detokenization, stop-string matching (which
-aborts the engine request on a hit), and the final message with finish_reason and usage. If the
-caller stops listening (client cancelled), the engine request is aborted so its blocks are freed.
+``prepare`` validates and tokenizes; ``stream_responses`` submits one engine request per choice
+(n of them; vLLM V1's fan-out in the frontend) and merges their RequestOutputs into one stream of
+GenerateResponses: incremental detokenization and stop-string matching per choice (a hit aborts
+that choice's engine request), and a final message per choice with finish_reason and usage. If
+the caller stops listening (client cancelled) or a choice fails, every running choice is aborted
+so the engine frees its blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
-from services.router.detokenizer import IncrementalDetokenizer
+from services.router.choices import Choice, child_params, child_request_id
 from services.router.engine_client import EngineClient
-from services.router.stop_strings import StopStringMatcher
 from services.router.tokenizer import encode_chat, encode_prompt
-from services.router.validation import (RequestError, TextOptions, validate_prompt_ids,
+from services.router.validation import (RequestError, TextOptions, validate_n,
+                                        validate_priority, validate_prompt_ids,
                                         validate_request_id, validate_sampling)
-
-_FINISH = {engine_pb2.ENGINE_FINISH_REASON_STOP: api_pb2.FINISH_REASON_STOP,
-           engine_pb2.ENGINE_FINISH_REASON_LENGTH: api_pb2.FINISH_REASON_LENGTH,
-           engine_pb2.ENGINE_FINISH_REASON_ABORT: api_pb2.FINISH_REASON_ABORT}
 
 
 @dataclass(slots=True)
 class PreparedRequest:
-    """A validated, tokenized request ready for the engine."""
+    """A validated, tokenized request ready for the engine.
+
+    Attributes:
+        request_id: the client's id (or a generated one), echoed in every response.
+        prompt_token_ids: the tokenized prompt, shared by all choices.
+        params: the engine sampling parameters (of choice 0; see ``child_params``).
+        text: stop strings and text options, applied per choice.
+        n: number of choices, in [1, 64].
+        priority: scheduling priority (lower runs sooner); 0 unless the engine's policy is
+            "priority".
+    """
 
     request_id: str
     prompt_token_ids: list[int]
     params: engine_pb2.EngineSamplingParams
     text: TextOptions
+    n: int = 1
+    priority: int = 0
 
 
 def prepare(request: api_pb2.GenerateRequest, tokenizer,
@@ -45,6 +56,8 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
     """
     request_id = validate_request_id(request.request_id) or uuid.uuid4().hex
     params, text = validate_sampling(request.sampling_params, vocab_size=info.vocab_size)
+    n = validate_n(request.sampling_params)
+    priority = validate_priority(request.priority, scheduling_policy=info.scheduling_policy)
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:
@@ -61,7 +74,7 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            "prompt is empty: set one of prompt, chat or prompt_token_ids")
     validate_prompt_ids(ids, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
-    return PreparedRequest(request_id, ids, params, text)
+    return PreparedRequest(request_id, ids, params, text, n=n, priority=priority)
 
 
 class EngineError(Exception):
@@ -77,58 +90,57 @@ def _status(code_value: int) -> grpc.StatusCode:
 
 
 async def stream_responses(engine: EngineClient, tokenizer, req: PreparedRequest):
-    """Async generator of GenerateResponses for one prepared request.
+    """Async generator of the GenerateResponses of one prepared request, all its choices merged.
+
+    Submits ``req.n`` engine requests (one per choice, see ``services.router.choices``) and
+    yields each choice's messages as its tokens arrive, tagged with ``index``; every choice ends
+    with its own message carrying finish_reason and that choice's usage. The generator ends
+    after all n choices ended.
+
+    If any choice fails in the engine, or the caller stops listening (client cancelled), every
+    choice still running is aborted in the engine so none keeps KV blocks.
 
     Raises:
-        EngineError: the engine rejected or failed the request.
+        EngineError: the engine rejected or failed one of the choices (e.g. RESOURCE_EXHAUSTED
+            when its queue is full, UNAVAILABLE when it is unreachable), or INVALID_ARGUMENT
+            before anything is submitted when one of its engine request ids is still running
+            (a client reused a request_id).
     """
-    queue = engine.submit(req.request_id, req.prompt_token_ids, req.params)
-    detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
-                                   skip_special_tokens=req.text.skip_special_tokens)
-    stops = StopStringMatcher(req.text.stop, req.text.include_stop_str_in_output)
-    num_output = 0
-    finished = False
+    queue: asyncio.Queue = asyncio.Queue()  # the outputs of all the choices, in arrival order
+    choices = {}
+    for i in range(req.n):
+        rid = child_request_id(req.request_id, i, req.n)
+        choices[rid] = Choice(i, rid, req.request_id, req.prompt_token_ids, req.text, tokenizer)
+    # NOTE: checked before anything is submitted, so that the clean-up below never aborts
+    # another caller's request that happens to have one of these ids.
+    taken = next((rid for rid in choices if engine.is_running(rid)), None)
+    if taken is not None:
+        raise EngineError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request_id {req.request_id!r} is already running" +
+                          (f" (engine request {taken!r})" if taken != req.request_id else ""))
+    for rid, choice in choices.items():
+        engine.submit(rid, req.prompt_token_ids, child_params(req.params, choice.index),
+                      priority=req.priority, queue=queue)
+    num_running = len(choices)
     try:
-        while True:
+        while num_running:
             out = await queue.get()
+            choice = choices.get(out.request_id)
+            if choice is None or choice.finished:  # e.g. the ABORT after a stop-string hit
+                continue
             if out.error_code:
-                finished = True
+                choice.finished = True  # the engine has already ended it
                 raise EngineError(_status(out.error_code), out.error_message)
-            ids = list(out.new_token_ids)
-            num_output += len(ids)
-            match = stops.feed(detok.step(ids)) if ids else None
-            text = match.text_to_emit if match else ""
-            if match is not None and match.stopped:
-                finished = True
-                engine.abort(req.request_id)
-                engine.release(req.request_id)
-                yield _final(req, ids, text, api_pb2.FINISH_REASON_STOP, num_output,
-                             match.stop_str)
-                return
-            if out.finish_reason:
-                finished = True
-                # release what the detokenizer and the stop matcher still hold back
-                tail = stops.feed(detok.flush())
-                text += tail.text_to_emit
-                if tail.stopped:
-                    yield _final(req, ids, text, api_pb2.FINISH_REASON_STOP, num_output,
-                                 tail.stop_str)
-                else:
-                    yield _final(req, ids, text + stops.flush(), _FINISH[out.finish_reason],
-                                 num_output)
-                return
-            if ids or text:
-                yield api_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text)
+            response, stop_string_hit = choice.on_output(out)
+            if stop_string_hit:
+                engine.abort(out.request_id)
+                engine.release(out.request_id)
+            if choice.finished:
+                num_running -= 1
+            if response is not None:
+                yield response
     finally:
-        if not finished:  # the caller went away mid-stream: free the engine's blocks
-            engine.abort(req.request_id)
-            engine.release(req.request_id)
-
-
-def _final(req: PreparedRequest, ids: list[int], text: str, reason: int, num_output: int,
-           stop_str: str | None = None) -> api_pb2.GenerateResponse:
-    return api_pb2.GenerateResponse(
-        request_id=req.request_id, token_ids=ids, text=text, finish_reason=reason,
-        usage=api_pb2.Usage(prompt_tokens=len(req.prompt_token_ids),
-                            completion_tokens=num_output),
-        stop_reason=stop_str or "")
+        for choice in choices.values():
+            if not choice.finished:  # cancelled, or a sibling failed: free the engine's blocks
+                engine.abort(choice.engine_request_id)
+                engine.release(choice.engine_request_id)

@@ -20,6 +20,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 TOP_K_OFF = -1
+MAX_N = 64  # most choices (parallel samples) per request
+PRIORITY_POLICY = "priority"  # the scheduling policy under which priority != 0 is allowed
 
 
 class RequestError(Exception):
@@ -109,6 +111,32 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
         skip_special_tokens=(params.skip_special_tokens
                              if params.HasField("skip_special_tokens") else True))
     return engine, text
+
+
+def validate_n(params: api_pb2.SamplingParams) -> int:
+    """The number of choices to generate: ``params.n``, default 1.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): n outside [1, 64], e.g. ``n must be in [1, 64], got 0``.
+    """
+    n = params.n if params.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise invalid(f"n must be in [1, {MAX_N}], got {n}")
+    return n
+
+
+def validate_priority(priority: int, *, scheduling_policy: str) -> int:
+    """Check a request's scheduling priority (lower runs sooner, as in vLLM) against the
+    engine's policy: any int32 under "priority"; only 0 under "fcfs" (or an engine that does not
+    report a policy, which is fcfs).
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): priority != 0 while the policy is not "priority".
+    """
+    if priority != 0 and scheduling_policy != PRIORITY_POLICY:
+        raise invalid("priority must be 0 unless the scheduler runs --scheduling-policy "
+                      f"priority (it runs {scheduling_policy or 'fcfs'}), got {priority}")
+    return priority
 
 
 def validate_prompt_ids(ids: Sequence[int], *, max_model_len: int, vocab_size: int) -> None:

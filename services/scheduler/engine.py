@@ -20,7 +20,7 @@ import grpc
 
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
-from services.scheduler.scheduler import RequestUpdate, Scheduler
+from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,15 @@ class Engine:
         try:
             req = Request(request_id=rid, prompt_token_ids=list(msg.prompt_token_ids),
                           sampling_params=params_from_pb(msg.sampling_params),
-                          arrival_time=time.monotonic())
+                          arrival_time=time.monotonic(), priority=msg.priority)
             self.scheduler.add_request(req)
         except ValueError as e:
             sink.queue.put_nowait(self._batch([error_output(
                 rid, grpc.StatusCode.INVALID_ARGUMENT, str(e))]))
+            return
+        except QueueFullError as e:  # load shedding: refuse now rather than queue forever
+            sink.queue.put_nowait(self._batch([error_output(
+                rid, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))]))
             return
         self._sinks[rid] = sink
         sink.request_ids.add(rid)
@@ -145,6 +149,9 @@ class Engine:
                 rid, grpc.StatusCode.UNAVAILABLE, f"worker failed: {reason}")]))
             sink.request_ids.discard(rid)
         self._sinks.clear()
+        # NOTE: the step that failed may not have written blocks it registered, and a restarted
+        # worker has an empty KV cache: no cached prefix can be trusted any more.
+        self.scheduler.reset_prefix_cache()
         while True:
             try:
                 await self.workers.connect(timeout=self._reconnect_timeout)
@@ -176,7 +183,7 @@ class Engine:
             out = engine_pb2.RequestOutput(
                 request_id=u.request_id, new_token_ids=u.new_token_ids,
                 finish_reason=_FINISH[u.finish_reason], num_prompt_tokens=u.num_prompt_tokens,
-                num_output_tokens=u.num_output_tokens)
+                num_output_tokens=u.num_output_tokens, num_cached_tokens=u.num_cached_tokens)
             by_sink.setdefault(id(sink), (sink, []))[1].append(out)
             if u.finish_reason is not None:
                 del self._sinks[u.request_id]

@@ -114,6 +114,13 @@ class Request:
     num_tokens_sent: int = 0  # prefix of all_token_ids the worker already holds
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    priority: int = 0  # lower runs sooner under the priority policy (as in vLLM)
+    arrival_seq: int = 0  # order of add_request (set by the Scheduler; breaks arrival ties)
+    num_cached_tokens: int = -1  # prefix-cache hit at first schedule, in tokens; -1 = not yet
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix key of each full block
+    num_cached_blocks: int = 0  # leading full blocks of block_ids already registered (or, with
+    # prefix caching off, already full): the prefix cache's and the scheduler's bookmark
+    extra_keys: bytes = b""  # what else the K/V depends on (hashed into every block key)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -142,6 +149,15 @@ class Request:
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt :]
         return self.prompt_token_ids[start:] + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` in O(end - start)."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
     @property
     def is_finished(self) -> bool:

@@ -6,13 +6,19 @@ One rule (DESIGN.md §2, vLLM V1's): every request has ``num_tokens`` (prompt + 
 ``max_num_seqs``. Continuous batching, chunked prefill and mixed prefill/decode batches all fall
 out of it. See ``request.py`` for the index diagram.
 
+On top of the rule (all vLLM V1 behaviour): automatic prefix caching (a newly admitted request
+starts at its longest cached prefix, see ``block_manager.py``), a ``fcfs`` or ``priority``
+policy (which request is admitted first and which is preempted), a per-request cap on prefill
+tokens per step (``long_prefill_token_threshold``) and load shedding (a full waiting queue
+refuses new requests with ``QueueFullError``).
+
 Per step: ``schedule()`` -> SchedulerOutput -> every worker rank -> sampled token ids ->
 ``update_from_output()`` -> RequestUpdates for the routers.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
@@ -22,21 +28,45 @@ from services.scheduler.request import (
     Request,
     RequestStatus,
 )
+from services.scheduler.waiting_queue import WaitingQueue
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class QueueFullError(Exception):
+    """The waiting queue is at ``max_num_waiting_requests`` or ``max_num_waiting_tokens``:
+    the request is refused now (gRPC RESOURCE_EXHAUSTED) rather than queued without limit."""
 
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Scheduling limits. Raises ValueError if any is < 1."""
+    """Scheduling limits and policies.
+
+    Raises:
+        ValueError: a limit is < 1 (the ``0 = off`` ones < 0), or an unknown policy.
+    """
 
     max_num_seqs: int = 256  # running requests at most (= rows of a decode batch)
     max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
     max_model_len: int = 8192  # prompt + output tokens of one request
     block_size: int = 16  # tokens per KV block
+    enable_prefix_caching: bool = True  # share full KV blocks of identical prefixes
+    scheduling_policy: str = "fcfs"  # "fcfs" (arrival order) or "priority" (lower = sooner)
+    long_prefill_token_threshold: int = 0  # most prefill tokens per request per step; 0 = off
+    max_num_waiting_requests: int = 0  # refuse new requests beyond this queue length; 0 = off
+    max_num_waiting_tokens: int = 0  # ... or beyond this many queued tokens; 0 = off
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("long_prefill_token_threshold", "max_num_waiting_requests",
+                     "max_num_waiting_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                             f"got {self.scheduling_policy!r}")
 
 
 @dataclass(slots=True)
@@ -83,22 +113,23 @@ class RequestUpdate:
     finish_reason: FinishReason | None  # None while still running
     num_prompt_tokens: int
     num_output_tokens: int  # after this update
+    num_cached_tokens: int  # prefix-cache hit at first schedule (0 if never scheduled)
 
 
 class Scheduler:
-    """FCFS scheduler with chunked prefill and preemption by recompute.
+    """Scheduler with chunked prefill, prefix caching and preemption by recompute.
 
-    ``running`` and ``waiting`` together are always in arrival order (the order of
-    ``add_request``): admission takes the front of ``waiting`` to the back of ``running``, and
-    preemption moves the back of ``running`` to the front of ``waiting``. So the tail of
-    ``running`` is the latest arrival, the preemption victim.
+    ``running`` is kept sorted by the policy key (``waiting_queue.policy_key``: arrival under
+    fcfs, (priority, arrival) under priority), so each step serves running requests best-first
+    and the preemption victim is always the tail: the lowest priority, and among equals the
+    latest arrival. Admission takes the head of ``waiting`` (same key order).
 
     Each non-empty SchedulerOutput must be passed to ``update_from_output`` before the next
     ``schedule()`` (unless every request in it has been aborted meanwhile, e.g. after a worker
     failure). Outputs with nothing scheduled still carry ``finished_req_ids``: forward them.
 
     Args:
-        config: scheduling limits.
+        config: scheduling limits and policies.
         num_kv_blocks: KV blocks per worker rank (the minimum over ranks).
         eos_token_ids: the model's end-of-sequence ids (finish STOP unless ignore_eos).
 
@@ -116,14 +147,21 @@ class Scheduler:
                 f"or lower --max-model-len"
             )
         self.config = config
-        self.block_manager = BlockManager(num_kv_blocks, bs)
+        self.block_manager = BlockManager(num_kv_blocks, bs, config.enable_prefix_caching)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # unfinished (waiting + running) by id
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = WaitingQueue(config.scheduling_policy)
+        self.running: list[Request] = []  # sorted by policy key
+        self._key = (lambda r: (r.priority, r.arrival_seq)) if (
+            config.scheduling_policy == "priority") else (lambda r: r.arrival_seq)
         self.num_preemptions_total = 0
+        self.num_rejected_total = 0  # requests refused by load shedding
+        self.prefix_cache_queries_total = 0  # tokens looked up at admission
+        self.prefix_cache_hits_total = 0  # of those, tokens found
+        self._num_arrivals = 0
         self._step_id = 0
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self._preempted_req_ids: set[str] = set()  # for the next SchedulerOutput
         self._in_flight: SchedulerOutput | None = None  # non-empty output not yet updated
 
     @property
@@ -142,13 +180,18 @@ class Scheduler:
         return bool(self.requests)
 
     def add_request(self, request: Request) -> None:
-        """Queue ``request`` at the back of the waiting queue; it can run from the next step.
+        """Queue ``request``; it can run from the next step.
 
         Raises:
             ValueError: empty prompt, prompt of >= max_model_len tokens (no room for one output
-                token), a duplicate unfinished request_id, or a request that is not WAITING.
+                token), a duplicate unfinished request_id, a request that is not WAITING, or a
+                non-zero priority under the fcfs policy.
+            QueueFullError: the waiting queue already holds ``max_num_waiting_requests``
+                requests, or adding it would pass ``max_num_waiting_tokens`` (an empty queue
+                always takes one request, however long).
         """
-        max_len = self.config.max_model_len
+        config = self.config
+        max_len = config.max_model_len
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id}: empty prompt")
         if request.num_prompt_tokens >= max_len:
@@ -160,8 +203,26 @@ class Scheduler:
             raise ValueError(f"request {request.request_id} already exists")
         if request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id} is {request.status.name}")
+        if request.priority != 0 and config.scheduling_policy != "priority":
+            raise ValueError(f"priority must be 0 unless the scheduler runs "
+                             f"--scheduling-policy priority, got {request.priority}")
+        waiting = self.waiting
+        if config.max_num_waiting_requests and len(waiting) >= config.max_num_waiting_requests:
+            self.num_rejected_total += 1
+            raise QueueFullError(
+                f"engine queue is full: {len(waiting)} requests waiting "
+                f"(--max-num-waiting-requests {config.max_num_waiting_requests}); retry later")
+        if (config.max_num_waiting_tokens and waiting
+                and waiting.num_tokens + request.num_tokens > config.max_num_waiting_tokens):
+            self.num_rejected_total += 1
+            raise QueueFullError(
+                f"engine queue is full: {waiting.num_tokens} tokens waiting, this request adds "
+                f"{request.num_tokens} (--max-num-waiting-tokens "
+                f"{config.max_num_waiting_tokens}); retry later")
+        self._num_arrivals += 1
+        request.arrival_seq = self._num_arrivals
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        waiting.add(request)
 
     def abort_request(self, request_id: str) -> RequestUpdate | None:
         """Finish a request now with reason ABORT and free its blocks (O(queue length)).
@@ -182,13 +243,16 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating blocks for them.
 
-        The rule: each request gets up to ``num_tokens - num_computed_tokens`` tokens, running
-        requests first (in order), then waiting ones from the front (FIFO), within the token
-        budget, ``max_num_seqs`` and the free blocks. A running request that cannot get a block
-        preempts the latest-arrived running request (possibly itself). A waiting request that
-        cannot get its blocks stops admission; no admission in a step that preempted.
+        The rule: each request gets up to ``num_tokens - num_computed_tokens`` tokens (at most
+        ``long_prefill_token_threshold`` when set), running requests first (best policy key
+        first), then waiting ones from the head, within the token budget, ``max_num_seqs`` and
+        the free blocks. A waiting request starts at its longest cached prefix. A running
+        request that cannot get a block preempts the running tail (the worst key; possibly
+        itself). A waiting request that cannot get its blocks stops admission; no admission in a
+        step that preempted.
 
-        Cost: O(running + admitted) plus the block operations.
+        Cost: O(running + admitted) plus the block operations (a prefix lookup is O(blocks of
+        the prompt)).
 
         Raises:
             RuntimeError: the previous non-empty output was not passed to update_from_output
@@ -202,56 +266,85 @@ class Scheduler:
                 )
             self._in_flight = None  # NOTE: all its requests were aborted; its result is moot.
         bm = self.block_manager
-        budget = self.config.max_num_batched_tokens
+        config = self.config
+        budget = config.max_num_batched_tokens
+        threshold = config.long_prefill_token_threshold
         num_scheduled: dict[str, int] = {}
         new_blocks: dict[str, list[int]] = {}
-        preempted: set[str] = set()
+        num_preempted = self.num_preemptions_total
 
-        # 1. Running requests, oldest first; victims come off the tail.
+        # 1. Running requests, best key first; victims come off the tail, so a request that
+        # was already scheduled this step is never preempted (its blocks may be cached).
+        running = self.running
+        bs = config.block_size
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not bm.can_allocate(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.add(victim.request_id)
-                if victim is request:
-                    break
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_computed = request.num_computed_tokens
+            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            end = num_computed + num_new
+            # NOTE: the decode fast path (most requests, most steps): the last block has room
+            # and no block fills up, so there is nothing to allocate or register.
+            if (end <= len(request.block_ids) * bs
+                    and end // bs <= request.num_cached_blocks):
+                new_blocks[request.request_id] = []
             else:
-                new_blocks[request.request_id] = bm.allocate(request, num_new)
-                num_scheduled[request.request_id] = num_new
-                budget -= num_new
-                i += 1
+                while not bm.can_allocate(request, num_new):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    if victim is request:
+                        break
+                else:
+                    new_blocks[request.request_id] = bm.allocate(request, num_new)
+                if request.status is not RequestStatus.RUNNING:
+                    break  # NOTE: it preempted itself: everything after it is gone too.
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            i += 1
 
-        # 2. Waiting requests, FIFO. NOTE: after a preemption the cache is full; admitting
-        # would only thrash (the newcomer would be the next victim).
+        # 2. Waiting requests from the head. NOTE: after a preemption the cache is full;
+        # admitting would only thrash (the newcomer would be the next victim).
         resumed: set[str] = set()
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not bm.can_allocate(request, num_new):
-                break  # NOTE: FIFO: never let a later (smaller) request skip ahead of this one.
-            self.waiting.popleft()
+        waiting = self.waiting
+        preempted_now = self.num_preemptions_total != num_preempted
+        while (not preempted_now and waiting and budget > 0
+               and len(running) < config.max_num_seqs):
+            request = waiting.peek()
+            hit_blocks, num_hit = bm.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if not bm.can_allocate(request, num_new, hit_blocks):
+                break  # NOTE: never let a later (smaller) request skip ahead of the head.
+            waiting.pop()
+            self.prefix_cache_queries_total += request.num_tokens
+            self.prefix_cache_hits_total += num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
             if request.status is RequestStatus.PREEMPTED:
                 resumed.add(request.request_id)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            new_blocks[request.request_id] = bm.allocate(request, num_new)
+            new_blocks[request.request_id] = bm.allocate(request, num_new, hit_blocks)
+            request.num_computed_tokens = num_hit
+            bisect.insort(running, request, key=self._key)
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
         # 3. Diffs for the workers (each request: O(its new tokens + new blocks)).
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        requests = self.requests
         for request_id in num_scheduled:
-            request = self.requests[request_id]
-            if request.num_tokens_sent == 0:
+            request = requests[request_id]
+            sent = request.num_tokens_sent
+            num_prompt = len(request.prompt_token_ids)
+            if sent == 0:
                 new_reqs.append(NewRequestData(
                     request_id, request.all_token_ids, request.sampling_params,
                     list(request.block_ids), request.num_computed_tokens,
@@ -259,15 +352,22 @@ class Scheduler:
             else:
                 is_resumed = request_id in resumed
                 cached_reqs.append(CachedRequestData(
-                    request_id, request.token_ids_from(request.num_tokens_sent),
+                    request_id,
+                    request.output_token_ids[sent - num_prompt:] if sent >= num_prompt
+                    else request.token_ids_from(sent),
                     list(request.block_ids) if is_resumed else new_blocks[request_id],
                     is_resumed, request.num_computed_tokens,
                 ))
-            request.num_tokens_sent = request.num_tokens
+            request.num_tokens_sent = num_prompt + len(request.output_token_ids)
 
         self._step_id += 1
-        total = sum(num_scheduled.values())
+        total = config.max_num_batched_tokens - budget
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        # NOTE: preempted since the last step (a resumed one is in both this set and the
+        # scheduled requests: drop first, then take the new table); a finished one is only in
+        # finished_req_ids.
+        preempted = self._preempted_req_ids - finished
+        self._preempted_req_ids = set()
         output = SchedulerOutput(
             self._step_id, new_reqs, cached_reqs, num_scheduled, total, finished, preempted
         )
@@ -303,12 +403,15 @@ class Scheduler:
         self._in_flight = None
         updates: list[RequestUpdate] = []
         any_finished = False
+        requests = self.requests
+        running_status = RequestStatus.RUNNING
         for request_id, num_new in output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
+            request = requests.get(request_id)
+            if request is None or request.status is not running_status:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens != request.num_tokens:
+            if request.num_computed_tokens != len(request.prompt_token_ids) + len(
+                    request.output_token_ids):
                 continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
             token_id = sampled_token_ids.get(request_id)
             if token_id is None:
@@ -319,13 +422,17 @@ class Scheduler:
             request.output_token_ids.append(token_id)
             reason = self._check_stop(request, token_id)
             if reason is not None:
-                del self.requests[request_id]
+                del requests[request_id]
                 self._finish(request, reason)
                 any_finished = True
             updates.append(_update(request, [token_id], reason))
         if any_finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            self.running = [r for r in self.running if r.status is running_status]
         return updates
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the workers' KV caches were lost, e.g. a restart)."""
+        self.block_manager.reset_prefix_cache()
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
         # NOTE: STOP wins over LENGTH when both hold (the model did end the text, OpenAI's
@@ -342,13 +449,16 @@ class Scheduler:
         return None
 
     def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV, keep the tokens, back to the waiting front."""
+        """Recompute preemption: drop the KV (cached blocks stay cached, so the recompute may
+        hit them), keep the tokens, back in line at its place."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        self.waiting.add(request, preempted=True)
+        if request.num_tokens_sent > 0:  # the workers hold its blocks: tell them to drop them
+            self._preempted_req_ids.add(request.request_id)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Free blocks, set the final status; tell the workers if they ever saw it."""
@@ -365,5 +475,5 @@ def _update(
 ) -> RequestUpdate:
     return RequestUpdate(
         request.request_id, new_token_ids, reason,
-        request.num_prompt_tokens, request.num_output_tokens,
+        request.num_prompt_tokens, request.num_output_tokens, max(request.num_cached_tokens, 0),
     )

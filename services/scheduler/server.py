@@ -17,7 +17,7 @@ from services.common.config import add_flag
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from services.scheduler.engine import Engine, RouterSink
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
 from services.scheduler.worker_client import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks, num_running=s.num_running,
             num_waiting=s.num_waiting, num_preemptions_total=s.num_preemptions_total,
-            num_steps_total=self.engine.num_steps_total)
+            num_steps_total=self.engine.num_steps_total, num_cached_blocks=bm.num_cached_blocks,
+            prefix_cache_queries_total=s.prefix_cache_queries_total,
+            prefix_cache_hits_total=s.prefix_cache_hits_total,
+            num_rejected_total=s.num_rejected_total)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -88,6 +91,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="most tokens computed in one step (the chunked-prefill budget)")
     add_flag(p, "--max-model-len", type=int, default=None,
              help="longest prompt+output in tokens (default: the model's context length)")
+    add_flag(p, "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+             help="reuse the KV blocks of identical prompt prefixes across requests")
+    add_flag(p, "--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+             help="fcfs: arrival order; priority: by each request's priority (lower = sooner), "
+                  "then arrival; also picks the preemption victim")
+    add_flag(p, "--long-prefill-token-threshold", type=int, default=None,
+             help="most prompt tokens one request prefills per step, so running decodes keep "
+                  "moving while a long prompt is chunked in (default: max-num-batched-tokens / "
+                  "4; 0 = no cap)")
+    add_flag(p, "--max-num-waiting-requests", type=int, default=1024,
+             help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (0 = no "
+                  "limit)")
+    add_flag(p, "--max-num-waiting-tokens", type=int, default=0,
+             help="refuse new requests with RESOURCE_EXHAUSTED once the waiting queue would "
+                  "hold more prompt tokens than this (0 = no limit)")
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
@@ -110,15 +128,25 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
                              f"--block-size is {args.block_size}; start both with the same value")
     num_blocks = min(i.num_kv_blocks for i in infos)
     max_model_len = min(first.max_model_len, args.max_model_len or first.max_model_len)
+    threshold = args.long_prefill_token_threshold
+    if threshold is None:
+        threshold = max(1, args.max_num_batched_tokens // 4)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=max_model_len, block_size=args.block_size)
+                             max_model_len=max_model_len, block_size=args.block_size,
+                             enable_prefix_caching=args.enable_prefix_caching,
+                             scheduling_policy=args.scheduling_policy,
+                             long_prefill_token_threshold=threshold,
+                             max_num_waiting_requests=args.max_num_waiting_requests,
+                             max_num_waiting_tokens=args.max_num_waiting_tokens)
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids))
     info = engine_pb2.GetEngineInfoResponse(
         model=first.model, max_model_len=max_model_len, block_size=args.block_size,
         num_kv_blocks=num_blocks, vocab_size=first.vocab_size,
         eos_token_ids=first.eos_token_ids, dtype=first.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens)
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy)
     return Engine(scheduler, workers), info
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from itertools import chain
 
 import grpc
 
@@ -31,6 +32,22 @@ def _sampling_pb(p: EngineSamplingParams) -> worker_pb2.WorkerSamplingParams:
     return msg
 
 
+def _cached_requests_pb(out: SchedulerOutput) -> worker_pb2.CachedRequests:
+    """The scheduled cached requests as the columnar CachedRequests message."""
+    cached = out.scheduled_cached_reqs
+    n = out.num_scheduled_tokens
+    ids = [c.request_id for c in cached]
+    return worker_pb2.CachedRequests(
+        request_ids=ids,
+        new_token_ids=list(chain.from_iterable([c.new_token_ids for c in cached])),
+        num_new_token_ids=[len(c.new_token_ids) for c in cached],
+        new_block_ids=list(chain.from_iterable([c.new_block_ids for c in cached])),
+        num_new_block_ids=[len(c.new_block_ids) for c in cached],
+        resumed_from_preemption=[c.resumed_from_preemption for c in cached],
+        num_computed_tokens=[c.num_computed_tokens for c in cached],
+        num_scheduled_tokens=[n[i] for i in ids])
+
+
 def build_step_request(out: SchedulerOutput) -> worker_pb2.StepRequest:
     """Encode one scheduler step as the StepRequest every rank receives."""
     n = out.num_scheduled_tokens
@@ -43,14 +60,7 @@ def build_step_request(out: SchedulerOutput) -> worker_pb2.StepRequest:
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=n[r.request_id])
             for r in out.scheduled_new_reqs],
-        cached_requests=[
-            worker_pb2.CachedRequest(
-                request_id=r.request_id, new_token_ids=r.new_token_ids,
-                new_block_ids=r.new_block_ids,
-                resumed_from_preemption=r.resumed_from_preemption,
-                num_computed_tokens=r.num_computed_tokens,
-                num_scheduled_tokens=n[r.request_id])
-            for r in out.scheduled_cached_reqs],
+        cached_requests=_cached_requests_pb(out),
         finished_request_ids=sorted(out.finished_req_ids),
     )
 

@@ -36,12 +36,32 @@ def step_input_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
             sampling=sampling(r.sampling_params), block_ids=list(r.block_ids),
             num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens)
             for r in msg.new_requests],
-        cached_requests=[CachedRequest(
-            request_id=r.request_id, new_token_ids=list(r.new_token_ids),
-            new_block_ids=list(r.new_block_ids), resumed_from_preemption=r.resumed_from_preemption,
-            num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens)
-            for r in msg.cached_requests],
+        cached_requests=cached_requests_from_pb(msg.cached_requests),
         finished_request_ids=list(msg.finished_request_ids))
+
+
+def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]:
+    """Cut the columnar CachedRequests back into one CachedRequest per request.
+
+    Raises:
+        ValueError: the columns disagree in length (a malformed message).
+    """
+    n = len(c.request_ids)
+    columns = (c.num_new_token_ids, c.num_new_block_ids, c.resumed_from_preemption,
+               c.num_computed_tokens, c.num_scheduled_tokens)
+    if any(len(col) != n for col in columns) or (
+            sum(c.num_new_token_ids) != len(c.new_token_ids)
+            or sum(c.num_new_block_ids) != len(c.new_block_ids)):
+        raise ValueError(f"malformed CachedRequests: {n} request ids but columns of "
+                         f"{[len(col) for col in columns]}")
+    tokens, blocks = list(c.new_token_ids), list(c.new_block_ids)
+    out, t, b = [], 0, 0
+    for rid, nt, nb, resumed, computed, scheduled in zip(c.request_ids, *columns):
+        out.append(CachedRequest(rid, tokens[t:t + nt], blocks[b:b + nb], resumed, computed,
+                                 scheduled))
+        t += nt
+        b += nb
+    return out
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
@@ -59,7 +79,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     async def Execute(self, request_iterator, context):
         loop = asyncio.get_running_loop()
         async for msg in request_iterator:
-            step = step_input_from_pb(msg)
+            try:
+                step = step_input_from_pb(msg)
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {e}")
             t0 = time.perf_counter()
             try:
                 out = await loop.run_in_executor(self._executor, self.runner.execute_step, step)

@@ -39,6 +39,9 @@ CASES = {
     "prefill": [(17, 40)],
     "single_token_prompt": [(1, 1)],
     "mixed": [(1, 37), (5, 18), (17, 40), (1, 1), (9, 9), (1, 33)],
+    # one long chunk beside short prefix-cache-hit tails: the torch path splits the prefill
+    # group into buckets of similar query length (more than one bucket here)
+    "prefix_hits": [(64, 96), (4, 68), (3, 67), (1, 50), (5, 69), (2, 30)],
 }
 if CUDA:  # full size on a GPU
     CASES["decode_long"] = [(1, 1328), (1, 1), (1, 4097)] * 4
@@ -252,3 +255,21 @@ def test_rejects_num_heads_not_multiple_of_num_kv_heads(attention):
     batch = make_batch([(1, 5)], num_heads=4, num_kv_heads=3)
     with pytest.raises(ValueError, match="multiple"):
         attention(**batch)
+
+
+def test_prefill_buckets_bound_padding_and_cover_every_sequence():
+    from kernels.torch_attention import MAX_PADDING_FACTOR, _prefill_buckets
+
+    q_lens = [64, 4, 3, 1, 5, 2, 300, 33, 31]
+    query_lens = torch.tensor(q_lens)
+    seq_lens = torch.tensor([q + 10 * i for i, q in enumerate(q_lens)])
+    prefill = torch.tensor([i for i, q in enumerate(q_lens) if q > 1])
+    buckets = list(_prefill_buckets(prefill, query_lens, seq_lens))
+    assert len(buckets) > 1
+    seen = []
+    for indices, max_q, max_s in buckets:
+        lens = [q_lens[i] for i in indices.tolist()]
+        assert max_q == max(lens) and max_s == max(seq_lens[indices].tolist())
+        assert max_q * len(lens) <= MAX_PADDING_FACTOR * sum(lens)
+        seen += indices.tolist()
+    assert sorted(seen) == prefill.tolist()

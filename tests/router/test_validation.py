@@ -13,6 +13,8 @@ from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.validation import (
     RequestError,
     TextOptions,
+    validate_n,
+    validate_priority,
     validate_prompt_ids,
     validate_request_id,
     validate_sampling,
@@ -123,3 +125,28 @@ def test_request_id():
     assert len(made) == 32 and made != validate_request_id("")
     assert error(validate_request_id, "x" * 129) == \
         "request_id must have at most 128 characters, got 129"
+
+
+def test_n_defaults_to_one_and_accepts_1_to_64():
+    assert validate_n(api_pb2.SamplingParams()) == 1
+    for n in (1, 2, 64):
+        assert validate_n(api_pb2.SamplingParams(n=n)) == n
+
+
+@pytest.mark.parametrize("n", [0, -1, 65, 2**31 - 1])
+def test_n_out_of_range(n):
+    assert error(validate_n, api_pb2.SamplingParams(n=n)) == f"n must be in [1, 64], got {n}"
+
+
+@pytest.mark.parametrize("priority", [0, 1, -5, 2**31 - 1, -2**31])
+def test_any_int32_priority_under_the_priority_policy(priority):
+    assert validate_priority(priority, scheduling_policy="priority") == priority
+
+
+@pytest.mark.parametrize("policy", ["fcfs", ""])  # "" = an engine that predates the field
+def test_priority_must_be_zero_under_fcfs(policy):
+    assert validate_priority(0, scheduling_policy=policy) == 0
+    message = error(validate_priority, 3, scheduling_policy=policy)
+    assert message.startswith("priority must be 0 unless the scheduler runs "
+                              "--scheduling-policy priority")
+    assert message.endswith("got 3") and "fcfs" in message

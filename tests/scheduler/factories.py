@@ -2,9 +2,10 @@
 
 ``FakeWorker`` plays every worker rank: it rebuilds each request's token ids and block table
 from the SchedulerOutput diffs alone (as a real worker must), checks them against the
-scheduler's own Request objects, writes a "KV cache" of (request_id, position, token_id) per
-slot, and before sampling checks that every slot of the request still holds its token, so a
-wrong block table, a shared block or a missed recompute fails loudly.
+scheduler's own Request objects, writes a "KV cache" of (position, token ids up to and including
+that position) per slot -- what a real K/V vector depends on -- and before sampling checks that
+every slot of the request holds exactly that, so a wrong block table, a wrongly shared block
+(a bad prefix-cache hit), an evicted block still in use or a missed recompute fails loudly.
 
 The fake model: the token sampled for a request depends only on (its id's number, the position
 it is sampled at), so a run's outputs can be predicted without any scheduling
@@ -39,12 +40,14 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 128,
     eos_token_ids: tuple[int, ...] = (EOS,),
+    **config_kwargs,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         block_size=block_size,
+        **config_kwargs,
     )
     return Scheduler(config, num_kv_blocks, list(eos_token_ids))
 
@@ -84,6 +87,15 @@ def expected_output(
             return out, FinishReason.LENGTH
 
 
+def prefix_keys(token_ids: list[int]) -> list[int]:
+    """Key ``i`` identifies ``token_ids[:i + 1]`` (a chained hash; what the fake K/V holds)."""
+    keys, key = [], 0
+    for tok in token_ids:
+        key = hash((key, tok))
+        keys.append(key)
+    return keys
+
+
 @dataclass
 class _WorkerState:
     token_ids: list[int]
@@ -98,7 +110,7 @@ class FakeWorker:
     scheduler: Scheduler
     sample: callable = fake_token
     states: dict[str, _WorkerState] = field(default_factory=dict)
-    kv: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # slot -> (id, pos, tok)
+    kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (pos, prefix key)
     outputs: list[SchedulerOutput] = field(default_factory=list)
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
@@ -107,8 +119,11 @@ class FakeWorker:
         for rid in out.finished_req_ids:
             assert rid not in out.num_scheduled_tokens
             del self.states[rid]  # KeyError: told to drop a request it never saw
+        resumed = {c.request_id for c in out.scheduled_cached_reqs if c.resumed_from_preemption}
         for rid in out.preempted_req_ids:
-            assert rid not in out.num_scheduled_tokens, "preempted and scheduled in one step"
+            # NOTE: schedule() never preempts and resumes in one step; a preemption between
+            # steps (the property test's preempt rule) can be followed by a resume.
+            assert rid not in out.num_scheduled_tokens or rid in resumed
             state = self.states[rid]
             state.block_ids, state.num_computed_tokens = [], 0
         for new in out.scheduled_new_reqs:
@@ -118,12 +133,14 @@ class FakeWorker:
             )
         for cached in out.scheduled_cached_reqs:
             state = self.states[cached.request_id]
-            assert cached.num_computed_tokens == state.num_computed_tokens
             state.token_ids += cached.new_token_ids
             if cached.resumed_from_preemption:
-                assert state.block_ids == [] and cached.num_computed_tokens == 0
+                # NOTE: a resumed request restarts at its prefix-cache hit (whole blocks).
+                assert state.block_ids == [] and cached.num_computed_tokens % bs == 0
                 state.block_ids = list(cached.new_block_ids)
+                state.num_computed_tokens = cached.num_computed_tokens
             else:
+                assert cached.num_computed_tokens == state.num_computed_tokens
                 state.block_ids += cached.new_block_ids
         assert len(out.scheduled_new_reqs) + len(out.scheduled_cached_reqs) == len(
             out.num_scheduled_tokens
@@ -138,16 +155,17 @@ class FakeWorker:
             assert state.block_ids == request.block_ids
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             assert end <= len(state.token_ids) and end <= len(state.block_ids) * bs
+            prefixes = prefix_keys(state.token_ids[:end])
             for pos in range(start, end):
                 slot = state.block_ids[pos // bs] * bs + pos % bs
-                self.kv[slot] = (rid, pos, state.token_ids[pos])
+                self.kv[slot] = (pos, prefixes[pos])
             state.num_computed_tokens = end
         for rid in out.num_scheduled_tokens:  # after every write of the step
             state = self.states[rid]
             if state.num_computed_tokens == len(state.token_ids):
-                for pos, tok in enumerate(state.token_ids):
+                for pos, key in enumerate(prefix_keys(state.token_ids)):
                     slot = state.block_ids[pos // bs] * bs + pos % bs
-                    assert self.kv.get(slot) == (rid, pos, tok), f"{rid} lost K/V at {pos}"
+                    assert self.kv.get(slot) == (pos, key), f"{rid} reads wrong K/V at {pos}"
                 sampled[rid] = self.sample(rid, len(state.token_ids))
         return sampled
 

@@ -1,9 +1,14 @@
-"""Hypothesis: random add / step / abort sequences over a small KV cache.
+"""Hypothesis: random add / step / abort / preempt sequences over a small KV cache, with prefix
+caching on or off, the fcfs or priority policy, a long-prefill cap and load shedding drawn too.
+Prompts often share prefixes (a few "system prompts"), so prefix hits, shared blocks and
+evictions are common.
 
-Properties: no block is leaked or freed twice (exact accounting after every operation), no step
-exceeds max_num_batched_tokens or max_num_seqs, running + waiting stay in arrival order (so the
-preemption victim is the latest arrival), and every request finishes with exactly the tokens
-the fake model gives it without any scheduling, however often it was preempted.
+Properties: no block is leaked or freed twice and no ref count goes below zero (exact
+accounting, ref count == number of block tables listing the block, after every operation); no
+step exceeds max_num_batched_tokens or max_num_seqs; running stays in policy order (so the
+preemption victim is the worst key); every block a request reads holds exactly its prefix (the
+FakeWorker's check); and every request finishes with exactly the tokens the fake model gives it
+without any scheduling, however often it was preempted or hit the cache.
 """
 
 from hypothesis import HealthCheck, event, settings
@@ -15,7 +20,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from services.scheduler.request import FinishReason
+from services.scheduler.request import FinishReason, RequestStatus
+from services.scheduler.scheduler import QueueFullError
 from tests.scheduler.factories import (
     FakeWorker,
     expected_output,
@@ -34,9 +40,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 6),
         max_num_batched_tokens=st.integers(1, 40),
         eos=st.lists(FAKE_TOKENS, max_size=1),
+        prefix_caching=st.sampled_from([True, True, True, False]),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        threshold=st.sampled_from([0, 0, 1, 3, 8]),
+        max_waiting=st.sampled_from([0, 0, 2, 5]),
         data=st.data(),
     )
-    def setup(self, block_size, max_model_len, max_num_seqs, max_num_batched_tokens, eos, data):
+    def setup(self, block_size, max_model_len, max_num_seqs, max_num_batched_tokens, eos,
+              prefix_caching, policy, threshold, max_waiting, data):
         # NOTE: as few blocks as one max_model_len request allows, plus a little: preemption
         # should be common, not a corner case.
         min_blocks = -(-max_model_len // block_size)
@@ -49,21 +60,46 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             eos_token_ids=self.eos,
+            enable_prefix_caching=prefix_caching,
+            scheduling_policy=policy,
+            long_prefill_token_threshold=threshold,
+            max_num_waiting_requests=max_waiting,
         )
         self.worker = FakeWorker(self.scheduler)
         self.requests = []
+        self.num_added = 0
 
     @rule(data=st.data())
     def add(self, data):
-        max_len = self.scheduler.config.max_model_len
+        s = self.scheduler
+        max_len = s.config.max_model_len
         request = make_request(
-            len(self.requests),
+            self.num_added,
             data.draw(st.integers(1, max_len - 1), "prompt_len"),
             max_tokens=data.draw(st.none() | st.integers(1, 24), "max_tokens"),
             stop_token_ids=data.draw(st.lists(FAKE_TOKENS, max_size=2), "stop"),
             ignore_eos=data.draw(st.booleans(), "ignore_eos"),
         )
-        self.scheduler.add_request(request)
+        self.num_added += 1
+        # NOTE: most prompts start with one of two "system prompts" (or a copy of an earlier
+        # request's prompt), so the prefix cache gets hits on 0..n whole blocks.
+        system = data.draw(st.sampled_from([None, 0, 0, 1, "copy", "copy"]), "system")
+        if system == "copy" and self.requests:
+            request.prompt_token_ids = list(data.draw(st.sampled_from(self.requests),
+                                                      "copied").prompt_token_ids)
+        elif system in (0, 1):
+            shared = [9000 + 100 * system + j for j in range(request.num_prompt_tokens)]
+            cut = data.draw(st.sampled_from([request.num_prompt_tokens, request.num_prompt_tokens // 2,
+                                             1]), "shared_len")
+            request.prompt_token_ids[:cut] = shared[:cut]
+        if s.config.scheduling_policy == "priority":
+            request.priority = data.draw(st.integers(-2, 2), "priority")
+        try:
+            s.add_request(request)
+        except QueueFullError:
+            # NOTE: preempted requests re-enter the queue past the limit; only new ones are refused
+            assert s.num_waiting >= s.config.max_num_waiting_requests > 0
+            return
         self.requests.append(request)
 
     @rule()
@@ -73,6 +109,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(out.num_scheduled_tokens) <= config.max_num_seqs
         s.update_from_output(out, self.worker.execute(out))
+
+    @rule()
+    def preempt(self):
+        """Preempt the running tail between steps, as schedule() does when blocks run out."""
+        s = self.scheduler
+        if s.running:
+            victim = s.running.pop()
+            s._preempt(victim)  # the scheduler's own preemption path
+            assert victim.status is RequestStatus.PREEMPTED and victim.block_ids == []
 
     @rule(data=st.data())
     def abort(self, data):
@@ -90,8 +135,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.scheduler
         s.block_manager.check_invariants(s.requests.values())
         assert s.num_running <= s.config.max_num_seqs
-        order = [int(r.request_id[4:]) for r in [*s.running, *s.waiting]]
-        assert order == sorted(order)
+        keys = [s._key(r) for r in s.running]
+        assert keys == sorted(keys)  # the tail is the preemption victim: the worst key
+        if s.config.scheduling_policy == "fcfs":
+            order = [r.arrival_seq for r in [*s.running, *s.waiting]]
+            assert order == sorted(order)
+        assert s.waiting.num_tokens == sum(r.num_tokens for r in s.waiting)
 
     def teardown(self):
         s = getattr(self, "scheduler", None)
@@ -102,6 +151,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.worker.states == {}
         assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
         event(f"preemptions: {min(s.num_preemptions_total, 3)}+")
+        hits = s.prefix_cache_hits_total
+        event(f"prefix-cache hit tokens: {'0' if not hits else '1-9' if hits < 10 else '10+'}")
         for r in self.requests:
             assert r.is_finished
             event(f"finish: {r.finish_reason.value}")
@@ -112,7 +163,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 TestScheduler = SchedulerMachine.TestCase
 TestScheduler.settings = settings(
-    max_examples=200,
+    max_examples=300,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

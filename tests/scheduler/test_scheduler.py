@@ -429,10 +429,10 @@ def test_schedule_cost_does_not_grow_with_waiting_queue():
     calls = 0
     can_allocate = s.block_manager.can_allocate
 
-    def counting(request, num_new_tokens):
+    def counting(request, num_new_tokens, computed_block_ids=()):
         nonlocal calls
         calls += 1
-        return can_allocate(request, num_new_tokens)
+        return can_allocate(request, num_new_tokens, computed_block_ids)
 
     s.block_manager.can_allocate = counting
     w = FakeWorker(s)

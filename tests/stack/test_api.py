@@ -119,3 +119,17 @@ def test_usage_and_text_prompt(tiny, tokenizer):
         r = c.generate(prompt="Hello there", temperature=0, max_tokens=5, ignore_eos=True)
     assert r.usage.prompt_tokens == len(tokenizer("Hello there")["input_ids"])
     assert r.usage.completion_tokens == 5 == len(r.token_ids)
+
+
+def test_duplicate_running_request_id_is_refused_and_the_first_goes_on(tiny):
+    with Client(tiny.address, timeout=30) as c:
+        first = c.stream(prompt_token_ids=[5, 6, 7], max_tokens=40, ignore_eos=True,
+                         request_id="dup")
+        head = next(first)
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate(prompt_token_ids=[5, 6, 7], max_tokens=2, request_id="dup")
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already running" in err.value.details()
+        rest = list(first)
+    assert rest[-1].finish_reason == "length"
+    assert len(head.token_ids) + sum(len(d.token_ids) for d in rest) == 40

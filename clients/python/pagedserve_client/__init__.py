@@ -6,6 +6,7 @@
 """
 
 from pagedserve_client.client import AsyncClient, Client, build_request
-from pagedserve_client.types import GenerationResult, StreamDelta, Usage
+from pagedserve_client.types import Choice, GenerationResult, StreamDelta, Usage
 
-__all__ = ["AsyncClient", "Client", "GenerationResult", "StreamDelta", "Usage", "build_request"]
+__all__ = ["AsyncClient", "Choice", "Client", "GenerationResult", "StreamDelta", "Usage",
+           "build_request"]

@@ -2,8 +2,19 @@
 ``AsyncClient`` (asyncio).
 
 Sampling keyword arguments are vLLM's names: temperature, top_p, top_k, seed, max_tokens, stop,
-stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens.
-Errors are ``grpc.RpcError`` (``.code()`` INVALID_ARGUMENT etc. with a message naming the field).
+stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens, n.
+
+``n`` (1..64, default 1) asks for n completions (choices) of the same prompt, as in vLLM and
+OpenAI: streamed deltas carry ``index`` (0 .. n-1) and interleave; ``generate`` returns them all
+in ``GenerationResult.choices``. With a ``seed``, choice i samples with seed + i, so a repeated
+request reproduces every choice.
+
+``priority`` (an int32, default 0; lower runs sooner, as in vLLM) is accepted only when the
+server's scheduler runs ``--scheduling-policy priority``; otherwise a non-zero priority is
+INVALID_ARGUMENT.
+
+Errors are ``grpc.RpcError`` (``.code()`` INVALID_ARGUMENT etc. with a message naming the field;
+RESOURCE_EXHAUSTED when the server sheds load, UNAVAILABLE when it has no engine).
 """
 
 from __future__ import annotations
@@ -22,12 +33,18 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
 
 def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   prompt_token_ids: list[int] | None = None, request_id: str = "",
-                  **sampling) -> api_pb2.GenerateRequest:
+                  priority: int = 0, **sampling) -> api_pb2.GenerateRequest:
     """Build a GenerateRequest from exactly one of prompt / messages / prompt_token_ids.
 
+    Args:
+        request_id: echoed in every response; the server makes one when empty.
+        priority: scheduling priority, an int32 (lower runs sooner).
+        **sampling: SamplingParams fields by name (vLLM's names, including ``n``).
+
     Raises:
-        ValueError: not exactly one prompt form, or an unknown sampling parameter.
-        TypeError: a sampling parameter of the wrong type.
+        ValueError: not exactly one prompt form, an unknown sampling parameter, or a value out
+            of its wire type's range (e.g. a priority outside int32).
+        TypeError: a sampling parameter or priority of the wrong type.
     """
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("pass exactly one of prompt=, messages= or prompt_token_ids=")
@@ -49,6 +66,10 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
         except (ValueError, TypeError) as e:  # protobuf's range/type checks
             raise type(e)(f"{name}={value!r}: {e}") from None
     req = api_pb2.GenerateRequest(sampling_params=params, request_id=request_id)
+    try:
+        req.priority = priority
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"priority={priority!r}: {e}") from None
     if prompt is not None:
         req.prompt = prompt
     elif messages is not None:
@@ -77,10 +98,16 @@ class Client:
         self.timeout = timeout  # seconds per request; None = no deadline
 
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-               prompt_token_ids: list[int] | None = None, **sampling) -> Iterator[StreamDelta]:
-        """Yield the deltas of one completion as they are generated; the last has
-        finish_reason and usage. Breaking out of the loop cancels the request."""
-        req = build_request(prompt, messages, prompt_token_ids, **sampling)
+               prompt_token_ids: list[int] | None = None, priority: int = 0,
+               **sampling) -> Iterator[StreamDelta]:
+        """Yield the deltas of a request as they are generated; the last delta of each choice
+        has finish_reason and usage. With ``n > 1`` the choices' deltas interleave (tell them
+        apart by ``delta.index``). Breaking out of the loop cancels the request (every choice).
+
+        Raises:
+            grpc.RpcError: the server refused or failed the request.
+        """
+        req = build_request(prompt, messages, prompt_token_ids, priority=priority, **sampling)
         call = self._stub.Generate(req, timeout=self.timeout)
         try:
             for msg in call:
@@ -89,10 +116,16 @@ class Client:
             call.cancel()
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                 prompt_token_ids: list[int] | None = None, **sampling) -> GenerationResult:
-        """Run one completion to the end and return it whole."""
-        return join(list(self.stream(prompt, messages=messages,
-                                     prompt_token_ids=prompt_token_ids, **sampling)))
+                 prompt_token_ids: list[int] | None = None, priority: int = 0,
+                 **sampling) -> GenerationResult:
+        """Run a request to the end and return it whole: every choice in ``result.choices``
+        (ordered by index), choice 0 also as ``result.text``, ``.token_ids``, ``.usage``...
+
+        Raises:
+            grpc.RpcError: the server refused or failed the request.
+        """
+        return join(list(self.stream(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
+                                     priority=priority, **sampling)))
 
     def close(self) -> None:
         self._channel.close()
@@ -113,10 +146,15 @@ class AsyncClient:
         self.timeout = timeout
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                     prompt_token_ids: list[int] | None = None,
+                     prompt_token_ids: list[int] | None = None, priority: int = 0,
                      **sampling) -> AsyncIterator[StreamDelta]:
-        """Async-iterate the deltas of one completion; leaving the loop cancels the request."""
-        req = build_request(prompt, messages, prompt_token_ids, **sampling)
+        """Async-iterate the deltas of a request (see ``Client.stream``); leaving the loop
+        cancels the request.
+
+        Raises:
+            grpc.aio.AioRpcError: the server refused or failed the request.
+        """
+        req = build_request(prompt, messages, prompt_token_ids, priority=priority, **sampling)
         call = self._stub.Generate(req, timeout=self.timeout)
         try:
             async for msg in call:
@@ -125,10 +163,16 @@ class AsyncClient:
             call.cancel()
 
     async def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-                       prompt_token_ids: list[int] | None = None, **sampling) -> GenerationResult:
-        """Run one completion to the end and return it whole."""
-        return join([d async for d in self.stream(prompt, messages=messages,
-                                                  prompt_token_ids=prompt_token_ids, **sampling)])
+                       prompt_token_ids: list[int] | None = None, priority: int = 0,
+                       **sampling) -> GenerationResult:
+        """Run a request to the end and return it whole (see ``Client.generate``).
+
+        Raises:
+            grpc.aio.AioRpcError: the server refused or failed the request.
+        """
+        return join([d async for d in self.stream(
+            prompt, messages=messages, prompt_token_ids=prompt_token_ids, priority=priority,
+            **sampling)])
 
     async def close(self) -> None:
         await self._channel.close()

@@ -9,27 +9,57 @@ FINISH_REASONS = {0: None, 1: "stop", 2: "length", 3: "abort"}
 
 @dataclass(slots=True)
 class Usage:
-    """Token counts of one request."""
+    """Token counts of one choice.
+
+    Attributes:
+        prompt_tokens: tokens in the prompt (after the chat template).
+        completion_tokens: tokens generated for this choice (a stop token included).
+        num_cached_tokens: prompt tokens whose KV the server reused from its prefix cache
+            (OpenAI's ``prompt_tokens_details.cached_tokens``); 0 on a miss or with caching off.
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
 class StreamDelta:
-    """One streamed piece: new token ids and text; the last one has finish_reason and usage."""
+    """One streamed piece of one choice: new token ids and text; the last piece of each choice
+    has finish_reason and usage. With ``n > 1`` the choices' pieces interleave: ``index`` says
+    which choice (0 .. n-1) this one belongs to."""
 
     request_id: str
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the choice's last delta
     usage: Usage | None = None
     stop_reason: str | None = None    # the matched stop string, if any
+    index: int = 0                    # the choice, 0 .. n-1
+
+
+@dataclass(slots=True)
+class Choice:
+    """One whole completion (choice ``index`` of a request with ``n`` choices)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    stop_reason: str | None = None
 
 
 @dataclass(slots=True)
 class GenerationResult:
-    """A whole completion."""
+    """A whole request: all its choices, and choice 0's fields at the top level.
+
+    Attributes:
+        request_id: the request's id.
+        text, token_ids, finish_reason, usage, stop_reason: those of choice 0 (with the
+            default ``n=1``, the only choice).
+        choices: every choice, ordered by index (``len(choices) == n``).
+    """
 
     request_id: str
     text: str
@@ -37,27 +67,38 @@ class GenerationResult:
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     stop_reason: str | None = None
+    choices: list[Choice] = field(default_factory=list)
 
 
 def delta_from_pb(msg) -> StreamDelta:
     """Convert a GenerateResponse message."""
     final = msg.finish_reason != 0
+    usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens,
+                  msg.usage.num_cached_tokens) if final else None
     return StreamDelta(
         request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
-        finish_reason=FINISH_REASONS.get(msg.finish_reason),
-        usage=Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens) if final else None,
-        stop_reason=msg.stop_reason or None)
+        finish_reason=FINISH_REASONS.get(msg.finish_reason), usage=usage,
+        stop_reason=msg.stop_reason or None, index=msg.index)
 
 
 def join(deltas: list[StreamDelta]) -> GenerationResult:
-    """Fold a stream into one result."""
-    result = GenerationResult(request_id=deltas[0].request_id if deltas else "", text="")
-    parts: list[str] = []
+    """Fold a stream (of any number of interleaved choices) into one result."""
+    choices: dict[int, Choice] = {}
+    parts: dict[int, list[str]] = {}
     for d in deltas:
-        parts.append(d.text)
-        result.token_ids.extend(d.token_ids)
+        choice = choices.setdefault(d.index, Choice(d.index))
+        parts.setdefault(d.index, []).append(d.text)
+        choice.token_ids.extend(d.token_ids)
         if d.finish_reason:
-            result.finish_reason, result.usage, result.stop_reason = (
-                d.finish_reason, d.usage, d.stop_reason)
-    result.text = "".join(parts)
+            choice.finish_reason, choice.usage, choice.stop_reason = (
+                d.finish_reason, d.usage or Usage(), d.stop_reason)
+    for i, choice in choices.items():
+        choice.text = "".join(parts[i])
+    ordered = [choices[i] for i in sorted(choices)]
+    result = GenerationResult(request_id=deltas[0].request_id if deltas else "", text="",
+                              choices=ordered)
+    if ordered:
+        first = ordered[0]
+        result.text, result.token_ids, result.finish_reason, result.usage, result.stop_reason = (
+            first.text, first.token_ids, first.finish_reason, first.usage, first.stop_reason)
     return result

@@ -1,0 +1,117 @@
+"""One choice of a Generate call: its engine request, detokenizer and stop-string matcher.
+
+A request for n choices runs as n independent engine requests, as in vLLM V1's parallel
+sampling (``vllm/v1/engine/parallel_sampling.py``): the router fans the request out and merges
+the children's outputs into one stream, each message tagged with its choice ``index``.
+
+- Engine request id: the request id itself when n == 1; ``f"{i}_{request_id}"`` for choice i
+  when n > 1 (vLLM's form).
+- Seed: with a seed, choice i samples with ``(seed + i) mod 2**64``, so the choices differ but a
+  repeated request reproduces all of them; without one every child uses the engine's shared
+  generator.
+- Each choice detokenizes and matches stop strings on its own text; a stop-string hit ends (and
+  aborts in the engine) that choice only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.router.detokenizer import IncrementalDetokenizer
+from services.router.stop_strings import StopStringMatcher
+from services.router.validation import TextOptions
+
+SEED_MODULUS = 2**64  # seeds are uint64 on the wire
+
+_FINISH = {engine_pb2.ENGINE_FINISH_REASON_STOP: api_pb2.FINISH_REASON_STOP,
+           engine_pb2.ENGINE_FINISH_REASON_LENGTH: api_pb2.FINISH_REASON_LENGTH,
+           engine_pb2.ENGINE_FINISH_REASON_ABORT: api_pb2.FINISH_REASON_ABORT}
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The engine request id of choice ``index`` of ``n``: ``request_id`` when n == 1, else
+    ``f"{index}_{request_id}"`` (vLLM's child id)."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+def child_params(params: engine_pb2.EngineSamplingParams, index: int
+                 ) -> engine_pb2.EngineSamplingParams:
+    """The sampling parameters of choice ``index``: ``params`` with the seed, if set, moved to
+    ``(seed + index) mod 2**64``. Returns ``params`` itself for choice 0 (never mutated)."""
+    if index == 0 or not params.HasField("seed"):
+        return params
+    child = engine_pb2.EngineSamplingParams()
+    child.CopyFrom(params)
+    child.seed = (params.seed + index) % SEED_MODULUS
+    return child
+
+
+class Choice:
+    """The router-side state of one choice: text so far, held-back stop-string prefix, counts.
+
+    Args:
+        index: the choice's index in [0, n).
+        engine_request_id: its engine request id (see ``child_request_id``).
+        request_id: the client-facing request id, echoed in every response.
+        prompt_token_ids: the shared prompt (primes the detokenizer; its length is
+            ``usage.prompt_tokens``).
+        text: stop strings and text options.
+        tokenizer: the model's fast tokenizer.
+    """
+
+    def __init__(self, index: int, engine_request_id: str, request_id: str,
+                 prompt_token_ids: Sequence[int], text: TextOptions, tokenizer):
+        self.index = index
+        self.engine_request_id = engine_request_id
+        self.request_id = request_id
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        # True once the choice has sent its final message (or failed): later outputs of its
+        # engine request, e.g. the ABORT after a stop-string hit, are ignored.
+        self.finished = False
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                             skip_special_tokens=text.skip_special_tokens)
+        self._stops = StopStringMatcher(text.stop, text.include_stop_str_in_output)
+
+    def on_output(self, out: engine_pb2.RequestOutput
+                  ) -> tuple[api_pb2.GenerateResponse | None, bool]:
+        """Turn one RequestOutput (without error) of this choice's engine request into the
+        message to send, if any.
+
+        Returns:
+            (response, stop_string_hit): the GenerateResponse to stream (None when there is
+            nothing new to show, e.g. a prefill step or text held back), and whether a stop
+            string ended the choice, in which case the caller must abort its engine request.
+            ``finished`` is True after the final message.
+        """
+        ids = list(out.new_token_ids)
+        self.num_output_tokens += len(ids)
+        if out.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
+        match = self._stops.feed(self._detok.step(ids)) if ids else None
+        text = match.text_to_emit if match else ""
+        if match is not None and match.stopped:
+            return self._final(ids, text, api_pb2.FINISH_REASON_STOP, match.stop_str), True
+        if out.finish_reason:
+            # release what the detokenizer and the stop matcher still hold back
+            tail = self._stops.feed(self._detok.flush())
+            text += tail.text_to_emit
+            if tail.stopped:
+                return self._final(ids, text, api_pb2.FINISH_REASON_STOP, tail.stop_str), False
+            return self._final(ids, text + self._stops.flush(), _FINISH[out.finish_reason]), False
+        if ids or text:
+            return api_pb2.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
+                                            index=self.index), False
+        return None, False
+
+    def _final(self, ids: list[int], text: str, reason: int,
+               stop_str: str | None = None) -> api_pb2.GenerateResponse:
+        self.finished = True
+        return api_pb2.GenerateResponse(
+            request_id=self.request_id, token_ids=ids, text=text, finish_reason=reason,
+            usage=api_pb2.Usage(prompt_tokens=self.num_prompt_tokens,
+                                completion_tokens=self.num_output_tokens,
+                                num_cached_tokens=self.num_cached_tokens),
+            stop_reason=stop_str or "", index=self.index)

@@ -1,0 +1,189 @@
+"""The router's fan-out of n choices (``stream_responses``) against a scripted fake engine.
+
+The fake records every submit, abort and release and replays a fixed list of RequestOutputs, so
+these tests pin the exact protocol: child ids and seeds, a stop string ending one choice only,
+usage per choice, and that a failure or a cancel aborts every choice still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.router.choices import child_params, child_request_id
+from services.router.generation import EngineError, PreparedRequest, stream_responses
+from services.router.validation import TextOptions
+from tests.router import smollm2_tokenizer
+
+RID = "req"
+PROMPT = [1, 2, 3, 4, 5]
+STOP = engine_pb2.ENGINE_FINISH_REASON_STOP
+LENGTH = engine_pb2.ENGINE_FINISH_REASON_LENGTH
+ABORT = engine_pb2.ENGINE_FINISH_REASON_ABORT
+
+
+class FakeEngine:
+    """Records the calls ``stream_responses`` makes; replays ``outputs`` on the shared queue."""
+
+    def __init__(self, outputs: list[engine_pb2.RequestOutput], running: tuple[str, ...] = ()):
+        self.outputs = outputs
+        self.running = set(running)  # ids of other callers' requests
+        self.submitted: dict[str, tuple[engine_pb2.EngineSamplingParams, int]] = {}
+        self.aborted: list[str] = []
+        self.released: list[str] = []
+
+    def submit(self, request_id, prompt_token_ids, params, *, priority=0, queue=None):
+        assert list(prompt_token_ids) == PROMPT and queue is not None
+        if not self.submitted:
+            for out in self.outputs:
+                queue.put_nowait(out)
+        self.submitted[request_id] = (params, priority)
+        return queue
+
+    def is_running(self, request_id):
+        return request_id in self.running
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def release(self, request_id):
+        self.released.append(request_id)
+
+
+def out(rid, ids=(), finish=0, cached=0, error=0, message=""):
+    return engine_pb2.RequestOutput(request_id=rid, new_token_ids=list(ids), finish_reason=finish,
+                                    num_cached_tokens=cached, error_code=error,
+                                    error_message=message)
+
+
+def prepared(n=1, seed=None, stop=(), priority=0) -> PreparedRequest:
+    params = engine_pb2.EngineSamplingParams(temperature=1.0, top_p=1.0, top_k=-1, seed=seed)
+    return PreparedRequest(RID, PROMPT, params, TextOptions(stop=tuple(stop)), n=n,
+                           priority=priority)
+
+
+def ids_of(text: str) -> list[int]:
+    return smollm2_tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+async def collect(engine, req, stop_after=None) -> list[api_pb2.GenerateResponse]:
+    """Run the generator; with ``stop_after`` close it after that many messages (a cancel)."""
+    gen = stream_responses(engine, smollm2_tokenizer(), req)
+    got = []
+    try:
+        async for msg in gen:
+            got.append(msg)
+            if stop_after is not None and len(got) == stop_after:
+                break
+    finally:
+        await gen.aclose()
+    return got
+
+
+def by_index(msgs):
+    text, ids, finals = {}, {}, {}
+    for m in msgs:
+        text[m.index] = text.get(m.index, "") + m.text
+        ids.setdefault(m.index, []).extend(m.token_ids)
+        if m.finish_reason:
+            assert m.index not in finals, "a choice sent two final messages"
+            finals[m.index] = m
+    return text, ids, finals
+
+
+def test_child_ids_and_seeds():
+    assert child_request_id(RID, 0, 1) == RID
+    assert [child_request_id(RID, i, 3) for i in range(3)] == ["0_req", "1_req", "2_req"]
+    base = engine_pb2.EngineSamplingParams(temperature=0.7, seed=2**64 - 2, max_tokens=9)
+    seeds = [child_params(base, i).seed for i in range(4)]
+    assert seeds == [2**64 - 2, 2**64 - 1, 0, 1]  # (seed + i) mod 2**64
+    assert child_params(base, 3).max_tokens == 9 and base.seed == 2**64 - 2  # a copy
+    unseeded = engine_pb2.EngineSamplingParams(temperature=0.7)
+    assert not child_params(unseeded, 2).HasField("seed")
+
+
+def test_n1_keeps_the_request_id_and_reports_cached_tokens():
+    hello = ids_of("Hello world")
+    engine = FakeEngine([out(RID, hello[:1], cached=4), out(RID, hello[1:], LENGTH, cached=4)])
+    msgs = asyncio.run(collect(engine, prepared(n=1, seed=7, priority=2)))
+    assert list(engine.submitted) == [RID]
+    params, priority = engine.submitted[RID]
+    assert params.seed == 7 and priority == 2
+    text, ids, finals = by_index(msgs)
+    assert text == {0: "Hello world"} and ids == {0: hello}
+    usage = finals[0].usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.num_cached_tokens) == (
+        len(PROMPT), len(hello), 4)
+    assert all(m.request_id == RID and m.index == 0 for m in msgs)
+    assert engine.aborted == []
+
+
+def test_n_choices_are_submitted_with_their_seeds_and_merged():
+    a, b, c = ids_of(" one two"), ids_of(" three"), ids_of(" four five six")
+    outputs = [out("0_req", a[:1]), out("2_req", c[:1]), out("1_req", b, STOP, cached=16),
+               out("0_req", a[1:], LENGTH), out("2_req", c[1:], LENGTH)]
+    engine = FakeEngine(outputs)
+    msgs = asyncio.run(collect(engine, prepared(n=3, seed=10, priority=-1)))
+    assert {rid: (p.seed, prio) for rid, (p, prio) in engine.submitted.items()} == {
+        "0_req": (10, -1), "1_req": (11, -1), "2_req": (12, -1)}
+    text, ids, finals = by_index(msgs)
+    assert text == {0: " one two", 1: " three", 2: " four five six"}
+    assert ids == {0: a, 1: b, 2: c}
+    assert {i: f.usage.completion_tokens for i, f in finals.items()} == {0: len(a), 1: len(b),
+                                                                      2: len(c)}
+    assert finals[1].usage.num_cached_tokens == 16 and finals[0].usage.num_cached_tokens == 0
+    assert msgs[-1].index == 2 and msgs[-1].finish_reason == api_pb2.FINISH_REASON_LENGTH
+    assert engine.aborted == []  # every choice finished in the engine
+
+
+def test_stop_string_ends_one_choice_only():
+    a, b = ids_of(" red green blue"), ids_of(" cat STOP dog")
+    outputs = [out("0_req", a[:1]), out("1_req", b[:2]), out("1_req", b[2:3]),
+               out("0_req", a[1:2]),
+               out("1_req", finish=ABORT),  # the engine's answer to the router's abort
+               out("0_req", a[2:], LENGTH)]
+    engine = FakeEngine(outputs)
+    msgs = asyncio.run(collect(engine, prepared(n=2, stop=["STOP"])))
+    text, _, finals = by_index(msgs)
+    assert text == {0: " red green blue", 1: " cat "}
+    assert finals[1].finish_reason == api_pb2.FINISH_REASON_STOP
+    assert finals[1].stop_reason == "STOP" and finals[1].usage.completion_tokens == 3
+    assert finals[0].finish_reason == api_pb2.FINISH_REASON_LENGTH
+    assert engine.aborted == ["1_req"] and engine.released == ["1_req"]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE])
+def test_an_engine_error_on_one_choice_aborts_the_others(code):
+    outputs = [out("0_req", [5]), out("1_req", [6], LENGTH),
+               out("2_req", finish=ABORT, error=code.value[0], message="queue is full")]
+    engine = FakeEngine(outputs)
+    with pytest.raises(EngineError) as err:
+        asyncio.run(collect(engine, prepared(n=4)))
+    assert err.value.code == code and err.value.message == "queue is full"
+    # 1 finished, 2 failed in the engine: only 0 and 3 are still running there
+    assert sorted(engine.aborted) == sorted(engine.released) == ["0_req", "3_req"]
+
+
+def test_cancel_aborts_every_running_choice():
+    outputs = [out("0_req", ids_of(" a")), out("1_req", ids_of(" b"), LENGTH),
+               out("2_req", ids_of(" c"))]
+    engine = FakeEngine(outputs)
+    msgs = asyncio.run(collect(engine, prepared(n=3), stop_after=1))
+    assert len(msgs) == 1
+    assert sorted(engine.aborted) == sorted(engine.released) == ["0_req", "1_req", "2_req"]
+    engine = FakeEngine(outputs)
+    msgs = asyncio.run(collect(engine, prepared(n=3), stop_after=2))
+    assert msgs[1].finish_reason and sorted(engine.aborted) == ["0_req", "2_req"]
+
+
+def test_a_running_child_id_is_refused_before_anything_is_submitted():
+    engine = FakeEngine([], running=("2_req", "3_req"))
+    with pytest.raises(EngineError) as err:
+        asyncio.run(collect(engine, prepared(n=4)))
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.message == "request_id 'req' is already running (engine request '2_req')"
+    # nothing of ours was submitted, and the other caller's requests were left alone
+    assert engine.submitted == {} and engine.aborted == [] and engine.released == []
