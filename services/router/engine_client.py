@@ -60,7 +60,8 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
                params: engine_pb2.EngineSamplingParams, *, priority: int = 0,
-               queue: asyncio.Queue | None = None) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, parent_request_id: str = ""
+               ) -> asyncio.Queue:
         """Send a request; returns the queue its RequestOutputs arrive on (the last one has
         finish_reason set or an error_code). A request that cannot be sent gets its error output
         in the queue at once: UNAVAILABLE with the scheduler unreachable, INVALID_ARGUMENT when
@@ -71,6 +72,8 @@ class EngineClient:
             queue: deliver the outputs to this queue instead of a new one, so several requests
                 (the choices of one n > 1 request) can share it; tell them apart by
                 ``request_id``.
+            parent_request_id: for a choice of an n > 1 request, that request's id (its
+                choices share prompt KV blocks even with prefix caching off).
         """
         queue = asyncio.Queue() if queue is None else queue
         if not self.connected.is_set():
@@ -87,7 +90,7 @@ class EngineClient:
         self._pending[request_id] = queue
         self._outgoing.put_nowait(engine_pb2.EngineRequest(submit=engine_pb2.SubmitRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
-            priority=priority)))
+            priority=priority, parent_request_id=parent_request_id)))
         return queue
 
     def is_running(self, request_id: str) -> bool:

@@ -120,7 +120,8 @@ async def stream_responses(engine: EngineClient, tokenizer, req: PreparedRequest
                           (f" (engine request {taken!r})" if taken != req.request_id else ""))
     for rid, choice in choices.items():
         engine.submit(rid, req.prompt_token_ids, child_params(req.params, choice.index),
-                      priority=req.priority, queue=queue)
+                      priority=req.priority, queue=queue,
+                      parent_request_id=req.request_id if req.n > 1 else "")
     num_running = len(choices)
     try:
         while num_running:

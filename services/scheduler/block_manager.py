@@ -29,6 +29,10 @@ until allocation has to evict it.
     allocate() takes from the left; a taken cached block loses its key (eviction).
     a hit on [4*] takes it out of the free list without evicting it.
 
+With prefix caching off, only the n choices of one request (``Request.parent_request_id``) share
+blocks: their keys also hash the parent id, so no other request can match them, and a block
+loses its key the moment no request holds it (nothing is kept for later requests).
+
 NOTE: blocks are registered when they are ALLOCATED for a step, before the worker has written
 them. That is safe because (a) the worker writes every token's K/V of a layer before any
 attention of that layer reads the cache, so a request that hits a block registered earlier in
@@ -163,10 +167,18 @@ class BlockManager:
                                  f"fewer than {num_full_blocks} full blocks of {bs}")
             tokens = request.token_ids_from(len(hashes) * bs)
             parent = hashes[-1] if hashes else b""
+            extra = request.extra_keys
+            if not self.enable_prefix_caching:  # only the choices of one parent may match
+                extra += b"\x00parent:" + request.parent_request_id.encode()
             for j in range(num_full_blocks - len(hashes)):
-                parent = hash_block(parent, tokens[j * bs:(j + 1) * bs], request.extra_keys)
+                parent = hash_block(parent, tokens[j * bs:(j + 1) * bs], extra)
                 hashes.append(parent)
         return hashes
+
+    def shares_blocks(self, request: Request) -> bool:
+        """Whether ``request`` takes part in block sharing: always with prefix caching on;
+        with it off, only the choices of an n > 1 request (``parent_request_id`` set)."""
+        return self.enable_prefix_caching or bool(request.parent_request_id)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached prefix of ``request``: block ids and their token count.
@@ -180,7 +192,7 @@ class BlockManager:
         Returns:
             (block ids in logical order, number of tokens they hold = len * block_size).
         """
-        if not self.enable_prefix_caching:
+        if not self.shares_blocks(request):
             return [], 0
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
@@ -310,7 +322,7 @@ class BlockManager:
             new_block_ids.append(block_id)
         request.block_ids.extend(new_block_ids)
         num_tokens = min(num_computed + num_new_tokens, request.num_tokens)
-        if self.enable_prefix_caching:
+        if self.shares_blocks(request):
             self._cache_full_blocks(request, num_tokens)
         else:  # NOTE: nothing to register, but the scheduler's fast path reads the count
             request.num_cached_blocks = num_tokens // self.block_size
@@ -318,7 +330,8 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Release every block of ``request`` and clear its block table. Cached blocks keep
-        their prefix key on the free list until allocation evicts them.
+        their prefix key on the free list until allocation evicts them (with prefix caching
+        off, a block nobody holds any more loses its key at once).
 
         Calling it twice is harmless (the table is empty the second time).
 
@@ -333,6 +346,8 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
+                if not self.enable_prefix_caching and block.block_hash is not None:
+                    self._evict(block)  # NOTE: without prefix caching nothing outlives its users
         # NOTE: a new list, not .clear(): messages already sent may hold the old list object.
         request.block_ids = []
         request.num_cached_blocks = 0

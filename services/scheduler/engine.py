@@ -90,7 +90,8 @@ class Engine:
         try:
             req = Request(request_id=rid, prompt_token_ids=list(msg.prompt_token_ids),
                           sampling_params=params_from_pb(msg.sampling_params),
-                          arrival_time=time.monotonic(), priority=msg.priority)
+                          arrival_time=time.monotonic(), priority=msg.priority,
+                          parent_request_id=msg.parent_request_id)
             self.scheduler.add_request(req)
         except ValueError as e:
             sink.queue.put_nowait(self._batch([error_output(

@@ -121,6 +121,7 @@ class Request:
     num_cached_blocks: int = 0  # leading full blocks of block_ids already registered (or, with
     # prefix caching off, already full): the prefix cache's and the scheduler's bookmark
     extra_keys: bytes = b""  # what else the K/V depends on (hashed into every block key)
+    parent_request_id: str = ""  # set on the choices of an n > 1 request: they share blocks
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -32,15 +32,18 @@ class FakeEngine:
         self.outputs = outputs
         self.running = set(running)  # ids of other callers' requests
         self.submitted: dict[str, tuple[engine_pb2.EngineSamplingParams, int]] = {}
+        self.parents: dict[str, str] = {}  # request id -> parent_request_id it was sent with
         self.aborted: list[str] = []
         self.released: list[str] = []
 
-    def submit(self, request_id, prompt_token_ids, params, *, priority=0, queue=None):
+    def submit(self, request_id, prompt_token_ids, params, *, priority=0, queue=None,
+               parent_request_id=""):
         assert list(prompt_token_ids) == PROMPT and queue is not None
         if not self.submitted:
             for out in self.outputs:
                 queue.put_nowait(out)
         self.submitted[request_id] = (params, priority)
+        self.parents[request_id] = parent_request_id
         return queue
 
     def is_running(self, request_id):
@@ -109,7 +112,7 @@ def test_n1_keeps_the_request_id_and_reports_cached_tokens():
     hello = ids_of("Hello world")
     engine = FakeEngine([out(RID, hello[:1], cached=4), out(RID, hello[1:], LENGTH, cached=4)])
     msgs = asyncio.run(collect(engine, prepared(n=1, seed=7, priority=2)))
-    assert list(engine.submitted) == [RID]
+    assert list(engine.submitted) == [RID] and engine.parents == {RID: ""}
     params, priority = engine.submitted[RID]
     assert params.seed == 7 and priority == 2
     text, ids, finals = by_index(msgs)
@@ -129,6 +132,7 @@ def test_n_choices_are_submitted_with_their_seeds_and_merged():
     msgs = asyncio.run(collect(engine, prepared(n=3, seed=10, priority=-1)))
     assert {rid: (p.seed, prio) for rid, (p, prio) in engine.submitted.items()} == {
         "0_req": (10, -1), "1_req": (11, -1), "2_req": (12, -1)}
+    assert engine.parents == {"0_req": RID, "1_req": RID, "2_req": RID}
     text, ids, finals = by_index(msgs)
     assert text == {0: " one two", 1: " three", 2: " four five six"}
     assert ids == {0: a, 1: b, 2: c}

@@ -110,6 +110,33 @@ def test_disabled_prefix_caching_never_hits():
     assert bm.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
 
 
+def test_without_prefix_caching_only_choices_of_one_request_share():
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    tokens = list(range(9))
+    first = request("0_r", tokens, parent_request_id="r")
+    assert allocate_all(bm, first) == 0 and bm.num_cached_blocks == 2
+    assert allocate_all(bm, request("1_r", tokens, parent_request_id="r")) == 8
+    assert allocate_all(bm, request("stranger", tokens)) == 0  # not a choice of "r"
+    assert allocate_all(bm, request("0_q", tokens, parent_request_id="q")) == 0  # other parent
+    for r in [first]:
+        bm.free(r)
+    assert bm.num_cached_blocks == 2 + 2  # "1_r" still holds the shared blocks; "0_q" its own
+    bm.check_invariants()
+
+
+def test_without_prefix_caching_a_block_loses_its_key_with_its_last_user():
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    a = request("0_r", list(range(9)), parent_request_id="r")
+    b = request("1_r", list(range(9)), parent_request_id="r")
+    allocate_all(bm, a)
+    allocate_all(bm, b)
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_cached_blocks == 0
+    assert allocate_all(bm, request("2_r", list(range(9)), parent_request_id="r")) == 0
+    bm.check_invariants()
+
+
 def test_hit_on_free_cached_blocks_needs_room_for_them():
     bm = BlockManager(3, 4)
     a = request("a", list(range(9)))  # 3 blocks, 2 full

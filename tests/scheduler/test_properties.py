@@ -94,6 +94,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             request.prompt_token_ids[:cut] = shared[:cut]
         if s.config.scheduling_policy == "priority":
             request.priority = data.draw(st.integers(-2, 2), "priority")
+        # choices of one "parent" share blocks even with prefix caching off
+        request.parent_request_id = data.draw(st.sampled_from(["", "", "p0", "p1"]), "parent")
         try:
             s.add_request(request)
         except QueueFullError:

@@ -130,23 +130,3 @@ def test_repeated_prompt_reports_cached_tokens(tiny):
     assert cached > 0 and cached % info.block_size == 0 and cached < len(prompt)
     assert again.usage.prompt_tokens == len(prompt)
 
-
-def test_choices_share_the_prompts_kv_blocks(tiny):
-    """n = 4 over a 60-token prompt (3 full blocks of 16 + 12 tokens): the choices hold the 3
-    full prompt blocks once, through ref counts, and one or two private blocks each (the
-    partial prompt block and their own outputs); without sharing they would hold 4 x 4."""
-    bs = tiny.info().block_size
-    prompt = [(13 * i) % 480 + 11 for i in range(3 * bs + 12)]
-    with Client(tiny.address) as c:
-        stream = c.stream(prompt_token_ids=prompt, n=4, max_tokens=20, ignore_eos=True,
-                          temperature=0)
-        started, used, cached = set(), None, {}
-        for d in stream:
-            started.add(d.index)
-            if used is None and len(started) == 4:
-                used = tiny.stats().num_used_blocks  # every choice has its first token
-            if d.usage is not None:
-                cached[d.index] = d.usage.num_cached_tokens
-    # 60 prompt + at most 20 output tokens = at most 5 blocks per choice, 3 of them shared
-    assert used is not None and used <= 3 + 4 * 2 < 4 * 4, used
-    assert sorted(cached.values()) == [0, 3 * bs, 3 * bs, 3 * bs], cached

@@ -108,3 +108,28 @@ def test_eviction_under_a_small_cache_recomputes_correctly(tiny_model_dir, expec
         _leak_check(stack)
     finally:
         stack.stop()
+
+
+def test_choices_share_the_prompts_kv_blocks(stack):
+    """n = 4 over a 60-token prompt (3 full blocks of 16 + 12 tokens): the choices hold the 3
+    full prompt blocks once, through ref counts, and one or two private blocks each (the
+    partial prompt block and their own outputs); without sharing they would hold 4 x 4. With
+    prefix caching off too: the choices of one request always share."""
+    bs = stack.info().block_size
+    prompt = [(13 * i) % 480 + 11 for i in range(3 * bs + 12)]
+    with Client(stack.address) as c:
+        stream = c.stream(prompt_token_ids=prompt, n=4, max_tokens=20, ignore_eos=True,
+                          temperature=0)
+        started, used, cached = set(), None, {}
+        for d in stream:
+            started.add(d.index)
+            if used is None and len(started) == 4:
+                used = stack.stats().num_used_blocks  # every choice has its first token
+            if d.usage is not None:
+                cached[d.index] = d.usage.num_cached_tokens
+    # 60 prompt + at most 20 output tokens = at most 5 blocks per choice, 3 of them shared
+    assert used is not None and used <= 3 + 4 * 2 < 4 * 4, used
+    assert sorted(cached.values()) == [0, 3 * bs, 3 * bs, 3 * bs], cached
+    _leak_check(stack)
+    if not stack.info().enable_prefix_caching:  # the shared blocks went with their users
+        assert stack.stats().num_cached_blocks == 0
