@@ -49,6 +49,12 @@ def test_worker_killed_mid_stream_then_restarted(tiny_model):
         _wait_for(lambda: _health(router) == "SERVING" or any(p.poll() is not None for p in procs),
                   120, "the stack")
         assert all(p.poll() is None for p in procs), "a service exited during start-up"
+        prompt = [(5 * i) % 300 + 3 for i in range(40)]  # 2 full KV blocks + 8 tokens
+        with Client(router) as c:  # puts the prompt's blocks in the prefix cache
+            before = c.generate(prompt_token_ids=prompt, temperature=0, max_tokens=6,
+                                ignore_eos=True)
+            assert c.generate(prompt_token_ids=prompt, temperature=0, max_tokens=1,
+                              ignore_eos=True).usage.num_cached_tokens == 32
         errors: list = []
         streaming = threading.Event()
 
@@ -74,7 +80,13 @@ def test_worker_killed_mid_stream_then_restarted(tiny_model):
         _wait_for(lambda: _health(sched) == "SERVING", 120, "scheduler serving again")
         with Client(router) as c:
             r = c.generate(prompt_token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
+            after = c.generate(prompt_token_ids=prompt, temperature=0, max_tokens=6,
+                               ignore_eos=True)
         assert r.usage.completion_tokens == 4
+        # The new worker's KV cache is empty: the scheduler forgot every cached prefix, so the
+        # prompt is recomputed (no hit on blocks the new worker never wrote) with equal tokens.
+        assert after.usage.num_cached_tokens == 0
+        assert after.token_ids == before.token_ids
     finally:
         for p in procs:
             if p.poll() is None:
