@@ -109,6 +109,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
 
 
+def scheduler_config(args, max_model_len: int) -> SchedulerConfig:
+    """The SchedulerConfig the flags ask for (``--long-prefill-token-threshold`` unset means a
+    quarter of ``--max-num-batched-tokens``).
+
+    Raises:
+        ValueError: a flag out of range, naming it.
+    """
+    threshold = args.long_prefill_token_threshold
+    if threshold is None:
+        threshold = max(1, args.max_num_batched_tokens // 4)
+    try:
+        return SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len, block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            scheduling_policy=args.scheduling_policy, long_prefill_token_threshold=threshold,
+            max_num_waiting_requests=args.max_num_waiting_requests,
+            max_num_waiting_tokens=args.max_num_waiting_tokens)
+    except ValueError as e:  # name the flag, not the field
+        flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
+        raise ValueError(f"{flag}: {e}") from None
+
+
 async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     """Connect to the workers and build the Engine.
 
@@ -128,17 +151,7 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
                              f"--block-size is {args.block_size}; start both with the same value")
     num_blocks = min(i.num_kv_blocks for i in infos)
     max_model_len = min(first.max_model_len, args.max_model_len or first.max_model_len)
-    threshold = args.long_prefill_token_threshold
-    if threshold is None:
-        threshold = max(1, args.max_num_batched_tokens // 4)
-    config = SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=max_model_len, block_size=args.block_size,
-                             enable_prefix_caching=args.enable_prefix_caching,
-                             scheduling_policy=args.scheduling_policy,
-                             long_prefill_token_threshold=threshold,
-                             max_num_waiting_requests=args.max_num_waiting_requests,
-                             max_num_waiting_tokens=args.max_num_waiting_tokens)
+    config = scheduler_config(args, max_model_len)
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids))
     info = engine_pb2.GetEngineInfoResponse(
         model=first.model, max_model_len=max_model_len, block_size=args.block_size,
@@ -151,7 +164,12 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
 
 
 async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
-    """Run the scheduler until ``stop`` (or SIGINT/SIGTERM) is set."""
+    """Run the scheduler until ``stop`` (or SIGINT/SIGTERM) is set.
+
+    Raises:
+        ValueError: a flag out of range (checked before waiting for the workers).
+    """
+    scheduler_config(args, max_model_len=args.max_model_len or 1)  # fail fast on bad flags
     server, port, health = await new_server(args.host, args.port)
     args.port = port
     servicer = EngineServicer()

@@ -162,3 +162,34 @@ def test_waiting_token_count_follows_the_queue():
     assert s.waiting.num_tokens == 10
     run_to_completion(s)
     assert s.waiting.num_tokens == 0
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--max-num-waiting-requests", "-1"), ("--max-num-waiting-tokens", "-3"),
+    ("--long-prefill-token-threshold", "-5"), ("--max-num-seqs", "0"),
+])
+def test_scheduler_flags_out_of_range_fail_before_waiting_for_workers(flag, value):
+    import argparse
+    import asyncio
+
+    from services.scheduler import server
+
+    p = argparse.ArgumentParser()
+    server.add_args(p)
+    # NOTE: no worker listens at this address: serve() must fail on the flag, not wait for it
+    args = p.parse_args(["--port", "0", "--workers", "127.0.0.1:1", flag, value])
+    with pytest.raises(ValueError, match=f"^{flag}: .*got {value}"):
+        asyncio.run(asyncio.wait_for(server.serve(args), timeout=10))
+
+
+def test_long_prefill_threshold_defaults_to_a_quarter_of_the_budget():
+    import argparse
+
+    from services.scheduler import server
+
+    p = argparse.ArgumentParser()
+    server.add_args(p)
+    config = server.scheduler_config(p.parse_args(["--max-num-batched-tokens", "1000"]), 4096)
+    assert config.long_prefill_token_threshold == 250
+    assert server.scheduler_config(p.parse_args(["--long-prefill-token-threshold", "0"]),
+                                   4096).long_prefill_token_threshold == 0
