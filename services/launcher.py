@@ -90,11 +90,13 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C
 
-    busy = ports_in_use(host, list(ports.values()))
+    http_port = getattr(ns, "http_port", -1)  # > 0: the router's OpenAI-compatible HTTP port
+    busy = ports_in_use(host, list(ports.values()) + ([http_port] if http_port > 0 else []))
     if busy:
         print(f"pagedserve serve: port(s) {', '.join(map(str, busy))} on {host} already in use "
               "(another pagedserve still running?); stop it or choose --port, "
-              "--scheduler-port and --worker-port", file=sys.stderr)
+              "--scheduler-port, --worker-port and --http-port (-1: no HTTP server)",
+              file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, on_signal)
     try:
@@ -108,10 +110,12 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
         if ns.demo:
             from services.demo import run_demo
             run_demo(addresses["router"])
+        http_hint = (f"  curl http://{host}:{http_port}/v1/models   (OpenAI-compatible HTTP)\n"
+                     if http_port > 0 else "")
         print(f"pagedserve: serving on {host}:{ns.port}. Try:\n"
               f"  .venv/bin/pagedserve generate --address {host}:{ns.port} "
               f"--chat \"What is the capital of France?\" --temperature 0 --max-tokens 20\n"
-              f"Ctrl-C stops.", file=sys.stderr, flush=True)
+              f"{http_hint}Ctrl-C stops.", file=sys.stderr, flush=True)
         while True:
             for name, p in procs.items():
                 if p.poll() is not None:

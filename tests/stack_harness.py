@@ -26,7 +26,8 @@ def _args(module, argv: list[str]) -> argparse.Namespace:
 
 
 class InProcessStack:
-    """Start with ``start()``, stop with ``stop()``; ``address`` is the router's.
+    """Start with ``start()``, stop with ``stop()``; ``address`` is the router's gRPC address,
+    ``http_url`` its OpenAI-compatible HTTP base URL.
 
     Args:
         model: model folder or .gguf (None = packaged SmolLM2).
@@ -38,13 +39,16 @@ class InProcessStack:
         model_flag = ["--model", model] if model else []
         self.worker_args = _args(worker_server, ["--port", "0", *model_flag, *worker_argv])
         self.scheduler_args = _args(scheduler_server, ["--port", "0", *scheduler_argv])
-        self.router_args = _args(router_server, ["--port", "0", *model_flag, *router_argv])
+        # an ephemeral HTTP port unless router_argv says otherwise (--http-port -1: none)
+        self.router_args = _args(router_server, ["--port", "0", "--http-port", "0", *model_flag,
+                                                 *router_argv])
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._stop: asyncio.Event | None = None
         self._tasks: list = []
         self.address = ""
         self.scheduler_address = ""
+        self.http_url = ""  # the OpenAI-compatible API's base URL, e.g. http://127.0.0.1:PORT
 
     def _run(self, coro, timeout: float = 600):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -68,6 +72,8 @@ class InProcessStack:
                 self.router_args.scheduler = f"127.0.0.1:{args.port}"
                 self.scheduler_address = f"127.0.0.1:{args.port}"
         self.address = f"127.0.0.1:{self.router_args.port}"
+        if self.router_args.http_port > 0:
+            self.http_url = f"http://127.0.0.1:{self.router_args.http_port}"
 
     def start(self) -> InProcessStack:
         self._thread.start()

@@ -1,4 +1,5 @@
-"""The router service: the public GenerationService (thin servicer), health and reflection."""
+"""The router service: the public GenerationService (thin servicer), health and reflection,
+and the OpenAI-compatible HTTP API (``openai_http``) on the same event loop."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from services.common.grpc_utils import new_server, set_serving, stop_event_on_si
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from services.router.engine_client import EngineClient
 from services.router.generation import EngineError, prepare, stream_responses
+from services.router.openai_http import DISABLED, OpenAIServer
 from services.router.tokenizer import load_tokenizer
 from services.router.validation import RequestError
 
@@ -52,6 +54,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """The router's flags (also accepted by ``pagedserve serve``)."""
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
     add_flag(p, "--port", type=int, default=50051, help="public gRPC port")
+    add_flag(p, "--http-port", type=int, default=8000,
+             help="OpenAI-compatible HTTP port (0 = a free port, -1 = no HTTP server)")
+    add_flag(p, "--http-host", default=None,
+             help="address the HTTP server binds (default: --host)")
     add_flag(p, "--scheduler", default="127.0.0.1:50052", help="scheduler address")
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file whose tokenizer to use "
@@ -73,8 +79,13 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         GenerationServicer(engine, tokenizer), server)
     reflection.enable_server_reflection(
         [SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
+    http = OpenAIServer(engine, tokenizer) if args.http_port != DISABLED else None
     await server.start()
     try:
+        if http is not None:  # before the engine is up: /health answers 503 meanwhile
+            args.http_port = await http.start(args.http_host or args.host, args.http_port)
+            log.info("router OpenAI-compatible HTTP on %s:%d", args.http_host or args.host,
+                     args.http_port)
         log.info("router waiting for scheduler %s", args.scheduler)
         await engine.start(timeout=args.scheduler_connect_timeout)
         log.info("router serving on %s:%d (model %s, max_model_len %d)", args.host, port,
@@ -84,6 +95,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         await (stop or stop_event_on_signals()).wait()
     finally:
         await set_serving(health, False, [SERVICE])
+        if http is not None:
+            await http.stop()
         await server.stop(grace=2.0)
         await engine.close()
 

@@ -105,12 +105,43 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
         temperature=temperature, top_p=top_p, top_k=top_k,
         seed=params.seed if params.HasField("seed") else None,
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
-        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos)
+        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+        **_penalties(params))
     text = TextOptions(
         stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=(params.skip_special_tokens
                              if params.HasField("skip_special_tokens") else True))
     return engine, text
+
+
+def _penalties(params: api_pb2.SamplingParams) -> dict[str, float | int]:
+    """min_p, the three penalties and min_tokens, checked (vLLM's ranges), with defaults.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): e.g. ``min_p must be in [0, 1], got 1.5``.
+    """
+    def get(name: str, default: float) -> float:
+        return _finite(name, getattr(params, name)) if params.HasField(name) else default
+
+    min_p = get("min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise invalid(f"min_p must be in [0, 1], got {_fmt(min_p)}")
+    repetition_penalty = get("repetition_penalty", 1.0)
+    if repetition_penalty <= 0:
+        raise invalid(f"repetition_penalty must be > 0, got {_fmt(repetition_penalty)}")
+    out: dict[str, float | int] = {"min_p": min_p, "repetition_penalty": repetition_penalty}
+    for name in ("presence_penalty", "frequency_penalty"):
+        out[name] = get(name, 0.0)
+        if not -2 <= out[name] <= 2:
+            raise invalid(f"{name} must be in [-2, 2], got {_fmt(out[name])}")
+    min_tokens = params.min_tokens if params.HasField("min_tokens") else 0
+    if min_tokens < 0:
+        raise invalid(f"min_tokens must be >= 0, got {min_tokens}")
+    if params.HasField("max_tokens") and min_tokens > params.max_tokens:
+        raise invalid(f"min_tokens must be <= max_tokens ({params.max_tokens}), "
+                      f"got {min_tokens}")
+    out["min_tokens"] = min_tokens
+    return out
 
 
 def validate_n(params: api_pb2.SamplingParams) -> int:

@@ -45,7 +45,9 @@ def params_from_pb(p: engine_pb2.EngineSamplingParams) -> EngineSamplingParams:
         temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None,
         max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty or 1.0, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens)
 
 
 def error_output(request_id: str, code: grpc.StatusCode, message: str) -> engine_pb2.RequestOutput:

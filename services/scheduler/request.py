@@ -69,7 +69,8 @@ class EngineSamplingParams:
     """Sampling parameters the engine needs (names follow vLLM's SamplingParams).
 
     Text-level options (stop strings, detokenization) live in the router; the scheduler uses
-    only ``max_tokens``, ``stop_token_ids`` and ``ignore_eos``, the worker the rest.
+    only ``max_tokens``, ``min_tokens``, ``stop_token_ids`` and ``ignore_eos``, the worker the
+    rest (and ``min_tokens`` / ``stop_token_ids`` / ``ignore_eos`` again, to mask stop tokens).
 
     Raises:
         ValueError: on an out-of-range value (see the checks in ``__post_init__``).
@@ -82,6 +83,11 @@ class EngineSamplingParams:
     max_tokens: int | None = None  # output tokens; None = fill up to max_model_len
     stop_token_ids: list[int] = field(default_factory=list)  # finish STOP when sampled
     ignore_eos: bool = False  # keep generating past the model's eos token(s)
+    min_p: float = 0.0  # in [0, 1]; keep tokens with prob >= min_p * max prob; 0 = off
+    repetition_penalty: float = 1.0  # > 0, over prompt + output tokens; 1 = off
+    presence_penalty: float = 0.0  # in [-2, 2], over output tokens; 0 = off
+    frequency_penalty: float = 0.0  # in [-2, 2], per output occurrence; 0 = off
+    min_tokens: int = 0  # no EOS / stop token finishes the request before this many outputs
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -92,6 +98,17 @@ class EngineSamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.min_tokens < 0 or (self.max_tokens is not None
+                                   and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be >= 0 and <= max_tokens ({self.max_tokens}), "
+                             f"got {self.min_tokens}")
         self.stop_token_ids = list(self.stop_token_ids)
 
 

@@ -437,10 +437,12 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
         # NOTE: STOP wins over LENGTH when both hold (the model did end the text, OpenAI's
         # "stop"); vLLM V1 checks length first. The eos/stop token stays in output_token_ids.
+        # min_tokens: a stop token at output index < min_tokens (the worker masks them; this is
+        # defence in depth) does not finish: num_output_tokens counts it, hence ``>``.
         params = request.sampling_params
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or (
-            token_id in params.stop_token_ids
-        ):
+        if ((not params.ignore_eos and token_id in self.eos_token_ids)
+                or token_id in params.stop_token_ids) and (
+                request.num_output_tokens > params.min_tokens):
             return FinishReason.STOP
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
             return FinishReason.LENGTH

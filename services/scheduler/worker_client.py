@@ -26,9 +26,16 @@ class WorkerError(RuntimeError):
 
 
 def _sampling_pb(p: EngineSamplingParams) -> worker_pb2.WorkerSamplingParams:
-    msg = worker_pb2.WorkerSamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k)
+    """What the worker's sampler needs; stop ids and ignore_eos only when min_tokens > 0."""
+    msg = worker_pb2.WorkerSamplingParams(
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.min_tokens > 0:
+        msg.stop_token_ids.extend(p.stop_token_ids)
+        msg.ignore_eos = p.ignore_eos
     return msg
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import AttentionMetadata
+from services.worker.penalties import PenaltyTensors, TokenCounts
 from services.worker.sampler import SamplingTensors
 from services.worker.step_input import SamplingOptions, StepInput
 
@@ -36,6 +37,9 @@ class RequestState:
     block_ids: list[int]  # block table, logical order
     sampling: SamplingOptions
     generator: torch.Generator | None  # seeded once from sampling.seed, advanced per sample
+    num_prompt_tokens: int = 0  # token_ids[num_prompt_tokens:] are outputs
+    counts: TokenCounts | None = None  # only when a penalty is on
+    min_tokens_stop_ids: tuple[int, ...] = ()  # masked while outputs < min_tokens
 
 
 @dataclass(slots=True)
@@ -73,13 +77,17 @@ class InputBatch:
         block_size: tokens per KV block.
         num_kv_blocks: blocks in the cache (block ids must be below it).
         vocab_size: logits width (for top-k normalisation).
+        eos_token_ids: the model's EOS ids (masked under min_tokens unless ignore_eos).
     """
 
     def __init__(self, device: torch.device, block_size: int, num_kv_blocks: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self.device, self.block_size = device, block_size
         self.num_kv_blocks, self.vocab_size = num_kv_blocks, vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.requests: dict[str, RequestState] = {}
+        # Held requests that use penalties / min_tokens: 0 skips those per-row passes.
+        self.num_token_aware = 0
 
     def update(self, step: StepInput) -> list[ScheduledRequest]:
         """Apply ``step``'s diffs; return the scheduled requests in order (new, then cached).
@@ -88,15 +96,18 @@ class InputBatch:
             KeyError: a cached request the worker does not hold.
         """
         for request_id in step.finished_request_ids:
-            self.requests.pop(request_id, None)
+            state = self.requests.pop(request_id, None)
+            if state is not None and _token_aware(state):
+                self.num_token_aware -= 1
         scheduled = []
         for new in step.new_requests:
-            generator = None
-            if new.sampling.seed is not None:
-                generator = torch.Generator(device=self.device).manual_seed(new.sampling.seed)
-            state = RequestState(new.request_id, list(new.prompt_token_ids), list(new.block_ids),
-                                 new.sampling, generator)
+            state = self._new_state(new.request_id, new.prompt_token_ids, new.block_ids,
+                                    new.sampling)
+            old = self.requests.get(new.request_id)
+            if old is not None and _token_aware(old):
+                self.num_token_aware -= 1
             self.requests[new.request_id] = state
+            self.num_token_aware += _token_aware(state)
             scheduled.append(ScheduledRequest(state, new.num_computed_tokens,
                                               new.num_scheduled_tokens))
         for cached in step.cached_requests:
@@ -112,6 +123,52 @@ class InputBatch:
             scheduled.append(ScheduledRequest(state, cached.num_computed_tokens,
                                               cached.num_scheduled_tokens))
         return [s for s in scheduled if s.num_scheduled_tokens > 0]
+
+    def _new_state(self, request_id: str, token_ids: list[int], block_ids: list[int],
+                   sampling: SamplingOptions) -> RequestState:
+        generator = None
+        if sampling.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        # NOTE: the scheduler sends a request in full only at its first schedule, before it has
+        # any output, so every token of a NewRequest is a prompt token.
+        counts = (TokenCounts.create(token_ids, self.vocab_size, self.device)
+                  if sampling.uses_penalties else None)
+        stop_ids = ()
+        if sampling.min_tokens > 0:
+            eos = () if sampling.ignore_eos else self.eos_token_ids
+            stop_ids = tuple(dict.fromkeys(eos + tuple(sampling.stop_token_ids)))
+        return RequestState(request_id, list(token_ids), list(block_ids), sampling, generator,
+                            len(token_ids), counts, stop_ids)
+
+    def _sampling_tensors(self, rows: list[ScheduledRequest]) -> SamplingTensors:
+        """The per-row sampling parameters; penalties and min_tokens only when some held
+        request uses them (then one pass over the rows picks the ones that do)."""
+        states = [r.state for r in rows]
+        options = [s.sampling for s in states]
+        penalties, mask = None, None
+        if self.num_token_aware:
+            pen_rows = [i for i, s in enumerate(states) if s.counts is not None]
+            if pen_rows:
+                for i in pen_rows:
+                    states[i].counts.update(states[i].token_ids)
+                penalties = PenaltyTensors.build(
+                    pen_rows, [states[i].counts for i in pen_rows],
+                    [options[i].repetition_penalty for i in pen_rows],
+                    [options[i].presence_penalty for i in pen_rows],
+                    [options[i].frequency_penalty for i in pen_rows], self.device)
+            mask_rows, mask_ids = [], []
+            for i, s in enumerate(states):
+                if (s.min_tokens_stop_ids and len(s.token_ids) - s.num_prompt_tokens
+                        < s.sampling.min_tokens):
+                    mask_rows.extend([i] * len(s.min_tokens_stop_ids))
+                    mask_ids.extend(s.min_tokens_stop_ids)
+            mask = (mask_rows, mask_ids)
+        return SamplingTensors.build(
+            [o.temperature for o in options], [o.top_p for o in options],
+            [o.top_k for o in options],
+            {i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            self.vocab_size, self.device, min_p=[o.min_p for o in options],
+            penalties=penalties, min_tokens_mask=mask)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> PreparedStep:
         """Build the flat model inputs of ``scheduled`` (non-empty).
@@ -163,11 +220,7 @@ class InputBatch:
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
         )
-        sampling = SamplingTensors.build(
-            [r.state.sampling.temperature for r in rows], [r.state.sampling.top_p for r in rows],
-            [r.state.sampling.top_k for r in rows],
-            {i: r.state.generator for i, r in enumerate(rows) if r.state.generator is not None},
-            self.vocab_size, self.device)
+        sampling = self._sampling_tensors(rows)
         return PreparedStep(
             input_ids=self._to_device(input_ids), positions=self._to_device(positions),
             attn_metadata=meta, logits_indices=self._to_device(logits_indices),
@@ -178,3 +231,8 @@ class InputBatch:
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
+
+
+def _token_aware(state: RequestState) -> bool:
+    """The request's sampling looks at its tokens (a penalty or min_tokens)."""
+    return state.counts is not None or bool(state.min_tokens_stop_ids)

@@ -110,7 +110,8 @@ class ModelRunner:
         self.bytes_per_block = (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads
                                 * cfg.head_dim * self.dtype.itemsize)
         self.sampler = Sampler()
-        self.input_batch = InputBatch(self.device, block_size, 0, self.vocab_size)
+        self.input_batch = InputBatch(self.device, block_size, 0, self.vocab_size,
+                                      self.eos_token_ids)
         if self.device.type == "cuda":
             kv_bytes = self._profile_cuda(max_num_batched_tokens, max_num_seqs,
                                           gpu_memory_utilization, total, non_torch_before)

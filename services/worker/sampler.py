@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds.
+"""Batched token sampling: penalties, min_tokens, greedy, temperature, top-k, top-p, min-p,
+per-request seeds.
 
 Everything is vectorised over the batch except one loop over the *seeded* rows, each of which
 draws its noise from its own ``torch.Generator`` so that a seeded request's tokens do not depend
@@ -11,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from services.worker.penalties import (PenaltyTensors, apply_min_p, apply_min_tokens,
+                                       apply_penalties)
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 
@@ -25,6 +29,10 @@ class SamplingTensors:
         top_k: ``[B]`` int64 in [1, V]; V = off.
         generators: row index -> that request's generator (seeded rows only).
         all_greedy / no_top_k / no_top_p: batch-wide flags that skip work.
+        min_p: ``[B]`` float32 in [0, 1], or None when no row uses min-p.
+        penalties: the penalised rows, or None when no row uses a penalty.
+        min_tokens_mask: ``(rows [M], token_ids [M])`` int64 pairs to set to -inf (stop ids of
+            the rows still under min_tokens), or None.
     """
 
     temperature: torch.Tensor
@@ -34,20 +42,29 @@ class SamplingTensors:
     all_greedy: bool
     no_top_k: bool
     no_top_p: bool
+    min_p: torch.Tensor | None = None
+    penalties: PenaltyTensors | None = None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, temperature: list[float], top_p: list[float], top_k: list[int],
               generators: dict[int, torch.Generator], vocab_size: int,
-              device: torch.device) -> SamplingTensors:
-        """From per-row Python lists (vLLM conventions: top_k 0 or -1 = off, k >= V = off).
+              device: torch.device, *, min_p: list[float] | None = None,
+              penalties: PenaltyTensors | None = None,
+              min_tokens_mask: tuple[list[int], list[int]] | None = None) -> SamplingTensors:
+        """From per-row Python lists (vLLM conventions: top_k 0 or -1 = off, k >= V = off;
+        min_p 0 = off). ``min_tokens_mask`` lists (row, token id) pairs to mask.
 
         Raises:
-            ValueError: a negative temperature, top_p outside (0, 1] or top_k < -1.
+            ValueError: a negative temperature, top_p outside (0, 1], top_k < -1 or min_p
+                outside [0, 1].
         """
         if any(t < 0 for t in temperature) or any(not 0 < p <= 1 for p in top_p):
             raise ValueError(f"bad sampling parameters: temperature {temperature}, top_p {top_p}")
         if any(k < -1 for k in top_k):
             raise ValueError(f"bad top_k {top_k}: use 0 or -1 for off, else k >= 1")
+        if min_p is not None and any(not 0 <= m <= 1 for m in min_p):
+            raise ValueError(f"bad min_p {min_p}: must be in [0, 1]")
         ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_k]
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -60,6 +77,11 @@ class SamplingTensors:
             all_greedy=all(t < _SAMPLING_EPS for t in temperature),
             no_top_k=all(k == vocab_size for k in ks),
             no_top_p=all(p >= 1.0 for p in top_p),
+            min_p=tensor(min_p, torch.float32) if min_p and any(m > 0 for m in min_p) else None,
+            penalties=penalties,
+            min_tokens_mask=(None if not min_tokens_mask or not min_tokens_mask[0] else
+                             (tensor(min_tokens_mask[0], torch.int64),
+                              tensor(min_tokens_mask[1], torch.int64))),
         )
 
 
@@ -106,11 +128,18 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 class Sampler:
     """``logits [B, V]`` float32 -> next token ids ``[B]`` int64.
 
-    Per row: greedy (argmax) when temperature < 1e-5; otherwise logits / temperature, then
-    top-k, then top-p, softmax, and the exponential race.
+    Per row, in transformers' / vLLM's order: penalties and min_tokens on the raw logits (greedy
+    rows too); then greedy (argmax) when temperature < 1e-5; otherwise logits / temperature,
+    top-k, top-p, min-p, softmax, and the exponential race. ``logits`` is not modified.
     """
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+        if params.penalties is not None or params.min_tokens_mask is not None:
+            logits = logits.clone()
+            if params.penalties is not None:
+                apply_penalties(logits, params.penalties)
+            if params.min_tokens_mask is not None:
+                apply_min_tokens(logits, *params.min_tokens_mask)
         greedy = logits.argmax(dim=-1)  # [B]
         if params.all_greedy:
             return greedy
@@ -120,6 +149,8 @@ class Sampler:
         if not (params.no_top_k and params.no_top_p):
             logits = apply_top_k_top_p(logits, None if params.no_top_k else params.top_k,
                                        None if params.no_top_p else params.top_p)
+        if params.min_p is not None:
+            logits = apply_min_p(logits, params.min_p)
         probs = logits.softmax(dim=-1, dtype=torch.float32)  # [B, V]
         sampled = exponential_race(probs, params.generators)
         return torch.where(is_greedy, greedy, sampled)

@@ -27,8 +27,12 @@ SERVICE = "pagedserve.v1.WorkerService"
 def step_input_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
     """Decode a StepRequest into the ModelRunner's plain dataclasses."""
     def sampling(p):
-        return SamplingOptions(temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
-                               seed=p.seed if p.HasField("seed") else None)
+        return SamplingOptions(
+            temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
+            seed=p.seed if p.HasField("seed") else None, min_p=p.min_p,
+            repetition_penalty=p.repetition_penalty or 1.0, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens,
+            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
     return StepInput(
         step_id=msg.step_id,
         new_requests=[NewRequest(

@@ -20,6 +20,19 @@ class SamplingOptions:
     top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
     seed: int | None = None  # per-request RNG seed: output independent of the batch
+    min_p: float = 0.0  # keep tokens with prob >= min_p * max prob; 0 = off
+    repetition_penalty: float = 1.0  # over prompt + output tokens (transformers'); 1 = off
+    presence_penalty: float = 0.0  # over output tokens (OpenAI's); 0 = off
+    frequency_penalty: float = 0.0  # per output occurrence (OpenAI's); 0 = off
+    min_tokens: int = 0  # stop ids get -inf while fewer outputs than this; 0 = off
+    stop_token_ids: tuple[int, ...] = ()  # masked under min_tokens (with EOS unless ignore_eos)
+    ignore_eos: bool = False  # min_tokens then masks stop_token_ids only
+
+    @property
+    def uses_penalties(self) -> bool:
+        """True when a repetition, presence or frequency penalty is on."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 @dataclass(slots=True)

@@ -14,6 +14,17 @@ def test_stop_accepts_one_string_like_vllm():
     assert list(req.sampling_params.stop) == ["Paris"]
 
 
+def test_penalties_and_min_tokens_pass_through():
+    req = build_request("hi", min_p=0.25, repetition_penalty=1.5, presence_penalty=-0.5,
+                        frequency_penalty=1.0, min_tokens=3, max_tokens=8)
+    p = req.sampling_params
+    assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+            p.min_tokens) == (0.25, 1.5, -0.5, 1.0, 3)
+    assert not build_request("hi").sampling_params.HasField("repetition_penalty")
+    with pytest.raises(ValueError, match="min_tokens"):
+        build_request("hi", min_tokens=2**40)
+
+
 def test_exactly_one_prompt_form():
     with pytest.raises(ValueError, match="exactly one"):
         build_request("hi", prompt_token_ids=[1])

@@ -43,7 +43,8 @@ def test_worker_killed_mid_stream_then_restarted(tiny_model):
                         "--kv-cache-memory", "64MiB"]
     procs = [subprocess.Popen(worker_cmd),
              subprocess.Popen(CLI + ["scheduler", "--port", str(sched_port), "--workers", worker]),
-             subprocess.Popen(CLI + ["router", "--port", str(router_port), "--scheduler", sched,
+             subprocess.Popen(CLI + ["router", "--port", str(router_port), "--http-port", "0",
+                                     "--scheduler", sched,
                                      "--model", tiny_model])]
     try:
         _wait_for(lambda: _health(router) == "SERVING" or any(p.poll() is not None for p in procs),

@@ -76,6 +76,20 @@ def test_top_k_off_values_become_minus_one(top_k):
     ({"stop": ["é" * 257]}, "stop[0] must have 1 to 256 characters, got 257"),
     ({"stop_token_ids": [5, VOCAB]}, f"stop_token_ids[1] must be in [0, {VOCAB}), got {VOCAB}"),
     ({"stop_token_ids": [-1]}, f"stop_token_ids[0] must be in [0, {VOCAB}), got -1"),
+    ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+    ({"min_p": -0.1}, "min_p must be in [0, 1], got -0.1"),
+    ({"min_p": float("nan")}, "min_p must be a finite number, got nan"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0, got 0.0"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty must be > 0, got -1.0"),
+    ({"repetition_penalty": float("inf")},
+     "repetition_penalty must be a finite number, got inf"),
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+    ({"presence_penalty": -2.1}, "presence_penalty must be in [-2, 2], got -2.1"),
+    ({"frequency_penalty": 3.0}, "frequency_penalty must be in [-2, 2], got 3.0"),
+    ({"frequency_penalty": float("-inf")},
+     "frequency_penalty must be a finite number, got -inf"),
+    ({"min_tokens": -1}, "min_tokens must be >= 0, got -1"),
+    ({"min_tokens": 8, "max_tokens": 7}, "min_tokens must be <= max_tokens (7), got 8"),
 ])
 def test_out_of_range_fields(fields, message):
     assert error(check, **fields) == message
@@ -84,6 +98,22 @@ def test_out_of_range_fields(fields, message):
 def test_limits_are_inclusive():
     check(temperature=0.0, top_p=1.0, top_k=0, max_tokens=1, stop=["x" * 256] * 16,
           stop_token_ids=[0, VOCAB - 1])
+    for min_p in (0.0, 1.0):
+        check(min_p=min_p)
+    for penalty in (-2.0, 2.0):
+        check(presence_penalty=penalty, frequency_penalty=penalty)
+    check(min_tokens=7, max_tokens=7)
+    check(repetition_penalty=1e-3)
+
+
+def test_penalty_defaults_and_values():
+    engine, _ = check()
+    assert (engine.min_p, engine.repetition_penalty, engine.presence_penalty,
+            engine.frequency_penalty, engine.min_tokens) == (0.0, 1.0, 0.0, 0.0, 0)
+    engine, _ = check(min_p=0.25, repetition_penalty=1.5, presence_penalty=-0.5,
+                      frequency_penalty=1.25, min_tokens=100)  # no max_tokens: any min_tokens
+    assert (engine.min_p, engine.repetition_penalty, engine.presence_penalty,
+            engine.frequency_penalty, engine.min_tokens) == (0.25, 1.5, -0.5, 1.25, 100)
 
 
 @given(st.floats(allow_nan=True, allow_infinity=True, width=32))

@@ -79,7 +79,8 @@ def expected_output(
     while True:
         token = fake_token(request.request_id, num_prompt + len(out))
         out.append(token)
-        if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+        if ((not params.ignore_eos and token in eos_token_ids)
+                or token in params.stop_token_ids) and len(out) > params.min_tokens:
             return out, FinishReason.STOP
         if params.max_tokens is not None and len(out) >= params.max_tokens:
             return out, FinishReason.LENGTH

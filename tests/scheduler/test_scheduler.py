@@ -6,7 +6,7 @@ diffs and checks it and the fake KV cache at every step, on top of what each tes
 
 import pytest
 
-from services.scheduler.request import FinishReason, RequestStatus
+from services.scheduler.request import EngineSamplingParams, FinishReason, RequestStatus
 from services.scheduler.scheduler import SchedulerConfig
 from tests.scheduler.factories import (
     FakeWorker,
@@ -404,6 +404,31 @@ def test_stop_token_ids_stop_even_with_ignore_eos():
     stop = fake_token("req-0", 6)
     r = _run_one(max_tokens=10, stop_token_ids=[stop], ignore_eos=True)
     assert r.finish_reason is FinishReason.STOP and r.num_output_tokens == 2
+
+
+@pytest.mark.parametrize("stop_kind", ["eos", "stop_token_ids"])
+def test_min_tokens_holds_a_stop_token_back(stop_kind):
+    # Prompt of 5: output index i sits at position 5 + i. A stop token at output index 3 is
+    # the 4th token: min_tokens=4 means it cannot finish there, min_tokens=3 means it can.
+    stop = fake_token("req-0", 8)
+    kwargs = ({"eos": (stop,)} if stop_kind == "eos" else
+              {"stop_token_ids": [stop], "ignore_eos": True})
+    r = _run_one(max_tokens=10, min_tokens=4, **kwargs)
+    assert r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 10
+    assert r.output_token_ids[3] == stop
+    r = _run_one(max_tokens=10, min_tokens=3, **kwargs)
+    assert r.finish_reason is FinishReason.STOP and r.num_output_tokens == 4
+
+
+def test_min_tokens_bounds():
+    with pytest.raises(ValueError, match="min_tokens"):
+        EngineSamplingParams(min_tokens=-1)
+    with pytest.raises(ValueError, match="min_tokens"):
+        EngineSamplingParams(min_tokens=5, max_tokens=4)
+    for bad in ({"min_p": 1.5}, {"repetition_penalty": 0.0}, {"presence_penalty": 2.5},
+                {"frequency_penalty": -3.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            EngineSamplingParams(**bad)
 
 
 def test_stop_wins_over_length_on_the_same_token():

@@ -1,10 +1,13 @@
-"""Sampler: greedy, top-k/top-p edge cases, seeded determinism, and the sampled distribution."""
+"""Sampler: greedy, top-k/top-p edge cases, seeded determinism, the sampled distribution, and
+penalties / min_tokens / min-p against transformers' logits processors."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.worker.penalties import (PenaltyTensors, TokenCounts, apply_min_p,
+                                       apply_min_tokens, apply_penalties)
 from services.worker.sampler import Sampler, SamplingTensors, apply_top_k_top_p
 
 V = 64
@@ -100,3 +103,119 @@ def test_distribution(temperature, top_k, top_p):
         expected[3:] = 0
     expected /= expected.sum()
     torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
+
+
+# --- penalties, min_tokens, min-p: against transformers' logits processors ------------------
+# Tolerance: float32, same operations in the same order, so the penalised logits must be equal
+# to transformers' bit for bit (rtol=atol=0); the presence/frequency formula to 1e-6 absolute.
+
+def _counts(prompt: list[int], output: list[int], vocab_size: int = V) -> TokenCounts:
+    c = TokenCounts.create(prompt, vocab_size, torch.device("cpu"))
+    c.update(prompt + output[:2])  # incremental: two folds must equal one
+    c.update(prompt + output)
+    return c
+
+
+def _token_rows(n: int, seed: int, vocab_size: int = V) -> list[tuple[list[int], list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, vocab_size, (int(torch.randint(1, 12, (1,), generator=g)),),
+                           generator=g).tolist(),
+             torch.randint(0, vocab_size, (int(torch.randint(0, 20, (1,), generator=g)),),
+                           generator=g).tolist()) for _ in range(n)]
+
+
+def _penalty_tensors(rows, tokens, repetition, presence, frequency):
+    return PenaltyTensors.build(rows, [_counts(p, o) for p, o in tokens], repetition, presence,
+                                frequency, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.0, 1.3, 2.0])
+def test_repetition_penalty_matches_transformers(penalty):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    logits = random_logits(6, seed=11)
+    tokens = _token_rows(6, seed=12)
+    ours = logits.clone()
+    apply_penalties(ours, _penalty_tensors(list(range(6)), tokens, [penalty] * 6, [0.0] * 6,
+                                           [0.0] * 6))
+    hf = RepetitionPenaltyLogitsProcessor(penalty)
+    for i, (prompt, output) in enumerate(tokens):
+        expected = hf(torch.tensor([prompt + output]), logits[i:i + 1].clone())
+        torch.testing.assert_close(ours[i:i + 1], expected, rtol=0, atol=0)
+
+
+def test_presence_and_frequency_follow_the_openai_formula():
+    logits = random_logits(5, seed=21)
+    tokens = _token_rows(5, seed=22)
+    presence, frequency = [0.0, 1.5, -2.0, 0.5, 2.0], [0.0, 0.0, 1.0, -0.7, 2.0]
+    ours = logits.clone()
+    apply_penalties(ours, _penalty_tensors(list(range(5)), tokens, [1.0] * 5, presence,
+                                           frequency))
+    for i, (_, output) in enumerate(tokens):
+        count = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=V).float()
+        expected = logits[i] - (presence[i] * (count > 0).float() + frequency[i] * count)
+        torch.testing.assert_close(ours[i], expected, rtol=0, atol=1e-6)
+
+
+def test_penalties_touch_only_their_rows():
+    logits = random_logits(4, seed=31)
+    ours = logits.clone()
+    apply_penalties(ours, _penalty_tensors([1, 3], _token_rows(2, seed=32), [1.5, 0.7],
+                                           [0.5, 0.0], [0.0, 0.5]))
+    assert torch.equal(ours[[0, 2]], logits[[0, 2]]) and not torch.equal(ours[1], logits[1])
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.05, 0.25, 0.5, 1.0])
+def test_min_p_matches_transformers(min_p):
+    from transformers import MinPLogitsWarper
+
+    logits = random_logits(8, seed=41)
+    ours = apply_min_p(logits, torch.full((8,), min_p))
+    expected = MinPLogitsWarper(min_p)(torch.zeros(8, 1, dtype=torch.long), logits.clone())
+    assert torch.equal(ours.isfinite(), expected.isfinite())
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_generated", [0, 2, 3, 5])
+def test_min_tokens_matches_transformers(num_generated):
+    from transformers import MinNewTokensLengthLogitsProcessor
+
+    prompt_len, min_tokens, stop_ids = 4, 3, [2, 9, 17]
+    logits = random_logits(1, seed=51)
+    hf = MinNewTokensLengthLogitsProcessor(prompt_len, min_tokens, stop_ids)
+    expected = hf(torch.zeros(1, prompt_len + num_generated, dtype=torch.long), logits.clone())
+    masked = num_generated < min_tokens  # what InputBatch decides for the row
+    p = SamplingTensors.build([0.0], [1.0], [0], {}, V, torch.device("cpu"),
+                              min_tokens_mask=([0] * 3, stop_ids) if masked else None)
+    ours = logits.clone()
+    if p.min_tokens_mask is not None:
+        apply_min_tokens(ours, *p.min_tokens_mask)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    token = Sampler()(logits, p).item()
+    assert token not in stop_ids if masked else token == logits.argmax().item()
+
+
+def test_greedy_applies_penalties_and_min_tokens():
+    logits = random_logits(3, seed=61)
+    top = logits.argmax(-1).tolist()
+    pen = PenaltyTensors.build([0], [_counts([top[0]], [])], [1e3], [0.0], [0.0],
+                               torch.device("cpu"))
+    p = SamplingTensors.build([0.0] * 3, [1.0] * 3, [0] * 3, {}, V, torch.device("cpu"),
+                              penalties=pen, min_tokens_mask=([1], [top[1]]))
+    out = Sampler()(logits, p).tolist()
+    assert out[0] != top[0] and out[1] != top[1] and out[2] == top[2]
+    assert logits.argmax(-1).tolist() == top  # the caller's logits are untouched
+
+
+def test_min_p_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    n = 40_000
+    p = SamplingTensors.build([1.0] * n, [1.0] * n, [0] * n, {}, 5, torch.device("cpu"),
+                              min_p=[0.3] * n)  # keeps p >= 0.12: the first three
+    out = Sampler()(probs.log().repeat(n, 1), p)
+    freq = torch.bincount(out, minlength=5).float() / n
+    expected = torch.tensor([0.4, 0.3, 0.15, 0.0, 0.0]) / 0.85
+    torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
+    with pytest.raises(ValueError):
+        SamplingTensors.build([1.0], [1.0], [0], {}, 5, torch.device("cpu"), min_p=[1.5])

@@ -1,0 +1,204 @@
+"""The OpenAI-compatible HTTP API (aiohttp), served by the router on its own asyncio loop.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (whole JSON, or server-sent events
+with ``stream: true``), GET /v1/models, GET /health. A request goes the same way as a gRPC
+Generate call: ``openai_requests`` maps the JSON onto a GenerateRequest, then
+``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
+detokenization, stop strings, n choices). Errors use OpenAI's body
+``{"error": {message, type, param, code}}``: 400 invalid argument, 404 unknown model or route,
+429 engine queue full, 503 no engine.
+
+A client that disconnects cancels its handler (aiohttp's ``handler_cancellation``), which
+closes the ``stream_responses`` generator, which aborts the engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+from aiohttp import web
+
+from services.router.engine_client import EngineClient
+from services.router.generation import EngineError, prepare, stream_responses
+from services.router.openai_requests import (OpenAIError, ParsedRequest, bad_request,
+                                             from_status, parse_chat, parse_completion)
+from services.router.openai_responses import ResponseBuilder
+from services.router.validation import RequestError
+
+log = logging.getLogger(__name__)
+# Bodies larger than this are validated and tokenized on a thread, not on the event loop.
+INLINE_PREPARE_BYTES = 16 * 1024
+MAX_BODY_BYTES = 64 * 1024 * 1024  # as the gRPC message limit
+DISABLED = -1  # --http-port value that turns the HTTP server off
+
+
+def _error(e: OpenAIError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+def _sse(body: dict | str) -> bytes:
+    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False,
+                                                         separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+@web.middleware
+async def _openai_errors(request: web.Request, handler):
+    """OpenAI-shaped bodies for our errors, aiohttp's own (unknown route, wrong method, too
+    big) and unexpected ones (500, logged)."""
+    try:
+        return await handler(request)
+    except OpenAIError as e:
+        return _error(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = (f"Invalid URL ({request.method} {request.path})" if e.status in (404, 405)
+                   else e.reason)
+        return _error(OpenAIError(e.status, message, code=e.reason.lower().replace(" ", "_")))
+    except ConnectionError:  # the client went away: nobody to answer
+        raise
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error(OpenAIError(500, "internal server error", "server_error"))
+
+
+class OpenAIServer:
+    """The OpenAI-compatible HTTP front end of one router.
+
+    Args:
+        engine: the router's scheduler connection (``engine.info.model`` is the served name).
+        tokenizer: the model's fast tokenizer.
+    """
+
+    def __init__(self, engine: EngineClient, tokenizer):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes([web.post("/v1/completions", self.completions),
+                             web.post("/v1/chat/completions", self.chat_completions),
+                             web.get("/v1/models", self.models),
+                             web.get("/health", self.health)])
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (0 = a free port); returns the bound port.
+
+        Raises:
+            ValueError: port outside [0, 65535].
+            RuntimeError: the address cannot be bound (e.g. the port is in use).
+        """
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--http-port must be in [0, 65535], or -1 (off), got {port}")
+        # NOTE: handler_cancellation: a client that goes away cancels its handler, so the
+        # engine requests are aborted even while no byte is being written.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=2.0)
+        await self._runner.setup()
+        try:
+            await web.TCPSite(self._runner, host, port).start()
+        except OSError as e:
+            await self._runner.cleanup()
+            raise RuntimeError(f"cannot bind HTTP {host}:{port}: {e.strerror or e}") from None
+        return self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        """Close the listener and the open connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # ---- routes -------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the router is connected to its scheduler (gRPC health SERVING), else
+        503."""
+        return web.Response(status=200 if self.engine.connected.is_set() else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The served model, as OpenAI's model list."""
+        info = self._info()
+        return web.json_response({"object": "list", "data": [{
+            "id": info.model, "object": "model", "created": 0, "owned_by": "pagedserve",
+            "root": info.model, "max_model_len": info.max_model_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions."""
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions."""
+        return await self._generate(request, chat=True)
+
+    # ---- one request --------------------------------------------------------------------
+    def _info(self):
+        if self.engine.info is None or not self.engine.connected.is_set():
+            raise OpenAIError(503, "router is connecting to its scheduler", "server_error",
+                              code="unavailable")
+        return self.engine.info
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError:
+            raise bad_request("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request("the request body must be a JSON object")
+        info = self._info()
+        model = body.get("model")
+        if model not in (None, "", info.model):
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
+                              code="model_not_found")
+        parsed = parse_chat(body) if chat else parse_completion(body)
+        try:
+            if (request.content_length or 0) > INLINE_PREPARE_BYTES:  # keep the loop free
+                prepared = await asyncio.to_thread(prepare, parsed.request, self.tokenizer, info)
+            else:
+                prepared = prepare(parsed.request, self.tokenizer, info)
+        except RequestError as e:
+            raise from_status(e.code, e.message, parsed.prompt_param) from None
+        builder = ResponseBuilder(chat, info.model, prepared.n)
+        # NOTE: aclosing: however the handler ends (client gone, error), the generator is
+        # closed, and its clean-up aborts every engine request still running.
+        async with contextlib.aclosing(stream_responses(self.engine, self.tokenizer,
+                                                        prepared)) as responses:
+            if parsed.stream:
+                return await self._stream(request, responses, builder, parsed)
+            try:
+                async for r in responses:
+                    builder.add(r)
+            except EngineError as e:
+                raise from_status(e.code, e.message, parsed.prompt_param) from None
+            return web.json_response(builder.response(),
+                                     dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    async def _stream(self, request: web.Request, responses, builder: ResponseBuilder,
+                      parsed: ParsedRequest) -> web.StreamResponse:
+        """Server-sent events: role chunks (chat), one chunk per message with text or a
+        finish_reason, the usage chunk if asked, ``data: [DONE]``. An engine error before the
+        first message is a normal HTTP error (e.g. 429); after it, an ``error`` event."""
+        try:
+            first = await anext(responses, None)
+        except EngineError as e:
+            raise from_status(e.code, e.message, parsed.prompt_param) from None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        usage = parsed.include_usage
+        for chunk in builder.role_chunks(usage):
+            await resp.write(_sse(chunk))
+        try:
+            r = first
+            while r is not None:
+                chunk = builder.chunk(r, usage)
+                if chunk is not None:
+                    await resp.write(_sse(chunk))
+                r = await anext(responses, None)
+            if usage:
+                await resp.write(_sse(builder.usage_chunk()))
+        except EngineError as e:
+            await resp.write(_sse(from_status(e.code, e.message, parsed.prompt_param).body()))
+        await resp.write(_sse("[DONE]"))
+        await resp.write_eof()
+        return resp

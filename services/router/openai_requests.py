@@ -1,0 +1,275 @@
+"""OpenAI JSON request bodies -> ``api_pb2.GenerateRequest``, and OpenAI-shaped errors.
+
+Only the JSON *types* are checked here (a number where a number belongs, an int32 where the
+proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
+through ``generation.prepare`` exactly as for a gRPC call. Fields this module does not know are
+ignored, as OpenAI clients send extras; fields it knows but does not implement (logprobs, echo,
+tools, ...) are refused with a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.pb.pagedserve.v1 import api_pb2
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+SEED_MODULUS = 2**64  # the proto's seed is a uint64; OpenAI's may be negative
+
+# The gRPC codes of RequestError / EngineError -> (HTTP status, OpenAI error type).
+_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+         grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+         grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+         grpc.StatusCode.UNAVAILABLE: (503, "server_error")}
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+           "frequency_penalty")
+_INTS = ("top_k", "n", "min_tokens")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+# Field names that validation messages start with, as the OpenAI request spells them.
+_PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
+                                           "priority"}
+
+
+class OpenAIError(Exception):
+    """A request answered with OpenAI's error body ``{"error": {message, type, param, code}}``.
+
+    Attributes:
+        status: the HTTP status (400, 404, 429, 503, ...).
+        message: what is wrong; names the field for a 400.
+        type: OpenAI's error type, e.g. "invalid_request_error".
+        param: the request field at fault, or None.
+        code: a machine-readable code (e.g. "model_not_found"), or None.
+    """
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (status, message, type,
+                                                                        param, code)
+
+    def body(self) -> dict:
+        """The JSON body to send."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    """An HTTP 400 ``invalid_request_error``."""
+    return OpenAIError(400, message, param=param)
+
+
+def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt"
+                ) -> OpenAIError:
+    """The OpenAI error for a gRPC status from validation or the engine: INVALID_ARGUMENT and
+    OUT_OF_RANGE -> 400 (``param`` is the field the message starts with), RESOURCE_EXHAUSTED
+    -> 429, UNAVAILABLE -> 503, anything else -> 500.
+
+    Args:
+        prompt_param: the request field holding the prompt ("prompt" or "messages"), named
+            for errors about the prompt or its tokens.
+    """
+    status, type_ = _HTTP.get(code, (500, "server_error"))
+    param = None
+    if status == 400:
+        m = re.match(r"(?:chat\.)?([a-z_]+)", message)
+        word = m.group(1) if m else ""
+        if word in ("prompt", "prompt_token_ids", "messages"):
+            param = prompt_param
+        elif word in _PARAMS:
+            param = word
+    return OpenAIError(status, message, type_, param, code.name.lower())
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """An OpenAI request mapped onto the gRPC API.
+
+    Attributes:
+        request: the GenerateRequest to ``prepare`` (request_id left empty: one is generated).
+        stream: answer as server-sent events.
+        include_usage: (streaming) send a last chunk with the whole request's usage.
+        prompt_param: "prompt" (completions) or "messages" (chat), for error params.
+    """
+
+    request: api_pb2.GenerateRequest
+    stream: bool
+    include_usage: bool
+    prompt_param: str
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    """Map a POST /v1/completions body. ``prompt`` is a string, a list of token ids, or a
+    list holding one of those (a batch of several prompts is refused).
+
+    Raises:
+        OpenAIError: 400 for a wrong JSON type or an unsupported field.
+    """
+    _refuse(body, echo=False, suffix=None, best_of=1, prompt_logprobs=None)
+    if body.get("logprobs") is not None:
+        raise _no_logprobs("logprobs")
+    req = api_pb2.GenerateRequest()
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) > 1:
+            raise bad_request(f"prompt: a batch of {len(prompt)} prompts is not supported; "
+                              "send one prompt per request", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif isinstance(prompt, list):
+        if not all(_is_int(t) and INT32_MIN <= t <= INT32_MAX for t in prompt):
+            raise bad_request("prompt must be a string or a list of token ids (ints)", "prompt")
+        req.prompt_token_ids.ids.extend(prompt)
+    elif prompt is None:
+        raise bad_request("prompt is required", "prompt")
+    else:
+        raise bad_request("prompt must be a string or a list of token ids", "prompt")
+    _sampling(body, req, body.get("max_tokens"), "max_tokens")
+    return _parsed(body, req, "prompt")
+
+
+def parse_chat(body: dict) -> ParsedRequest:
+    """Map a POST /v1/chat/completions body. Message content is a string, null, or a list of
+    ``{"type": "text", "text": ...}`` parts (joined); ``max_completion_tokens`` wins over the
+    deprecated ``max_tokens``.
+
+    Raises:
+        OpenAIError: 400 for a wrong JSON type or an unsupported field.
+    """
+    _refuse(body, prompt_logprobs=None, tools=[], functions=[])
+    if body.get("logprobs"):
+        raise _no_logprobs("logprobs")
+    if body.get("top_logprobs") is not None:
+        raise _no_logprobs("top_logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise bad_request("response_format: only {\"type\": \"text\"} is supported",
+                          "response_format")
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise bad_request("messages must be a list of {role, content} objects", "messages")
+    req = api_pb2.GenerateRequest()
+    req.chat.SetInParent()  # an empty list still selects "chat", so validation names it
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
+        req.chat.messages.add(role=m["role"], content=_content(m.get("content"), i))
+    name, value = (("max_completion_tokens", body["max_completion_tokens"])
+                   if body.get("max_completion_tokens") is not None
+                   else ("max_tokens", body.get("max_tokens")))
+    _sampling(body, req, value, name)
+    return _parsed(body, req, "messages")
+
+
+def _content(content, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise bad_request(f"messages[{i}].content[{j}]: only text parts "
+                                  "({\"type\": \"text\", \"text\": ...}) are supported",
+                                  "messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
+                      "messages")
+
+
+def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> ParsedRequest:
+    stream = _typed(body, "stream", bool) or False
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise bad_request("stream_options is only allowed when stream is true",
+                          "stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("stream_options must be an object", "stream_options")
+    include_usage = bool((options or {}).get("include_usage"))
+    return ParsedRequest(req, stream, include_usage, prompt_param)
+
+
+def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_name: str):
+    """Copy the sampling fields into ``req`` (type checks only; ranges are validation's)."""
+    sp = req.sampling_params
+    for name in _FLOATS:
+        value = _typed(body, name, float)
+        if value is not None:
+            setattr(sp, name, value)
+    for name in _INTS:
+        value = _int32(body, name)
+        if value is not None:
+            setattr(sp, name, value)
+    for name in _BOOLS:
+        value = _typed(body, name, bool)
+        if value is not None:
+            setattr(sp, name, value)
+    if max_tokens is not None:
+        sp.max_tokens = _int32({max_tokens_name: max_tokens}, max_tokens_name)
+    seed = _typed(body, "seed", int)
+    if seed is not None:
+        sp.seed = seed % SEED_MODULUS
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        sp.stop.append(stop)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        sp.stop.extend(stop)
+    elif stop is not None:
+        raise bad_request("stop must be a string or a list of strings", "stop")
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not (isinstance(ids, list)
+                and all(_is_int(t) and INT32_MIN <= t <= INT32_MAX for t in ids)):
+            raise bad_request("stop_token_ids must be a list of token ids (ints)",
+                              "stop_token_ids")
+        sp.stop_token_ids.extend(ids)
+    priority = _int32(body, "priority")
+    if priority is not None:
+        req.priority = priority
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _typed(body: dict, name: str, kind: type):
+    """``body[name]`` checked to be a JSON ``kind`` (int also accepted for float), or None
+    when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if kind is float and (_is_int(value) or isinstance(value, float)):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float range: validation calls inf not finite
+            return float("inf")
+    if kind is int and (_is_int(value) or (isinstance(value, float) and value.is_integer())):
+        return int(value)
+    if kind is bool and isinstance(value, bool):
+        return value
+    what = {float: "a number", int: "an integer", bool: "a boolean"}[kind]
+    raise bad_request(f"{name} must be {what}, got {value!r}", name)
+
+
+def _int32(body: dict, name: str) -> int | None:
+    value = _typed(body, name, int)
+    if value is not None and not INT32_MIN <= value <= INT32_MAX:
+        raise bad_request(f"{name} must be in [{INT32_MIN}, {INT32_MAX}], got {value}", name)
+    return value
+
+
+def _refuse(body: dict, **defaults) -> None:
+    """400 for an unimplemented field set to anything but its default (or null)."""
+    for name, default in defaults.items():
+        value = body.get(name)
+        if value is not None and value != default:
+            raise bad_request(f"{name} is not supported by this server", name)
+
+
+def _no_logprobs(name: str) -> OpenAIError:
+    return bad_request(f"{name} is not supported yet: this server does not return log "
+                       "probabilities", name)

@@ -1,0 +1,123 @@
+"""OpenAI response bodies built from the router's ``GenerateResponse`` stream.
+
+The shapes follow OpenAI's API (as vLLM serves it): ``text_completion`` /
+``chat.completion`` objects, ``chat.completion.chunk`` / ``text_completion`` stream chunks,
+``usage`` with ``prompt_tokens_details.cached_tokens``. Each choice also carries vLLM's extra
+``stop_reason`` (the stop string that matched, else null). ``logprobs`` is always null.
+
+Usage of an n > 1 request: ``prompt_tokens`` counted once, ``completion_tokens`` summed over
+the choices, ``cached_tokens`` as reported for choice 0 (the other choices share its prompt
+blocks, so theirs would count the sharing, not the client's cache hit).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from services.common.pb.pagedserve.v1 import api_pb2
+
+FINISH_REASONS = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length",
+                  api_pb2.FINISH_REASON_ABORT: "abort"}
+
+
+class ResponseBuilder:
+    """Turns one request's GenerateResponses into OpenAI bodies, whole or as stream chunks.
+
+    Args:
+        chat: chat completion (True) or text completion (False).
+        model: the served model's name, echoed in every body.
+        n: number of choices.
+    """
+
+    def __init__(self, chat: bool, model: str, n: int):
+        self.chat, self.model, self.n = chat, model, n
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())  # seconds since the epoch, as OpenAI
+        self._texts: list[list[str]] = [[] for _ in range(n)]
+        self._finals: dict[int, api_pb2.GenerateResponse] = {}
+
+    # ---- whole response -----------------------------------------------------------------
+    def add(self, r: api_pb2.GenerateResponse) -> None:
+        """Record one streamed message (non-streaming mode)."""
+        self._texts[r.index].append(r.text)
+        if r.finish_reason:
+            self._finals[r.index] = r
+
+    def response(self) -> dict:
+        """The whole ``chat.completion`` / ``text_completion`` object, after every message was
+        ``add``ed."""
+        choices = []
+        for i in range(self.n):
+            final = self._finals.get(i)
+            text = "".join(self._texts[i])
+            choice = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice |= self._ending(final)
+            choice["logprobs"] = None
+            choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": self.usage()}
+
+    def usage(self) -> dict:
+        """OpenAI's usage object over the choices that have finished."""
+        finals = self._finals
+        prompt = next((f.usage.prompt_tokens for f in finals.values()), 0)
+        completion = sum(f.usage.completion_tokens for f in finals.values())
+        cached = finals[0].usage.num_cached_tokens if 0 in finals else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # ---- stream chunks ------------------------------------------------------------------
+    def role_chunks(self, include_usage: bool) -> list[dict]:
+        """(chat only) The first chunk of each choice: ``delta: {role: assistant, content:
+        ""}``, as OpenAI sends it."""
+        if not self.chat:
+            return []
+        return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}, include_usage)
+                for i in range(self.n)]
+
+    def chunk(self, r: api_pb2.GenerateResponse, include_usage: bool) -> dict | None:
+        """The stream chunk for one message, or None when it shows nothing (no text, not
+        final). A final message is also recorded for ``usage``."""
+        if r.finish_reason:
+            self._finals[r.index] = r
+        elif not r.text:
+            return None
+        choice = {"index": r.index}
+        if self.chat:
+            choice["delta"] = {"content": r.text} if r.text else {}
+        else:
+            choice["text"] = r.text
+        choice["logprobs"] = None
+        choice |= self._ending(r if r.finish_reason else None)
+        return self._chunk(choice, include_usage)
+
+    def usage_chunk(self) -> dict:
+        """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
+        body = self._chunk(None, False)
+        body["choices"] = []
+        body["usage"] = self.usage()
+        return body
+
+    def _chunk(self, choice: dict | None, include_usage: bool) -> dict:
+        body = {"id": self.id,
+                "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model,
+                "choices": [choice] if choice is not None else []}
+        if include_usage:
+            body["usage"] = None  # OpenAI: null on every chunk but the last
+        return body
+
+    @staticmethod
+    def _ending(final: api_pb2.GenerateResponse | None) -> dict:
+        if final is None:
+            return {"finish_reason": None, "stop_reason": None}
+        return {"finish_reason": FINISH_REASONS.get(final.finish_reason),
+                "stop_reason": final.stop_reason or None}

@@ -1,0 +1,184 @@
+"""The OpenAI HTTP layer without a stack: JSON -> GenerateRequest, error mapping, and the
+server's answers while it has no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+import pytest
+
+from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.router.generation import EngineError, PreparedRequest
+from services.router.openai_http import OpenAIServer
+from services.router.openai_requests import (OpenAIError, from_status, parse_chat,
+                                             parse_completion)
+from services.router.validation import TextOptions
+
+
+def test_completion_fields_map_onto_the_grpc_request():
+    p = parse_completion({
+        "model": "m", "prompt": [[1, 2, 3]], "max_tokens": 7, "temperature": 0, "top_p": 0.5,
+        "n": 2, "stop": "x", "seed": -1, "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.2,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "min_tokens": 2,
+        "ignore_eos": True, "stop_token_ids": [9], "include_stop_str_in_output": True,
+        "skip_special_tokens": False, "priority": -3, "stream": True,
+        "stream_options": {"include_usage": True}, "user": "ignored", "logprobs": None})
+    r, sp = p.request, p.request.sampling_params
+    assert list(r.prompt_token_ids.ids) == [1, 2, 3] and r.priority == -3
+    assert (sp.max_tokens, sp.temperature, sp.n, list(sp.stop), sp.seed) == (7, 0, 2, ["x"],
+                                                                             2**64 - 1)
+    assert sp.top_k == 4 and sp.min_tokens == 2 and list(sp.stop_token_ids) == [9]
+    assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
+    assert sp.presence_penalty == 0.5 and sp.frequency_penalty == -0.5
+    assert sp.ignore_eos and sp.include_stop_str_in_output and not sp.skip_special_tokens
+    assert p.stream and p.include_usage and p.prompt_param == "prompt"
+    assert not parse_completion({"prompt": "hi"}).request.sampling_params.HasField("top_p")
+
+
+def test_chat_fields_map_onto_the_grpc_request():
+    p = parse_chat({"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}],
+        "max_tokens": 3, "max_completion_tokens": 5, "logprobs": False})
+    assert [(m.role, m.content) for m in p.request.chat.messages] == [
+        ("system", "be brief"), ("user", "ab"), ("assistant", "")]
+    assert p.request.sampling_params.max_tokens == 5 and not p.stream
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "logprobs": 0}, "logprobs"),
+    ({"prompt": "a", "n": 1.5}, "n"),
+    ({"prompt": "a", "max_tokens": 2**40}, "max_tokens"),
+    ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "a", "stop": [1]}, "stop"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({}, "prompt"),
+])
+def test_completion_refusals_name_the_field(body, param):
+    with pytest.raises(OpenAIError) as err:
+        parse_completion(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [], "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_chat_refusals_name_the_field(body, param):
+    with pytest.raises(OpenAIError) as err:
+        parse_chat(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+@pytest.mark.parametrize("code, message, status, param", [
+    (grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0, got -1.0", 400, "temperature"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "stop[2] must have 1 to 256 characters", 400, "stop"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty", 400, "messages"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "prompt has 9 tokens but max_model_len is 8", 400,
+     "messages"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 429, None),
+    (grpc.StatusCode.UNAVAILABLE, "scheduler gone", 503, None),
+    (grpc.StatusCode.INTERNAL, "boom", 500, None),
+])
+def test_grpc_status_to_http(code, message, status, param):
+    e = from_status(code, message, prompt_param="messages")
+    assert (e.status, e.param) == (status, param)
+    assert e.body()["error"]["message"] == message
+
+
+class _NoEngine:
+    """An engine client that never connected."""
+    info = None
+    connected = asyncio.Event()
+
+
+def test_server_without_engine_answers_503_and_404():
+    async def main():
+        server = OpenAIServer(_NoEngine(), tokenizer=None)
+        port = await server.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.get(f"{url}/health") as r:
+                    assert r.status == 503
+                async with s.post(f"{url}/v1/completions", json={"prompt": "a"}) as r:
+                    assert r.status == 503 and (await r.json())["error"]["type"] == "server_error"
+                async with s.get(f"{url}/v1/models") as r:
+                    assert r.status == 503
+                async with s.post(f"{url}/v1/chat/completions", data=b"{") as r:
+                    assert r.status == 400 and "JSON" in (await r.json())["error"]["message"]
+                async with s.get(f"{url}/v1/completions") as r:
+                    assert r.status == 405 and "error" in await r.json()
+                async with s.post(f"{url}/v2/x", data=b"{") as r:
+                    assert r.status == 404 and "/v2/x" in (await r.json())["error"]["message"]
+        finally:
+            await server.stop()
+    asyncio.run(main())
+
+
+class _FakeEngine:
+    """Connected, serving model "m"; the generation itself is faked below."""
+
+    def __init__(self):
+        self.info = engine_pb2.GetEngineInfoResponse(model="m", max_model_len=64)
+        self.connected = asyncio.Event()
+        self.connected.set()
+
+
+def _fake_generation(monkeypatch, fail_after: int, closed: list):
+    """``stream_responses`` yields ``fail_after`` one-token messages, then raises 429's
+    RESOURCE_EXHAUSTED; ``closed`` records that the generator was closed."""
+    from services.router import openai_http
+
+    async def stream_responses(engine, tokenizer, prepared):
+        try:
+            for i in range(fail_after):
+                yield api_pb2.GenerateResponse(token_ids=[1], text=f"t{i}")
+            raise EngineError(grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full")
+        finally:
+            closed.append(True)
+
+    monkeypatch.setattr(openai_http, "prepare", lambda req, tok, info: PreparedRequest(
+        "r", [1, 2], engine_pb2.EngineSamplingParams(), TextOptions()))
+    monkeypatch.setattr(openai_http, "stream_responses", stream_responses)
+
+
+async def _post(body: dict) -> tuple[int, str]:
+    server = OpenAIServer(_FakeEngine(), tokenizer=None)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+                return r.status, await r.text()
+    finally:
+        await server.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_refusal_before_any_token_is_429(monkeypatch, stream):
+    closed = []
+    _fake_generation(monkeypatch, fail_after=0, closed=closed)
+    status, text = asyncio.run(_post({"prompt": "a", "stream": stream}))
+    assert status == 429 and '"rate_limit_error"' in text and "queue is full" in text
+    assert closed
+
+
+def test_engine_error_mid_stream_is_an_error_event(monkeypatch):
+    closed = []
+    _fake_generation(monkeypatch, fail_after=2, closed=closed)
+    status, text = asyncio.run(_post({"prompt": "a", "stream": True, "model": "m"}))
+    events = [e.removeprefix("data: ") for e in text.strip().split("\n\n")]
+    assert status == 200 and len(events) == 4 and events[-1] == "[DONE]"
+    assert json.loads(events[1])["choices"][0]["text"] == "t1"
+    assert json.loads(events[2])["error"]["code"] == "resource_exhausted"
+    assert closed
