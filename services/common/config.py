@@ -31,6 +31,48 @@ def parse_bytes(text: str | int) -> int:
     return value
 
 
+def int_in(lo: int, hi: int | None = None):
+    """An argparse ``type`` for an integer in ``[lo, hi]`` (``hi`` None = no upper bound).
+
+    The returned converter raises ``argparse.ArgumentTypeError`` naming the range, which
+    argparse prints after the flag's name: ``argument --block-size: must be >= 1, got 0``.
+    """
+    def convert(text: str | int) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < lo or (hi is not None and value > hi):
+            bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+    convert.__name__ = "int"  # argparse names the type in its own messages
+    return convert
+
+
+def float_in(lo: float, hi: float | None = None, *, lo_open: bool = False):
+    """An argparse ``type`` for a float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    def convert(text: str | float) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value != value or (value <= lo if lo_open else value < lo) or (
+                hi is not None and value > hi):
+            left = "(" if lo_open else "["
+            bound = f"in {left}{lo}, {hi}]" if hi is not None else (
+                f"> {lo}" if lo_open else f">= {lo}")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
+        return value
+    convert.__name__ = "float"
+    return convert
+
+
+PORT = int_in(0, 65535)  # 0 = let the OS pick a free port
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def env_name(flag: str) -> str:
     """``--max-num-seqs`` -> ``PAGEDSERVE_MAX_NUM_SEQS``."""
     return "PAGEDSERVE_" + flag.lstrip("-").replace("-", "_").upper()
@@ -44,15 +86,24 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
     """``parser.add_argument`` whose default comes from the flag's environment variable.
 
     Boolean switches (``action="store_true"`` or ``argparse.BooleanOptionalAction``) read the
-    variable as 1/true/yes/on.
+    variable as 1/true/yes/on or 0/false/no/off. A variable the flag's type or choices refuse
+    ends the program with an argparse error naming the variable.
     """
     env = os.environ.get(env_name(flag))
     if env is not None:
-        if kwargs.get("action") in ("store_true", argparse.BooleanOptionalAction):
-            kwargs["default"] = env.strip().lower() in ("1", "true", "yes", "on")
-        else:
-            conv = kwargs.get("type", str)
-            kwargs["default"] = conv(env)
+        try:
+            if kwargs.get("action") in ("store_true", argparse.BooleanOptionalAction):
+                word = env.strip().lower()
+                if word not in _TRUE + _FALSE:
+                    raise argparse.ArgumentTypeError(f"must be one of {_TRUE + _FALSE}")
+                kwargs["default"] = word in _TRUE
+            else:
+                value = kwargs.get("type", str)(env)
+                if "choices" in kwargs and value not in kwargs["choices"]:
+                    raise argparse.ArgumentTypeError(f"must be one of {kwargs['choices']}")
+                kwargs["default"] = value
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            parser.error(f"environment variable {env_name(flag)}={env!r}: {e}")
     help_text = kwargs.get("help", "")
     kwargs["help"] = f"{help_text} [env {env_name(flag)}]".strip()
     parser.add_argument(flag, **kwargs)

@@ -71,6 +71,9 @@ class Choice:
         # True once the choice has sent its final message (or failed): later outputs of its
         # engine request, e.g. the ABORT after a stop-string hit, are ignored.
         self.finished = False
+        self._logprobs: list[api_pb2.TokenLogprob] = []  # of the output being handled
+        self._prompt_tokens = list(prompt_token_ids)
+        self._prompt_logprobs: list[api_pb2.TokenLogprob] | None = []  # None once sent
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              skip_special_tokens=text.skip_special_tokens)
         self._stops = StopStringMatcher(text.stop, text.include_stop_str_in_output)
@@ -87,6 +90,9 @@ class Choice:
             ``finished`` is True after the final message.
         """
         ids = list(out.new_token_ids)
+        self._logprobs = token_logprobs(out)
+        if out.prompt_logprobs:
+            self._prompt_logprobs.extend(prompt_logprobs(out, self._prompt_tokens))
         self.num_output_tokens += len(ids)
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
@@ -102,9 +108,15 @@ class Choice:
                 return self._final(ids, text, api_pb2.FINISH_REASON_STOP, tail.stop_str), False
             return self._final(ids, text + self._stops.flush(), _FINISH[out.finish_reason]), False
         if ids or text:
-            return api_pb2.GenerateResponse(request_id=self.request_id, token_ids=ids, text=text,
-                                            index=self.index), False
+            return api_pb2.GenerateResponse(
+                request_id=self.request_id, token_ids=ids, text=text, index=self.index,
+                logprobs=self._logprobs, prompt_logprobs=self._take_prompt_logprobs()), False
         return None, False
+
+    def _take_prompt_logprobs(self) -> list[api_pb2.TokenLogprob]:
+        """The prompt logprobs gathered so far, once (for the choice's first message)."""
+        taken, self._prompt_logprobs = self._prompt_logprobs or [], None
+        return taken
 
     def _final(self, ids: list[int], text: str, reason: int,
                stop_str: str | None = None) -> api_pb2.GenerateResponse:
@@ -114,4 +126,39 @@ class Choice:
             usage=api_pb2.Usage(prompt_tokens=self.num_prompt_tokens,
                                 completion_tokens=self.num_output_tokens,
                                 num_cached_tokens=self.num_cached_tokens),
-            stop_reason=stop_str or "", index=self.index)
+            stop_reason=stop_str or "", index=self.index, logprobs=self._logprobs,
+            prompt_logprobs=self._take_prompt_logprobs())
+
+
+def prompt_logprobs(out: engine_pb2.RequestOutput, prompt: Sequence[int]
+                    ) -> list[api_pb2.TokenLogprob]:
+    """The public logprobs of the prompt tokens one RequestOutput scored: prompt tokens
+    ``prompt_logprobs_start, ...`` (k top pairs each, k = their count / the token count)."""
+    lps, start = out.prompt_logprobs, out.prompt_logprobs_start
+    k = len(out.prompt_top_token_ids) // len(lps)
+    top_ids, top_lps = out.prompt_top_token_ids, out.prompt_top_logprobs
+    return [api_pb2.TokenLogprob(
+        token_id=prompt[start + i], logprob=lp,
+        top=[api_pb2.TopLogprob(token_id=top_ids[j], logprob=top_lps[j])
+             for j in range(i * k, (i + 1) * k)])
+        for i, lp in enumerate(lps)]
+
+
+def token_logprobs(out: engine_pb2.RequestOutput) -> list[api_pb2.TokenLogprob]:
+    """The public per-token logprobs of one RequestOutput, aligned with its new_token_ids
+    (empty when the request did not ask). The top pairs are k per token, k = their count
+    divided by the token count.
+
+    NOTE: every token the engine sent is kept, also the one that completed a stop string:
+    token_ids are never cut at a stop string (only the text is), so the two stay aligned.
+    """
+    ids, lps = out.new_token_ids, out.new_token_logprobs
+    if not lps or len(lps) != len(ids):
+        return []
+    k = len(out.top_token_ids) // len(ids)
+    top_ids, top_lps = out.top_token_ids, out.top_logprobs
+    return [api_pb2.TokenLogprob(
+        token_id=t, logprob=lp,
+        top=[api_pb2.TopLogprob(token_id=top_ids[j], logprob=top_lps[j])
+             for j in range(i * k, (i + 1) * k)])
+        for i, (t, lp) in enumerate(zip(ids, lps))]

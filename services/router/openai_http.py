@@ -158,7 +158,8 @@ class OpenAIServer:
                 prepared = prepare(parsed.request, self.tokenizer, info)
         except RequestError as e:
             raise from_status(e.code, e.message, parsed.prompt_param) from None
-        builder = ResponseBuilder(chat, info.model, prepared.n)
+        builder = ResponseBuilder(chat, info.model, prepared.n, self.tokenizer
+                                  if prepared.params.HasField("logprobs") else None)
         # NOTE: aclosing: however the handler ends (client gone, error), the generator is
         # closed, and its clean-up aborts every engine request still running.
         async with contextlib.aclosing(stream_responses(self.engine, self.tokenizer,

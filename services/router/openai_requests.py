@@ -3,8 +3,8 @@
 Only the JSON *types* are checked here (a number where a number belongs, an int32 where the
 proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
 through ``generation.prepare`` exactly as for a gRPC call. Fields this module does not know are
-ignored, as OpenAI clients send extras; fields it knows but does not implement (logprobs, echo,
-tools, ...) are refused with a 400 naming them.
+ignored, as OpenAI clients send extras; fields it knows but does not implement (echo,
+prompt_logprobs, tools, ...) are refused with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ _INTS = ("top_k", "n", "min_tokens")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # Field names that validation messages start with, as the OpenAI request spells them.
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
-                                           "priority"}
+                                           "priority", "logprobs", "top_logprobs"}
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 
 
 class OpenAIError(Exception):
@@ -108,9 +109,10 @@ def parse_completion(body: dict) -> ParsedRequest:
         OpenAIError: 400 for a wrong JSON type or an unsupported field.
     """
     _refuse(body, echo=False, suffix=None, best_of=1, prompt_logprobs=None)
-    if body.get("logprobs") is not None:
-        raise _no_logprobs("logprobs")
     req = api_pb2.GenerateRequest()
+    logprobs = _int32(body, "logprobs")  # the range is validation's: [0, 20]
+    if logprobs is not None:
+        req.sampling_params.logprobs = logprobs
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) > 1:
@@ -140,10 +142,6 @@ def parse_chat(body: dict) -> ParsedRequest:
         OpenAIError: 400 for a wrong JSON type or an unsupported field.
     """
     _refuse(body, prompt_logprobs=None, tools=[], functions=[])
-    if body.get("logprobs"):
-        raise _no_logprobs("logprobs")
-    if body.get("top_logprobs") is not None:
-        raise _no_logprobs("top_logprobs")
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise bad_request("response_format: only {\"type\": \"text\"} is supported",
@@ -152,6 +150,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     if not isinstance(messages, list):
         raise bad_request("messages must be a list of {role, content} objects", "messages")
     req = api_pb2.GenerateRequest()
+    _chat_logprobs(body, req.sampling_params)
     req.chat.SetInParent()  # an empty list still selects "chat", so validation names it
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -162,6 +161,20 @@ def parse_chat(body: dict) -> ParsedRequest:
                    else ("max_tokens", body.get("max_tokens")))
     _sampling(body, req, value, name)
     return _parsed(body, req, "messages")
+
+
+def _chat_logprobs(body: dict, sp: api_pb2.SamplingParams) -> None:
+    """Chat's ``logprobs`` (bool) and ``top_logprobs`` (int in [0, 20], only with logprobs)
+    -> ``sp.logprobs`` (set only when logprobs is true)."""
+    wanted = _typed(body, "logprobs", bool)
+    top = _int32(body, "top_logprobs")
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                          "top_logprobs")
+    if wanted:
+        sp.logprobs = top or 0
 
 
 def _content(content, i: int) -> str:
@@ -269,7 +282,3 @@ def _refuse(body: dict, **defaults) -> None:
         if value is not None and value != default:
             raise bad_request(f"{name} is not supported by this server", name)
 
-
-def _no_logprobs(name: str) -> OpenAIError:
-    return bad_request(f"{name} is not supported yet: this server does not return log "
-                       "probabilities", name)

@@ -3,7 +3,9 @@
 The shapes follow OpenAI's API (as vLLM serves it): ``text_completion`` /
 ``chat.completion`` objects, ``chat.completion.chunk`` / ``text_completion`` stream chunks,
 ``usage`` with ``prompt_tokens_details.cached_tokens``. Each choice also carries vLLM's extra
-``stop_reason`` (the stop string that matched, else null). ``logprobs`` is always null.
+``stop_reason`` (the stop string that matched, else null). ``logprobs`` is null unless the
+request asked for them (see ``openai_logprobs``); a stream chunk then carries the logprobs of
+the tokens of its message (a chunk is sent for tokens whose text is still held back, too).
 
 Usage of an n > 1 request: ``prompt_tokens`` counted once, ``completion_tokens`` summed over
 the choices, ``cached_tokens`` as reported for choice 0 (the other choices share its prompt
@@ -16,6 +18,7 @@ import time
 import uuid
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.openai_logprobs import LogprobsFormatter, merge
 
 FINISH_REASONS = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length",
                   api_pb2.FINISH_REASON_ABORT: "abort"}
@@ -28,10 +31,15 @@ class ResponseBuilder:
         chat: chat completion (True) or text completion (False).
         model: the served model's name, echoed in every body.
         n: number of choices.
+        tokenizer: the model's tokenizer, to spell tokens in logprobs; None when the request
+            did not ask for logprobs (``logprobs`` is then null everywhere).
     """
 
-    def __init__(self, chat: bool, model: str, n: int):
+    def __init__(self, chat: bool, model: str, n: int, tokenizer=None):
         self.chat, self.model, self.n = chat, model, n
+        self._logprobs = ([LogprobsFormatter(tokenizer, chat) for _ in range(n)]
+                          if tokenizer is not None else None)
+        self._logprob_parts: list[list[dict]] = [[] for _ in range(n)]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())  # seconds since the epoch, as OpenAI
         self._texts: list[list[str]] = [[] for _ in range(n)]
@@ -41,6 +49,8 @@ class ResponseBuilder:
     def add(self, r: api_pb2.GenerateResponse) -> None:
         """Record one streamed message (non-streaming mode)."""
         self._texts[r.index].append(r.text)
+        if self._logprobs is not None:
+            self._logprob_parts[r.index].append(self._logprobs[r.index].format(r.logprobs))
         if r.finish_reason:
             self._finals[r.index] = r
 
@@ -57,7 +67,8 @@ class ResponseBuilder:
             else:
                 choice["text"] = text
             choice |= self._ending(final)
-            choice["logprobs"] = None
+            choice["logprobs"] = (merge(self._logprob_parts[i], self.chat)
+                                  if self._logprobs is not None else None)
             choices.append(choice)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices,
@@ -88,14 +99,15 @@ class ResponseBuilder:
         final). A final message is also recorded for ``usage``."""
         if r.finish_reason:
             self._finals[r.index] = r
-        elif not r.text:
+        elif not r.text and not (self._logprobs is not None and r.logprobs):
             return None
         choice = {"index": r.index}
         if self.chat:
             choice["delta"] = {"content": r.text} if r.text else {}
         else:
             choice["text"] = r.text
-        choice["logprobs"] = None
+        choice["logprobs"] = (self._logprobs[r.index].format(r.logprobs)
+                              if self._logprobs is not None and r.logprobs else None)
         choice |= self._ending(r if r.finish_reason else None)
         return self._chunk(choice, include_usage)
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.config import add_flag
+from services.common.config import LOG_LEVELS, PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+from services.router import text_api
 from services.router.engine_client import EngineClient
 from services.router.generation import EngineError, prepare, stream_responses
 from services.router.openai_http import DISABLED, OpenAIServer
@@ -26,21 +28,60 @@ SERVICE = api_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
-    """Decode the request → prepare → stream from the engine → encode; nothing else."""
+    """Decode the request → prepare → stream from the engine → encode; nothing else. The logic
+    lives in ``generation`` (Generate, Chat) and ``text_api`` (Chat's mapping, Tokenize,
+    Detokenize, ListModels)."""
 
     def __init__(self, engine: EngineClient, tokenizer):
         self.engine = engine
         self.tokenizer = tokenizer
 
     async def Generate(self, request, context):
+        async with contextlib.aclosing(self._generate(request, context)) as responses:
+            async for response in responses:
+                yield response
+
+    async def Chat(self, request, context):
+        try:
+            generate = text_api.chat_to_generate(request)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+        async with contextlib.aclosing(self._generate(generate, context)) as responses:
+            async for response in responses:
+                yield api_pb2.ChatResponse(delta=response)
+
+    async def Tokenize(self, request, context):
+        return await self._call(context, request, text_api.tokenize, request, self.tokenizer)
+
+    async def Detokenize(self, request, context):
+        return await self._call(context, request, text_api.detokenize, request, self.tokenizer)
+
+    async def ListModels(self, request, context):
+        return await self._call(context, request, text_api.list_models)
+
+    async def _info(self, context):
         if self.engine.info is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is connecting to its scheduler")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "router is connecting to its scheduler")
+        return self.engine.info
+
+    async def _call(self, context, request, fn, *args):
+        """``fn(*args, engine_info)``, on a thread for large requests; RequestError → status."""
+        info = await self._info(context)
         try:
             if request.ByteSize() > INLINE_PREPARE_BYTES:  # keep the loop free for others
-                prepared = await asyncio.to_thread(prepare, request, self.tokenizer,
-                                                   self.engine.info)
+                return await asyncio.to_thread(fn, *args, info)
+            return fn(*args, info)
+        except RequestError as e:
+            await context.abort(e.code, e.message)
+
+    async def _generate(self, request, context):
+        info = await self._info(context)
+        try:
+            if request.ByteSize() > INLINE_PREPARE_BYTES:  # keep the loop free for others
+                prepared = await asyncio.to_thread(prepare, request, self.tokenizer, info)
             else:
-                prepared = prepare(request, self.tokenizer, self.engine.info)
+                prepared = prepare(request, self.tokenizer, info)
         except RequestError as e:
             await context.abort(e.code, e.message)
         try:
@@ -53,8 +94,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
 def add_args(p: argparse.ArgumentParser) -> None:
     """The router's flags (also accepted by ``pagedserve serve``)."""
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
-    add_flag(p, "--port", type=int, default=50051, help="public gRPC port")
-    add_flag(p, "--http-port", type=int, default=8000,
+    add_flag(p, "--port", type=PORT, default=50051, help="public gRPC port")
+    add_flag(p, "--http-port", type=int_in(-1, 65535), default=8000,
              help="OpenAI-compatible HTTP port (0 = a free port, -1 = no HTTP server)")
     add_flag(p, "--http-host", default=None,
              help="address the HTTP server binds (default: --host)")
@@ -62,9 +103,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file whose tokenizer to use "
                   "(default: packaged SmolLM2-135M-Instruct)")
-    add_flag(p, "--scheduler-connect-timeout", type=float, default=900.0,
+    add_flag(p, "--scheduler-connect-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for the scheduler at start-up")
-    add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+             help="log verbosity")
 
 
 async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):

@@ -96,21 +96,33 @@ def _convert_gguf(source: ModelSource, out_dir: Path) -> None:
                            f"(exit {proc.returncode}): {proc.stderr[-2000:]}")
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str, *,
+                  add_special_tokens: bool = True) -> list[int]:
     """Token ids of a plain-text prompt, with the special tokens (e.g. BOS) the tokenizer adds
-    by default (its post-processor; SmolLM2 adds none), as vLLM's completions API does."""
-    return tokenizer.encode(text, add_special_tokens=True)
+    by default (its post-processor; SmolLM2 adds none), as vLLM's completions API does.
+
+    Args:
+        add_special_tokens: False leaves the post-processor's special tokens out (the text's
+            own special-token strings, e.g. "<|im_start|>", are still encoded as such).
+    """
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template, followed by the
-    assistant prefix (``add_generation_prompt=True``).
+def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict], *,
+                add_generation_prompt: bool = True, add_special_tokens: bool = False
+                ) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template, followed (by
+    default) by the assistant prefix.
 
     The template writes any BOS itself, so the rendered text is encoded without adding special
     tokens (vLLM's chat default): the ids never start with a doubled BOS.
 
     Args:
         messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+        add_generation_prompt: append the assistant prefix (what Generate sends); False ends
+            with the last message.
+        add_special_tokens: also let the tokenizer's post-processor add its special tokens to
+            the rendered text (vLLM's tokenize option; off for generation).
 
     Raises:
         RequestError(INVALID_ARGUMENT): no messages, a message without string role/content, no
@@ -124,7 +136,8 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict]) -> lis
     if not tokenizer.chat_template:
         raise invalid("this model has no chat template: send a plain prompt instead")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() in the template
         raise invalid(f"chat template rejected the messages: {e}") from e
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

@@ -21,6 +21,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 TOP_K_OFF = -1
 MAX_N = 64  # most choices (parallel samples) per request
+MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
 PRIORITY_POLICY = "priority"  # the scheduling policy under which priority != 0 is allowed
 
 
@@ -106,12 +107,27 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
         seed=params.seed if params.HasField("seed") else None,
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
-        **_penalties(params))
+        logprobs=_logprobs(params, "logprobs"),
+        prompt_logprobs=_logprobs(params, "prompt_logprobs"), **_penalties(params))
     text = TextOptions(
         stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=(params.skip_special_tokens
                              if params.HasField("skip_special_tokens") else True))
     return engine, text
+
+
+def _logprobs(params: api_pb2.SamplingParams, name: str) -> int | None:
+    """``params.<name>`` (logprobs or prompt_logprobs) in [0, MAX_LOGPROBS], or None (unset).
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): out of range.
+    """
+    if not params.HasField(name):
+        return None
+    value = getattr(params, name)
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise invalid(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+    return value
 
 
 def _penalties(params: api_pb2.SamplingParams) -> dict[str, float | int]:
@@ -202,3 +218,14 @@ def _check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
     if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):
         i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
         raise invalid(f"{name}[{i}] must be in [0, {vocab_size}), got {bad}")
+
+
+def validate_token_ids(name: str, ids: Sequence[int], *, vocab_size: int) -> None:
+    """Check that every id of ``ids`` (the request field ``name``) is in [0, vocab_size); an
+    empty list passes.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): naming the first bad id and its index, e.g.
+            ``token_ids[3] must be in [0, 49152), got 60000``.
+    """
+    _check_ids(name, ids, vocab_size)

@@ -20,6 +20,7 @@ import grpc
 
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
+from services.scheduler.logprobs import logprobs_from_pb, prompt_logprobs_from_pb
 from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
@@ -47,7 +48,9 @@ def params_from_pb(p: engine_pb2.EngineSamplingParams) -> EngineSamplingParams:
         max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
         stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_p=p.min_p,
         repetition_penalty=p.repetition_penalty or 1.0, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens)
+        frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
 
 
 def error_output(request_id: str, code: grpc.StatusCode, message: str) -> engine_pb2.RequestOutput:
@@ -139,7 +142,14 @@ class Engine:
                 continue
             self.num_steps_total += 1
             sampled = dict(zip(result.request_ids, result.sampled_token_ids))
-            self._publish(self.scheduler.update_from_output(out, sampled), out.step_id)
+            try:
+                logprobs = logprobs_from_pb(result)
+                prompt_logprobs = prompt_logprobs_from_pb(result)
+            except ValueError as e:  # a worker bug: keep serving tokens, drop the logprobs
+                log.error("%s", e)
+                logprobs = prompt_logprobs = None
+            self._publish(self.scheduler.update_from_output(out, sampled, logprobs,
+                                                            prompt_logprobs), out.step_id)
 
     async def _fail_and_reconnect(self, reason: str) -> None:
         log.error("worker failure: %s; failing %d requests", reason, len(self._sinks))
@@ -187,6 +197,16 @@ class Engine:
                 request_id=u.request_id, new_token_ids=u.new_token_ids,
                 finish_reason=_FINISH[u.finish_reason], num_prompt_tokens=u.num_prompt_tokens,
                 num_output_tokens=u.num_output_tokens, num_cached_tokens=u.num_cached_tokens)
+            if u.logprobs is not None:
+                out.new_token_logprobs.append(u.logprobs.logprob)
+                out.top_token_ids.extend(u.logprobs.top_token_ids)
+                out.top_logprobs.extend(u.logprobs.top_logprobs)
+            if u.prompt_logprobs is not None:
+                pl = u.prompt_logprobs
+                out.prompt_logprobs_start = pl.start
+                out.prompt_logprobs.extend(pl.logprobs)
+                out.prompt_top_token_ids.extend(pl.top_token_ids)
+                out.prompt_top_logprobs.extend(pl.top_logprobs)
             by_sink.setdefault(id(sink), (sink, []))[1].append(out)
             if u.finish_reason is not None:
                 del self._sinks[u.request_id]

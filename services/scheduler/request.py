@@ -88,6 +88,8 @@ class EngineSamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2], over output tokens; 0 = off
     frequency_penalty: float = 0.0  # in [-2, 2], per output occurrence; 0 = off
     min_tokens: int = 0  # no EOS / stop token finishes the request before this many outputs
+    logprobs: int | None = None  # top raw logprobs per new token, in [0, 20]; None = none
+    prompt_logprobs: int | None = None  # top raw logprobs per prompt token; None = none
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -109,6 +111,10 @@ class EngineSamplingParams:
                                    and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be >= 0 and <= max_tokens ({self.max_tokens}), "
                              f"got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise ValueError(f"{name} must be in [0, 20], got {value}")
         self.stop_token_ids = list(self.stop_token_ids)
 
 
@@ -139,6 +145,13 @@ class Request:
     # prefix caching off, already full): the prefix cache's and the scheduler's bookmark
     extra_keys: bytes = b""  # what else the K/V depends on (hashed into every block key)
     parent_request_id: str = ""  # set on the choices of an n > 1 request: they share blocks
+    prompt_logprobs_next: int = 1  # next prompt index whose logprob goes to the router
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some are still unsent: no prefix-cache hit."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.prompt_logprobs_next < len(self.prompt_token_ids))
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

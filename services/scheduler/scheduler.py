@@ -22,6 +22,7 @@ import bisect
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
 from services.scheduler.request import (
     EngineSamplingParams,
     FinishReason,
@@ -114,6 +115,8 @@ class RequestUpdate:
     num_prompt_tokens: int
     num_output_tokens: int  # after this update
     num_cached_tokens: int  # prefix-cache hit at first schedule (0 if never scheduled)
+    logprobs: TokenLogprobs | None = None  # of new_token_ids[0], when the request asked
+    prompt_logprobs: PromptLogprobs | None = None  # prompt tokens scored by this step's chunk
 
 
 class Scheduler:
@@ -314,7 +317,9 @@ class Scheduler:
         while (not preempted_now and waiting and budget > 0
                and len(running) < config.max_num_seqs):
             request = waiting.peek()
-            hit_blocks, num_hit = bm.get_computed_blocks(request)
+            # NOTE: prompt logprobs need every prompt position computed: no cache hit then.
+            hit_blocks, num_hit = (([], 0) if request.needs_prompt_logprobs
+                                   else bm.get_computed_blocks(request))
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -376,13 +381,19 @@ class Scheduler:
         return output
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
+        logprobs: dict[str, TokenLogprobs] | None = None,
+        prompt_logprobs: dict[str, PromptLogprobs] | None = None,
     ) -> list[RequestUpdate]:
         """Apply a finished step: advance num_computed_tokens, append tokens, finish requests.
 
         ``sampled_token_ids`` maps request_id -> the token sampled for it. Tokens are used only
         for requests whose chunk reached the end (num_computed_tokens == num_tokens after the
         step) and that are still running; others (mid-prefill, aborted in flight) are ignored.
+        ``logprobs`` maps request_id -> its token's logprobs (requests that asked), carried
+        into the RequestUpdate as is. ``prompt_logprobs`` maps request_id -> the prompt tokens
+        its chunk scored; each prompt token is passed on once (a recompute after preemption
+        repeats none), on an update of its own for a mid-prefill chunk.
         A request whose chunk reached the end but got no token redoes its last position.
 
         Returns:
@@ -410,10 +421,15 @@ class Scheduler:
             if request is None or request.status is not running_status:
                 continue  # aborted while the step ran
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens != len(request.prompt_token_ids) + len(
-                    request.output_token_ids):
-                continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
+            prompt_chunk = (self._new_prompt_logprobs(request, prompt_logprobs.get(request_id))
+                            if prompt_logprobs else None)
             token_id = sampled_token_ids.get(request_id)
+            reached_end = request.num_computed_tokens == len(request.prompt_token_ids) + len(
+                request.output_token_ids)
+            if prompt_chunk is not None and (not reached_end or token_id is None):
+                updates.append(_update(request, [], None, prompt_logprobs=prompt_chunk))
+            if not reached_end:
+                continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
             if token_id is None:
                 # NOTE: the worker owed a token and sent none. Recompute the last position next
                 # step (same slot, same K/V) rather than leave a request with nothing to do.
@@ -425,10 +441,23 @@ class Scheduler:
                 del requests[request_id]
                 self._finish(request, reason)
                 any_finished = True
-            updates.append(_update(request, [token_id], reason))
+            updates.append(_update(request, [token_id], reason,
+                                   logprobs.get(request_id) if logprobs else None, prompt_chunk))
         if any_finished:
             self.running = [r for r in self.running if r.status is running_status]
         return updates
+
+    @staticmethod
+    def _new_prompt_logprobs(request: Request, chunk: PromptLogprobs | None
+                             ) -> PromptLogprobs | None:
+        """The part of ``chunk`` the router does not have yet; advances the bookmark."""
+        if chunk is None or request.sampling_params.prompt_logprobs is None:
+            return None
+        chunk = chunk.from_position(request.prompt_logprobs_next)
+        if chunk is None or chunk.start != request.prompt_logprobs_next:
+            return None  # NOTE: a gap cannot happen (no cache hit while unsent); be safe.
+        request.prompt_logprobs_next += len(chunk.logprobs)
+        return chunk
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the workers' KV caches were lost, e.g. a restart)."""
@@ -473,9 +502,11 @@ class Scheduler:
 
 
 def _update(
-    request: Request, new_token_ids: list[int], reason: FinishReason | None
+    request: Request, new_token_ids: list[int], reason: FinishReason | None,
+    logprobs: TokenLogprobs | None = None, prompt_logprobs: PromptLogprobs | None = None,
 ) -> RequestUpdate:
     return RequestUpdate(
         request.request_id, new_token_ids, reason,
         request.num_prompt_tokens, request.num_output_tokens, max(request.num_cached_tokens, 0),
+        logprobs, prompt_logprobs,
     )

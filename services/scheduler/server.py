@@ -13,7 +13,7 @@ import logging
 
 import grpc
 
-from services.common.config import add_flag
+from services.common.config import LOG_LEVELS, PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from services.scheduler.engine import Engine, RouterSink
@@ -80,33 +80,34 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 def add_args(p: argparse.ArgumentParser) -> None:
     """The scheduler's flags (also accepted by ``pagedserve serve``)."""
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
-    add_flag(p, "--port", type=int, default=50052, help="EngineService port")
+    add_flag(p, "--port", type=PORT, default=50052, help="EngineService port")
     add_flag(p, "--workers", default="127.0.0.1:50053",
              help="comma-separated worker rank addresses, rank 0 first")
-    add_flag(p, "--worker-connect-timeout", type=float, default=900.0,
+    add_flag(p, "--worker-connect-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for the workers at start-up")
-    add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
-    add_flag(p, "--max-num-seqs", type=int, default=256, help="most requests in one step")
-    add_flag(p, "--max-num-batched-tokens", type=int, default=2048,
+    add_flag(p, "--block-size", type=int_in(1, 1024), default=16, help="tokens per KV block")
+    add_flag(p, "--max-num-seqs", type=int_in(1), default=256, help="most requests in one step")
+    add_flag(p, "--max-num-batched-tokens", type=int_in(1), default=2048,
              help="most tokens computed in one step (the chunked-prefill budget)")
-    add_flag(p, "--max-model-len", type=int, default=None,
+    add_flag(p, "--max-model-len", type=int_in(1), default=None,
              help="longest prompt+output in tokens (default: the model's context length)")
     add_flag(p, "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
              help="reuse the KV blocks of identical prompt prefixes across requests")
     add_flag(p, "--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
              help="fcfs: arrival order; priority: by each request's priority (lower = sooner), "
                   "then arrival; also picks the preemption victim")
-    add_flag(p, "--long-prefill-token-threshold", type=int, default=None,
+    add_flag(p, "--long-prefill-token-threshold", type=int_in(0), default=None,
              help="most prompt tokens one request prefills per step, so running decodes keep "
                   "moving while a long prompt is chunked in (default: max-num-batched-tokens / "
                   "4; 0 = no cap)")
-    add_flag(p, "--max-num-waiting-requests", type=int, default=1024,
+    add_flag(p, "--max-num-waiting-requests", type=int_in(0), default=1024,
              help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (0 = no "
                   "limit)")
-    add_flag(p, "--max-num-waiting-tokens", type=int, default=0,
+    add_flag(p, "--max-num-waiting-tokens", type=int_in(0), default=0,
              help="refuse new requests with RESOURCE_EXHAUSTED once the waiting queue would "
                   "hold more prompt tokens than this (0 = no limit)")
-    add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+             help="log verbosity")
 
 
 def scheduler_config(args, max_model_len: int) -> SchedulerConfig:

@@ -33,6 +33,10 @@ def _sampling_pb(p: EngineSamplingParams) -> worker_pb2.WorkerSamplingParams:
         frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens)
     if p.seed is not None:
         msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     if p.min_tokens > 0:
         msg.stop_token_ids.extend(p.stop_token_ids)
         msg.ignore_eos = p.ignore_eos

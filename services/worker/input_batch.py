@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from services.worker.attention import AttentionMetadata
+from services.worker.logprobs import PromptChunk
 from services.worker.penalties import PenaltyTensors, TokenCounts
 from services.worker.sampler import SamplingTensors
 from services.worker.step_input import SamplingOptions, StepInput
@@ -59,6 +60,8 @@ class PreparedStep:
         logits_indices: ``[S]`` int64 rows of the hidden states to sample from.
         sampled_request_ids: the ``S`` request ids, in row order.
         sampling: per-row sampling parameters of the ``S`` rows.
+        num_logprobs: per row, the top logprobs it asked for (0..20), or None for none.
+        prompt_chunks: the prompt positions scored this step (requests with prompt_logprobs).
     """
 
     input_ids: torch.Tensor
@@ -67,6 +70,8 @@ class PreparedStep:
     logits_indices: torch.Tensor
     sampled_request_ids: list[str]
     sampling: SamplingTensors
+    num_logprobs: list[int | None]
+    prompt_chunks: list[PromptChunk]
 
 
 class InputBatch:
@@ -224,13 +229,37 @@ class InputBatch:
         return PreparedStep(
             input_ids=self._to_device(input_ids), positions=self._to_device(positions),
             attn_metadata=meta, logits_indices=self._to_device(logits_indices),
-            sampled_request_ids=[r.state.request_id for r in rows], sampling=sampling)
+            sampled_request_ids=[r.state.request_id for r in rows], sampling=sampling,
+            num_logprobs=[r.state.sampling.logprobs for r in rows],
+            prompt_chunks=_prompt_chunks(scheduled, query_start_loc))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
+
+
+def _prompt_chunks(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray
+                   ) -> list[PromptChunk]:
+    """The prompt tokens each prompt_logprobs request scores this step.
+
+    Position p (hidden row ``query_start_loc[i] + p - num_computed``) predicts token p + 1, so a
+    chunk computing positions [c, c + n) scores prompt tokens [c + 1, min(c + n, P - 1) + 1)::
+
+        prompt  t0 t1 t2 t3 t4 | outputs        P = 5, chunk c = 2, n = 3
+        rows          p2 p3 p4                  p2 -> t3, p3 -> t4; p4 -> output (sampled)
+    """
+    chunks = []
+    for i, s in enumerate(scheduled):
+        k, state = s.state.sampling.prompt_logprobs, s.state
+        start = s.num_computed_tokens
+        end = min(start + s.num_scheduled_tokens, state.num_prompt_tokens - 1)
+        if k is None or end <= start:
+            continue
+        chunks.append(PromptChunk(state.request_id, k, int(query_start_loc[i]), start + 1,
+                                  state.token_ids[start + 1:end + 1]))
+    return chunks
 
 
 def _token_aware(state: RequestState) -> bool:

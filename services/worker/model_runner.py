@@ -16,6 +16,7 @@ import torch
 from services.worker.attention import select_backend
 from services.worker.input_batch import InputBatch
 from services.worker.loader import load_model
+from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
 from services.worker.sampler import Sampler
 from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput,
                                         StepOutput)
@@ -41,9 +42,17 @@ def cpu_has_native_bf16() -> bool:
 
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` = CUDA when available, else CPU; anything else as torch spells it. A CUDA
-    device always gets an index (the current device when none is given)."""
+    device always gets an index (the current device when none is given).
+
+    Raises:
+        ValueError: CUDA asked for where torch sees no CUDA device.
+        RuntimeError: a device string torch does not know.
+    """
     resolved = torch.device(
         ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA device on this machine "
+                         f"(torch {torch.__version__}); use --device cpu or auto")
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
@@ -194,8 +203,21 @@ class ModelRunner:
         batch = self.input_batch.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
                             batch.attn_metadata)  # [T, E]
+        prompt_logprobs = self._prompt_logprobs(hidden, batch)
         if not batch.sampled_request_ids:
-            return StepOutput(step.step_id, [], [])
+            return StepOutput(step.step_id, [], [], None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, V] float32
         token_ids = self.sampler(logits, batch.sampling)  # [S] int64
-        return StepOutput(step.step_id, batch.sampled_request_ids, token_ids.tolist())
+        logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)  # raw logits
+        return StepOutput(step.step_id, batch.sampled_request_ids, token_ids.tolist(), logprobs,
+                          prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch) -> list:
+        """Raw logprobs of the prompt tokens scored this step (``hidden [T, E]``)."""
+        if not batch.prompt_chunks:
+            return []
+        rows = torch.tensor([c.hidden_start + j for c in batch.prompt_chunks
+                             for j in range(len(c.target_token_ids))], dtype=torch.int64,
+                            device=hidden.device)
+        logits = self.model.compute_logits(hidden[rows])  # [P, V] float32
+        return compute_prompt_logprobs(logits, batch.prompt_chunks)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.common.config import add_flag, parse_bytes
+from services.common.config import LOG_LEVELS, PORT, add_flag, float_in, int_in, parse_bytes
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput)
@@ -32,7 +32,9 @@ def step_input_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
             seed=p.seed if p.HasField("seed") else None, min_p=p.min_p,
             repetition_penalty=p.repetition_penalty or 1.0, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens,
-            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos)
+            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs if p.HasField("logprobs") else None,
+            prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
     return StepInput(
         step_id=msg.step_id,
         new_requests=[NewRequest(
@@ -93,32 +95,49 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             except Exception as e:  # a bug or OOM in the forward: fail the stream loudly
                 log.exception("step %d failed", msg.step_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {msg.step_id} failed: {e}")
-            yield worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
-                                        sampled_token_ids=out.sampled_token_ids,
-                                        execute_seconds=time.perf_counter() - t0)
+            result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
+                                           sampled_token_ids=out.sampled_token_ids,
+                                           execute_seconds=time.perf_counter() - t0)
+            if out.logprobs is not None:
+                lp = out.logprobs
+                result.num_top_logprobs.extend(lp.num_top_logprobs)
+                result.sampled_logprobs.extend(lp.sampled_logprobs)
+                result.top_token_ids.extend(lp.top_token_ids)
+                result.top_logprobs.extend(lp.top_logprobs)
+            for pl in out.prompt_logprobs:
+                result.prompt_request_ids.append(pl.request_id)
+                result.prompt_first_positions.append(pl.first_position)
+                result.prompt_num_tokens.append(len(pl.logprobs))
+                result.prompt_num_top.append(len(pl.top_token_ids) // max(1, len(pl.logprobs)))
+                result.prompt_logprobs.extend(pl.logprobs)
+                result.prompt_top_token_ids.extend(pl.top_token_ids)
+                result.prompt_top_logprobs.extend(pl.top_logprobs)
+            yield result
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     """The worker's flags (also accepted by ``pagedserve serve``)."""
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
-    add_flag(p, "--port", type=int, default=50053, help="WorkerService port")
+    add_flag(p, "--port", type=PORT, default=50053, help="WorkerService port")
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file (default: packaged SmolLM2-135M-Instruct)")
     add_flag(p, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
              help="compute dtype; auto = bfloat16 on a CPU/GPU with native bf16, else float32")
     add_flag(p, "--device", default="auto", help="cpu, cuda or auto")
-    add_flag(p, "--block-size", type=int, default=16, help="tokens per KV block")
+    add_flag(p, "--block-size", type=int_in(1, 1024), default=16, help="tokens per KV block")
     add_flag(p, "--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
              help="KV cache size on CPU, e.g. 4GiB")
-    add_flag(p, "--gpu-memory-utilization", type=float, default=0.9,
+    add_flag(p, "--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9,
              help="fraction of GPU memory for weights, activations and KV cache")
-    add_flag(p, "--max-num-batched-tokens", type=int, default=2048,
+    add_flag(p, "--max-num-batched-tokens", type=int_in(1), default=2048,
              help="most tokens computed in one step (the chunked-prefill budget; on CUDA also "
                   "the size of the profiling forward pass)")
-    add_flag(p, "--max-model-len", type=int, default=None, help="cap on the context length")
+    add_flag(p, "--max-model-len", type=int_in(1), default=None,
+             help="cap on the context length")
     add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton"],
              help="auto = triton on CUDA, torch on CPU")
-    add_flag(p, "--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+             help="log verbosity")
 
 
 def build_runner(args):

@@ -9,7 +9,7 @@ token comes back to the worker as ``new_token_ids`` of the next step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
@@ -27,6 +27,8 @@ class SamplingOptions:
     min_tokens: int = 0  # stop ids get -inf while fewer outputs than this; 0 = off
     stop_token_ids: tuple[int, ...] = ()  # masked under min_tokens (with EOS unless ignore_eos)
     ignore_eos: bool = False  # min_tokens then masks stop_token_ids only
+    logprobs: int | None = None  # top raw logprobs to return per sampled token; None = none
+    prompt_logprobs: int | None = None  # top raw logprobs per prompt token; None = none
 
     @property
     def uses_penalties(self) -> bool:
@@ -76,3 +78,36 @@ class StepOutput:
     step_id: int
     request_ids: list[str]
     sampled_token_ids: list[int]  # parallel to request_ids
+    logprobs: SampledLogprobs | None = None  # None when no request of the step asked
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Raw logprobs of the prompt tokens one request's chunk scored this step.
+
+    Prompt token ``first_position + j`` (``j < len(logprobs)``) has logprob ``logprobs[j]``
+    given the tokens before it; ``top_token_ids`` / ``top_logprobs`` hold k pairs per scored
+    token (k = their length / len(logprobs)), most likely first. Position 0 is never scored.
+    """
+
+    request_id: str
+    first_position: int
+    logprobs: list[float]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class SampledLogprobs:
+    """Columnar logprobs of one step (the StepResult's layout; see worker.proto).
+
+    ``num_top_logprobs[i]`` is k for request i of the StepOutput, or -1 when it asked for none;
+    ``sampled_logprobs`` has one float (natural log) per request with k >= 0, in order;
+    ``top_token_ids`` / ``top_logprobs`` hold k entries per such request, most likely first.
+    """
+
+    num_top_logprobs: list[int]
+    sampled_logprobs: list[float]
+    top_token_ids: list[int]
+    top_logprobs: list[float]

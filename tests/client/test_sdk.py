@@ -96,3 +96,26 @@ def test_join_single_choice_and_empty():
     assert len(r.choices) == 1 and r.choices[0].text == "xy"
     empty = join([])
     assert empty.text == "" and empty.choices == [] and empty.finish_reason is None
+
+
+def test_logprobs_are_typed_and_joined_per_choice():
+    from pagedserve_client import TokenLogprob, TopLogprob
+
+    def lp(t, v):
+        return api_pb2.TokenLogprob(token_id=t, logprob=v,
+                                    top=[api_pb2.TopLogprob(token_id=t, logprob=v)])
+    msgs = [api_pb2.GenerateResponse(request_id="r", token_ids=[5], logprobs=[lp(5, -0.5)],
+                                     prompt_logprobs=[lp(3, -2.0)]),
+            api_pb2.GenerateResponse(request_id="r", index=1, token_ids=[7],
+                                     logprobs=[lp(7, -1.0)]),
+            api_pb2.GenerateResponse(request_id="r", token_ids=[6], logprobs=[lp(6, -0.25)],
+                                     finish_reason=2)]
+    deltas = [delta_from_pb(m) for m in msgs]
+    assert deltas[0].logprobs == [TokenLogprob(5, -0.5, [TopLogprob(5, -0.5)])]
+    r = join(deltas)
+    assert [x.token_id for x in r.logprobs] == r.token_ids == [5, 6]
+    assert r.choices[1].logprobs == [TokenLogprob(7, -1.0, [TopLogprob(7, -1.0)])]
+    assert r.prompt_logprobs == [TokenLogprob(3, -2.0, [TopLogprob(3, -2.0)])]
+    assert r.choices[1].prompt_logprobs is None
+    assert delta_from_pb(api_pb2.GenerateResponse(token_ids=[1])).logprobs is None
+    assert join([delta_from_pb(api_pb2.GenerateResponse(token_ids=[1]))]).logprobs is None

@@ -90,6 +90,9 @@ def test_top_k_off_values_become_minus_one(top_k):
      "frequency_penalty must be a finite number, got -inf"),
     ({"min_tokens": -1}, "min_tokens must be >= 0, got -1"),
     ({"min_tokens": 8, "max_tokens": 7}, "min_tokens must be <= max_tokens (7), got 8"),
+    ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
+    ({"logprobs": -1}, "logprobs must be in [0, 20], got -1"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21"),
 ])
 def test_out_of_range_fields(fields, message):
     assert error(check, **fields) == message
@@ -104,6 +107,10 @@ def test_limits_are_inclusive():
         check(presence_penalty=penalty, frequency_penalty=penalty)
     check(min_tokens=7, max_tokens=7)
     check(repetition_penalty=1e-3)
+    assert check(logprobs=0)[0].logprobs == 0 and check(logprobs=20)[0].logprobs == 20
+    assert not check()[0].HasField("logprobs")
+    assert check(prompt_logprobs=0)[0].prompt_logprobs == 0
+    assert not check()[0].HasField("prompt_logprobs")
 
 
 def test_penalty_defaults_and_values():

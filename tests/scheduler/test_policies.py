@@ -165,10 +165,12 @@ def test_waiting_token_count_follows_the_queue():
 
 
 @pytest.mark.parametrize(("flag", "value"), [
-    ("--max-num-waiting-requests", "-1"), ("--max-num-waiting-tokens", "-3"),
-    ("--long-prefill-token-threshold", "-5"), ("--max-num-seqs", "0"),
+    ("--max-num-waiting-requests", -1), ("--max-num-waiting-tokens", -3),
+    ("--long-prefill-token-threshold", -5), ("--max-num-seqs", 0),
 ])
-def test_scheduler_flags_out_of_range_fail_before_waiting_for_workers(flag, value):
+def test_scheduler_config_out_of_range_fails_before_waiting_for_workers(flag, value):
+    """argparse already refuses these on the command line (tests/test_flags.py); serve() checks
+    again for callers that build the namespace themselves (the in-process test stack)."""
     import argparse
     import asyncio
 
@@ -176,8 +178,9 @@ def test_scheduler_flags_out_of_range_fail_before_waiting_for_workers(flag, valu
 
     p = argparse.ArgumentParser()
     server.add_args(p)
-    # NOTE: no worker listens at this address: serve() must fail on the flag, not wait for it
-    args = p.parse_args(["--port", "0", "--workers", "127.0.0.1:1", flag, value])
+    # NOTE: no worker listens at this address: serve() must fail on the value, not wait
+    args = p.parse_args(["--port", "0", "--workers", "127.0.0.1:1"])
+    setattr(args, flag[2:].replace("-", "_"), value)
     with pytest.raises(ValueError, match=f"^{flag}: .*got {value}"):
         asyncio.run(asyncio.wait_for(server.serve(args), timeout=10))
 

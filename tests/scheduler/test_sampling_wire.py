@@ -32,3 +32,54 @@ def test_penalties_and_min_tokens_pass_through():
 def test_stop_ids_go_to_the_worker_only_with_min_tokens():
     w = _sampling_pb(EngineSamplingParams(stop_token_ids=[4], ignore_eos=True))
     assert list(w.stop_token_ids) == [] and not w.ignore_eos and w.min_tokens == 0
+
+
+def test_logprobs_pass_through_and_unset_stays_unset():
+    assert params_from_pb(engine_pb2.EngineSamplingParams()).logprobs is None
+    assert not _sampling_pb(EngineSamplingParams()).HasField("logprobs")
+    p = params_from_pb(engine_pb2.EngineSamplingParams(logprobs=0, prompt_logprobs=2))
+    assert p.logprobs == 0 and p.prompt_logprobs == 2
+    assert _sampling_pb(p).prompt_logprobs == 2
+    w = _sampling_pb(p)
+    assert w.HasField("logprobs") and w.logprobs == 0
+    assert _sampling_pb(EngineSamplingParams(logprobs=20)).logprobs == 20
+
+
+def test_step_result_logprobs_are_cut_per_request():
+    import pytest
+
+    from services.common.pb.pagedserve.v1 import worker_pb2
+    from services.scheduler.logprobs import TokenLogprobs, logprobs_from_pb
+
+    result = worker_pb2.StepResult(
+        step_id=1, request_ids=["a", "b", "c"], sampled_token_ids=[1, 2, 3],
+        num_top_logprobs=[2, -1, 0], sampled_logprobs=[-0.5, -1.5],
+        top_token_ids=[1, 7], top_logprobs=[-0.5, -2.0])
+    assert logprobs_from_pb(result) == {"a": TokenLogprobs(-0.5, [1, 7], [-0.5, -2.0]),
+                                        "c": TokenLogprobs(-1.5, [], [])}
+    assert logprobs_from_pb(worker_pb2.StepResult(request_ids=["a"])) is None
+    del result.top_logprobs[1]
+    with pytest.raises(ValueError, match="malformed"):
+        logprobs_from_pb(result)
+
+
+def test_step_result_prompt_logprobs_are_cut_per_request():
+    import pytest
+
+    from services.common.pb.pagedserve.v1 import worker_pb2
+    from services.scheduler.logprobs import PromptLogprobs, prompt_logprobs_from_pb
+
+    result = worker_pb2.StepResult(
+        prompt_request_ids=["a", "b"], prompt_first_positions=[1, 9],
+        prompt_num_tokens=[2, 1], prompt_num_top=[1, 0], prompt_logprobs=[-1.0, -2.0, -3.0],
+        prompt_top_token_ids=[4, 5], prompt_top_logprobs=[-0.5, -0.75])
+    assert prompt_logprobs_from_pb(result) == {
+        "a": PromptLogprobs(1, [-1.0, -2.0], [4, 5], [-0.5, -0.75], 1),
+        "b": PromptLogprobs(9, [-3.0], [], [], 0)}
+    assert prompt_logprobs_from_pb(worker_pb2.StepResult()) is None
+    del result.prompt_logprobs[0]
+    with pytest.raises(ValueError, match="malformed"):
+        prompt_logprobs_from_pb(result)
+    p = PromptLogprobs(3, [-1.0, -2.0], [7, 8], [-1.0, -2.0], 1)
+    assert p.from_position(2) is p and p.from_position(5) is None
+    assert p.from_position(4) == PromptLogprobs(4, [-2.0], [8], [-2.0], 1)

@@ -466,3 +466,56 @@ def test_schedule_cost_does_not_grow_with_waiting_queue():
         w.step()
         assert calls <= 3  # the (at most 2) running requests + one failed admission check
     assert s.num_waiting > 1990
+
+
+def test_logprobs_ride_along_with_their_token_only():
+    """update_from_output puts a request's TokenLogprobs on its RequestUpdate; a mid-prefill
+    chunk's (discarded) token takes its logprobs with it."""
+    from services.scheduler.logprobs import TokenLogprobs
+    from tests.scheduler.factories import FakeWorker, make_request, make_scheduler
+
+    s = make_scheduler(max_num_batched_tokens=6)
+    long, short = make_request(0, 8, logprobs=1), make_request(1, 2)
+    s.add_request(long)
+    s.add_request(short)
+    w = FakeWorker(s)
+    out = s.schedule()  # long gets 6 of 8 prompt tokens: no token yet
+    sampled = w.execute(out)
+    lp = {rid: TokenLogprobs(-0.25, [t], [-0.25]) for rid, t in sampled.items()}
+    assert [u.request_id for u in s.update_from_output(out, sampled, lp)] == []
+    out = s.schedule()
+    sampled = w.execute(out)
+    lp = {"req-0": TokenLogprobs(-0.5, [sampled["req-0"]], [-0.5])}
+    updates = {u.request_id: u for u in s.update_from_output(out, sampled, lp)}
+    assert updates["req-0"].logprobs == lp["req-0"]
+    assert updates["req-1"].logprobs is None
+
+
+def test_prompt_logprobs_skip_the_cache_and_are_passed_on_once():
+    """A prompt_logprobs request computes its whole prompt even when it is cached; each prompt
+    token's logprobs reach the router once, chunk by chunk (a recomputed chunk repeats none)."""
+    from services.scheduler.logprobs import PromptLogprobs
+    from services.scheduler.request import Request
+    from tests.scheduler.factories import FakeWorker, make_scheduler, run_to_completion
+
+    s = make_scheduler(max_num_batched_tokens=8)
+    prompt = list(range(100, 112))
+    run_to_completion(s, [Request("req-0", prompt, EngineSamplingParams(max_tokens=1))])
+    s.add_request(Request("req-1", prompt, EngineSamplingParams(max_tokens=2,
+                                                                prompt_logprobs=1)))
+    w = FakeWorker(s)
+    out = s.schedule()
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0  # no prefix-cache hit
+    assert out.num_scheduled_tokens["req-1"] == 8
+
+    def chunk(start, n):
+        return {"req-1": PromptLogprobs(start, [-1.0] * n, [5] * n, [-1.0] * n, 1)}
+    (u,) = s.update_from_output(out, w.execute(out), None, chunk(1, 7))  # mid-prefill
+    assert u.new_token_ids == [] and (u.prompt_logprobs.start, len(u.prompt_logprobs.logprobs)
+                                      ) == (1, 7)
+    out = s.schedule()
+    # the worker repeats tokens 5..7 (as after a recompute): only 8..11 go on
+    (u,) = s.update_from_output(out, w.execute(out), None, chunk(5, 7))
+    assert len(u.new_token_ids) == 1 and u.prompt_logprobs.start == 8
+    assert len(u.prompt_logprobs.logprobs) == 4 and u.prompt_logprobs.top_token_ids == [5] * 4
+    assert not s.get_request("req-1").needs_prompt_logprobs

@@ -127,7 +127,7 @@ def test_stop_string_and_extras(tiny, oai, model_name):
     (dict(temperature=-1), "temperature"),
     (dict(top_p=2.0), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(logprobs=2), "logprobs"),
+    (dict(logprobs=21), "logprobs"),
     (dict(prompt=["a", "b"]), "prompt"),
     (dict(prompt=""), "prompt"),
     (dict(extra_body={"temperature": "hot"}), "temperature"),
@@ -143,8 +143,9 @@ def test_bad_requests_are_400_naming_the_field(oai, model_name, kwargs, param):
 
 def test_chat_refusals(oai, model_name):
     with pytest.raises(openai.BadRequestError) as err:
-        oai.chat.completions.create(model=model_name, messages=CHAT, logprobs=True)
-    assert err.value.param == "logprobs"
+        oai.chat.completions.create(model=model_name, messages=CHAT, logprobs=True,
+                                    top_logprobs=21)
+    assert err.value.param == "top_logprobs"
     with pytest.raises(openai.BadRequestError) as err:
         oai.chat.completions.create(model=model_name, messages=[], max_tokens=2)
     assert err.value.param == "messages"

@@ -47,12 +47,19 @@ def test_chat_fields_map_onto_the_grpc_request():
     assert [(m.role, m.content) for m in p.request.chat.messages] == [
         ("system", "be brief"), ("user", "ab"), ("assistant", "")]
     assert p.request.sampling_params.max_tokens == 5 and not p.stream
+    assert not p.request.sampling_params.HasField("logprobs")
+    lp = parse_chat({"messages": [], "logprobs": True}).request.sampling_params
+    assert lp.HasField("logprobs") and lp.logprobs == 0
+    lp = parse_chat({"messages": [], "logprobs": True, "top_logprobs": 4}).request
+    assert lp.sampling_params.logprobs == 4
+    assert parse_completion({"prompt": "a", "logprobs": 3}).request.sampling_params.logprobs == 3
 
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "a", "echo": True}, "echo"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "logprobs": 0}, "logprobs"),
+    ({"prompt": "a", "logprobs": 1.5}, "logprobs"),
+    ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt": "a", "n": 1.5}, "n"),
     ({"prompt": "a", "max_tokens": 2**40}, "max_tokens"),
     ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
@@ -71,6 +78,8 @@ def test_completion_refusals_name_the_field(body, param):
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"messages": [], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [], "logprobs": 1}, "logprobs"),
     ({"messages": [], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [], "response_format": {"type": "json_object"}}, "response_format"),
 ])

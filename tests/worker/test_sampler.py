@@ -219,3 +219,56 @@ def test_min_p_distribution():
     torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
     with pytest.raises(ValueError):
         SamplingTensors.build([1.0], [1.0], [0], {}, 5, torch.device("cpu"), min_p=[1.5])
+
+
+# ---- tiny temperatures, top_k=1, logprobs ---------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1e-2, 1e-4, 1e-6, 1e-8])
+def test_tiny_temperatures_are_greedy_and_finite(temperature):
+    """Alone, and in a batch whose odd rows sample at temperature 1 (not all-greedy path)."""
+    logits = random_logits(16, seed=5)
+    mixed = SamplingTensors.build([temperature, 1.0] * 8, [1.0] * 16, [0] * 16, {}, V,
+                                  torch.device("cpu"))
+    for _ in range(3):
+        alone = Sampler()(logits, params(16, temperature=temperature))
+        assert torch.equal(alone, logits.argmax(-1))
+        out = Sampler()(logits, mixed)
+        assert torch.equal(out[::2], logits.argmax(-1)[::2])
+        assert ((out >= 0) & (out < V)).all()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 5.0])
+def test_top_k_1_is_greedy_at_any_temperature(temperature):
+    logits = random_logits(32, seed=2)
+    for _ in range(3):
+        assert torch.equal(Sampler()(logits, params(32, temperature=temperature, top_k=1)),
+                           logits.argmax(-1))
+
+
+def test_logprobs_are_raw_log_softmax_with_per_row_top_k():
+    from services.worker.logprobs import compute_logprobs
+    logits = random_logits(4, seed=7)
+    tokens = torch.tensor([3, 10, 0, 63])
+    out = compute_logprobs(logits, tokens, [2, None, 0, 5])
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert out.num_top_logprobs == [2, -1, 0, 5]
+    assert out.sampled_logprobs == pytest.approx([ref[0, 3].item(), ref[2, 0].item(),
+                                                  ref[3, 63].item()], abs=1e-5)
+    assert out.top_token_ids == (ref[0].topk(2).indices.tolist()
+                                 + ref[3].topk(5).indices.tolist())
+    assert out.top_logprobs == pytest.approx(ref[0].topk(2).values.tolist()
+                                             + ref[3].topk(5).values.tolist(), abs=1e-5)
+    assert compute_logprobs(logits, tokens, [None] * 4) is None
+
+
+def test_logprobs_ignore_temperature_and_penalties():
+    """Raw logprobs: the sampler never modifies the logits the logprobs are taken from."""
+    from services.worker.logprobs import compute_logprobs
+    logits = random_logits(2, seed=8)
+    before = logits.clone()
+    tokens = Sampler()(logits, params(2, temperature=0.3, top_k=3, top_p=0.5))
+    out = compute_logprobs(logits, tokens, [1, 1])
+    assert torch.equal(logits, before)
+    ref = torch.log_softmax(before, dim=-1)
+    assert out.sampled_logprobs == pytest.approx(ref.gather(1, tokens[:, None])[:, 0].tolist(),
+                                                 abs=1e-6)

@@ -13,6 +13,10 @@ request reproduces every choice.
 server's scheduler runs ``--scheduling-policy priority``; otherwise a non-zero priority is
 INVALID_ARGUMENT.
 
+Besides ``generate`` / ``stream``: ``chat`` / ``chat_stream`` (the Chat RPC: messages in, chat
+template applied), ``tokenize`` (text or messages → ``TokenizeResult``), ``detokenize`` (ids →
+text) and ``list_models`` (→ ``[ModelInfo]``); their result types are in ``text_types``.
+
 Errors are ``grpc.RpcError`` (``.code()`` INVALID_ARGUMENT etc. with a message naming the field;
 RESOURCE_EXHAUSTED when the server sheds load, UNAVAILABLE when it has no engine).
 """
@@ -24,6 +28,9 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 
 from pagedserve_client.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+from pagedserve_client.text_types import (ModelInfo, TokenizeResult, chat_request,
+                                          detokenize_request, models_from_pb,
+                                          tokenize_request, tokenize_result)
 from pagedserve_client.types import GenerationResult, StreamDelta, delta_from_pb, join
 
 _SAMPLING_FIELDS = {f.name for f in api_pb2.SamplingParams.DESCRIPTOR.fields}
@@ -127,6 +134,72 @@ class Client:
         return join(list(self.stream(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
                                      priority=priority, **sampling)))
 
+    def chat_stream(self, messages: list[dict], *, priority: int = 0,
+                    **sampling) -> Iterator[StreamDelta]:
+        """Stream the assistant's answer to ``messages`` through the Chat RPC (the model's chat
+        template plus the assistant prefix); the same deltas as ``stream(messages=...)``.
+        Breaking out of the loop cancels the request.
+
+        Raises:
+            ValueError, TypeError: as ``build_request``.
+            grpc.RpcError: the server refused or failed the request.
+        """
+        req = chat_request(build_request(messages=messages, priority=priority, **sampling))
+        call = self._stub.Chat(req, timeout=self.timeout)
+        try:
+            for msg in call:
+                yield delta_from_pb(msg.delta)
+        finally:
+            call.cancel()
+
+    def chat(self, messages: list[dict], *, priority: int = 0, **sampling) -> GenerationResult:
+        """The assistant's whole answer to ``messages`` (every choice, as ``generate``).
+
+        Raises:
+            ValueError, TypeError: as ``build_request``.
+            grpc.RpcError: the server refused or failed the request.
+        """
+        return join(list(self.chat_stream(messages, priority=priority, **sampling)))
+
+    def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                 add_special_tokens: bool | None = None,
+                 add_generation_prompt: bool | None = None) -> TokenizeResult:
+        """Token ids of a text or a conversation, exactly as ``generate`` would send them.
+
+        Args:
+            add_special_tokens: let the tokenizer add its special tokens (e.g. a BOS). None: the
+                server's default, True for a prompt, False for messages (the chat template
+                writes them).
+            add_generation_prompt: messages only; None (default) or True appends the assistant
+                prefix, as ``generate`` does.
+
+        Raises:
+            ValueError: not exactly one of prompt / messages.
+            grpc.RpcError: INVALID_ARGUMENT (empty input, template rejected the messages).
+        """
+        req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt)
+        return tokenize_result(self._stub.Tokenize(req, timeout=self.timeout))
+
+    def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None
+                   ) -> str:
+        """The text of ``token_ids`` (special tokens left out unless skip_special_tokens=False).
+
+        Raises:
+            ValueError, TypeError: an id that is not an int32.
+            grpc.RpcError: INVALID_ARGUMENT when an id is outside [0, vocab_size).
+        """
+        req = detokenize_request(token_ids, skip_special_tokens)
+        return self._stub.Detokenize(req, timeout=self.timeout).text
+
+    def list_models(self) -> list[ModelInfo]:
+        """The served model(s) (pagedserve serves one).
+
+        Raises:
+            grpc.RpcError: UNAVAILABLE while the server has no engine yet.
+        """
+        return models_from_pb(self._stub.ListModels(api_pb2.ListModelsRequest(),
+                                                    timeout=self.timeout))
+
     def close(self) -> None:
         self._channel.close()
 
@@ -173,6 +246,62 @@ class AsyncClient:
         return join([d async for d in self.stream(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, priority=priority,
             **sampling)])
+
+    async def chat_stream(self, messages: list[dict], *, priority: int = 0,
+                          **sampling) -> AsyncIterator[StreamDelta]:
+        """Async-iterate the answer to ``messages`` (see ``Client.chat_stream``).
+
+        Raises:
+            grpc.aio.AioRpcError: the server refused or failed the request.
+        """
+        req = chat_request(build_request(messages=messages, priority=priority, **sampling))
+        call = self._stub.Chat(req, timeout=self.timeout)
+        try:
+            async for msg in call:
+                yield delta_from_pb(msg.delta)
+        finally:
+            call.cancel()
+
+    async def chat(self, messages: list[dict], *, priority: int = 0,
+                   **sampling) -> GenerationResult:
+        """The whole answer to ``messages`` (see ``Client.chat``).
+
+        Raises:
+            grpc.aio.AioRpcError: the server refused or failed the request.
+        """
+        return join([d async for d in self.chat_stream(messages, priority=priority,
+                                                       **sampling)])
+
+    async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+                       add_special_tokens: bool | None = None,
+                       add_generation_prompt: bool | None = None) -> TokenizeResult:
+        """Token ids of a text or a conversation (see ``Client.tokenize``).
+
+        Raises:
+            ValueError: not exactly one of prompt / messages.
+            grpc.aio.AioRpcError: INVALID_ARGUMENT (empty input, template rejected it).
+        """
+        req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt)
+        return tokenize_result(await self._stub.Tokenize(req, timeout=self.timeout))
+
+    async def detokenize(self, token_ids: list[int], *,
+                         skip_special_tokens: bool | None = None) -> str:
+        """The text of ``token_ids`` (see ``Client.detokenize``).
+
+        Raises:
+            grpc.aio.AioRpcError: INVALID_ARGUMENT when an id is outside [0, vocab_size).
+        """
+        req = detokenize_request(token_ids, skip_special_tokens)
+        return (await self._stub.Detokenize(req, timeout=self.timeout)).text
+
+    async def list_models(self) -> list[ModelInfo]:
+        """The served model(s) (see ``Client.list_models``).
+
+        Raises:
+            grpc.aio.AioRpcError: UNAVAILABLE while the server has no engine yet.
+        """
+        return models_from_pb(await self._stub.ListModels(api_pb2.ListModelsRequest(),
+                                                          timeout=self.timeout))
 
     async def close(self) -> None:
         await self._channel.close()

@@ -24,6 +24,25 @@ class Usage:
 
 
 @dataclass(slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position: its id and natural log probability."""
+
+    token_id: int
+    logprob: float
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """A generated token's natural log probability, and the ``logprobs`` most likely tokens at
+    its position (most likely first). Raw distribution: log_softmax of the model's logits before
+    temperature, penalties, top-k, top-p and min-p (vLLM V1's default)."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class StreamDelta:
     """One streamed piece of one choice: new token ids and text; the last piece of each choice
     has finish_reason and usage. With ``n > 1`` the choices' pieces interleave: ``index`` says
@@ -36,6 +55,10 @@ class StreamDelta:
     usage: Usage | None = None
     stop_reason: str | None = None    # the matched stop string, if any
     index: int = 0                    # the choice, 0 .. n-1
+    # with the ``logprobs`` parameter: one per token of token_ids, aligned; else None
+    logprobs: list[TokenLogprob] | None = None
+    # with ``prompt_logprobs``, on the choice's first delta: prompt tokens 1 .. P-1; else None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(slots=True)
@@ -48,6 +71,8 @@ class Choice:
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
     stop_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1 .. P-1, when asked for
 
 
 @dataclass(slots=True)
@@ -56,8 +81,8 @@ class GenerationResult:
 
     Attributes:
         request_id: the request's id.
-        text, token_ids, finish_reason, usage, stop_reason: those of choice 0 (with the
-            default ``n=1``, the only choice).
+        text, token_ids, finish_reason, usage, stop_reason, logprobs, prompt_logprobs: choice 0's
+            (with the default ``n=1``, the only choice).
         choices: every choice, ordered by index (``len(choices) == n``).
     """
 
@@ -68,6 +93,8 @@ class GenerationResult:
     usage: Usage = field(default_factory=Usage)
     stop_reason: str | None = None
     choices: list[Choice] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def delta_from_pb(msg) -> StreamDelta:
@@ -78,7 +105,13 @@ def delta_from_pb(msg) -> StreamDelta:
     return StreamDelta(
         request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
         finish_reason=FINISH_REASONS.get(msg.finish_reason), usage=usage,
-        stop_reason=msg.stop_reason or None, index=msg.index)
+        stop_reason=msg.stop_reason or None, index=msg.index,
+        logprobs=_logprobs(msg.logprobs), prompt_logprobs=_logprobs(msg.prompt_logprobs))
+
+
+def _logprobs(entries) -> list[TokenLogprob] | None:
+    return [TokenLogprob(t.token_id, t.logprob, [TopLogprob(x.token_id, x.logprob) for x in t.top])
+            for t in entries] if entries else None
 
 
 def join(deltas: list[StreamDelta]) -> GenerationResult:
@@ -89,6 +122,12 @@ def join(deltas: list[StreamDelta]) -> GenerationResult:
         choice = choices.setdefault(d.index, Choice(d.index))
         parts.setdefault(d.index, []).append(d.text)
         choice.token_ids.extend(d.token_ids)
+        if d.logprobs is not None:
+            if choice.logprobs is None:
+                choice.logprobs = []
+            choice.logprobs.extend(d.logprobs)
+        if d.prompt_logprobs is not None:
+            choice.prompt_logprobs = d.prompt_logprobs
         if d.finish_reason:
             choice.finish_reason, choice.usage, choice.stop_reason = (
                 d.finish_reason, d.usage or Usage(), d.stop_reason)
@@ -101,4 +140,5 @@ def join(deltas: list[StreamDelta]) -> GenerationResult:
         first = ordered[0]
         result.text, result.token_ids, result.finish_reason, result.usage, result.stop_reason = (
             first.text, first.token_ids, first.finish_reason, first.usage, first.stop_reason)
+        result.logprobs, result.prompt_logprobs = first.logprobs, first.prompt_logprobs
     return result

@@ -1,0 +1,63 @@
+"""Bad flag values and environment variables end with an argparse error that names the flag (or
+the variable) and the allowed range, never a traceback later in start-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.cli import serve_parser
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--block-size", "0"], "argument --block-size: must be in [1, 1024], got 0"),
+    (["--port", "70000"], "argument --port: must be in [1, 65535], got 70000"),
+    (["--worker-port", "-1"], "argument --worker-port: must be in [1, 65535], got -1"),
+    (["--max-model-len", "0"], "argument --max-model-len: must be >= 1, got 0"),
+    (["--max-num-seqs", "x"], "argument --max-num-seqs: not an integer: 'x'"),
+    (["--gpu-memory-utilization", "2"], "argument --gpu-memory-utilization: must be in (0, 1]"),
+    (["--gpu-memory-utilization", "0"], "argument --gpu-memory-utilization: must be in (0, 1]"),
+    (["--startup-timeout", "-1"], "argument --startup-timeout: must be > 0, got -1"),
+    (["--max-num-waiting-requests", "-1"], "argument --max-num-waiting-requests: must be >= 0"),
+    (["--long-prefill-token-threshold", "-5"],
+     "argument --long-prefill-token-threshold: must be >= 0"),
+    (["--log-level", "banana"], "argument --log-level: invalid choice: 'BANANA'"),
+    (["--http-port", "-2"], "argument --http-port: must be in [-1, 65535], got -2"),
+    (["--scheduler-connect-timeout", "0"], "argument --scheduler-connect-timeout: must be > 0"),
+])
+def test_serve_rejects_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        serve_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("env", "value", "message"), [
+    ("PAGEDSERVE_MAX_NUM_SEQS", "abc", "PAGEDSERVE_MAX_NUM_SEQS='abc': not an integer"),
+    ("PAGEDSERVE_ENABLE_PREFIX_CACHING", "maybe", "PAGEDSERVE_ENABLE_PREFIX_CACHING='maybe'"),
+    ("PAGEDSERVE_SCHEDULING_POLICY", "lifo", "PAGEDSERVE_SCHEDULING_POLICY='lifo': must be one"),
+])
+def test_bad_environment_variables_name_the_variable(env, value, message, monkeypatch, capsys):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SystemExit):
+        serve_parser()
+    assert message in capsys.readouterr().err
+
+
+def test_environment_variables_still_set_defaults(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("PAGEDSERVE_ENABLE_PREFIX_CACHING", "off")
+    monkeypatch.setenv("PAGEDSERVE_LOG_LEVEL", "debug")
+    ns = serve_parser().parse_args([])
+    assert (ns.max_num_seqs, ns.enable_prefix_caching, ns.log_level) == (7, False, "DEBUG")
+
+
+def test_device_cuda_without_cuda_is_a_clear_error():
+    import torch
+
+    from services.worker.model_runner import resolve_device
+
+    if torch.cuda.is_available():
+        assert resolve_device("cuda").type == "cuda"
+        return
+    with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
+        resolve_device("cuda")
