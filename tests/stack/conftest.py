@@ -60,3 +60,14 @@ def tiny(tiny_stack):
     """The tiny stack, with a KV-block leak check after the test."""
     yield tiny_stack
     _leak_check(tiny_stack)
+
+
+@pytest.fixture
+def oai(tiny):
+    """The official ``openai`` client, unchanged, on the tiny stack's HTTP port."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{tiny.http_url}/v1", api_key="unused", max_retries=0,
+                           timeout=60)
+    yield client
+    client.close()

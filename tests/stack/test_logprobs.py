@@ -164,14 +164,6 @@ def test_seeded_request_is_independent_of_the_batch(tiny):
 
 # ---- OpenAI HTTP ------------------------------------------------------------------------------
 
-@pytest.fixture
-def oai(tiny):
-    client = openai.OpenAI(base_url=f"{tiny.http_url}/v1", api_key="unused", max_retries=0,
-                           timeout=60)
-    yield client
-    client.close()
-
-
 def _tok(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 

@@ -17,14 +17,6 @@ GREEDY = dict(temperature=0, max_tokens=8)
 NO_EOS = {"ignore_eos": True}
 
 
-@pytest.fixture
-def oai(tiny):
-    client = openai.OpenAI(base_url=f"{tiny.http_url}/v1", api_key="unused", max_retries=0,
-                           timeout=60)
-    yield client
-    client.close()
-
-
 @pytest.fixture(scope="module")
 def model_name(tiny_stack):
     return tiny_stack.info().model
