@@ -19,11 +19,24 @@ text) and ``list_models`` (→ ``[ModelInfo]``); their result types are in ``tex
 
 Errors are ``grpc.RpcError`` (``.code()`` INVALID_ARGUMENT etc. with a message naming the field;
 RESOURCE_EXHAUSTED when the server sheds load, UNAVAILABLE when it has no engine).
+
+Deadlines, retries, cancellation:
+- ``timeout`` (seconds) on the client is every call's default deadline; each method also takes
+  ``timeout=`` for that call. The deadline covers the whole call, retries included; past it
+  the call fails with DEADLINE_EXCEEDED.
+- A call that fails with UNAVAILABLE before its first streamed message (the router restarting,
+  no engine yet) is retried up to ``max_retries`` times with exponential backoff
+  (``retry_backoff`` seconds, doubling, at most 2 s). Once a message has arrived the call is
+  never retried: the tokens already delivered would be generated again.
+- Leaving a stream early (``break``, closing the iterator, cancelling the asyncio task)
+  cancels the RPC, and the server aborts the request and frees its KV blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
@@ -34,6 +47,34 @@ from pagedserve_client.text_types import (ModelInfo, TokenizeResult, chat_reques
 from pagedserve_client.types import GenerationResult, StreamDelta, delta_from_pb, join
 
 _SAMPLING_FIELDS = {f.name for f in api_pb2.SamplingParams.DESCRIPTOR.fields}
+_DEFAULT = object()  # "use the client's timeout"
+MAX_BACKOFF = 2.0  # seconds between retries at most
+
+
+class _Retry:
+    """Deadline and retry bookkeeping of one call (see the module docstring)."""
+
+    def __init__(self, timeout: float | None, max_retries: int, backoff: float):
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.max_retries, self.backoff, self.attempt = max_retries, backoff, 0
+
+    def remaining(self) -> float | None:
+        """Seconds left for the next attempt (None = no deadline)."""
+        if self.deadline is None:
+            return None
+        return max(0.001, self.deadline - time.monotonic())
+
+    def next_delay(self, error: grpc.RpcError, started: bool) -> float | None:
+        """Seconds to wait before retrying after ``error``, or None to give up (re-raise)."""
+        if started or error.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        if self.attempt >= self.max_retries:
+            return None
+        delay = min(MAX_BACKOFF, self.backoff * 2 ** self.attempt)
+        if self.deadline is not None and time.monotonic() + delay >= self.deadline:
+            return None
+        self.attempt += 1
+        return delay
 _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024)]
 
@@ -97,16 +138,55 @@ class Client:
 
     Args:
         address: the router's ``host:port`` (default port 50051).
+        timeout: default deadline of every call in seconds (None = none); ``timeout=`` on a
+            method overrides it for that call.
+        max_retries: retries of a call that fails with UNAVAILABLE before any message arrived.
+        retry_backoff: seconds before the first retry; doubles each time, at most 2 s.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
+                 max_retries: int = 2, retry_backoff: float = 0.2):
         self._channel = grpc.insecure_channel(address, options=_OPTIONS)
         self._stub = api_pb2_grpc.GenerationServiceStub(self._channel)
-        self.timeout = timeout  # seconds per request; None = no deadline
+        self.timeout = timeout  # seconds per call; None = no deadline
+        self.max_retries, self.retry_backoff = max_retries, retry_backoff
+
+    def _retry(self, timeout) -> _Retry:
+        return _Retry(self.timeout if timeout is _DEFAULT else timeout, self.max_retries,
+                      self.retry_backoff)
+
+    def _streaming(self, method: Callable, req, timeout, convert: Callable) -> Iterator:
+        retry = self._retry(timeout)
+        while True:
+            call = method(req, timeout=retry.remaining())
+            started = False
+            try:
+                for msg in call:
+                    started = True
+                    yield convert(msg)
+                return
+            except grpc.RpcError as e:
+                delay = retry.next_delay(e, started)
+                if delay is None:
+                    raise
+            finally:
+                call.cancel()
+            time.sleep(delay)
+
+    def _unary(self, method: Callable, req, timeout):
+        retry = self._retry(timeout)
+        while True:
+            try:
+                return method(req, timeout=retry.remaining())
+            except grpc.RpcError as e:
+                delay = retry.next_delay(e, started=False)
+                if delay is None:
+                    raise
+            time.sleep(delay)
 
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                prompt_token_ids: list[int] | None = None, priority: int = 0,
-               **sampling) -> Iterator[StreamDelta]:
+               timeout=_DEFAULT, **sampling) -> Iterator[StreamDelta]:
         """Yield the deltas of a request as they are generated; the last delta of each choice
         has finish_reason and usage. With ``n > 1`` the choices' deltas interleave (tell them
         apart by ``delta.index``). Breaking out of the loop cancels the request (every choice).
@@ -115,16 +195,11 @@ class Client:
             grpc.RpcError: the server refused or failed the request.
         """
         req = build_request(prompt, messages, prompt_token_ids, priority=priority, **sampling)
-        call = self._stub.Generate(req, timeout=self.timeout)
-        try:
-            for msg in call:
-                yield delta_from_pb(msg)
-        finally:
-            call.cancel()
+        yield from self._streaming(self._stub.Generate, req, timeout, delta_from_pb)
 
     def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  prompt_token_ids: list[int] | None = None, priority: int = 0,
-                 **sampling) -> GenerationResult:
+                 timeout=_DEFAULT, **sampling) -> GenerationResult:
         """Run a request to the end and return it whole: every choice in ``result.choices``
         (ordered by index), choice 0 also as ``result.text``, ``.token_ids``, ``.usage``...
 
@@ -132,9 +207,9 @@ class Client:
             grpc.RpcError: the server refused or failed the request.
         """
         return join(list(self.stream(prompt, messages=messages, prompt_token_ids=prompt_token_ids,
-                                     priority=priority, **sampling)))
+                                     priority=priority, timeout=timeout, **sampling)))
 
-    def chat_stream(self, messages: list[dict], *, priority: int = 0,
+    def chat_stream(self, messages: list[dict], *, priority: int = 0, timeout=_DEFAULT,
                     **sampling) -> Iterator[StreamDelta]:
         """Stream the assistant's answer to ``messages`` through the Chat RPC (the model's chat
         template plus the assistant prefix); the same deltas as ``stream(messages=...)``.
@@ -145,25 +220,23 @@ class Client:
             grpc.RpcError: the server refused or failed the request.
         """
         req = chat_request(build_request(messages=messages, priority=priority, **sampling))
-        call = self._stub.Chat(req, timeout=self.timeout)
-        try:
-            for msg in call:
-                yield delta_from_pb(msg.delta)
-        finally:
-            call.cancel()
+        yield from self._streaming(self._stub.Chat, req, timeout,
+                                   lambda msg: delta_from_pb(msg.delta))
 
-    def chat(self, messages: list[dict], *, priority: int = 0, **sampling) -> GenerationResult:
+    def chat(self, messages: list[dict], *, priority: int = 0, timeout=_DEFAULT,
+             **sampling) -> GenerationResult:
         """The assistant's whole answer to ``messages`` (every choice, as ``generate``).
 
         Raises:
             ValueError, TypeError: as ``build_request``.
             grpc.RpcError: the server refused or failed the request.
         """
-        return join(list(self.chat_stream(messages, priority=priority, **sampling)))
+        return join(list(self.chat_stream(messages, priority=priority, timeout=timeout,
+                                          **sampling)))
 
     def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  add_special_tokens: bool | None = None,
-                 add_generation_prompt: bool | None = None) -> TokenizeResult:
+                 add_generation_prompt: bool | None = None, timeout=_DEFAULT) -> TokenizeResult:
         """Token ids of a text or a conversation, exactly as ``generate`` would send them.
 
         Args:
@@ -178,10 +251,10 @@ class Client:
             grpc.RpcError: INVALID_ARGUMENT (empty input, template rejected the messages).
         """
         req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt)
-        return tokenize_result(self._stub.Tokenize(req, timeout=self.timeout))
+        return tokenize_result(self._unary(self._stub.Tokenize, req, timeout))
 
-    def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None
-                   ) -> str:
+    def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None,
+                   timeout=_DEFAULT) -> str:
         """The text of ``token_ids`` (special tokens left out unless skip_special_tokens=False).
 
         Raises:
@@ -189,16 +262,16 @@ class Client:
             grpc.RpcError: INVALID_ARGUMENT when an id is outside [0, vocab_size).
         """
         req = detokenize_request(token_ids, skip_special_tokens)
-        return self._stub.Detokenize(req, timeout=self.timeout).text
+        return self._unary(self._stub.Detokenize, req, timeout).text
 
-    def list_models(self) -> list[ModelInfo]:
+    def list_models(self, timeout=_DEFAULT) -> list[ModelInfo]:
         """The served model(s) (pagedserve serves one).
 
         Raises:
             grpc.RpcError: UNAVAILABLE while the server has no engine yet.
         """
-        return models_from_pb(self._stub.ListModels(api_pb2.ListModelsRequest(),
-                                                    timeout=self.timeout))
+        return models_from_pb(self._unary(self._stub.ListModels, api_pb2.ListModelsRequest(),
+                                          timeout))
 
     def close(self) -> None:
         self._channel.close()
@@ -211,16 +284,53 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client; same methods as ``Client`` but ``async``."""
+    """asyncio client; same methods and arguments as ``Client`` but ``async``. Cancelling the
+    task that iterates a stream cancels the RPC."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
+                 max_retries: int = 2, retry_backoff: float = 0.2):
         self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
         self._stub = api_pb2_grpc.GenerationServiceStub(self._channel)
         self.timeout = timeout
+        self.max_retries, self.retry_backoff = max_retries, retry_backoff
+
+    def _retry(self, timeout) -> _Retry:
+        return _Retry(self.timeout if timeout is _DEFAULT else timeout, self.max_retries,
+                      self.retry_backoff)
+
+    async def _streaming(self, method: Callable, req, timeout,
+                         convert: Callable) -> AsyncIterator:
+        retry = self._retry(timeout)
+        while True:
+            call = method(req, timeout=retry.remaining())
+            started = False
+            try:
+                async for msg in call:
+                    started = True
+                    yield convert(msg)
+                return
+            except grpc.RpcError as e:
+                delay = retry.next_delay(e, started)
+                if delay is None:
+                    raise
+            finally:
+                call.cancel()
+            await asyncio.sleep(delay)
+
+    async def _unary(self, method: Callable, req, timeout):
+        retry = self._retry(timeout)
+        while True:
+            try:
+                return await method(req, timeout=retry.remaining())
+            except grpc.RpcError as e:
+                delay = retry.next_delay(e, started=False)
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)
 
     async def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                      prompt_token_ids: list[int] | None = None, priority: int = 0,
-                     **sampling) -> AsyncIterator[StreamDelta]:
+                     timeout=_DEFAULT, **sampling) -> AsyncIterator[StreamDelta]:
         """Async-iterate the deltas of a request (see ``Client.stream``); leaving the loop
         cancels the request.
 
@@ -228,16 +338,12 @@ class AsyncClient:
             grpc.aio.AioRpcError: the server refused or failed the request.
         """
         req = build_request(prompt, messages, prompt_token_ids, priority=priority, **sampling)
-        call = self._stub.Generate(req, timeout=self.timeout)
-        try:
-            async for msg in call:
-                yield delta_from_pb(msg)
-        finally:
-            call.cancel()
+        async for delta in self._streaming(self._stub.Generate, req, timeout, delta_from_pb):
+            yield delta
 
     async def generate(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                        prompt_token_ids: list[int] | None = None, priority: int = 0,
-                       **sampling) -> GenerationResult:
+                       timeout=_DEFAULT, **sampling) -> GenerationResult:
         """Run a request to the end and return it whole (see ``Client.generate``).
 
         Raises:
@@ -245,9 +351,9 @@ class AsyncClient:
         """
         return join([d async for d in self.stream(
             prompt, messages=messages, prompt_token_ids=prompt_token_ids, priority=priority,
-            **sampling)])
+            timeout=timeout, **sampling)])
 
-    async def chat_stream(self, messages: list[dict], *, priority: int = 0,
+    async def chat_stream(self, messages: list[dict], *, priority: int = 0, timeout=_DEFAULT,
                           **sampling) -> AsyncIterator[StreamDelta]:
         """Async-iterate the answer to ``messages`` (see ``Client.chat_stream``).
 
@@ -255,14 +361,11 @@ class AsyncClient:
             grpc.aio.AioRpcError: the server refused or failed the request.
         """
         req = chat_request(build_request(messages=messages, priority=priority, **sampling))
-        call = self._stub.Chat(req, timeout=self.timeout)
-        try:
-            async for msg in call:
-                yield delta_from_pb(msg.delta)
-        finally:
-            call.cancel()
+        async for delta in self._streaming(self._stub.Chat, req, timeout,
+                                           lambda msg: delta_from_pb(msg.delta)):
+            yield delta
 
-    async def chat(self, messages: list[dict], *, priority: int = 0,
+    async def chat(self, messages: list[dict], *, priority: int = 0, timeout=_DEFAULT,
                    **sampling) -> GenerationResult:
         """The whole answer to ``messages`` (see ``Client.chat``).
 
@@ -270,11 +373,12 @@ class AsyncClient:
             grpc.aio.AioRpcError: the server refused or failed the request.
         """
         return join([d async for d in self.chat_stream(messages, priority=priority,
-                                                       **sampling)])
+                                                       timeout=timeout, **sampling)])
 
     async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                        add_special_tokens: bool | None = None,
-                       add_generation_prompt: bool | None = None) -> TokenizeResult:
+                       add_generation_prompt: bool | None = None,
+                       timeout=_DEFAULT) -> TokenizeResult:
         """Token ids of a text or a conversation (see ``Client.tokenize``).
 
         Raises:
@@ -282,26 +386,26 @@ class AsyncClient:
             grpc.aio.AioRpcError: INVALID_ARGUMENT (empty input, template rejected it).
         """
         req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt)
-        return tokenize_result(await self._stub.Tokenize(req, timeout=self.timeout))
+        return tokenize_result(await self._unary(self._stub.Tokenize, req, timeout))
 
     async def detokenize(self, token_ids: list[int], *,
-                         skip_special_tokens: bool | None = None) -> str:
+                         skip_special_tokens: bool | None = None, timeout=_DEFAULT) -> str:
         """The text of ``token_ids`` (see ``Client.detokenize``).
 
         Raises:
             grpc.aio.AioRpcError: INVALID_ARGUMENT when an id is outside [0, vocab_size).
         """
         req = detokenize_request(token_ids, skip_special_tokens)
-        return (await self._stub.Detokenize(req, timeout=self.timeout)).text
+        return (await self._unary(self._stub.Detokenize, req, timeout)).text
 
-    async def list_models(self) -> list[ModelInfo]:
+    async def list_models(self, timeout=_DEFAULT) -> list[ModelInfo]:
         """The served model(s) (see ``Client.list_models``).
 
         Raises:
             grpc.aio.AioRpcError: UNAVAILABLE while the server has no engine yet.
         """
-        return models_from_pb(await self._stub.ListModels(api_pb2.ListModelsRequest(),
-                                                          timeout=self.timeout))
+        return models_from_pb(await self._unary(self._stub.ListModels,
+                                                api_pb2.ListModelsRequest(), timeout))
 
     async def close(self) -> None:
         await self._channel.close()
