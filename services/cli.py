@@ -16,7 +16,7 @@ SERVE_PORT = int_in(1, 65535)  # serve wires fixed ports together: no 0 (= any) 
 
 SERVICES = ("worker", "scheduler", "router")
 # Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
-_WIRING = {"host", "port", "workers", "scheduler", "help"}
+_WIRING = {"host", "port", "workers", "scheduler", "schedulers", "help"}
 
 
 def _service_module(name: str):

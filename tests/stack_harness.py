@@ -2,6 +2,7 @@
 
 Every link is real gRPC over loopback; only the processes are shared, which keeps the tests
 fast. ``tests/e2e`` runs the same services as separate processes through ``pagedserve serve``.
+``MultiReplicaStack`` runs several worker + scheduler pairs behind one router.
 """
 
 from __future__ import annotations
@@ -111,6 +112,108 @@ class InProcessStack:
         deadline = time.monotonic() + timeout
         while True:
             s = self.stats()
+            if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
+                return s
+            time.sleep(0.05)
+
+
+class MultiReplicaStack:
+    """``replicas`` × (worker + scheduler) and one router routing across them, in one
+    background thread on ephemeral ports. ``address`` / ``http_url`` are the router's;
+    ``scheduler_addresses[i]`` replica i's scheduler; ``stop_replica(i)`` stops replica i's
+    scheduler and worker (the router sees its stream break).
+
+    Args:
+        model: model folder or .gguf (None = packaged SmolLM2).
+        replicas: number of scheduler replicas (each with its own worker).
+        worker_argv / scheduler_argv / router_argv: extra flags for those services (router:
+            e.g. ``["--routing-policy", "round_robin"]``).
+    """
+
+    def __init__(self, model: str | None, replicas: int = 2, worker_argv: list[str] = (),
+                 scheduler_argv: list[str] = (), router_argv: list[str] = ()):
+        model_flag = ["--model", model] if model else []
+        self.worker_args = [_args(worker_server, ["--port", "0", *model_flag, *worker_argv])
+                            for _ in range(replicas)]
+        self.scheduler_args = [_args(scheduler_server, ["--port", "0", *scheduler_argv])
+                               for _ in range(replicas)]
+        self.router_args = _args(router_server, ["--port", "0", "--http-port", "0",
+                                                 *model_flag, *router_argv])
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._stops: list[asyncio.Event] = []  # one per replica, then the router's
+        self._tasks: list[list] = []  # the serve tasks, per replica, then the router's
+        self.address = ""
+        self.scheduler_addresses: list[str] = []
+        self.http_url = ""
+
+    def _run(self, coro, timeout: float = 600):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _serve(self, module, args, stop: asyncio.Event) -> asyncio.Future:
+        ready = asyncio.Event()
+        task = asyncio.ensure_future(module.serve(args, ready=ready, stop=stop))
+        done, _ = await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:  # serve() returned or raised before it was ready
+            task.result()
+            raise RuntimeError(f"{module.__name__} stopped during start-up")
+        return task
+
+    async def _start(self):
+        for worker_args, scheduler_args in zip(self.worker_args, self.scheduler_args):
+            stop = asyncio.Event()
+            self._stops.append(stop)
+            self._tasks.append([])
+            self._tasks[-1].append(await self._serve(worker_server, worker_args, stop))
+            scheduler_args.workers = f"127.0.0.1:{worker_args.port}"
+            self._tasks[-1].append(await self._serve(scheduler_server, scheduler_args, stop))
+            self.scheduler_addresses.append(f"127.0.0.1:{scheduler_args.port}")
+        self.router_args.schedulers = ",".join(self.scheduler_addresses)
+        self._stops.append(asyncio.Event())
+        self._tasks.append([await self._serve(router_server, self.router_args,
+                                              self._stops[-1])])
+        self.address = f"127.0.0.1:{self.router_args.port}"
+        if self.router_args.http_port > 0:
+            self.http_url = f"http://127.0.0.1:{self.router_args.http_port}"
+
+    def start(self) -> MultiReplicaStack:
+        self._thread.start()
+        try:
+            self._run(self._start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    async def _stop_group(self, i: int) -> None:
+        self._stops[i].set()
+        await asyncio.gather(*self._tasks[i], return_exceptions=True)
+
+    def stop_replica(self, i: int) -> None:
+        """Stop replica i's scheduler and worker, and wait until they have stopped."""
+        self._run(self._stop_group(i), timeout=60)
+
+    def stop(self) -> None:
+        async def _stop():
+            for i in reversed(range(len(self._stops))):  # the router first
+                await self._stop_group(i)
+        self._run(_stop(), timeout=120)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    # ---- introspection for tests --------------------------------------------------------
+    def stats(self, i: int) -> engine_pb2.GetEngineStatsResponse:
+        """Replica i's scheduler counters."""
+        with grpc.insecure_channel(self.scheduler_addresses[i]) as ch:
+            return engine_pb2_grpc.EngineServiceStub(ch).GetEngineStats(
+                engine_pb2.GetEngineStatsRequest(), timeout=10)
+
+    def wait_idle(self, i: int, timeout: float = 30.0) -> engine_pb2.GetEngineStatsResponse:
+        """Wait until no request runs or waits on replica i."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats(i)
             if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
                 return s
             time.sleep(0.05)

@@ -51,12 +51,23 @@ class EngineClient:
         Raises:
             TimeoutError: the scheduler did not become ready in time.
         """
-        self._task = asyncio.create_task(self._run())
+        self.connect_in_background()
         try:
             await asyncio.wait_for(self.connected.wait(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"scheduler {self.address} not ready after {timeout:.0f}s") from None
         return self.info
+
+    def connect_in_background(self) -> None:
+        """Start the stream task (connect, then reconnect with backoff) without waiting;
+        ``connected`` is set once the stream is up. A second call does nothing."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run())
+
+    @property
+    def num_pending(self) -> int:
+        """This router's requests in flight on this scheduler (submitted, not ended)."""
+        return len(self._pending)
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
                params: engine_pb2.EngineSamplingParams, *, priority: int = 0,

@@ -18,7 +18,7 @@ import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.router.choices import Choice, child_params, child_request_id
-from services.router.engine_client import EngineClient
+from services.router.replicas import ReplicaSet
 from services.router.tokenizer import encode_chat, encode_prompt
 from services.router.validation import (RequestError, TextOptions, validate_n,
                                         validate_priority, validate_prompt_ids,
@@ -89,7 +89,7 @@ def _status(code_value: int) -> grpc.StatusCode:
     return next((c for c in grpc.StatusCode if c.value[0] == code_value), grpc.StatusCode.UNKNOWN)
 
 
-async def stream_responses(engine: EngineClient, tokenizer, req: PreparedRequest):
+async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest):
     """Async generator of the GenerateResponses of one prepared request, all its choices merged.
 
     Submits ``req.n`` engine requests (one per choice, see ``services.router.choices``) and

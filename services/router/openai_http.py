@@ -21,7 +21,7 @@ import logging
 
 from aiohttp import web
 
-from services.router.engine_client import EngineClient
+from services.router.replicas import ReplicaSet
 from services.router.generation import EngineError, prepare, stream_responses
 from services.router.openai_requests import (OpenAIError, ParsedRequest, bad_request,
                                              from_status, parse_chat, parse_completion)
@@ -70,11 +70,11 @@ class OpenAIServer:
     """The OpenAI-compatible HTTP front end of one router.
 
     Args:
-        engine: the router's scheduler connection (``engine.info.model`` is the served name).
+        engine: the router's scheduler replicas (``engine.info.model`` is the served name).
         tokenizer: the model's fast tokenizer.
     """
 
-    def __init__(self, engine: EngineClient, tokenizer):
+    def __init__(self, engine: ReplicaSet, tokenizer):
         self.engine = engine
         self.tokenizer = tokenizer
         self.app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
@@ -112,7 +112,7 @@ class OpenAIServer:
 
     # ---- routes -------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the router is connected to its scheduler (gRPC health SERVING), else
+        """200 while the router is connected to a scheduler replica (gRPC health SERVING), else
         503."""
         return web.Response(status=200 if self.engine.connected.is_set() else 503)
 

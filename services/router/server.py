@@ -15,9 +15,9 @@ from services.common.config import LOG_LEVELS, PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from services.router import text_api
-from services.router.engine_client import EngineClient
 from services.router.generation import EngineError, prepare, stream_responses
 from services.router.openai_http import DISABLED, OpenAIServer
+from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.tokenizer import load_tokenizer
 from services.router.validation import RequestError
 
@@ -32,7 +32,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
     lives in ``generation`` (Generate, Chat) and ``text_api`` (Chat's mapping, Tokenize,
     Detokenize, ListModels)."""
 
-    def __init__(self, engine: EngineClient, tokenizer):
+    def __init__(self, engine: ReplicaSet, tokenizer):
         self.engine = engine
         self.tokenizer = tokenizer
 
@@ -91,6 +91,31 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
             await context.abort(e.code, e.message)
 
 
+def _targets(value: str) -> str:
+    """argparse type of --schedulers: checked by ``parse_targets``, kept as given."""
+    try:
+        parse_targets(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
+def replica_set(args, on_connection=None) -> ReplicaSet:
+    """The router's scheduler replicas from its flags: ``--schedulers`` if set, else the one
+    ``--scheduler`` (taken as given, any gRPC target: one replica, as before).
+
+    Raises:
+        ValueError: a malformed ``--schedulers`` list.
+    """
+    if args.schedulers:
+        addresses, dns_target = parse_targets(args.schedulers)
+    else:
+        addresses, dns_target = [args.scheduler], None
+    return ReplicaSet(addresses, policy=args.routing_policy, dns_target=dns_target,
+                      dns_refresh=args.scheduler_dns_refresh,
+                      affinity_blocks=args.prefix_affinity_blocks, on_connection=on_connection)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """The router's flags (also accepted by ``pagedserve serve``)."""
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
@@ -99,7 +124,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="OpenAI-compatible HTTP port (0 = a free port, -1 = no HTTP server)")
     add_flag(p, "--http-host", default=None,
              help="address the HTTP server binds (default: --host)")
-    add_flag(p, "--scheduler", default="127.0.0.1:50052", help="scheduler address")
+    add_flag(p, "--scheduler", default="127.0.0.1:50052",
+             help="scheduler address (one replica; --schedulers takes precedence)")
+    add_flag(p, "--schedulers", type=_targets, default=None,
+             help="scheduler replicas: host:port,host:port,... or one dns:///name:port "
+                  "re-resolved every --scheduler-dns-refresh seconds (overrides --scheduler)")
+    add_flag(p, "--scheduler-dns-refresh", type=float_in(0, lo_open=True), default=30.0,
+             help="seconds between DNS resolutions of a dns:/// --schedulers target")
+    add_flag(p, "--routing-policy", default="prefix_affinity", choices=POLICIES,
+             help="how a request picks a scheduler replica")
+    add_flag(p, "--prefix-affinity-blocks", type=int_in(1, 1024), default=2,
+             help="full KV blocks of the prompt that prefix_affinity hashes")
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file whose tokenizer to use "
                   "(default: packaged SmolLM2-135M-Instruct)")
@@ -114,9 +149,9 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
     server, port, health = await new_server(args.host, args.port)
     args.port = port
-    # NOTE: the router is SERVING exactly while its stream to the scheduler is up.
-    engine = EngineClient(args.scheduler,
-                          on_connection=lambda up: set_serving(health, up, [SERVICE]))
+    # NOTE: the router is SERVING exactly while the stream to at least one scheduler replica
+    # is up (and that replica's engine agrees with the others).
+    engine = replica_set(args, on_connection=lambda up: set_serving(health, up, [SERVICE]))
     api_pb2_grpc.add_GenerationServiceServicer_to_server(
         GenerationServicer(engine, tokenizer), server)
     reflection.enable_server_reflection(
@@ -128,7 +163,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
             args.http_port = await http.start(args.http_host or args.host, args.http_port)
             log.info("router OpenAI-compatible HTTP on %s:%d", args.http_host or args.host,
                      args.http_port)
-        log.info("router waiting for scheduler %s", args.scheduler)
+        log.info("router waiting for scheduler %s (routing %s)",
+                 args.schedulers or args.scheduler, args.routing_policy)
         await engine.start(timeout=args.scheduler_connect_timeout)
         log.info("router serving on %s:%d (model %s, max_model_len %d)", args.host, port,
                  engine.info.model, engine.info.max_model_len)
