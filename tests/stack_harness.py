@@ -26,7 +26,76 @@ def _args(module, argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class InProcessStack:
+def _stats(address: str) -> engine_pb2.GetEngineStatsResponse:
+    with grpc.insecure_channel(address) as ch:
+        return engine_pb2_grpc.EngineServiceStub(ch).GetEngineStats(
+            engine_pb2.GetEngineStatsRequest(), timeout=10)
+
+
+def _wait_idle(address: str, timeout: float) -> engine_pb2.GetEngineStatsResponse:
+    """Poll the scheduler at ``address`` until no request runs or waits (or ``timeout`` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _stats(address)
+        if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+class _BackgroundStack:
+    """An asyncio loop in a daemon thread that runs services' ``serve()`` coroutines.
+    Subclasses implement ``_start`` (start the services) and ``stop``."""
+
+    def __init__(self):
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.address = ""
+        self.http_url = ""  # the OpenAI-compatible API's base URL, e.g. http://127.0.0.1:PORT
+
+    def _run(self, coro, timeout: float = 600):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _serve(self, module, args, stop: asyncio.Event) -> asyncio.Future:
+        """Start ``module.serve(args)``; return its task once it is ready.
+
+        Raises:
+            RuntimeError: serve() returned before it was ready (or its own error).
+        """
+        ready = asyncio.Event()
+        task = asyncio.ensure_future(module.serve(args, ready=ready, stop=stop))
+        done, _ = await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if task in done:  # serve() returned or raised before it was ready
+            task.result()
+            raise RuntimeError(f"{module.__name__} stopped during start-up")
+        return task
+
+    def _router_started(self, router_args) -> None:
+        self.address = f"127.0.0.1:{router_args.port}"
+        if router_args.http_port > 0:
+            self.http_url = f"http://127.0.0.1:{router_args.http_port}"
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        try:
+            self._run(self._start())
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+class InProcessStack(_BackgroundStack):
     """Start with ``start()``, stop with ``stop()``; ``address`` is the router's gRPC address,
     ``http_url`` its OpenAI-compatible HTTP base URL.
 
@@ -43,47 +112,23 @@ class InProcessStack:
         # an ephemeral HTTP port unless router_argv says otherwise (--http-port -1: none)
         self.router_args = _args(router_server, ["--port", "0", "--http-port", "0", *model_flag,
                                                  *router_argv])
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        super().__init__()
         self._stop: asyncio.Event | None = None
         self._tasks: list = []
-        self.address = ""
         self.scheduler_address = ""
-        self.http_url = ""  # the OpenAI-compatible API's base URL, e.g. http://127.0.0.1:PORT
-
-    def _run(self, coro, timeout: float = 600):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self):
         self._stop = asyncio.Event()
         for args, module in ((self.worker_args, worker_server),
                              (self.scheduler_args, scheduler_server),
                              (self.router_args, router_server)):
-            ready = asyncio.Event()
-            task = asyncio.ensure_future(module.serve(args, ready=ready, stop=self._stop))
-            self._tasks.append(task)
-            done, _ = await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if task in done:  # serve() returned or raised before it was ready
-                task.result()
-                raise RuntimeError(f"{module.__name__} stopped during start-up")
+            self._tasks.append(await self._serve(module, args, self._stop))
             if module is worker_server:
                 self.scheduler_args.workers = f"127.0.0.1:{args.port}"
             if module is scheduler_server:
                 self.router_args.scheduler = f"127.0.0.1:{args.port}"
                 self.scheduler_address = f"127.0.0.1:{args.port}"
-        self.address = f"127.0.0.1:{self.router_args.port}"
-        if self.router_args.http_port > 0:
-            self.http_url = f"http://127.0.0.1:{self.router_args.http_port}"
-
-    def start(self) -> InProcessStack:
-        self._thread.start()
-        try:
-            self._run(self._start())
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        self._router_started(self.router_args)
 
     def stop(self) -> None:
         async def _stop():
@@ -92,15 +137,12 @@ class InProcessStack:
             self._stop.set()
             await asyncio.gather(*self._tasks, return_exceptions=True)
         self._run(_stop(), timeout=60)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._close_loop()
 
     # ---- introspection for tests --------------------------------------------------------
     def stats(self) -> engine_pb2.GetEngineStatsResponse:
         """The scheduler's block and request counters."""
-        with grpc.insecure_channel(self.scheduler_address) as ch:
-            return engine_pb2_grpc.EngineServiceStub(ch).GetEngineStats(
-                engine_pb2.GetEngineStatsRequest(), timeout=10)
+        return _stats(self.scheduler_address)
 
     def info(self) -> engine_pb2.GetEngineInfoResponse:
         with grpc.insecure_channel(self.scheduler_address) as ch:
@@ -109,15 +151,10 @@ class InProcessStack:
 
     def wait_idle(self, timeout: float = 30.0) -> engine_pb2.GetEngineStatsResponse:
         """Wait until no request runs or waits (aborts propagate asynchronously)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.stats()
-            if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
-                return s
-            time.sleep(0.05)
+        return _wait_idle(self.scheduler_address, timeout)
 
 
-class MultiReplicaStack:
+class MultiReplicaStack(_BackgroundStack):
     """``replicas`` × (worker + scheduler) and one router routing across them, in one
     background thread on ephemeral ports. ``address`` / ``http_url`` are the router's;
     ``scheduler_addresses[i]`` replica i's scheduler; ``stop_replica(i)`` stops replica i's
@@ -139,26 +176,10 @@ class MultiReplicaStack:
                                for _ in range(replicas)]
         self.router_args = _args(router_server, ["--port", "0", "--http-port", "0",
                                                  *model_flag, *router_argv])
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        super().__init__()
         self._stops: list[asyncio.Event] = []  # one per replica, then the router's
         self._tasks: list[list] = []  # the serve tasks, per replica, then the router's
-        self.address = ""
         self.scheduler_addresses: list[str] = []
-        self.http_url = ""
-
-    def _run(self, coro, timeout: float = 600):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
-
-    async def _serve(self, module, args, stop: asyncio.Event) -> asyncio.Future:
-        ready = asyncio.Event()
-        task = asyncio.ensure_future(module.serve(args, ready=ready, stop=stop))
-        done, _ = await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if task in done:  # serve() returned or raised before it was ready
-            task.result()
-            raise RuntimeError(f"{module.__name__} stopped during start-up")
-        return task
 
     async def _start(self):
         for worker_args, scheduler_args in zip(self.worker_args, self.scheduler_args):
@@ -173,18 +194,7 @@ class MultiReplicaStack:
         self._stops.append(asyncio.Event())
         self._tasks.append([await self._serve(router_server, self.router_args,
                                               self._stops[-1])])
-        self.address = f"127.0.0.1:{self.router_args.port}"
-        if self.router_args.http_port > 0:
-            self.http_url = f"http://127.0.0.1:{self.router_args.http_port}"
-
-    def start(self) -> MultiReplicaStack:
-        self._thread.start()
-        try:
-            self._run(self._start())
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        self._router_started(self.router_args)
 
     async def _stop_group(self, i: int) -> None:
         self._stops[i].set()
@@ -199,21 +209,13 @@ class MultiReplicaStack:
             for i in reversed(range(len(self._stops))):  # the router first
                 await self._stop_group(i)
         self._run(_stop(), timeout=120)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._close_loop()
 
     # ---- introspection for tests --------------------------------------------------------
     def stats(self, i: int) -> engine_pb2.GetEngineStatsResponse:
         """Replica i's scheduler counters."""
-        with grpc.insecure_channel(self.scheduler_addresses[i]) as ch:
-            return engine_pb2_grpc.EngineServiceStub(ch).GetEngineStats(
-                engine_pb2.GetEngineStatsRequest(), timeout=10)
+        return _stats(self.scheduler_addresses[i])
 
     def wait_idle(self, i: int, timeout: float = 30.0) -> engine_pb2.GetEngineStatsResponse:
         """Wait until no request runs or waits on replica i."""
-        deadline = time.monotonic() + timeout
-        while True:
-            s = self.stats(i)
-            if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
-                return s
-            time.sleep(0.05)
+        return _wait_idle(self.scheduler_addresses[i], timeout)

@@ -101,13 +101,6 @@ def test_full_queue_answers_resource_exhausted_at_once(full_cache_stack):
     _leak_check(stack)
 
 
-def test_priority_is_refused_by_a_fcfs_engine(tiny):
-    with Client(tiny.address) as c, pytest.raises(grpc.RpcError) as err:
-        c.generate(prompt_token_ids=[5, 6, 7], max_tokens=2, priority=1)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "priority" in err.value.details()
-
-
 # NOTE: 768 tokens: exactly 3 steps of the 256-token budget (so, uncapped, no step has room
 # for the short request before the long prompt's first token), or 12 steps of 64.
 LONG = [(11 * i) % 450 + 3 for i in range(768)]

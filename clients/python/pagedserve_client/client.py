@@ -133,7 +133,24 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     return req
 
 
-class Client:
+class _ClientBase:
+    """Channel, stub, default deadline and retry settings shared by both clients."""
+
+    _insecure_channel: Callable
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
+                 max_retries: int = 2, retry_backoff: float = 0.2):
+        self._channel = self._insecure_channel(address, options=_OPTIONS)
+        self._stub = api_pb2_grpc.GenerationServiceStub(self._channel)
+        self.timeout = timeout  # seconds per call; None = no deadline
+        self.max_retries, self.retry_backoff = max_retries, retry_backoff
+
+    def _retry(self, timeout) -> _Retry:
+        return _Retry(self.timeout if timeout is _DEFAULT else timeout, self.max_retries,
+                      self.retry_backoff)
+
+
+class Client(_ClientBase):
     """Blocking client. Use as a context manager or call ``close()``.
 
     Args:
@@ -144,16 +161,7 @@ class Client:
         retry_backoff: seconds before the first retry; doubles each time, at most 2 s.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
-                 max_retries: int = 2, retry_backoff: float = 0.2):
-        self._channel = grpc.insecure_channel(address, options=_OPTIONS)
-        self._stub = api_pb2_grpc.GenerationServiceStub(self._channel)
-        self.timeout = timeout  # seconds per call; None = no deadline
-        self.max_retries, self.retry_backoff = max_retries, retry_backoff
-
-    def _retry(self, timeout) -> _Retry:
-        return _Retry(self.timeout if timeout is _DEFAULT else timeout, self.max_retries,
-                      self.retry_backoff)
+    _insecure_channel = staticmethod(grpc.insecure_channel)
 
     def _streaming(self, method: Callable, req, timeout, convert: Callable) -> Iterator:
         retry = self._retry(timeout)
@@ -283,20 +291,11 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client; same methods and arguments as ``Client`` but ``async``. Cancelling the
     task that iterates a stream cancels the RPC."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
-                 max_retries: int = 2, retry_backoff: float = 0.2):
-        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
-        self._stub = api_pb2_grpc.GenerationServiceStub(self._channel)
-        self.timeout = timeout
-        self.max_retries, self.retry_backoff = max_retries, retry_backoff
-
-    def _retry(self, timeout) -> _Retry:
-        return _Retry(self.timeout if timeout is _DEFAULT else timeout, self.max_retries,
-                      self.retry_backoff)
+    _insecure_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def _streaming(self, method: Callable, req, timeout,
                          convert: Callable) -> AsyncIterator:
