@@ -1,10 +1,16 @@
-"""Paged-attention kernels: the KV-cache write and varlen paged attention.
+"""Model kernels: the KV-cache write, varlen paged attention, RMSNorm and rotary embedding.
 
-Three implementations of one contract:
+Three implementations of each contract:
 
-- ``reference``        plain per-sequence torch loop in float64, the spec the others are tested against;
+- ``reference``        plain torch in float64, the spec the others are tested against;
 - ``torch_attention``  the CPU production path (batched, one SDPA call per group of rows);
 - ``triton_attention`` the GPU production path (one @triton.jit kernel for decode and prefill).
+
+and for the per-layer ops (``rms_norm``, ``fused_add_rms_norm`` = residual add + RMSNorm in one
+pass, ``rotary_embedding`` = rotate-half RoPE of query and key in place):
+
+- ``torch_ops``        the CPU production path, and the model's exact math (transformers' order);
+- ``triton_norm_rope`` the GPU production path (one launch per norm, one per RoPE of q and k).
 
 This package imports nothing from ``services/``.
 
@@ -40,21 +46,42 @@ The batch (one model step) and its index arithmetic::
         query: [ seq 0: q0 q1 q2 q3 q4 | seq 1: q0 | seq 2: q0 q1 | ... ]
         query_start_loc:  0              5          6              8 ...
 
-Algorithms: PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model
+Algorithms: RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019); RoPE (Su
+et al., "RoFormer", 2021; Meta's Llama 3.1 frequency scaling is folded into ``inv_freq`` by the
+model); PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model
 Serving with PagedAttention", SOSP 2023) for the block-table KV cache; FlashAttention-2 (Dao,
 "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023) for
 the online softmax of the Triton kernel.
 """
 
-from kernels.reference import reference_paged_attention, reference_reshape_and_cache
+from kernels.reference import (
+    reference_paged_attention,
+    reference_reshape_and_cache,
+    reference_rms_norm,
+    reference_rotary_embedding,
+)
 from kernels.torch_attention import torch_paged_attention, torch_reshape_and_cache
+from kernels.torch_ops import torch_fused_add_rms_norm, torch_rms_norm, torch_rotary_embedding
 from kernels.triton_attention import triton_paged_attention, triton_reshape_and_cache
+from kernels.triton_norm_rope import (
+    triton_fused_add_rms_norm,
+    triton_rms_norm,
+    triton_rotary_embedding,
+)
 
 __all__ = [
     "reference_paged_attention",
     "reference_reshape_and_cache",
+    "reference_rms_norm",
+    "reference_rotary_embedding",
+    "torch_fused_add_rms_norm",
     "torch_paged_attention",
     "torch_reshape_and_cache",
+    "torch_rms_norm",
+    "torch_rotary_embedding",
+    "triton_fused_add_rms_norm",
     "triton_paged_attention",
     "triton_reshape_and_cache",
+    "triton_rms_norm",
+    "triton_rotary_embedding",
 ]

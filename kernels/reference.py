@@ -73,3 +73,40 @@ def reference_paged_attention(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def reference_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden_size]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm (Zhang & Sennrich 2019) in float64, optionally after the residual add.
+
+    Returns ``(out, residual_out)`` in float64: ``residual_out = x + residual`` (None without a
+    residual), ``out = weight * h / sqrt(mean(h**2) + eps)`` where ``h`` is the residual stream
+    as the model keeps it, in ``x.dtype`` (``residual_out`` rounded once to ``x.dtype``).
+    """
+    residual_out = None if residual is None else x.double() + residual.double()
+    h = (x if residual_out is None else residual_out.to(x.dtype)).double()
+    out = weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return out, residual_out
+
+
+def reference_rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    inv_freq: torch.Tensor,  # [head_dim // 2] float32
+) -> torch.Tensor:
+    """Rotate-half RoPE (Su et al. 2021, RoFormer) of ``x``, returned in float64.
+
+    The angle ``theta = positions * inv_freq`` is the float32 product the model computes (part of
+    the spec: at position 8192 its rounding moves cos by ~1e-4, far above float32 tolerance);
+    cos, sin and the rotation are then exact in float64::
+
+        [x1 | x2] -> [x1 * cos(theta) - x2 * sin(theta) | x2 * cos(theta) + x1 * sin(theta)]
+    """
+    theta = (positions.float()[:, None] * inv_freq.float()[None, :]).double()[:, None, :]
+    cos, sin = theta.cos(), theta.sin()  # [T, 1, D/2]
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

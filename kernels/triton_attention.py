@@ -6,7 +6,7 @@ FlashAttention-2 (Dao, 2023) online softmax: one pass over the keys, a running r
 and row sum ``l``, the output accumulator rescaled by ``exp(m_old - m_new)`` whenever the max
 grows, one division by ``l`` at the end; scores in base 2 (``exp2``, scale folded with log2 e).
 
-Work split of ``_paged_attention_kernel``, grid ``(num_q_tiles, num_kv_heads)``::
+Work split of ``_paged_attention_kernel``, grid ``(num_q_tiles, num_kv_heads, num_splits)``::
 
     one program = one tile of BLOCK_Q query tokens of ONE sequence x the NUM_QUERIES_PER_KV
     query heads that share one KV head (GQA), packed as BLOCK_M = BLOCK_Q * G rows (G = 3 here):
@@ -23,16 +23,29 @@ Work split of ``_paged_attention_kernel``, grid ``(num_q_tiles, num_kv_heads)``:
     returns at once); total <= num_tokens // BLOCK_Q + num_seqs, and a program finds its
     sequence by binary search over query_start_loc (the scheme of vLLM's unified attention).
 
-    the keys of a tile, one KV-cache block (BLOCK_SIZE positions) per iteration:
+    the keys of a tile, TILE_N positions per iteration, each key's block looked up on its own
+    (so one iteration gathers TILE_N / BLOCK_SIZE cache blocks, or part of one):
 
         key pos  0 ......... context_len ......... last_pos         seq_len
-                 [blk 0][blk 1] ... [blk n-1]  ->  n = last_pos // BLOCK_SIZE + 1
+                 [ tile 0 ][ tile 1 ] ... [tile n-1]  ->  n = last_pos // TILE_N + 1
         last_pos = context_len + min((q_tile + 1) * BLOCK_Q, query_len) - 1
+        block of key k_pos = block_table[k_pos // BLOCK_SIZE], slot offset k_pos % BLOCK_SIZE
         score of (row at q_pos, key at k_pos) kept iff k_pos <= q_pos (causal) and k_pos < seq_len
+
+    split-KV (flash-decoding), when num_splits > 1: program (tile, head, s) covers only the
+    key tiles [s * tiles_per_split, (s + 1) * tiles_per_split) and stores its unnormalised
+    (acc, m, l) as partials; ``_reduce_splits_kernel`` merges them. A small decode batch then
+    still fills the GPU: batch 1 x 8 KV heads is 8 programs unsplit, 256 with 32 splits.
+
+        tile 0  tile 1  tile 2  tile 3 | tile 4  tile 5  tile 6  tile 7 | ...
+        <------- split 0 (m0, l0, acc0)-><------- split 1 (m1, l1, acc1)-> ...
+        out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
 
 Block ids are cast to int64 before multiplying by the block stride, so caches with more than
 2**31 elements index correctly.
 """
+
+import functools
 
 import torch
 import triton
@@ -131,7 +144,9 @@ def _find_seq_idx(
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim]              (NUM_SPLITS == 1)
+    part_out_ptr,  # [NUM_SPLITS, num_tokens, num_heads, head_dim] fp32 (NUM_SPLITS > 1)
+    part_ml_ptr,  # [NUM_SPLITS, num_tokens, num_heads, 2] fp32: running max m, sum l
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -139,21 +154,27 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
     num_seqs,
+    num_tokens,
+    tiles_per_split,  # key tiles of one split (NUM_SPLITS > 1)
     scale,  # float: softmax scale, usually head_dim ** -0.5
     stride_q_tok, stride_q_head,
     stride_o_tok, stride_o_head,
     stride_kc_block, stride_kc_tok, stride_kc_head,
     stride_vc_block, stride_vc_tok, stride_vc_head,
     stride_bt_seq,
+    NUM_HEADS: tl.constexpr,
     NUM_QUERIES_PER_KV: tl.constexpr,  # G = num_heads // num_kv_heads
     HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,  # KV-cache block size = key tile of one iteration
+    BLOCK_SIZE: tl.constexpr,  # KV-cache block size (tokens)
+    TILE_N: tl.constexpr,  # keys of one iteration, gathered from TILE_N / BLOCK_SIZE blocks
     BLOCK_M: tl.constexpr,  # rows of a program: BLOCK_Q tokens x G heads, padded to a power of 2
     BLOCK_Q: tl.constexpr,  # query tokens of a program
+    NUM_SPLITS: tl.constexpr,  # 1 = whole context per program; > 1 = split-KV partials
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), else the default
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     seq = _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -175,41 +196,126 @@ def _paged_attention_kernel(
     q_ptrs = query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
 
-    # NOTE: m starts at -inf; every row (padding rows too: q_pos >= 0) keeps key 0 of block 0,
-    # so after the first block m is finite and exp2(m_old - m_new) never sees -inf - -inf.
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scaled scores (base 2)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)  # running sum of exp2(score - m_i) * v
     qk_scale = scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 
     last_pos = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len) - 1
-    num_kv_blocks = last_pos // BLOCK_SIZE + 1
-    offs_n = tl.arange(0, BLOCK_SIZE)
+    tile_lo = 0
+    tile_hi = last_pos // TILE_N + 1
+    if NUM_SPLITS > 1:
+        tile_lo = split * tiles_per_split
+        tile_hi = tl.minimum(tile_hi, tile_lo + tiles_per_split)
+    offs_n = tl.arange(0, TILE_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kc_head = k_cache_ptr + kv_head * stride_kc_head
     vc_head = v_cache_ptr + kv_head * stride_vc_head
-    for j in range(0, num_kv_blocks):
-        block_id = tl.load(block_table + j).to(tl.int64)  # int64: block_id * stride may pass 2**31
-        k_pos = j * BLOCK_SIZE + offs_n  # [BLOCK_SIZE]
+    for j in range(tile_lo, tile_hi):
+        k_pos = j * TILE_N + offs_n  # [TILE_N]
         k_valid = k_pos < seq_len
-        k_ptrs = kc_head + block_id * stride_kc_block + offs_n[None, :] * stride_kc_tok + offs_d[:, None]
-        k = tl.load(k_ptrs, mask=k_valid[None, :], other=0.0)  # [HEAD_DIM, BLOCK_SIZE]
-        v_ptrs = vc_head + block_id * stride_vc_block + offs_n[:, None] * stride_vc_tok + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=k_valid[:, None], other=0.0)  # [BLOCK_SIZE, HEAD_DIM]
+        # int64: block_id * stride may pass 2**31; table entries past seq_len are never read.
+        block_id = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        k_off = block_id * stride_kc_block + (k_pos % BLOCK_SIZE) * stride_kc_tok  # [TILE_N]
+        v_off = block_id * stride_vc_block + (k_pos % BLOCK_SIZE) * stride_vc_tok
+        k = tl.load(kc_head + k_off[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0.0)
+        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
 
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_SIZE]
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         keep = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp2(s - m_new[:, None])  # [BLOCK_M, BLOCK_SIZE]
+        # A row with no key yet (a split that starts past its position) keeps m = -inf; shift
+        # by 0 then, so exp2 sees -inf - 0 (= 0 weight), never -inf - -inf (NaN).
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_shift[:, None])  # [BLOCK_M, TILE_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    acc = acc / l_i[:, None]
-    o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    if NUM_SPLITS == 1:
+        acc = acc / l_i[:, None]
+        o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        row = (split * num_tokens + tok) * NUM_HEADS + head  # [BLOCK_M] int64
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=row_valid[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=row_valid)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_valid)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [NUM_SPLITS, num_tokens, num_heads, head_dim] fp32
+    part_ml_ptr,  # [NUM_SPLITS, num_tokens, num_heads, 2] fp32
+    query_start_loc_ptr,  # [num_seqs + 1] int32
+    num_seqs,
+    num_tokens,
+    stride_o_tok, stride_o_head,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # heads of one program (power of 2)
+):
+    """One program per (token, group of BLOCK_H heads): merge the splits' partial softmaxes.
+
+    With m_s, l_s, acc_s the running max, sum and weighted value sum of split s, and
+    M = max_s m_s: out = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s. A split that
+    saw no key has m_s = -inf and weighs 0; split 0 always holds key 0, so M is finite.
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    head_ok = heads < NUM_HEADS
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = out_ptr + tok * stride_o_tok + heads[:, None] * stride_o_head + offs_d[None, :]
+    if tok >= tl.load(query_start_loc_ptr + num_seqs):  # padding token: zero rows
+        zeros = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        tl.store(o_ptrs, zeros.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+        return
+    splits = tl.arange(0, NUM_SPLITS)
+    row = (splits[:, None] * num_tokens + tok) * NUM_HEADS + heads[None, :]  # [NUM_SPLITS, BLOCK_H]
+    ok = head_ok[None, :]
+    m = tl.load(part_ml_ptr + row * 2, mask=ok, other=0.0)
+    l_sum = tl.load(part_ml_ptr + row * 2 + 1, mask=ok, other=1.0)
+    w = tl.exp2(m - tl.max(m, 0)[None, :])  # [NUM_SPLITS, BLOCK_H]
+    acc = tl.load(part_out_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                  mask=ok[:, :, None], other=0.0)  # [NUM_SPLITS, BLOCK_H, HEAD_DIM]
+    out = tl.sum(acc * w[:, :, None], 0) / tl.sum(l_sum * w, 0)[:, None]  # [BLOCK_H, HEAD_DIM]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+# Split-KV heuristic: split only when the grid leaves SMs idle, keep >= MIN_TILES_PER_SPLIT key
+# tiles per split (the reduce pass is not free), and cap the partial buffers at MAX_SPLITS.
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
+    """How many key ranges each (query tile, KV head) is split over (flash-decoding).
+
+    ``num_programs`` is the number of (query tile, KV head) programs doing real work; when it
+    already fills ``num_sms`` streaming multiprocessors, splitting only adds a reduce pass.
+    Otherwise the context (``max_seq_len`` tokens, in tiles of ``tile_n`` keys) is split so
+    that about 2 programs run per SM, each with at least ``MIN_TILES_PER_SPLIT`` tiles.
+    Returns a power of 2 in [1, MAX_SPLITS]; ``num_sms == 0`` (no GPU) returns 1.
+
+    Algorithm: Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context
+    inference", 2023): parallelise over the keys, then merge the partial softmaxes.
+    """
+    if num_sms <= 0 or num_programs >= num_sms:
+        return 1
+    max_tiles = triton.cdiv(max_seq_len, tile_n)
+    splits = min(triton.cdiv(2 * num_sms, num_programs), max_tiles // MIN_TILES_PER_SPLIT,
+                 MAX_SPLITS)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def triton_paged_attention(
@@ -222,16 +328,22 @@ def triton_paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of each sequence's query tokens over its whole context.
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype``, accumulated in fp32
     (fp32 inputs use IEEE fp32 dots, not TF32). Rows of tokens past ``query_start_loc[-1]``
     (padding) are zero. ``max_query_len`` picks the tile shape (decode or prefill);
-    ``max_seq_len`` is not needed (each program reads its own seq_len).
+    ``max_seq_len`` (tokens) sizes the split-KV ranges.
+
+    ``num_splits``: key ranges per (query tile, KV head), merged by a second kernel
+    (flash-decoding); ``None`` lets ``choose_num_splits`` decide from the GPU's SM count (long
+    contexts at small batch split; no split on CPU); else a power of 2.
 
     Raises ``ValueError`` if ``num_heads`` is not a multiple of ``num_kv_heads``, ``head_dim``
-    or ``block_size`` is not a power of 2 >= 16, or ``head_dim`` is not contiguous.
+    or ``block_size`` is not a power of 2 >= 16, ``num_splits`` is not a power of 2, or
+    ``head_dim`` is not contiguous.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -245,31 +357,62 @@ def triton_paged_attention(
     _check(k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ")
     _check(all(t.stride(-1) == 1 for t in (query, k_cache, v_cache)), "head_dim must be contiguous")
     _check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
+    _check(num_splits is None or _is_pow2(num_splits),
+           f"num_splits {num_splits} must be a power of 2")
 
     full_decode = max_query_len == 1 and num_tokens == num_seqs
-    out = torch.empty_like(query) if full_decode else torch.zeros_like(query)
     if num_tokens == 0 or num_seqs == 0:
-        return out
+        return torch.zeros_like(query)
     group = num_heads // num_kv_heads
     # NOTE: decode tiles hold one token x G heads; 16 rows is the smallest tl.dot tile.
     block_m = max(16 if max_query_len == 1 else 64, triton.next_power_of_2(group))
     block_q = block_m // group
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        num_seqs, scale,
+    tile_n = 64 if head_dim <= 128 else 32  # keys per iteration: 4 blocks of 16 at head_dim 128
+    grid0 = num_tokens // block_q + num_seqs
+    if num_splits is None:
+        busy = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
+        sms = _num_sms(query.device.index or 0) if query.is_cuda else 0
+        num_splits = choose_num_splits(busy, max_seq_len, tile_n, sms)
+    tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), tile_n), num_splits)
+    split = num_splits > 1
+    out = torch.empty_like(query) if (full_decode or split) else torch.zeros_like(query)
+    if split:
+        part_out = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32,
+                               device=query.device)
+        part_ml = torch.empty(num_splits, num_tokens, num_heads, 2, dtype=torch.float32,
+                              device=query.device)
+    else:
+        part_out = part_ml = out  # unused
+    _paged_attention_kernel[(grid0, num_kv_heads, num_splits)](
+        out, part_out, part_ml, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        num_seqs, num_tokens, tiles_per_split, scale,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
+        NUM_HEADS=num_heads,
         NUM_QUERIES_PER_KV=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
         BLOCK_M=block_m,
         BLOCK_Q=block_q,
+        NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4,
     )
+    if split:
+        # heads per program: at most 8192 partial values (32 KiB of fp32) in registers
+        block_h = min(triton.next_power_of_2(num_heads),
+                      max(1, 8192 // (num_splits * head_dim)))
+        block_h = 1 << (block_h.bit_length() - 1)
+        _reduce_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+            out, part_out, part_ml, query_start_loc, num_seqs, num_tokens,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_H=block_h,
+            num_warps=4,
+        )
     return out
 
 

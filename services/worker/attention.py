@@ -1,11 +1,14 @@
 """Attention backend choice: which paged-attention kernels the model calls, and their metadata.
 
-The model only calls ``backend.write_kv`` and ``backend.attend``; the model runner builds one
+The model only calls ``backend.write_kv`` and ``backend.attend``, plus the per-layer ops
+``rms_norm``, ``fused_add_rms_norm`` and ``rotary_embedding``; the model runner builds one
 ``AttentionMetadata`` per step and every layer reuses it. Two backends share one contract
 (``kernels/__init__.py`` draws the index arithmetic):
 
-- ``"torch"``:  ``kernels.torch_attention`` (batched torch; the CPU path),
-- ``"triton"``: ``kernels.triton_attention`` (one Triton kernel; the CUDA path).
+- ``"torch"``:  ``kernels.torch_attention`` + ``kernels.torch_ops`` (batched torch; the CPU path,
+  and the model's reference math),
+- ``"triton"``: ``kernels.triton_attention`` + ``kernels.triton_norm_rope`` (Triton kernels; the
+  CUDA path).
 
 ``"auto"`` picks triton on CUDA and torch on CPU. Kernel modules are imported lazily, on first
 use, so choosing a backend never imports the other one's dependencies.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -50,44 +53,61 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Paged attention through one kernel module (``kernels.<module>``), loaded on first use.
+    """Paged attention, norms and RoPE through two kernel modules (``kernels.<module>``), loaded
+    on first use.
 
     Args:
         name: ``"torch"`` or ``"triton"``.
     """
 
-    _MODULES = {"torch": "kernels.torch_attention", "triton": "kernels.triton_attention"}
+    _MODULES = {"torch": ("kernels.torch_attention", "kernels.torch_ops"),
+                "triton": ("kernels.triton_attention", "kernels.triton_norm_rope")}
+    _OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm",
+            "rotary_embedding")
 
     def __init__(self, name: str) -> None:
         if name not in self._MODULES:
             raise ValueError(f"unknown attention backend {name!r}; "
                              f"choose from {sorted(self._MODULES)}")
         self.name = name
-        self._reshape_and_cache: Callable[..., None] | None = None
-        self._paged_attention: Callable[..., torch.Tensor] | None = None
+        self._ops: dict[str, Callable[..., Any]] | None = None
 
-    def _load(self) -> None:
-        module = importlib.import_module(self._MODULES[self.name])
-        self._paged_attention = getattr(module, f"{self.name}_paged_attention")
-        self._reshape_and_cache = getattr(module, f"{self.name}_reshape_and_cache")
+    def _op(self, op: str) -> Callable[..., Any]:
+        if self._ops is None:
+            found: dict[str, Any] = {}
+            for module in self._MODULES[self.name]:
+                found.update(vars(importlib.import_module(module)))
+            self._ops = {o: found[f"{self.name}_{o}"] for o in self._OPS}
+        return self._ops[op]
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store this step's ``key``/``value`` ``[T, K, D]`` into the caches
         ``[num_blocks, block_size, K, D]`` at ``meta.slot_mapping`` (in place)."""
-        if self._reshape_and_cache is None:
-            self._load()
-        self._reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._op("reshape_and_cache")(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of ``query [T, H, D]`` over each sequence's cached K/V (which must
         already hold this step's tokens). Returns ``[T, H, D]`` in ``query.dtype``."""
-        if self._paged_attention is None:
-            self._load()
-        return self._paged_attention(
+        return self._op("paged_attention")(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.max_query_len, meta.max_seq_len, scale)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of ``x [T, E]`` (float32 inside), a new ``[T, E]`` tensor."""
+        return self._op("rms_norm")(x, weight, eps)
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual = x + residual`` then its RMSNorm: new ``(normed, residual)``, ``[T, E]``."""
+        return self._op("fused_add_rms_norm")(x, residual, weight, eps)
+
+    def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                         inv_freq: torch.Tensor) -> None:
+        """Rotate-half RoPE of ``query [T, H, D]`` and ``key [T, K, D]`` at ``positions [T]``,
+        in place, with float32 ``inv_freq [D/2]``."""
+        self._op("rotary_embedding")(positions, query, key, inv_freq)
 
     def __repr__(self) -> str:
         return f"AttentionBackend({self.name!r})"

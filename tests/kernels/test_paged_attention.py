@@ -7,6 +7,7 @@ On CPU the Triton kernel runs under TRITON_INTERPRET=1 (see conftest.py), so sha
 with CUDA the larger vLLM-style cases are added.
 """
 
+import functools
 import math
 
 import pytest
@@ -31,7 +32,12 @@ TOLERANCES = {
     torch.bfloat16: (2e-2, 2e-2),
 }
 
-BACKENDS = {"torch": torch_paged_attention, "triton": triton_paged_attention}
+BACKENDS = {
+    "torch": torch_paged_attention,
+    "triton": functools.partial(triton_paged_attention, num_splits=1),
+    # split-KV (flash-decoding) forced on, so every case also runs the partial + merge path
+    "triton_split4": functools.partial(triton_paged_attention, num_splits=4),
+}
 
 CASES = {
     "decode": [(1, 37), (1, 16), (1, 17)],
@@ -42,10 +48,13 @@ CASES = {
     # one long chunk beside short prefix-cache-hit tails: the torch path splits the prefill
     # group into buckets of similar query length (more than one bucket here)
     "prefix_hits": [(64, 96), (4, 68), (3, 67), (1, 50), (5, 69), (2, 30)],
+    # vLLM's kernel-test mix: a long decode, a short chunk after a prefix, a long chunk
+    "vllm_mix": [(1, 1328), (5, 18), (129, 463)],
 }
 if CUDA:  # full size on a GPU
     CASES["decode_long"] = [(1, 1328), (1, 1), (1, 4097)] * 4
     CASES["mixed_long"] = [(129, 463), (1, 1328), (5, 18), (256, 256), (1, 3)] * 3
+    CASES["decode_32k"] = [(1, 32768), (1, 17)]
 
 # NOTE: the Triton interpreter multiplies the raw bits of bfloat16 operands in tl.dot
 # (triton-lang/triton#11584, not supported upstream), so Triton bfloat16 runs on CUDA only;
@@ -54,6 +63,7 @@ DTYPE_PARAMS = [
     pytest.param("torch", torch.bfloat16, id="torch-bf16"),
     pytest.param("torch", torch.float16, id="torch-fp16"),
     pytest.param("triton", torch.float16, id="triton-fp16"),
+    pytest.param("triton_split4", torch.float16, id="triton-split4-fp16"),
     *([pytest.param("triton", torch.bfloat16, id="triton-bf16")] if CUDA else []),
 ]
 
@@ -110,13 +120,66 @@ def assert_matches_reference(out: torch.Tensor, batch: dict) -> None:
     torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("num_queries_per_kv", [1, 3])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("backend", list(BACKENDS))
+# GQA ratio x block size: every pairing on a GPU, a diagonal under the (slow) interpreter
+GQA_BLOCK_SIZES = (
+    [(g, b) for g in (1, 3, 8) for b in (16, 32, 64)] if CUDA
+    else [(1, 16), (3, 32), (8, 64), (8, 16)]
+)
+
+
+FP32_PARAMS = [
+    (backend, case, g, b)
+    for backend in BACKENDS
+    for case in CASES
+    # under the interpreter the split path runs every case at one GQA ratio and block size
+    for g, b in (GQA_BLOCK_SIZES if CUDA or backend != "triton_split4" else [(3, 32)])
+]
+
+
+@pytest.mark.parametrize(("backend", "case", "num_queries_per_kv", "block_size"), FP32_PARAMS)
 def test_matches_reference_fp32(backend, case, num_queries_per_kv, block_size):
     batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2, block_size=block_size)
     assert_matches_reference(BACKENDS[backend](**batch), batch)
+
+
+@pytest.mark.parametrize("num_queries_per_kv", [1, 8])
+@pytest.mark.parametrize(("case", "num_splits"),
+                         [("decode", 32), ("mixed", 2), ("single_token_prompt", 8)])
+def test_split_kv_matches_reference(case, num_queries_per_kv, num_splits):
+    """Flash-decoding: each (query tile, KV head) over ``num_splits`` key ranges, then merged.
+    32 splits of a 37-token context leave most ranges empty (they must weigh nothing)."""
+    batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2)
+    assert_matches_reference(triton_paged_attention(**batch, num_splits=num_splits), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, *([torch.bfloat16] if CUDA else [])])
+def test_split_kv_low_precision(dtype):
+    batch = make_batch(CASES["vllm_mix"], num_heads=6, num_kv_heads=2, dtype=dtype)
+    assert_matches_reference(triton_paged_attention(**batch, num_splits=8), batch)
+
+
+def test_choose_num_splits_splits_long_contexts_at_small_batch_only():
+    from kernels.triton_attention import MAX_SPLITS, choose_num_splits
+
+    h200_sms = 132
+    # batch 1, 8 KV heads, 32k context: the grid would use 8 of 132 SMs -> split
+    assert choose_num_splits(8, 32768, 64, h200_sms) == 32
+    # batch 64 x 8 KV heads already fills the GPU -> no split
+    assert choose_num_splits(512, 4096, 64, h200_sms) == 1
+    # a short context is not worth a reduce pass, however small the batch
+    assert choose_num_splits(1, 200, 64, h200_sms) == 1
+    # capped, a power of 2, and never on CPU
+    assert choose_num_splits(1, 10**6, 64, h200_sms) == MAX_SPLITS
+    for programs in range(1, 140, 7):
+        n = choose_num_splits(programs, 8192, 64, h200_sms)
+        assert n & (n - 1) == 0 and 1 <= n <= MAX_SPLITS
+    assert choose_num_splits(1, 32768, 64, 0) == 1
+
+
+def test_split_kv_rejects_non_power_of_2():
+    batch = make_batch(CASES["decode"])
+    with pytest.raises(ValueError, match="num_splits"):
+        triton_paged_attention(**batch, num_splits=3)
 
 
 @pytest.mark.parametrize(("backend", "dtype"), DTYPE_PARAMS)
@@ -125,9 +188,12 @@ def test_matches_reference_low_precision(backend, dtype):
     assert_matches_reference(BACKENDS[backend](**batch), batch)
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_head_dim_128(backend):
-    batch = make_batch(CASES["mixed"], num_heads=3, num_kv_heads=1, head_dim=128, block_size=32)
+def test_head_dims(backend, head_dim, block_size):
+    batch = make_batch(CASES["mixed"], num_heads=3, num_kv_heads=1, head_dim=head_dim,
+                       block_size=block_size)
     assert_matches_reference(BACKENDS[backend](**batch), batch)
 
 

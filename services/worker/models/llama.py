@@ -100,23 +100,23 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32."""
+    """Root-mean-square layer norm (Zhang & Sennrich 2019), computed in float32 by the backend
+    (``kernels.torch_ops.torch_rms_norm`` is the math). Given a ``residual``, it first adds it
+    (vLLM's fused add + norm) and also returns the sum, the new residual stream."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, backend: Any) -> None:
         super().__init__()
         self.eps = eps
+        self.backend = backend
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:  # [T, E] -> [T, E]
+            return self.backend.rms_norm(x, self.weight, self.eps)
+        # ([T, E], [T, E]) -> (norm(x + residual), x + residual)
+        return self.backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -132,16 +132,14 @@ class Attention(nn.Module):
                                   bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, K, D]
         v = v.view(T, self.n_kv_heads, self.head_dim)  # [T, K, D]
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        self.backend.rotary_embedding(positions, q, k, inv_freq)  # in place: q*cos + rot(q)*sin
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
@@ -165,15 +163,24 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
-        x = x + self.attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                inv_freq: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM's pre-norm form: the residual stream is ``x + residual`` (``x`` alone, with
+        ``residual=None``, at the first layer); each norm adds the pending branch output into
+        it in the same fused op. Returns ``(mlp_out, residual)``, both ``[T, E]``."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.attn(x, positions, inv_freq, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -181,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         cfg: architecture numbers.
-        backend: an ``AttentionBackend`` (``write_kv`` / ``attend``), shared by all layers.
+        backend: an ``AttentionBackend`` (``write_kv`` / ``attend``, and the ``rms_norm`` /
+            ``fused_add_rms_norm`` / ``rotary_embedding`` ops), shared by all layers.
 
     ``inv_freq`` is a float32 buffer that is not in the state dict; it stays float32 as long as
     the model is only moved with ``.to(device)`` (the loader casts weights before assigning them).
@@ -193,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         # Computed on the CPU even under a meta-device context, so loading with assign=True
@@ -201,19 +209,13 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     def set_attention_backend(self, backend: Any) -> None:
-        for layer in self.layers:
-            layer.attn.backend = backend
-
-    def rope(self, positions: torch.Tensor,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[T, D]`` in ``dtype`` for int64 ``positions [T]`` (computed in float32)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        for module in self.modules():
+            if isinstance(module, (Attention, RMSNorm)):
+                module.backend = backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attn_metadata: Any) -> torch.Tensor:
+                attn_metadata: Any, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """Run ``T`` tokens through the decoder, writing their K/V into ``kv_caches``.
 
         Args:
@@ -222,14 +224,18 @@ class LlamaForCausalLM(nn.Module):
             kv_caches: per layer ``(k_cache, v_cache)``, each
                 ``[num_blocks, block_size, K, D]`` in the model dtype.
             attn_metadata: ``AttentionMetadata`` of this step (slot mapping, block tables, ...).
+            hidden_states: ``[T, E]`` the previous pipeline stage's output, used instead of
+                embedding ``input_ids`` (``services/worker/parallel.py`` splits the layers).
         Returns:
             ``[T, E]`` final hidden states (after the last norm), model dtype.
         """
-        x = self.embed_tokens(input_ids)  # [T, E]
-        cos, sin = self.rope(positions, x.dtype)  # [T, D]
+        x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # [T, E]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.inv_freq, kv_cache, attn_metadata)
+        # NOTE: the final add is not fused into the norm, so that a pipeline stage before the
+        # last (norm = Identity) hands on the plain residual stream; one [T, E] add per step.
+        return self.norm(x if residual is None else x + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, E]`` -> logits ``[N, V]`` float32 (matmul in the model dtype)."""

@@ -1,0 +1,80 @@
+"""RMSNorm (with and without the residual add) and rotary embedding in plain torch.
+
+The CPU production path, and the exact math of ``services/worker/models/llama.py`` (which matches
+transformers' ``LlamaForCausalLM`` at float32): the Triton versions in ``kernels.triton_norm_rope``
+are tested against a float64 reference, and the model runs these on the ``"torch"`` backend.
+
+Algorithms: RMSNorm (Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019); rotary
+position embedding, rotate-half ("neox") layout (Su et al., "RoFormer: Enhanced Transformer with
+Rotary Position Embedding", 2021). Frequency scalings (linear, Meta's Llama 3.1 "llama3") live in
+``inv_freq``, computed by the model (``rope_inv_freq``); the ops here only apply it.
+"""
+
+import torch
+
+
+def torch_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x**2) + eps))``, normalised in float32, scaled in ``x.dtype``.
+
+    Returns a new ``[num_tokens, hidden_size]`` tensor in the promoted dtype of ``x`` and
+    ``weight`` (the model dtype when both are). Math order (transformers' ``LlamaRMSNorm``)::
+
+        x32 = x.float();  x32 = x32 * rsqrt(mean(x32**2) + eps);  out = weight * x32.to(x.dtype)
+    """
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def torch_fused_add_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    residual: torch.Tensor,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block boundary: ``residual = x + residual``, then ``rms_norm(residual)``.
+
+    Returns new tensors ``(out, residual_out)``, both ``[num_tokens, hidden_size]``:
+    ``residual_out = x + residual`` in the input dtype (rounded once, as the model's
+    ``h = h + attn_out``), ``out = torch_rms_norm(residual_out, weight, eps)``. The inputs are
+    not modified (vLLM's ``fused_add_rms_norm`` works in place; ours does not).
+    """
+    residual = x + residual
+    return torch_rms_norm(residual, weight, eps), residual
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def torch_rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    inv_freq: torch.Tensor,  # [head_dim // 2] float32
+) -> None:
+    """Rotate ``query`` and ``key`` in place by rotate-half RoPE at ``positions``.
+
+    With ``D = head_dim``, ``x1, x2 = x[..., :D/2], x[..., D/2:]`` and
+    ``theta = positions * inv_freq`` (float32; cos/sin computed in float32, then cast to
+    ``query.dtype``)::
+
+        x1' = x1 * cos(theta) - x2 * sin(theta)
+        x2' = x2 * cos(theta) + x1 * sin(theta)      (in query.dtype: q*cos + rotate_half(q)*sin)
+
+    Raises ``ValueError`` if ``2 * len(inv_freq)`` is not ``head_dim`` of both tensors.
+    """
+    head_dim = query.shape[-1]
+    if 2 * inv_freq.shape[0] != head_dim or key.shape[-1] != head_dim:
+        raise ValueError(f"inv_freq [{inv_freq.shape[0]}] does not fit head_dim "
+                         f"{head_dim} (query) / {key.shape[-1]} (key)")
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    cos, sin = emb.cos().to(query.dtype)[:, None, :], emb.sin().to(query.dtype)[:, None, :]
+    query.copy_(query * cos + _rotate_half(query) * sin)
+    key.copy_(key * cos + _rotate_half(key) * sin)
