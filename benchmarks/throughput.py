@@ -128,7 +128,8 @@ def running_stack(model: str | None, dtype: str, extra: list[str]):
             time.sleep(1)
         yield address
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have died on its own
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
 
 

@@ -23,6 +23,8 @@ from services.worker import server as worker_server
 def _args(module, argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     module.add_args(p)
+    if "--metrics-port" in p._option_string_actions and "--metrics-port" not in argv:
+        argv = ["--metrics-port", "0", *argv]  # a free port: stacks run side by side in tests
     return p.parse_args(argv)
 
 

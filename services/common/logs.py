@@ -1,16 +1,77 @@
-"""Logging set-up shared by the services (``--log-level``)."""
+"""Logging set-up shared by the services (``--log-level``, ``--log-format``).
+
+``json`` (the default) writes one JSON object per line to stderr::
+
+    {"time": "2026-11-29T15:32:04.123Z", "level": "INFO", "service": "router",
+     "logger": "services.router.server", "message": "...", "request_id": "abc"}
+
+``request_id`` is present while a request is being handled: the router sets it from the
+request's id (taken from the client's ``x-request-id`` gRPC metadata or ``request_id`` field);
+the scheduler and workers log the ids their messages carry (the router↔scheduler and
+scheduler↔worker links are shared streams, so the id travels inside each message). At INFO no
+prompt text or token ids are logged; DEBUG may log sizes, never text.
+"""
 
 from __future__ import annotations
 
+import contextvars
+import json
 import logging
 import sys
+import time
+
+FORMATS = ("json", "text")
+# The request being handled by this task (asyncio copies context into each task).
+request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "request_id", default=None)
 
 
-def setup_logging(level: str = "INFO", service: str = "pagedserve") -> None:
-    """Configure the root logger to write ``time level service: message`` lines to stderr."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format=f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "request_id"):
+            record.request_id = request_id_var.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (UTC, ms), level, service, logger, message,
+    request_id (when known), and the exception text when there is one."""
+
+    def __init__(self, service: str):
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        t = time.gmtime(record.created)
+        out = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", t) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if getattr(record, "request_id", None):
+            out["request_id"] = record.request_id
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def setup_logging(level: str = "INFO", service: str = "pagedserve", fmt: str = "json") -> None:
+    """Configure the root logger: ``fmt`` ``"json"`` lines, or ``"text"`` lines
+    ``time level service logger [request_id]: message``, on stderr.
+
+    Raises:
+        ValueError: ``fmt`` not in ``FORMATS``.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"--log-format must be one of {FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(_RequestIdFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter(service))
+    else:
+        handler.setFormatter(logging.Formatter(
+            f"%(asctime)s %(levelname)s {service} %(name)s [%(request_id)s]: %(message)s"))
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        handlers=[handler], force=True)

@@ -44,6 +44,8 @@ class EngineClient:
         self._outgoing: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
         self.connected = asyncio.Event()
+        # RouterMetrics (set by the ReplicaSet): counts each request's final output
+        self.metrics = None
 
     async def start(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
         """Connect in the background and wait up to ``timeout`` s for the stream to be up.
@@ -88,12 +90,12 @@ class EngineClient:
         """
         queue = asyncio.Queue() if queue is None else queue
         if not self.connected.is_set():
-            queue.put_nowait(_unavailable(request_id, f"scheduler {self.address} unavailable"))
+            self._end(queue, _unavailable(request_id, f"scheduler {self.address} unavailable"))
             return queue
         if request_id in self._pending:
             # NOTE: refused here, not only by the scheduler: its rejection would carry the same
             # id and so end the running request's stream instead of this one.
-            queue.put_nowait(engine_pb2.RequestOutput(
+            self._end(queue, engine_pb2.RequestOutput(
                 request_id=request_id, finish_reason=engine_pb2.ENGINE_FINISH_REASON_ABORT,
                 error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                 error_message=f"request_id {request_id!r} is already running"))
@@ -144,9 +146,11 @@ class EngineClient:
                         queue = self._pending.get(out.request_id)
                         if queue is None:
                             continue
-                        queue.put_nowait(out)
                         if out.finish_reason or out.error_code:
                             del self._pending[out.request_id]
+                            self._end(queue, out)
+                        else:
+                            queue.put_nowait(out)
                 why = "scheduler closed the stream"
             except grpc.RpcError as e:
                 why = f"scheduler stream failed: {e.code().name}"
@@ -162,10 +166,16 @@ class EngineClient:
                     "%s (%s); failing %d requests and reconnecting", why, self.address,
                     len(self._pending))
             for rid, queue in self._pending.items():
-                queue.put_nowait(_unavailable(rid, why))
+                self._end(queue, _unavailable(rid, why))
             self._pending.clear()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    def _end(self, queue: asyncio.Queue, out: engine_pb2.RequestOutput) -> None:
+        """Deliver a request's final output, and count it."""
+        queue.put_nowait(out)
+        if self.metrics is not None:
+            self.metrics.replica_request_done(self.address, out.error_code)
 
     async def _notify(self, up: bool) -> None:
         if self.on_connection is not None:

@@ -21,6 +21,7 @@ import logging
 
 from aiohttp import web
 
+from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
 from services.router.generation import EngineError, prepare, stream_responses
 from services.router.openai_requests import (OpenAIError, ParsedRequest, bad_request,
@@ -74,15 +75,34 @@ class OpenAIServer:
         tokenizer: the model's fast tokenizer.
     """
 
-    def __init__(self, engine: ReplicaSet, tokenizer):
+    def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.app = web.Application(middlewares=[_openai_errors], client_max_size=MAX_BODY_BYTES)
+        self.metrics = metrics
+        self.app = web.Application(middlewares=[self._count, _openai_errors],
+                                   client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.get("/v1/models", self.models),
                              web.get("/health", self.health)])
         self._runner: web.AppRunner | None = None
+
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        """Count each request by route and final HTTP status (``cancelled``: the client left)."""
+        status = "cancelled"
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            if self.metrics is not None:
+                route = request.match_info.route.resource
+                path = route.canonical if route is not None else "unmatched"
+                self.metrics.request_done(path, str(status))
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0 = a free port); returns the bound port.

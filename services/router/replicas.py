@@ -129,6 +129,7 @@ class ReplicaSet:
             none is any more (False).
         client_factory: builds one replica's client from ``(address, on_connection)``
             (default ``EngineClient``; tests pass fakes).
+        metrics: ``RouterMetrics`` counting each replica's engine requests (or None).
 
     Raises:
         ValueError: an unknown policy, or neither addresses nor a DNS target.
@@ -136,7 +137,8 @@ class ReplicaSet:
 
     def __init__(self, addresses: list[str] = (), *, policy: str = "prefix_affinity",
                  dns_target: str | None = None, dns_refresh: float = 30.0,
-                 affinity_blocks: int = 2, on_connection=None, client_factory=EngineClient):
+                 affinity_blocks: int = 2, on_connection=None, client_factory=EngineClient,
+                 metrics=None):
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         if not addresses and not dns_target:
@@ -147,6 +149,7 @@ class ReplicaSet:
         self.affinity_blocks = affinity_blocks
         self.on_connection = on_connection
         self._factory = client_factory
+        self.metrics = metrics  # RouterMetrics, handed to every replica's client
         self._static = list(addresses)
         self.replicas: dict[str, EngineClient] = {}  # address -> client, taking new requests
         self._draining: dict[str, EngineClient] = {}  # vanished from DNS, closing when idle
@@ -302,6 +305,7 @@ class ReplicaSet:
             self.replicas[address] = self._draining.pop(address)
             return
         client = self._factory(address, on_connection=self._watch(address))
+        client.metrics = self.metrics
         self.replicas[address] = client
         client.connect_in_background()
 

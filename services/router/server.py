@@ -13,9 +13,12 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.config import LOG_LEVELS, PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
+from services.common.logs import request_id_var
+from services.common.metrics import ROUTER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from services.router import text_api
 from services.router.generation import EngineError, prepare, stream_responses
+from services.router.metrics import RouterMetrics
 from services.router.openai_http import DISABLED, OpenAIServer
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.tokenizer import load_tokenizer
@@ -25,6 +28,8 @@ log = logging.getLogger(__name__)
 # Requests larger than this are validated and tokenized on a thread, not on the event loop.
 INLINE_PREPARE_BYTES = 16 * 1024
 SERVICE = api_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# gRPC metadata key a client may set instead of GenerateRequest.request_id (as HTTP X-Request-Id)
+REQUEST_ID_METADATA = "x-request-id"
 
 
 class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
@@ -32,32 +37,58 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
     lives in ``generation`` (Generate, Chat) and ``text_api`` (Chat's mapping, Tokenize,
     Detokenize, ListModels)."""
 
-    def __init__(self, engine: ReplicaSet, tokenizer):
+    def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
+        self.metrics = metrics
 
     async def Generate(self, request, context):
-        async with contextlib.aclosing(self._generate(request, context)) as responses:
-            async for response in responses:
-                yield response
+        with self._counted("Generate", context):
+            async with contextlib.aclosing(self._generate(request, context)) as responses:
+                async for response in responses:
+                    yield response
 
     async def Chat(self, request, context):
-        try:
-            generate = text_api.chat_to_generate(request)
-        except RequestError as e:
-            await context.abort(e.code, e.message)
-        async with contextlib.aclosing(self._generate(generate, context)) as responses:
-            async for response in responses:
-                yield api_pb2.ChatResponse(delta=response)
+        with self._counted("Chat", context):
+            try:
+                generate = text_api.chat_to_generate(request)
+            except RequestError as e:
+                await context.abort(e.code, e.message)
+            async with contextlib.aclosing(self._generate(generate, context)) as responses:
+                async for response in responses:
+                    yield api_pb2.ChatResponse(delta=response)
 
     async def Tokenize(self, request, context):
-        return await self._call(context, request, text_api.tokenize, request, self.tokenizer)
+        with self._counted("Tokenize", context):
+            return await self._call(context, request, text_api.tokenize, request, self.tokenizer)
 
     async def Detokenize(self, request, context):
-        return await self._call(context, request, text_api.detokenize, request, self.tokenizer)
+        with self._counted("Detokenize", context):
+            return await self._call(context, request, text_api.detokenize, request,
+                                    self.tokenizer)
 
     async def ListModels(self, request, context):
-        return await self._call(context, request, text_api.list_models)
+        with self._counted("ListModels", context):
+            return await self._call(context, request, text_api.list_models)
+
+    @contextlib.contextmanager
+    def _counted(self, method: str, context):
+        """Count the call under its final status: the aborted code, CANCELLED when the client
+        went away, UNKNOWN on an unexpected error, else OK."""
+        if self.metrics is None:
+            yield
+            return
+        code = None
+        try:
+            yield
+        except (asyncio.CancelledError, GeneratorExit):
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            code = context.code() or grpc.StatusCode.UNKNOWN
+            raise
+        finally:
+            self.metrics.request_done(method, code or context.code() or grpc.StatusCode.OK)
 
     async def _info(self, context):
         if self.engine.info is None:
@@ -77,6 +108,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
 
     async def _generate(self, request, context):
         info = await self._info(context)
+        if not request.request_id:  # the caller's x-request-id metadata names the request
+            request.request_id = dict(context.invocation_metadata() or ()).get(
+                REQUEST_ID_METADATA, "")
         try:
             if request.ByteSize() > INLINE_PREPARE_BYTES:  # keep the loop free for others
                 prepared = await asyncio.to_thread(prepare, request, self.tokenizer, info)
@@ -84,10 +118,19 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
                 prepared = prepare(request, self.tokenizer, info)
         except RequestError as e:
             await context.abort(e.code, e.message)
+        request_id_var.set(prepared.request_id)
+        log.info("request accepted: %d prompt tokens, n=%d, max_tokens=%s",
+                 len(prepared.prompt_token_ids), prepared.n,
+                 prepared.params.max_tokens if prepared.params.HasField("max_tokens") else "auto")
         try:
             async for response in stream_responses(self.engine, self.tokenizer, prepared):
+                if response.finish_reason:
+                    log.info("request finished: %s, %d tokens",
+                             api_pb2.FinishReason.Name(response.finish_reason),
+                             response.usage.completion_tokens)
                 yield response
         except EngineError as e:
+            log.info("request failed: %s", e.code.name)
             await context.abort(e.code, e.message)
 
 
@@ -100,7 +143,7 @@ def _targets(value: str) -> str:
     return value
 
 
-def replica_set(args, on_connection=None) -> ReplicaSet:
+def replica_set(args, on_connection=None, metrics: RouterMetrics | None = None) -> ReplicaSet:
     """The router's scheduler replicas from its flags: ``--schedulers`` if set, else the one
     ``--scheduler`` (taken as given, any gRPC target: one replica, as before).
 
@@ -113,7 +156,8 @@ def replica_set(args, on_connection=None) -> ReplicaSet:
         addresses, dns_target = [args.scheduler], None
     return ReplicaSet(addresses, policy=args.routing_policy, dns_target=dns_target,
                       dns_refresh=args.scheduler_dns_refresh,
-                      affinity_blocks=args.prefix_affinity_blocks, on_connection=on_connection)
+                      affinity_blocks=args.prefix_affinity_blocks, on_connection=on_connection,
+                      metrics=metrics)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -142,6 +186,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="seconds to wait for the scheduler at start-up")
     add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
              help="log verbosity")
+    add_metrics_flags(p, ROUTER_PORT)
 
 
 async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
@@ -151,13 +196,18 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     args.port = port
     # NOTE: the router is SERVING exactly while the stream to at least one scheduler replica
     # is up (and that replica's engine agrees with the others).
-    engine = replica_set(args, on_connection=lambda up: set_serving(health, up, [SERVICE]))
+    metrics = RouterMetrics(available=lambda: len(engine.available()))
+    engine = replica_set(args, on_connection=lambda up: set_serving(health, up, [SERVICE]),
+                         metrics=metrics)
     api_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(engine, tokenizer), server)
+        GenerationServicer(engine, tokenizer, metrics), server)
     reflection.enable_server_reflection(
         [SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-    http = OpenAIServer(engine, tokenizer) if args.http_port != DISABLED else None
+    http = OpenAIServer(engine, tokenizer, metrics) if args.http_port != DISABLED else None
     await server.start()
+    metrics_server = start_metrics_server(metrics.registry, args.metrics_host or args.host,
+                                          args.metrics_port)
+    args.metrics_port = metrics_server.port if metrics_server else args.metrics_port
     try:
         if http is not None:  # before the engine is up: /health answers 503 meanwhile
             args.http_port = await http.start(args.http_host or args.host, args.http_port)
@@ -177,4 +227,6 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
             await http.stop()
         await server.stop(grace=2.0)
         await engine.close()
+        if metrics_server is not None:
+            metrics_server.close()
 

@@ -1,0 +1,68 @@
+"""The router's Prometheus metrics: requests and errors, per public method, per scheduler
+replica, and per status code.
+
+- ``pagedserve:router_requests_total{method, code}``: every public call when it ends. gRPC
+  methods are ``Generate``, ``Chat``, ... with the gRPC status name (``OK``,
+  ``INVALID_ARGUMENT``, ``CANCELLED``, ...); HTTP endpoints are their path
+  (``/v1/completions``) with the HTTP status (``200``, ``400``, ...).
+- ``pagedserve:router_replica_requests_total{replica, code}``: every engine request sent to a
+  scheduler replica (``host:port``), by the status of its final output (``OK``, or the error the
+  replica or the router's stream to it reported, e.g. ``UNAVAILABLE``). One n > 1 request is n
+  engine requests.
+- ``pagedserve:router_replicas_available``: scheduler replicas taking requests now.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+
+_CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
+
+
+def code_name(code: grpc.StatusCode | int | str) -> str:
+    """``OK``/``UNAVAILABLE``/... for a gRPC status or its number; strings pass through."""
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):
+        return _CODE_NAMES.get(code, str(code))
+    return code
+
+
+class _Available:
+    def __init__(self, count: Callable[[], int]):
+        self.count = count
+
+    def collect(self):
+        g = GaugeMetricFamily("pagedserve:router_replicas_available",
+                              "Scheduler replicas taking requests.")
+        g.add_metric([], self.count())
+        yield g
+
+
+class RouterMetrics:
+    """The router's metrics in their own registry (serve with ``start_metrics_server``).
+
+    Args:
+        available: returns the number of replicas taking requests (read at scrape time).
+    """
+
+    def __init__(self, available: Callable[[], int] = lambda: 0):
+        self.registry = CollectorRegistry()
+        self.registry.register(_Available(available))
+        self._requests = Counter("pagedserve:router_requests", "Public requests by end status.",
+                                 ["method", "code"], registry=self.registry)
+        self._replica = Counter("pagedserve:router_replica_requests",
+                                "Engine requests per scheduler replica by final status.",
+                                ["replica", "code"], registry=self.registry)
+
+    def request_done(self, method: str, code: grpc.StatusCode | int | str) -> None:
+        """A public call ended (``code``: gRPC status, or HTTP status as int/str)."""
+        self._requests.labels(method, str(code) if isinstance(code, int) else code_name(code)).inc()
+
+    def replica_request_done(self, replica: str, error_code: int) -> None:
+        """An engine request on ``replica`` got its final output (``error_code`` 0 = OK)."""
+        self._replica.labels(replica, code_name(error_code)).inc()

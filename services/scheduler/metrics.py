@@ -1,0 +1,146 @@
+"""The scheduler's Prometheus metrics, named as vLLM's under ``pagedserve:``.
+
+Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
+
+- gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (used KV
+  blocks / all blocks, 0..1 as in vLLM);
+- counters ``num_preemptions_total``, ``prefix_cache_queries_total`` and
+  ``prefix_cache_hits_total`` (tokens looked up / found at admission).
+
+Observed by the engine loop (``SchedulerMetrics.observe_*``), all times ``time.monotonic()``
+seconds as the scheduler sees them:
+
+- counters ``prompt_tokens_total`` (when a request's first token comes, i.e. its prefill is
+  done), ``generation_tokens_total``, ``request_success_total{finished_reason}``
+  (stop | length | abort);
+- histograms ``time_to_first_token_seconds`` (arrival → first token, once per request),
+  ``inter_token_latency_seconds`` (between a request's consecutive tokens),
+  ``e2e_request_latency_seconds`` (arrival → finish), ``request_queue_time_seconds`` (arrival
+  → first scheduled) and ``iteration_tokens_total`` (tokens computed per step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from services.common.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
+from services.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+
+PREFIX = "pagedserve:"
+
+
+class _CoreCollector:
+    """Gauges and counters the core scheduler already keeps, read when Prometheus scrapes."""
+
+    def __init__(self, scheduler: Scheduler, labels: dict[str, str]):
+        self.scheduler = scheduler
+        self.labels = labels
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+        g.add_metric(list(self.labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=list(self.labels))
+        c.add_metric(list(self.labels.values()), value)
+        return c
+
+    def collect(self):
+        s = self.scheduler
+        yield self._gauge("num_requests_running", "Requests in the running set.", s.num_running)
+        yield self._gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                          s.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).",
+                          s.block_manager.usage)
+        yield self._counter("num_preemptions", "Preemptions (by recompute).",
+                            s.num_preemptions_total)
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            s.prefix_cache_queries_total)
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                            s.prefix_cache_hits_total)
+
+
+@dataclass(slots=True)
+class _Timing:
+    arrival: float  # seconds (monotonic)
+    last_token: float | None = None  # when the latest token came; None before the first
+
+
+class SchedulerMetrics:
+    """The scheduler's metrics in their own registry (serve it with ``start_metrics_server``).
+
+    Args:
+        scheduler: the core scheduler whose state the gauges read.
+        model_name: value of the ``model_name`` label on every metric, as in vLLM.
+    """
+
+    def __init__(self, scheduler: Scheduler, model_name: str = ""):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        names = list(labels)
+        self.registry.register(_CoreCollector(scheduler, labels))
+        reg = self.registry
+
+        def counter(name, doc, extra=()):
+            return Counter(PREFIX + name, doc, [*names, *extra], registry=reg)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=reg)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.").labels(
+            model_name)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.").labels(
+            model_name)
+        self._success = counter("request_success", "Requests finished, by finish_reason.",
+                                ["finished_reason"])
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token (s).",
+                              TTFT_BUCKETS).labels(model_name)
+        self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens (s).",
+                             ITL_BUCKETS).labels(model_name)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish (s).",
+                             REQUEST_BUCKETS).labels(model_name)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Arrival to first scheduled (s).",
+                                    REQUEST_BUCKETS).labels(model_name)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per step.",
+                                          TOKEN_BUCKETS).labels(model_name)
+        self._model_name = model_name
+        self._timings: dict[str, _Timing] = {}
+        self._queued: set[str] = set()  # arrived, not yet scheduled
+
+    def observe_arrival(self, request_id: str, now: float) -> None:
+        """A request was accepted into the waiting queue at ``now``."""
+        self._timings[request_id] = _Timing(now)
+        self._queued.add(request_id)
+
+    def observe_scheduled(self, out: SchedulerOutput, now: float) -> None:
+        """A step was scheduled: its token count, and the queue time of first-time requests."""
+        self.iteration_tokens.observe(out.total_num_scheduled_tokens)
+        for new in out.scheduled_new_reqs:
+            if new.request_id in self._queued:  # not again when resumed after preemption
+                self._queued.discard(new.request_id)
+                self.queue_time.observe(now - self._timings[new.request_id].arrival)
+
+    def observe_updates(self, updates: list[RequestUpdate], now: float) -> None:
+        """Tokens and finishes published at ``now`` (after a step, or an abort)."""
+        for u in updates:
+            t = self._timings.get(u.request_id)
+            if t is None:
+                continue
+            if u.new_token_ids:
+                self.generation_tokens.inc(len(u.new_token_ids))
+                if t.last_token is None:
+                    self.ttft.observe(now - t.arrival)
+                    self.prompt_tokens.inc(u.num_prompt_tokens)
+                else:
+                    self.itl.observe(now - t.last_token)
+                t.last_token = now
+            if u.finish_reason is not None:
+                self._success.labels(self._model_name, u.finish_reason.value).inc()
+                self.e2e.observe(now - t.arrival)
+                del self._timings[u.request_id]
+                self._queued.discard(u.request_id)

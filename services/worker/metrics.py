@@ -1,0 +1,42 @@
+"""A worker rank's Prometheus metrics: time per step and batch size.
+
+- ``pagedserve:worker_step_seconds{rank}``: wall time of one ``execute_step`` (applying the
+  diffs, the forward pass, sampling), seconds;
+- ``pagedserve:worker_batch_tokens{rank}``: tokens computed per step;
+- ``pagedserve:worker_batch_requests{rank}``: sequences per step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from services.common.metrics import TOKEN_BUCKETS
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class WorkerMetrics:
+    """One rank's metrics in their own registry (serve with ``start_metrics_server``)."""
+
+    def __init__(self, rank: int = 0):
+        self.registry = CollectorRegistry()
+        labels = ["rank"]
+        self.step_seconds = Histogram(
+            "pagedserve:worker_step_seconds", "Wall time of one step on this rank (s).", labels,
+            buckets=STEP_BUCKETS, registry=self.registry).labels(str(rank))
+        self.batch_tokens = Histogram(
+            "pagedserve:worker_batch_tokens", "Tokens computed per step.", labels,
+            buckets=TOKEN_BUCKETS, registry=self.registry).labels(str(rank))
+        self.batch_requests = Histogram(
+            "pagedserve:worker_batch_requests", "Sequences per step.", labels,
+            buckets=REQUEST_BUCKETS, registry=self.registry).labels(str(rank))
+
+    def observe_step(self, seconds: float, num_tokens: int, num_requests: int) -> None:
+        """One step that computed ``num_tokens`` tokens of ``num_requests`` sequences."""
+        if num_requests == 0:
+            return  # a step that only dropped finished requests
+        self.step_seconds.observe(seconds)
+        self.batch_tokens.observe(num_tokens)
+        self.batch_requests.observe(num_requests)
