@@ -36,7 +36,8 @@ def serve_parser() -> argparse.ArgumentParser:
                                 description="Start worker, scheduler and router on this machine.")
     add_flag(p, "--port", type=SERVE_PORT, default=50051, help="router (public gRPC) port")
     add_flag(p, "--scheduler-port", type=SERVE_PORT, default=50052, help="scheduler port")
-    add_flag(p, "--worker-port", type=SERVE_PORT, default=50053, help="worker port")
+    add_flag(p, "--worker-port", type=SERVE_PORT, default=50053,
+             help="worker port (with several ranks: rank r on this port + r)")
     add_flag(p, "--startup-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for all services to become healthy")
     p.add_argument("--demo", action="store_true",

@@ -78,10 +78,14 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
     code (0 on Ctrl-C / SIGTERM)."""
     host = "127.0.0.1"
     ports = {"worker": ns.worker_port, "scheduler": ns.scheduler_port, "router": ns.port}
+    # NOTE: with tensor/pipeline parallelism the worker starts every rank, rank r on
+    # --worker-port + r; the scheduler gets all of their addresses.
+    world = getattr(ns, "tensor_parallel_size", 1) * getattr(ns, "pipeline_parallel_size", 1)
+    rank_ports = [ns.worker_port + r for r in range(world)]
     wiring = {
         "worker": ["--host", host, "--port", str(ns.worker_port)],
         "scheduler": ["--host", host, "--port", str(ns.scheduler_port),
-                      "--workers", f"{host}:{ns.worker_port}"],
+                      "--workers", ",".join(f"{host}:{p}" for p in rank_ports)],
         "router": ["--host", host, "--port", str(ns.port),
                    "--scheduler", f"{host}:{ns.scheduler_port}"],
     }
@@ -91,7 +95,8 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
         raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C
 
     http_port = getattr(ns, "http_port", -1)  # > 0: the router's OpenAI-compatible HTTP port
-    busy = ports_in_use(host, list(ports.values()) + ([http_port] if http_port > 0 else []))
+    busy = ports_in_use(host, list(ports.values()) + rank_ports[1:]
+                        + ([http_port] if http_port > 0 else []))
     if busy:
         print(f"pagedserve serve: port(s) {', '.join(map(str, busy))} on {host} already in use "
               "(another pagedserve still running?); stop it or choose --port, "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -125,19 +126,32 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
-        """Step forever; on a worker failure fail every request and reconnect."""
+        """Step forever; on a worker failure fail every request and reconnect.
+
+        Keeps up to ``max_steps_in_flight`` steps (the pipeline-parallel size) sent before the
+        oldest result is back, so every pipeline stage has a micro-batch to work on; the core
+        scheduler skips requests whose previous step is still in flight.
+        """
+        pending: deque = deque()  # SchedulerOutputs sent, oldest first
+        limit = self.scheduler.config.max_steps_in_flight
         while True:
-            if not self.scheduler.has_unfinished_requests():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            out = self.scheduler.schedule()
-            if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
-                await asyncio.sleep(0.001)  # nothing fits this step; should not happen
-                continue
             try:
-                result = await self.workers.execute(out)
+                while len(pending) < limit and self.scheduler.has_unfinished_requests():
+                    out = self.scheduler.schedule()
+                    if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
+                        break  # everything runnable is in flight (or nothing fits)
+                    await self.workers.send(out)
+                    pending.append(out)
+                if not pending:
+                    if self.scheduler.has_unfinished_requests():
+                        await asyncio.sleep(0.001)  # nothing fits this step; should not happen
+                    else:
+                        await self._idle()
+                    continue
+                out = pending.popleft()
+                result = await self.workers.receive(out)
             except WorkerError as e:
+                pending.clear()
                 await self._fail_and_reconnect(str(e))
                 continue
             self.num_steps_total += 1
@@ -150,6 +164,20 @@ class Engine:
                 logprobs = prompt_logprobs = None
             self._publish(self.scheduler.update_from_output(out, sampled, logprobs,
                                                             prompt_logprobs), out.step_id)
+
+    async def _idle(self) -> None:
+        """Sleep until a request arrives; raise WorkerError if a rank's stream ends meanwhile
+        (a rank died while idle: report NOT_SERVING now, not at the next request)."""
+        self._wakeup.clear()
+        broken = self.workers.broken
+        waits = [asyncio.ensure_future(e.wait()) for e in (self._wakeup, broken) if e is not None]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        if broken is not None and broken.is_set() and not self._wakeup.is_set():
+            raise WorkerError("a worker rank's stream ended while idle")
 
     async def _fail_and_reconnect(self, reason: str) -> None:
         log.error("worker failure: %s; failing %d requests", reason, len(self._sinks))

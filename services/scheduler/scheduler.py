@@ -56,9 +56,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # most prefill tokens per request per step; 0 = off
     max_num_waiting_requests: int = 0  # refuse new requests beyond this queue length; 0 = off
     max_num_waiting_tokens: int = 0  # ... or beyond this many queued tokens; 0 = off
+    max_steps_in_flight: int = 1  # steps scheduled before the oldest result (pipeline stages)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "max_steps_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_prefill_token_threshold", "max_num_waiting_requests",
@@ -127,9 +129,14 @@ class Scheduler:
     and the preemption victim is always the tail: the lowest priority, and among equals the
     latest arrival. Admission takes the head of ``waiting`` (same key order).
 
-    Each non-empty SchedulerOutput must be passed to ``update_from_output`` before the next
-    ``schedule()`` (unless every request in it has been aborted meanwhile, e.g. after a worker
-    failure). Outputs with nothing scheduled still carry ``finished_req_ids``: forward them.
+    At most ``max_steps_in_flight`` non-empty SchedulerOutputs may await ``update_from_output``
+    when ``schedule()`` is called (1: strictly alternate); a step whose requests have all been
+    aborted meanwhile (e.g. after a worker failure) no longer counts. Outputs with nothing
+    scheduled still carry ``finished_req_ids``: forward them.
+
+    NOTE: with several steps in flight (pipeline parallelism, vLLM V1 style) a request whose
+    previous step is still in flight is skipped, so no request is in two steps at once. A
+    preempted in-flight request drops out of its step: its result is ignored.
 
     Args:
         config: scheduling limits and policies.
@@ -165,7 +172,8 @@ class Scheduler:
         self._step_id = 0
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self._preempted_req_ids: set[str] = set()  # for the next SchedulerOutput
-        self._in_flight: SchedulerOutput | None = None  # non-empty output not yet updated
+        self._in_flight: dict[int, SchedulerOutput] = {}  # non-empty outputs not yet updated
+        self._in_flight_step: dict[str, int] = {}  # request_id -> the step it is in flight in
 
     @property
     def num_running(self) -> int:
@@ -258,16 +266,19 @@ class Scheduler:
         the prompt)).
 
         Raises:
-            RuntimeError: the previous non-empty output was not passed to update_from_output
-                and some of its requests are still unfinished (they would be computed twice).
+            RuntimeError: ``max_steps_in_flight`` non-empty outputs with live requests were not
+                passed to update_from_output yet.
         """
-        if self._in_flight is not None:
-            if any(rid in self.requests for rid in self._in_flight.num_scheduled_tokens):
+        if self._in_flight:
+            # NOTE: a step none of whose requests is still in it (all aborted) is moot.
+            self._in_flight = {
+                sid: o for sid, o in self._in_flight.items()
+                if any(self._in_flight_step.get(rid) == sid for rid in o.num_scheduled_tokens)}
+            if len(self._in_flight) >= self.config.max_steps_in_flight:
                 raise RuntimeError(
                     f"schedule() called before update_from_output() of step "
-                    f"{self._in_flight.step_id}"
-                )
-            self._in_flight = None  # NOTE: all its requests were aborted; its result is moot.
+                    f"{min(self._in_flight)}")
+        in_flight = self._in_flight_step
         bm = self.block_manager
         config = self.config
         budget = config.max_num_batched_tokens
@@ -283,6 +294,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
+            if in_flight and request.request_id in in_flight:
+                i += 1  # its previous step has no result yet
+                continue
             num_computed = request.num_computed_tokens
             num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
             if 0 < threshold < num_new:
@@ -377,7 +391,9 @@ class Scheduler:
             self._step_id, new_reqs, cached_reqs, num_scheduled, total, finished, preempted
         )
         if total:
-            self._in_flight = output
+            self._in_flight[output.step_id] = output
+            for request_id in num_scheduled:
+                in_flight[request_id] = output.step_id
         return output
 
     def update_from_output(
@@ -405,21 +421,21 @@ class Scheduler:
         """
         if output.total_num_scheduled_tokens == 0:
             return []
-        if self._in_flight is None or output.step_id != self._in_flight.step_id:
-            in_flight = self._in_flight.step_id if self._in_flight else None
+        if self._in_flight.pop(output.step_id, None) is None:
+            ids = sorted(self._in_flight)
             raise RuntimeError(
                 f"update_from_output() for step {output.step_id}, but the step in flight is "
-                f"{in_flight}"
+                f"{(ids[0] if len(ids) == 1 else ids) if ids else None}"
             )
-        self._in_flight = None
         updates: list[RequestUpdate] = []
         any_finished = False
         requests = self.requests
-        running_status = RequestStatus.RUNNING
+        in_flight = self._in_flight_step
         for request_id, num_new in output.num_scheduled_tokens.items():
-            request = requests.get(request_id)
-            if request is None or request.status is not running_status:
-                continue  # aborted while the step ran
+            if in_flight.get(request_id) != output.step_id:
+                continue  # aborted or preempted while the step ran
+            del in_flight[request_id]
+            request = requests[request_id]
             request.num_computed_tokens += num_new
             prompt_chunk = (self._new_prompt_logprobs(request, prompt_logprobs.get(request_id))
                             if prompt_logprobs else None)
@@ -444,7 +460,7 @@ class Scheduler:
             updates.append(_update(request, [token_id], reason,
                                    logprobs.get(request_id) if logprobs else None, prompt_chunk))
         if any_finished:
-            self.running = [r for r in self.running if r.status is running_status]
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return updates
 
     @staticmethod
@@ -483,6 +499,7 @@ class Scheduler:
         """Recompute preemption: drop the KV (cached blocks stay cached, so the recompute may
         hit them), keep the tokens, back in line at its place."""
         self.block_manager.free(request)
+        self._in_flight_step.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -494,6 +511,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Free blocks, set the final status; tell the workers if they ever saw it."""
         self.block_manager.free(request)
+        self._in_flight_step.pop(request.request_id, None)
         request.finish(reason)
         # NOTE: num_tokens_sent > 0 <=> the request was in some SchedulerOutput (prompts are
         # non-empty); workers hold state only for those.

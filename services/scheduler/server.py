@@ -110,7 +110,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="log verbosity")
 
 
-def scheduler_config(args, max_model_len: int) -> SchedulerConfig:
+def scheduler_config(args, max_model_len: int, max_steps_in_flight: int = 1) -> SchedulerConfig:
     """The SchedulerConfig the flags ask for (``--long-prefill-token-threshold`` unset means a
     quarter of ``--max-num-batched-tokens``).
 
@@ -127,7 +127,8 @@ def scheduler_config(args, max_model_len: int) -> SchedulerConfig:
             enable_prefix_caching=args.enable_prefix_caching,
             scheduling_policy=args.scheduling_policy, long_prefill_token_threshold=threshold,
             max_num_waiting_requests=args.max_num_waiting_requests,
-            max_num_waiting_tokens=args.max_num_waiting_tokens)
+            max_num_waiting_tokens=args.max_num_waiting_tokens,
+            max_steps_in_flight=max_steps_in_flight)
     except ValueError as e:  # name the flag, not the field
         flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
         raise ValueError(f"{flag}: {e}") from None
@@ -152,7 +153,8 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
                              f"--block-size is {args.block_size}; start both with the same value")
     num_blocks = min(i.num_kv_blocks for i in infos)
     max_model_len = min(first.max_model_len, args.max_model_len or first.max_model_len)
-    config = scheduler_config(args, max_model_len)
+    # NOTE: one step in flight per pipeline stage keeps every stage busy.
+    config = scheduler_config(args, max_model_len, workers.pipeline_parallel_size)
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids))
     info = engine_pb2.GetEngineInfoResponse(
         model=first.model, max_model_len=max_model_len, block_size=args.block_size,

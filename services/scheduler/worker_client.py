@@ -1,7 +1,12 @@
 """The scheduler's side of the scheduler↔worker protocol: one Execute stream per worker rank.
 
 ``WorkerGroup.execute`` turns a ``SchedulerOutput`` into one ``StepRequest`` (new requests in
-full, the rest as diffs), sends it to every rank and returns rank 0's ``StepResult``.
+full, the rest as diffs), sends it to every rank and returns the driver's ``StepResult``.
+
+Ranks of a tensor/pipeline-parallel group may be listed in any order: each reports its rank,
+the group's sizes and a group id in GetWorkerInfo. The driver is tp rank 0 of the last pipeline
+stage (rank ``(pp_size - 1) * tp_size``); every other rank answers an empty StepResult that
+only acknowledges the step, so a dead rank is noticed at the step it misses.
 """
 
 from __future__ import annotations
@@ -77,10 +82,14 @@ def build_step_request(out: SchedulerOutput) -> worker_pb2.StepRequest:
 
 
 class WorkerGroup:
-    """Connections to all worker ranks (rank order = address order).
+    """Connections to all worker ranks (``broken``: set once a rank's stream has ended).
 
     Args:
-        addresses: ``host:port`` of each rank; rank 0 first.
+        addresses: ``host:port`` of each rank of one group, in any order.
+
+    Attributes:
+        driver: index into ``addresses`` of the rank whose results carry the tokens.
+        pipeline_parallel_size: stages of the group (1 without pipeline parallelism).
     """
 
     def __init__(self, addresses: list[str]):
@@ -90,16 +99,40 @@ class WorkerGroup:
         self._channels: list[grpc.aio.Channel] = []
         self._calls: list[grpc.aio.StreamStreamCall] = []
         self.infos: list[worker_pb2.GetWorkerInfoResponse] = []
+        self.driver = 0
+        self.pipeline_parallel_size = 1
+        self.broken: asyncio.Event | None = None  # set when any rank's Execute stream ends
 
     async def connect(self, timeout: float) -> list[worker_pb2.GetWorkerInfoResponse]:
         """Wait (up to ``timeout`` seconds) until every rank answers GetWorkerInfo, then open the
         Execute streams.
 
+        Retries while the ranks report different group ids (a group restarting: some old ranks
+        still up, some new ones already).
+
         Raises:
-            WorkerError: a rank did not answer in time.
+            WorkerError: a rank did not answer in time, or the ranks do not form one group.
         """
-        await self.close()
         deadline = time.monotonic() + timeout
+        while True:
+            infos = await self._get_infos(deadline, timeout)
+            if len({i.group_id for i in infos}) == 1 or time.monotonic() > deadline:
+                break
+            log.info("worker ranks report different group ids (restarting?); retrying")
+            await asyncio.sleep(0.5)
+        self.driver = self._check_group(infos)
+        self.pipeline_parallel_size = max(1, infos[self.driver].pipeline_parallel_size)
+        self._calls = [worker_pb2_grpc.WorkerServiceStub(ch).Execute() for ch in self._channels]
+        broken = asyncio.Event()  # NOTE: a fresh one: close() ending the old calls sets the old
+        for call in self._calls:
+            call.add_done_callback(lambda _call: broken.set())
+        self.broken = broken
+        self.infos = infos
+        return infos
+
+    async def _get_infos(self, deadline: float, timeout: float
+                         ) -> list[worker_pb2.GetWorkerInfoResponse]:
+        await self.close()
         self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
                           for a in self.addresses]
         infos = []
@@ -115,21 +148,56 @@ class WorkerGroup:
                         raise WorkerError(f"worker {addr} not ready after {timeout:.0f}s: "
                                           f"{e.code().name}") from e
                     await asyncio.sleep(0.5)
-        self._calls = [worker_pb2_grpc.WorkerServiceStub(ch).Execute() for ch in self._channels]
-        self.infos = infos
         return infos
 
+    def _check_group(self, infos: list[worker_pb2.GetWorkerInfoResponse]) -> int:
+        """Index of the driver; raises WorkerError unless the ranks are exactly one group."""
+        world = max(1, infos[0].world_size)
+        ranks = sorted(i.rank for i in infos)
+        if len({i.group_id for i in infos}) != 1 or ranks != list(range(world)) or any(
+                (i.world_size or 1) != world for i in infos):
+            raise WorkerError(
+                f"--workers {','.join(self.addresses)} are not one worker group: ranks {ranks}, "
+                f"world sizes {[i.world_size for i in infos]}; list every rank's address once")
+        tp = max(1, infos[0].tensor_parallel_size)
+        pp = max(1, infos[0].pipeline_parallel_size)
+        return next(k for k, i in enumerate(infos) if i.rank == (pp - 1) * tp)
+
     async def execute(self, out: SchedulerOutput) -> worker_pb2.StepResult:
-        """Send one step to every rank; return rank 0's result.
+        """Send one step to every rank; return the driver's result.
 
         Raises:
             WorkerError: a rank's stream broke or answered a different step.
+        """
+        await self.send(out)
+        return await self.receive(out)
+
+    async def send(self, out: SchedulerOutput) -> None:
+        """Send one step to every rank without waiting for its result (pipelining: several
+        steps may be sent before the oldest result is received; results come back in order).
+
+        Raises:
+            WorkerError: a rank's stream broke.
         """
         if not self._calls:
             raise WorkerError("no worker connection")
         req = build_step_request(out)
         try:
             await asyncio.gather(*(call.write(req) for call in self._calls))
+        except grpc.RpcError as e:
+            raise WorkerError(f"worker stream failed: {e.code().name}: {e.details()}") from e
+        except asyncio.InvalidStateError as e:
+            raise WorkerError(f"worker stream failed: {e}") from e
+
+    async def receive(self, out: SchedulerOutput) -> worker_pb2.StepResult:
+        """Every rank's answer to ``out`` (the oldest step sent); return the driver's.
+
+        Raises:
+            WorkerError: a rank's stream broke or answered a different step.
+        """
+        if not self._calls:
+            raise WorkerError("no worker connection")
+        try:
             results = await asyncio.gather(*(call.read() for call in self._calls))
         except grpc.RpcError as e:
             raise WorkerError(f"worker stream failed: {e.code().name}: {e.details()}") from e
@@ -138,10 +206,12 @@ class WorkerGroup:
         for addr, res in zip(self.addresses, results):
             if res is grpc.aio.EOF or res.step_id != out.step_id:
                 raise WorkerError(f"worker {addr} closed its stream or answered out of order")
-        if len(results[0].request_ids) != len(results[0].sampled_token_ids):
-            raise WorkerError(f"worker {self.addresses[0]} sent {len(results[0].request_ids)} "
-                              f"request ids but {len(results[0].sampled_token_ids)} tokens")
-        return results[0]
+        result = results[self.driver]
+        if len(result.request_ids) != len(result.sampled_token_ids):
+            raise WorkerError(f"worker {self.addresses[self.driver]} sent "
+                              f"{len(result.request_ids)} request ids but "
+                              f"{len(result.sampled_token_ids)} tokens")
+        return result
 
     async def close(self) -> None:
         """Cancel the streams and close the channels."""

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,9 @@ from safetensors import safe_open
 
 from services.common.model_files import ModelSource, resolve_model
 from services.worker.attention import AttentionBackend, select_backend
+from services.worker.distributed import ParallelState
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
+from services.worker.parallel import ShardPlan, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class ModelInfo:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str,
                attn_backend: AttentionBackend | None = None,
+               parallel: ParallelState | None = None,
                ) -> tuple[LlamaForCausalLM, dict, ModelInfo]:
     """Build the model on ``device`` with weights cast to ``dtype``.
 
@@ -58,6 +62,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         dtype: weight (and activation) dtype.
         device: where the weights go.
         attn_backend: attention kernels; default ``select_backend("auto", device)``.
+        parallel: this rank's groups; the model is then this rank's shard
+            (``services/worker/parallel.py``) and only that part of the weights is read.
     Returns:
         ``(model in eval mode, config.json dict, ModelInfo)``.
     Raises:
@@ -73,9 +79,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         raise ValueError(f"{source.path}: model_type {config.get('model_type')!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     cfg = LlamaConfig.from_hf(config)
+    plan = ShardPlan(cfg, parallel.config) if parallel and parallel.config.world_size > 1 else None
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, attn_backend or select_backend("auto", device))
-    state = _read_state_dict(folder, cfg, dtype, device)
+        if plan:
+            shard_model(net, plan, parallel)
+    state = _read_state_dict(folder, cfg, dtype, device, plan)
     try:
         net.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # missing/unexpected keys or shape mismatch
@@ -84,7 +93,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
                      max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", source.name,
-             cfg.num_hidden_layers, sum(p.numel() for p in net.parameters()) / 1e6,
+             len(net.layers), sum(p.numel() for p in net.parameters()) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return net, config, info
 
@@ -124,47 +133,69 @@ def convert_gguf(source: ModelSource) -> Path:
     return target
 
 
-def _read_state_dict(folder: Path, cfg: LlamaConfig, dtype: torch.dtype,
-                     device: torch.device) -> dict[str, torch.Tensor]:
-    """Read transformers-named safetensors into our names, fusing q/k/v and gate/up."""
+def _read_state_dict(folder: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
+                     plan: ShardPlan | None = None) -> dict[str, torch.Tensor]:
+    """Read transformers-named safetensors into our names, fusing q/k/v and gate/up.
+
+    With a ``plan`` only this rank's layers and slices are read (``safe_open.get_slice``), so a
+    rank never holds the whole model in memory; local layer j is checkpoint layer
+    ``plan.layers[j]``.
+    """
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
-    hf: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+    with ExitStack() as stack:
+        handles = {}  # our-prefix-less name -> (open file, checkpoint name)
+        for file in files:
+            f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             for name in f.keys():
-                hf[name.removeprefix("model.")] = f.get_tensor(name)
+                handles[name.removeprefix("model.")] = (f, name)
+        return _build_state(folder, cfg, handles, plan, dtype, device)
 
+
+def _build_state(folder: Path, cfg: LlamaConfig, handles: dict, plan: ShardPlan | None,
+                 dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     def take(name: str) -> torch.Tensor:
-        if name not in hf:
+        if name not in handles:
             raise ValueError(f"{folder}: weight {name!r} is missing")
-        return hf.pop(name)
+        f, full_name = handles.pop(name)
+        part = plan.slice_of(name) if plan else None
+        if part is None:
+            return f.get_tensor(full_name)
+        dim, start, stop = part
+        view = f.get_slice(full_name)
+        tensor = view[start:stop] if dim == 0 else view[:, start:stop]
+        return plan.pad(name, tensor)
 
+    layers = plan.layers if plan else range(cfg.num_hidden_layers)
     state: dict[str, torch.Tensor] = {}
     suffixes = ["weight"] + (["bias"] if cfg.attention_bias else [])
-    for i in range(cfg.num_hidden_layers):
-        p, q = f"layers.{i}.", f"layers.{i}.self_attn."
+    for j, i in enumerate(layers):
+        p, q, ours = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{j}."
         for s in suffixes:
-            state[p + f"attn.qkv_proj.{s}"] = torch.cat(
+            state[ours + f"attn.qkv_proj.{s}"] = torch.cat(
                 [take(q + f"q_proj.{s}"), take(q + f"k_proj.{s}"), take(q + f"v_proj.{s}")])
-            state[p + f"attn.o_proj.{s}"] = take(q + f"o_proj.{s}")
+            state[ours + f"attn.o_proj.{s}"] = take(q + f"o_proj.{s}")
         for s in ["weight"] + (["bias"] if cfg.mlp_bias else []):
-            state[p + f"mlp.gate_up_proj.{s}"] = torch.cat(
+            state[ours + f"mlp.gate_up_proj.{s}"] = torch.cat(
                 [take(p + f"mlp.gate_proj.{s}"), take(p + f"mlp.up_proj.{s}")])
-            state[p + f"mlp.down_proj.{s}"] = take(p + f"mlp.down_proj.{s}")
+            state[ours + f"mlp.down_proj.{s}"] = take(p + f"mlp.down_proj.{s}")
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[p + f"{norm}.weight"] = take(p + f"{norm}.weight")
-    state["embed_tokens.weight"] = take("embed_tokens.weight")
-    state["norm.weight"] = take("norm.weight")
-    lm_head = hf.pop("lm_head.weight", None)
-    if not cfg.tie_word_embeddings:
-        if lm_head is None:
-            raise ValueError(f"{folder}: weight 'lm_head.weight' is missing")
-        state["lm_head.weight"] = lm_head
-    hf = {k: v for k, v in hf.items() if "rotary_emb" not in k}  # old checkpoints store inv_freq
-    if hf:
-        log.warning("ignoring %d unused weights, e.g. %s", len(hf), next(iter(hf)))
+            state[ours + f"{norm}.weight"] = take(p + f"{norm}.weight")
+    last = plan is None or plan.pc.is_last_stage
+    if plan is None or plan.keeps_embedding:
+        state["embed_tokens.weight"] = take("embed_tokens.weight")
+    if last:
+        state["norm.weight"] = take("norm.weight")
+    if last and not cfg.tie_word_embeddings:
+        state["lm_head.weight"] = take("lm_head.weight")
+    # NOTE: left over and expected: old checkpoints' rotary inv_freq, a tied checkpoint's
+    # lm_head copy, and other pipeline stages' layers, embedding, norm and LM head.
+    unused = [k for k in handles if "rotary_emb" not in k
+              and k not in ("embed_tokens.weight", "norm.weight", "lm_head.weight")
+              and not (k.startswith("layers.") and int(k.split(".")[1]) not in layers)]
+    if unused:
+        log.warning("ignoring %d unused weights, e.g. %s", len(unused), unused[0])
     return {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
 
 

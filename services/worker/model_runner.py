@@ -14,9 +14,11 @@ import re
 import torch
 
 from services.worker.attention import select_backend
+from services.worker.distributed import ParallelState
 from services.worker.input_batch import InputBatch
 from services.worker.loader import load_model
 from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
+from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
 from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput,
                                         StepOutput)
@@ -87,6 +89,9 @@ class ModelRunner:
         max_model_len: longest sequence (tokens); default and upper bound: the model's.
         attention_backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         max_num_seqs: sequences of the largest step (the profiling step samples this many rows).
+        parallel: this rank's place in a tensor/pipeline-parallel group (``init_distributed``);
+            None = a single rank. Every rank runs every step; only the driver (tp rank 0 of the
+            last stage) returns sampled tokens, the others an empty ``StepOutput``.
     Raises:
         ValueError: bad dtype/backend/max_model_len, or no room for a single KV block.
     """
@@ -95,7 +100,7 @@ class ModelRunner:
                  block_size: int = 16, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, attention_backend: str = "auto",
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, parallel: ParallelState | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
@@ -108,7 +113,9 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
             non_torch_before = total - free - torch.cuda.memory_reserved(self.device)
-        self.model, self.hf_config, info = load_model(model, self.dtype, self.device, backend)
+        self.parallel = parallel
+        self.model, self.hf_config, info = load_model(model, self.dtype, self.device, backend,
+                                                      parallel)
         if max_model_len is not None and max_model_len > info.max_model_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {info.max_model_len}")
@@ -116,7 +123,10 @@ class ModelRunner:
         self.eos_token_ids, self.vocab_size, self.model_name = (
             info.eos_token_ids, info.vocab_size, info.name)
         cfg = self.model.config
-        self.bytes_per_block = (2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads
+        # NOTE: this rank's layers and KV heads only (a pipeline stage, a tensor-parallel shard).
+        self.num_layers = len(self.model.layers)
+        self.num_kv_heads = self.model.layers[0].attn.n_kv_heads
+        self.bytes_per_block = (2 * self.num_layers * block_size * self.num_kv_heads
                                 * cfg.head_dim * self.dtype.itemsize)
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.device, block_size, 0, self.vocab_size,
@@ -141,12 +151,12 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
-        shape = (num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # NOTE: zeros, not empty: kernels that load whole blocks and mask afterwards would turn
         # garbage NaNs in unused slots into NaN outputs (0 * NaN).
         return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(cfg.num_hidden_layers)]
+                for _ in range(self.num_layers)]
 
     def _profile_cuda(self, max_num_batched_tokens: int, max_num_seqs: int, utilization: float,
                       total: int, non_torch_before: int) -> int:
@@ -174,7 +184,8 @@ class ModelRunner:
         # A decode step too, so both kernel variants are compiled before serving.
         self.execute_step(StepInput(-1, [], [
             CachedRequest(r.request_id, [t], [], False, len(r.prompt_token_ids), 1)
-            for r, t in zip(requests, out.sampled_token_ids, strict=True)], []))
+            for r, t in zip(requests, out.sampled_token_ids or [0] * len(requests),
+                            strict=True)], []))  # (only the driver rank samples)
         self.execute_step(StepInput(-1, [], [], [r.request_id for r in requests]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - dummy_bytes
@@ -201,12 +212,22 @@ class ModelRunner:
         if not scheduled:
             return StepOutput(step.step_id, [], [])
         batch = self.input_batch.prepare(scheduled)
+        pc = self.parallel.config if self.parallel else None
+        received = None
+        if pc and not pc.is_first_stage:
+            received = self.parallel.recv_from_prev_stage(
+                (batch.input_ids.shape[0], self.model.config.hidden_size), self.dtype)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                            batch.attn_metadata)  # [T, E]
-        prompt_logprobs = self._prompt_logprobs(hidden, batch)
+                            batch.attn_metadata, received)  # [T, E]
+        if pc and not pc.is_last_stage:
+            self.parallel.send_to_next_stage(hidden)
+            return StepOutput(step.step_id, [], [])
+        prompt_logprobs = self._prompt_logprobs(hidden, batch)  # (a collective under TP)
         if not batch.sampled_request_ids:
             return StepOutput(step.step_id, [], [], None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, V] float32
+        logits = self._compute_logits(hidden[batch.logits_indices])  # [S, V] float32
+        if pc and not pc.is_driver:
+            return StepOutput(step.step_id, [], [])
         token_ids = self.sampler(logits, batch.sampling)  # [S] int64
         logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)  # raw logits
         return StepOutput(step.step_id, batch.sampled_request_ids, token_ids.tolist(), logprobs,
@@ -219,5 +240,14 @@ class ModelRunner:
         rows = torch.tensor([c.hidden_start + j for c in batch.prompt_chunks
                              for j in range(len(c.target_token_ids))], dtype=torch.int64,
                             device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows])  # [P, V] float32
+        logits = self._compute_logits(hidden[rows])  # [P, V] float32
+        if self.parallel and not self.parallel.config.is_driver:
+            return []
         return compute_prompt_logprobs(logits, batch.prompt_chunks)
+
+    def _compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, E]`` -> ``[N, V]`` float32; under TP gathered onto every tp rank."""
+        if self.parallel is None or self.parallel.config.tensor_parallel_size == 1:
+            return self.model.compute_logits(hidden)
+        head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
+        return vocab_parallel_logits(hidden, head.weight, self.vocab_size, self.parallel)

@@ -3,6 +3,12 @@
 Each StepRequest is decoded into a ``StepInput``, run by the ``ModelRunner`` on one dedicated
 thread (so the event loop keeps answering health checks during a forward pass), and the sampled
 tokens go back as a StepResult.
+
+Parallel workers (``--tensor-parallel-size N --pipeline-parallel-size M``): without ``--rank``,
+``serve`` supervises N*M rank processes (``services/worker/launch.py``), rank r serving on
+``--port + r``; with ``--rank`` it serves that one rank, joining the group at
+``MASTER_ADDR:MASTER_PORT``. A rank whose step fails (e.g. a peer died during a collective)
+stops serving and exits with code 1: its process group is unusable, so the group restarts.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,9 +80,11 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Decode protobuf → ModelRunner.execute_step → encode protobuf; nothing else."""
 
-    def __init__(self, runner, info: worker_pb2.GetWorkerInfoResponse):
+    def __init__(self, runner, info: worker_pb2.GetWorkerInfoResponse,
+                 fatal: asyncio.Event | None = None):
         self.runner = runner
         self.info = info
+        self.fatal = fatal  # set when a failed step leaves this rank unusable (parallel ranks)
         # One thread: steps must run in order, and torch uses its own intra-op threads.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
@@ -94,6 +103,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 out = await loop.run_in_executor(self._executor, self.runner.execute_step, step)
             except Exception as e:  # a bug or OOM in the forward: fail the stream loudly
                 log.exception("step %d failed", msg.step_id)
+                if self.fatal is not None:
+                    self.fatal.set()
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {msg.step_id} failed: {e}")
             result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
                                            sampled_token_ids=out.sampled_token_ids,
@@ -136,37 +147,88 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="cap on the context length")
     add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton"],
              help="auto = triton on CUDA, torch on CPU")
+    add_flag(p, "--tensor-parallel-size", type=int_in(1), default=1,
+             help="ranks each layer is split across (all-reduce over gloo/NCCL)")
+    add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
+             help="pipeline stages the layers are split into (one rank group per stage)")
+    add_flag(p, "--rank", type=int_in(0), default=None,
+             help="serve only this rank (rendezvous at MASTER_ADDR:MASTER_PORT); unset with "
+                  "more than one rank: start all ranks here, rank r on --port + r")
+    add_flag(p, "--world-size", type=int_in(1), default=None,
+             help="number of ranks; must equal tensor x pipeline parallel size (a check)")
+    add_flag(p, "--distributed-timeout", type=float_in(0, lo_open=True), default=60.0,
+             help="seconds a rank waits on a peer (rendezvous, collective) before failing")
     add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
              help="log verbosity")
 
 
+def world_size(args) -> int:
+    """Ranks the flags ask for. Raises ValueError when --world-size disagrees."""
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    if args.world_size is not None and args.world_size != world:
+        raise ValueError(f"--world-size {args.world_size} != --tensor-parallel-size "
+                         f"{args.tensor_parallel_size} x --pipeline-parallel-size "
+                         f"{args.pipeline_parallel_size}")
+    return world
+
+
 def build_runner(args):
-    """Load the model and allocate the KV cache (slow: seconds to minutes)."""
-    from services.worker.model_runner import ModelRunner
-    return ModelRunner(model=args.model, dtype=args.dtype, device=args.device,
+    """Join the rank group (if any), load this rank's part of the model and allocate the KV
+    cache (slow: seconds to minutes)."""
+    from services.worker.distributed import ParallelConfig, init_distributed
+    from services.worker.model_runner import ModelRunner, resolve_device
+    world_size(args)
+    pc = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.rank or 0)
+    parallel, device = None, args.device
+    if pc.world_size > 1:
+        resolved = resolve_device(args.device)
+        if resolved.type == "cuda" and args.device in ("auto", "cuda"):
+            import torch  # NOTE: one GPU per rank: LOCAL_RANK (torchrun) or the rank
+            local_rank = int(os.environ.get("LOCAL_RANK", pc.rank))
+            resolved = torch.device("cuda", local_rank % torch.cuda.device_count())
+        device = str(resolved)
+        parallel = init_distributed(pc, resolved, args.distributed_timeout)
+    return ModelRunner(model=args.model, dtype=args.dtype, device=device,
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, attention_backend=args.attention_backend)
+                       max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+                       parallel=parallel)
 
 
 def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
     """What this rank tells the scheduler at start-up."""
+    ps = getattr(runner, "parallel", None)
+    tp, pp, rank = ((ps.config.tensor_parallel_size, ps.config.pipeline_parallel_size,
+                     ps.config.rank) if ps else (1, 1, 0))
     return worker_pb2.GetWorkerInfoResponse(
         model=runner.model_name, dtype=runner.dtype_name, num_kv_blocks=runner.num_kv_blocks,
         block_size=runner.block_size, max_model_len=runner.max_model_len,
-        vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids, rank=0, world_size=1,
-        device=str(runner.device), attention_backend=runner.attention_backend_name)
+        vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids, rank=rank,
+        world_size=tp * pp, device=str(runner.device),
+        attention_backend=runner.attention_backend_name, tensor_parallel_size=tp,
+        pipeline_parallel_size=pp, group_id=ps.group_id if ps else "")
 
 
 async def serve(args, runner=None, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None):
-    """Load the model (unless ``runner`` is given) and serve until stopped."""
+    """Load the model (unless ``runner`` is given) and serve until stopped.
+
+    With more than one rank and no ``--rank``: supervise all ranks as child processes instead.
+    A parallel rank whose step failed exits the process with code 1 (see the module note).
+    """
+    if runner is None and world_size(args) > 1 and args.rank is None:
+        from services.worker.launch import RankSupervisor
+        return await RankSupervisor(args).run(ready, stop)
+    if runner is None:
+        from services.worker.launch import die_with_supervisor
+        die_with_supervisor()
     runner = runner or await asyncio.to_thread(build_runner, args)
     server, port, health = await new_server(args.host, args.port)
     args.port = port
+    fatal = asyncio.Event() if getattr(runner, "parallel", None) else None
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(runner, worker_info(runner)), server)
+        WorkerServicer(runner, worker_info(runner), fatal), server)
     await server.start()
     try:
         await set_serving(health, True, [SERVICE])
@@ -174,8 +236,20 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
                  runner.model_name, runner.dtype_name, runner.num_kv_blocks)
         if ready:
             ready.set()
-        await (stop or stop_event_on_signals()).wait()
+        stop = stop or stop_event_on_signals()
+        waits = [asyncio.ensure_future(e.wait()) for e in (stop, fatal) if e is not None]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
     finally:
         await set_serving(health, False, [SERVICE])
         await server.stop(grace=1.0)
+    if fatal is not None:  # a rank of a group: exit now, whether stopped or failed
+        if fatal.is_set():
+            log.error("rank %d: a step failed; exiting so the rank group can restart",
+                      runner.parallel.config.rank)
+        logging.shutdown()
+        # NOTE: not SystemExit: the forward thread may still be blocked in a collective on a
+        # dead peer, and interpreter shutdown would wait for it.
+        os._exit(1 if fatal.is_set() else 0)
 

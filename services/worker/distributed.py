@@ -1,0 +1,170 @@
+"""Rank layout and torch.distributed set-up of a tensor- and pipeline-parallel worker group.
+
+``world_size = tensor_parallel_size * pipeline_parallel_size`` ranks, laid out stage-major::
+
+    rank = pp_rank * tp_size + tp_rank
+
+              tp_rank 0   tp_rank 1  ...
+    stage 0   rank 0      rank 1          layers [0, L0)          embeds the tokens
+    stage 1   rank N      rank N+1        layers [L0, L1)
+    ...
+    stage M-1 rank (M-1)N ...             layers [.., L)          norm, LM head, sampling
+              ^ the driver: the only rank whose StepResult carries tokens
+
+Each stage's ranks form one tensor-parallel group (all-reduce of the row-parallel layers,
+all-gather of the vocab-parallel logits). Hidden states ``[T, E]`` go from rank ``r`` to rank
+``r + tp_size`` (same tp_rank, next stage) with point-to-point send/recv.
+
+Backends: gloo on CPU, NCCL on CUDA. Rendezvous is TCP at ``MASTER_ADDR:MASTER_PORT`` (the
+torch.distributed environment variables). Every collective has a timeout, so a rank whose peer
+died fails its step instead of blocking forever; such a rank must then exit (its process group
+is unusable) and the whole group be restarted (``services/worker/launch.py`` does that).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """Which rank this process is. Raises ValueError (naming the flag) on bad sizes."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"--rank {self.rank} is not in [0, {self.world_size}) (world size = "
+                             "--tensor-parallel-size x --pipeline-parallel-size)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pipeline_parallel_size - 1
+
+    @property
+    def is_driver(self) -> bool:
+        """True on the rank that samples and answers tokens (tp rank 0 of the last stage)."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    def layer_range(self, num_layers: int) -> range:
+        """This stage's contiguous layers; earlier stages take one extra when uneven.
+
+        Raises:
+            ValueError: fewer layers than stages.
+        """
+        m = self.pipeline_parallel_size
+        if num_layers < m:
+            raise ValueError(f"--pipeline-parallel-size {m} exceeds the model's {num_layers} "
+                             "layers")
+        base, extra = divmod(num_layers, m)
+        start = self.pp_rank * base + min(self.pp_rank, extra)
+        return range(start, start + base + (self.pp_rank < extra))
+
+
+class ParallelState:
+    """This rank's process groups once ``init_distributed`` ran.
+
+    Attributes:
+        config: the rank layout.
+        tp_group: this stage's tensor-parallel group (None when tp_size is 1).
+        group_id: random id of this start of the group, equal on every rank.
+        device: where the communicated tensors live (CPU for gloo, the rank's GPU for NCCL).
+    """
+
+    def __init__(self, config: ParallelConfig, tp_group, group_id: str, device: torch.device):
+        self.config, self.tp_group, self.group_id, self.device = config, tp_group, group_id, device
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the tensor-parallel group, in place; returns ``x``."""
+        if self.config.tensor_parallel_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, P]`` on each tp rank -> ``[N, tp_size * P]`` (tp rank order)."""
+        n = self.config.tensor_parallel_size
+        if n == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    def send_to_next_stage(self, hidden: torch.Tensor) -> None:
+        """Send ``hidden [T, E]`` to the same tp rank of the next stage (blocking)."""
+        dist.send(hidden.contiguous(), dst=self.config.rank + self.config.tensor_parallel_size)
+
+    def recv_from_prev_stage(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Receive the previous stage's hidden states ``shape`` (``[T, E]``) in ``dtype``."""
+        out = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(out, src=self.config.rank - self.config.tensor_parallel_size)
+        return out
+
+
+def init_distributed(config: ParallelConfig, device: torch.device,
+                     timeout_s: float = 60.0) -> ParallelState:
+    """Join the group at ``tcp://$MASTER_ADDR:$MASTER_PORT`` and build the tp groups.
+
+    Blocks until all ``world_size`` ranks joined (at most ``timeout_s`` seconds). gloo on CPU,
+    NCCL on CUDA; every later collective also times out after ``timeout_s``.
+
+    Raises:
+        ValueError: MASTER_PORT is not set.
+        RuntimeError / DistStoreError: the rendezvous timed out.
+    """
+    if config.world_size == 1:
+        return ParallelState(config, None, uuid.uuid4().hex, device)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT")
+    if not port:
+        raise ValueError("a worker rank of a group needs MASTER_PORT (and MASTER_ADDR) set: the "
+                         "torch.distributed rendezvous address of rank 0")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    log.info("rank %d/%d joining %s group at %s:%s", config.rank, config.world_size, backend,
+             addr, port)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=config.rank,
+                            world_size=config.world_size, timeout=timeout)
+    n = config.tensor_parallel_size
+    tp_group = None
+    for stage in range(config.pipeline_parallel_size):  # every rank creates every group
+        group = dist.new_group(list(range(stage * n, (stage + 1) * n)), timeout=timeout)
+        if stage == config.pp_rank:
+            tp_group = group
+    ids = [uuid.uuid4().hex if config.rank == 0 else None]
+    dist.broadcast_object_list(ids, src=0, device=device if device.type == "cuda" else None)
+    return ParallelState(config, tp_group if n > 1 else None, ids[0], device)

@@ -1,0 +1,161 @@
+"""Fixtures of the parallel-worker tests: a stack whose worker is a group of rank processes.
+
+``ParallelStack`` runs the rank supervisor (``services/worker/launch.py``: one process per
+rank, as ``pagedserve worker --tensor-parallel-size N --pipeline-parallel-size M`` does), the
+scheduler and the router in one background event loop; ``reference_greedy`` computes the
+single-rank greedy tokens with a ``ModelRunner`` in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+from pathlib import Path
+
+import pytest
+
+from services.router import server as router_server
+from services.scheduler import server as scheduler_server
+from services.worker import server as worker_server
+from services.worker.launch import RankSupervisor
+from tests.helpers import make_servable_tiny_llama
+from tests.stack_harness import _args, _BackgroundStack
+
+WORKER_FLAGS = ["--dtype", "float32", "--kv-cache-memory", "16MiB", "--distributed-timeout", "20"]
+
+
+def _no_metrics(module) -> list[str]:
+    """``--metrics-port -1`` where the service has that flag (no fixed port to collide on)."""
+    import argparse
+    p = argparse.ArgumentParser()
+    module.add_args(p)
+    return ["--metrics-port", "-1"] if any(
+        "--metrics-port" in a.option_strings for a in p._actions) else []
+
+
+def free_port_range(n: int) -> int:
+    """A base port such that base .. base+n-1 are all free on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+class ParallelStack(_BackgroundStack):
+    """Rank processes + scheduler + router; ``address`` is the router's gRPC address,
+    ``scheduler_address`` the scheduler's, ``supervisor.procs[r]`` rank r's process."""
+
+    def __init__(self, model: str | None, tp: int = 1, pp: int = 1,
+                 worker_argv: list[str] = (), scheduler_argv: list[str] = ()):
+        model_flag = ["--model", model] if model else []
+        world = tp * pp
+        self.worker_args = _args(worker_server, [
+            "--port", str(free_port_range(world)), "--tensor-parallel-size", str(tp),
+            "--pipeline-parallel-size", str(pp), *model_flag, *WORKER_FLAGS,
+            *_no_metrics(worker_server), *worker_argv])
+        self.supervisor = RankSupervisor(self.worker_args, restart_delay=0.1)
+        self.scheduler_args = _args(scheduler_server, [
+            "--port", "0", "--workers", ",".join(reversed(self.supervisor.addresses)),
+            "--worker-connect-timeout", "120", *_no_metrics(scheduler_server), *scheduler_argv])
+        self.router_args = _args(router_server, ["--port", "0", "--http-port", "-1",
+                                                 *model_flag, *_no_metrics(router_server)])
+        super().__init__()
+        self._stop: asyncio.Event | None = None
+        self._tasks: list = []
+        self.scheduler_address = ""
+
+    async def _start(self):
+        self._stop = asyncio.Event()
+        ready = asyncio.Event()
+        task = asyncio.ensure_future(self.supervisor.run(ready, self._stop))
+        waiter = asyncio.ensure_future(ready.wait())
+        done, _ = await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task in done:
+            task.result()
+            raise RuntimeError("worker ranks stopped during start-up")
+        self._tasks.append(task)
+        self._tasks.append(await self._serve(scheduler_server, self.scheduler_args, self._stop))
+        self.scheduler_address = f"127.0.0.1:{self.scheduler_args.port}"
+        self.router_args.scheduler = self.scheduler_address
+        self._tasks.append(await self._serve(router_server, self.router_args, self._stop))
+        self._router_started(self.router_args)
+
+    def stop(self) -> None:
+        async def _stop():
+            if self._stop is None:
+                return
+            self._stop.set()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            self._run(_stop(), timeout=60)
+        finally:
+            self.supervisor._stop_group()  # in any case: no rank process outlives the test
+            self._close_loop()
+
+
+def reference_greedy(model: str | None, prompts: list[list[int]],
+                     max_tokens: int) -> list[list[int]]:
+    """Greedy tokens of one single-rank float32 ``ModelRunner``, all prompts in one batch."""
+    from services.worker.model_runner import ModelRunner
+    from services.worker.step_input import CachedRequest, NewRequest, SamplingOptions, StepInput
+
+    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    bs, per_request = runner.block_size, 8
+    greedy = SamplingOptions(temperature=0.0)
+    new = [NewRequest(str(i), p, greedy, list(range(i * per_request, (i + 1) * per_request)), 0,
+                      len(p)) for i, p in enumerate(prompts)]
+    assert all(len(p) + max_tokens <= per_request * bs for p in prompts)
+    out = runner.execute_step(StepInput(1, new, [], []))
+    tokens = {rid: [t] for rid, t in zip(out.request_ids, out.sampled_token_ids)}
+    for step in range(2, max_tokens + 1):
+        cached = [CachedRequest(str(i), [tokens[str(i)][-1]], [], False,
+                                len(p) + len(tokens[str(i)]) - 1, 1) for i, p in enumerate(prompts)]
+        out = runner.execute_step(StepInput(step, [], cached, []))
+        for rid, t in zip(out.request_ids, out.sampled_token_ids):
+            tokens[rid].append(t)
+    return [tokens[str(i)] for i in range(len(prompts))]
+
+
+def stack_greedy(stack: ParallelStack, prompts: list[list[int]],
+                 max_tokens: int) -> list[list[int]]:
+    """Greedy tokens through the router, all prompts at once (so they share steps)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedserve_client import Client
+
+    def one(p):
+        with Client(stack.address) as c:
+            return c.generate(prompt_token_ids=p, temperature=0, max_tokens=max_tokens,
+                              ignore_eos=True).token_ids
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [100 + 3 * i for i in range(21)], [42] * 3]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A 3-layer tiny Llama, 4 heads, 2 KV heads, with SmolLM2's tokenizer files."""
+    return make_servable_tiny_llama(Path(tmp_path_factory.mktemp("tiny-tp")))
+
+
+@pytest.fixture(scope="session")
+def tp2_stack(tiny_model):
+    """TP=2 on the tiny model, shared: the rank-failure test leaves it serving again."""
+    stack = ParallelStack(tiny_model, tp=2).start()
+    yield stack
+    stack.stop()

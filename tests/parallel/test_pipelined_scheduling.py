@@ -1,0 +1,61 @@
+"""The core scheduler with several steps in flight (pipeline parallelism), pure Python."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from tests.scheduler.factories import (FakeWorker, expected_output, make_requests,
+                                       make_scheduler)
+
+
+def _run(max_steps_in_flight: int, num_kv_blocks: int = 64, n: int = 6):
+    """Drive the scheduler with up to ``max_steps_in_flight`` steps sent ahead; the fake worker
+    applies each step as it is sent (workers run steps in order), results come back later."""
+    s = make_scheduler(num_kv_blocks, max_num_batched_tokens=16, max_model_len=32,
+                       max_steps_in_flight=max_steps_in_flight, long_prefill_token_threshold=8)
+    w = FakeWorker(s)
+    requests = make_requests(n, 11, max_tokens=7)
+    for r in requests:
+        s.add_request(r)
+    pending: deque = deque()
+    outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    most_in_flight = 0
+    while s.has_unfinished_requests() or pending:
+        while len(pending) < max_steps_in_flight and s.has_unfinished_requests():
+            out = s.schedule()
+            if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
+                break
+            in_flight = {rid for o, _ in pending for rid in o.num_scheduled_tokens}
+            assert not in_flight & out.num_scheduled_tokens.keys(), "a request in two steps"
+            pending.append((out, w.execute(out)))
+        most_in_flight = max(most_in_flight, len(pending))
+        out, sampled = pending.popleft()
+        for u in s.update_from_output(out, sampled):
+            outputs[u.request_id] += u.new_token_ids
+    assert s.block_manager.num_free_blocks == num_kv_blocks
+    return requests, outputs, most_in_flight, s
+
+
+@pytest.mark.parametrize("num_kv_blocks", [64, 12])  # 12: preemptions while steps are in flight
+def test_two_steps_in_flight_give_the_serial_outputs(num_kv_blocks):
+    requests, outputs, most_in_flight, s = _run(2, num_kv_blocks)
+    assert most_in_flight == 2
+    for r in requests:
+        assert outputs[r.request_id] == expected_output(r, 32)[0]
+    if num_kv_blocks == 12:
+        assert s.num_preemptions_total > 0
+
+
+def test_schedule_refuses_beyond_max_steps_in_flight():
+    s = make_scheduler(max_steps_in_flight=2)
+    for r in make_requests(3, 4):
+        s.add_request(r)
+    first = s.schedule()
+    assert s.schedule().num_scheduled_tokens == {}  # everything is in the first step
+    with pytest.raises(ValueError, match="max_steps_in_flight"):
+        make_scheduler(max_steps_in_flight=0)
+    s.update_from_output(first, {})
+    with pytest.raises(RuntimeError, match="in flight is None"):
+        s.update_from_output(first, {})
