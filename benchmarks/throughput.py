@@ -116,6 +116,7 @@ def running_stack(model: str | None, dtype: str, extra: list[str]):
         s.close()
     cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(port),
            "--scheduler-port", str(sport), "--worker-port", str(wport), "--dtype", dtype,
+           "--metrics-port", "0",
            "--log-level", "WARNING", *(["--model", model] if model else []), *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
     address = f"127.0.0.1:{port}"

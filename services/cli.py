@@ -11,12 +11,13 @@ import asyncio
 import sys
 
 from services.common.config import HelpFormatter, add_flag, float_in, int_in
+from services.common.metrics import SCHEDULER_PORT
 
 SERVE_PORT = int_in(1, 65535)  # serve wires fixed ports together: no 0 (= any) here
 
 SERVICES = ("worker", "scheduler", "router")
 # Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
-_WIRING = {"host", "port", "workers", "scheduler", "schedulers", "help"}
+_WIRING = {"host", "port", "workers", "scheduler", "schedulers", "metrics_port", "help"}
 
 
 def _service_module(name: str):
@@ -40,9 +41,13 @@ def serve_parser() -> argparse.ArgumentParser:
              help="worker port (with several ranks: rank r on this port + r)")
     add_flag(p, "--startup-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for all services to become healthy")
+    add_flag(p, "--metrics-port", type=int_in(-1, 65535), default=SCHEDULER_PORT,
+             help="Prometheus ports: scheduler BASE, router BASE+1, worker rank r BASE+2+r "
+                  "(-1: off, 0: any free ports)")
     p.add_argument("--demo", action="store_true",
                    help="once healthy, stream answers to a few prompts sent at once")
-    seen = {"port", "scheduler_port", "worker_port", "startup_timeout", "demo", "help"}
+    seen = {"port", "scheduler_port", "worker_port", "startup_timeout", "demo", "help",
+            "metrics_port"}
     for name in SERVICES:
         for action in _service_parser(name)._actions:
             if action.dest in _WIRING or action.dest in seen:
@@ -79,7 +84,7 @@ def run_one_service(name: str, argv: list[str]) -> None:
     p = argparse.ArgumentParser(f"pagedserve {name}", formatter_class=HelpFormatter)
     module.add_args(p)
     args = p.parse_args(argv)
-    setup_logging(args.log_level, name)
+    setup_logging(args.log_level, name, args.log_format)
     run_service(name, module.serve(args))
 
 

@@ -82,12 +82,21 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
     # --worker-port + r; the scheduler gets all of their addresses.
     world = getattr(ns, "tensor_parallel_size", 1) * getattr(ns, "pipeline_parallel_size", 1)
     rank_ports = [ns.worker_port + r for r in range(world)]
+    # Prometheus: scheduler BASE, router BASE + 1, worker rank r BASE + 2 + r (-1 off, 0 any).
+    base = getattr(ns, "metrics_port", -1)
+    metrics = {name: base + offset if base > 0 else base
+               for name, offset in (("scheduler", 0), ("router", 1), ("worker", 2))}
+    metrics_ports = ([metrics["scheduler"], metrics["router"]]
+                     + [metrics["worker"] + r for r in range(world)]) if base > 0 else []
     wiring = {
-        "worker": ["--host", host, "--port", str(ns.worker_port)],
+        "worker": ["--host", host, "--port", str(ns.worker_port),
+                   "--metrics-port", str(metrics["worker"])],
         "scheduler": ["--host", host, "--port", str(ns.scheduler_port),
-                      "--workers", ",".join(f"{host}:{p}" for p in rank_ports)],
+                      "--workers", ",".join(f"{host}:{p}" for p in rank_ports),
+                      "--metrics-port", str(metrics["scheduler"])],
         "router": ["--host", host, "--port", str(ns.port),
-                   "--scheduler", f"{host}:{ns.scheduler_port}"],
+                   "--scheduler", f"{host}:{ns.scheduler_port}",
+                   "--metrics-port", str(metrics["router"])],
     }
     procs: dict[str, subprocess.Popen] = {}
 
@@ -96,11 +105,11 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
 
     http_port = getattr(ns, "http_port", -1)  # > 0: the router's OpenAI-compatible HTTP port
     busy = ports_in_use(host, list(ports.values()) + rank_ports[1:]
-                        + ([http_port] if http_port > 0 else []))
+                        + ([http_port] if http_port > 0 else []) + metrics_ports)
     if busy:
         print(f"pagedserve serve: port(s) {', '.join(map(str, busy))} on {host} already in use "
               "(another pagedserve still running?); stop it or choose --port, "
-              "--scheduler-port, --worker-port and --http-port (-1: no HTTP server)",
+              "--scheduler-port, --worker-port, --http-port and --metrics-port (-1: off)",
               file=sys.stderr)
         return 1
     signal.signal(signal.SIGTERM, on_signal)

@@ -14,11 +14,14 @@ prompt text or token ids are logged; DEBUG may log sizes, never text.
 
 from __future__ import annotations
 
+import argparse
 import contextvars
 import json
 import logging
 import sys
 import time
+
+from services.common.config import LOG_LEVELS, add_flag
 
 FORMATS = ("json", "text")
 # The request being handled by this task (asyncio copies context into each task).
@@ -26,10 +29,28 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "request_id", default=None)
 
 
+_default_factory = logging.getLogRecordFactory()
+
+
+def _record_factory(*args, **kwargs) -> logging.LogRecord:
+    """Every record gets ``ctx_request_id``: the request this task handles, or None. (A record
+    may also name one explicitly with ``extra={"request_id": ...}``, which wins.)"""
+    record = _default_factory(*args, **kwargs)
+    record.ctx_request_id = request_id_var.get()
+    return record
+
+
+logging.setLogRecordFactory(_record_factory)
+
+
+def record_request_id(record: logging.LogRecord) -> str | None:
+    """The request a log record is about, if any."""
+    return getattr(record, "request_id", None) or getattr(record, "ctx_request_id", None)
+
+
 class _RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if not hasattr(record, "request_id"):
-            record.request_id = request_id_var.get()
+        record.request_id = record_request_id(record)
         return True
 
 
@@ -50,11 +71,20 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if getattr(record, "request_id", None):
-            out["request_id"] = record.request_id
+        request_id = record_request_id(record)
+        if request_id:
+            out["request_id"] = request_id
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)
+
+
+def add_log_flags(p: argparse.ArgumentParser) -> None:
+    """``--log-level`` and ``--log-format`` (every service has both)."""
+    add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+             help="log verbosity")
+    add_flag(p, "--log-format", default="json", choices=FORMATS,
+             help="json: one JSON object per line (with request_id); text: plain lines")
 
 
 def setup_logging(level: str = "INFO", service: str = "pagedserve", fmt: str = "json") -> None:

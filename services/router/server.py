@@ -11,9 +11,9 @@ import logging
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.config import LOG_LEVELS, PORT, add_flag, float_in, int_in
+from services.common.config import PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
-from services.common.logs import request_id_var
+from services.common.logs import add_log_flags, request_id_var
 from services.common.metrics import ROUTER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from services.router import text_api
@@ -184,8 +184,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "(default: packaged SmolLM2-135M-Instruct)")
     add_flag(p, "--scheduler-connect-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for the scheduler at start-up")
-    add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-             help="log verbosity")
+    add_log_flags(p)
     add_metrics_flags(p, ROUTER_PORT)
 
 

@@ -22,6 +22,7 @@ import grpc
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
 from services.scheduler.logprobs import logprobs_from_pb, prompt_logprobs_from_pb
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
@@ -68,11 +69,13 @@ class Engine:
         scheduler: the pure-Python core (owns queues and blocks).
         workers: connected worker ranks.
         on_health: called with True/False when the workers come and go.
+        metrics: the ``SchedulerMetrics`` to feed (arrivals, steps, tokens, finishes), or None.
     """
 
     def __init__(self, scheduler: Scheduler, workers: WorkerGroup, on_health=None,
-                 reconnect_timeout: float = 3600.0):
+                 reconnect_timeout: float = 3600.0, metrics: SchedulerMetrics | None = None):
         self.scheduler = scheduler
+        self.metrics = metrics
         self.workers = workers
         self._sinks: dict[str, RouterSink] = {}
         self._wakeup = asyncio.Event()
@@ -109,6 +112,10 @@ class Engine:
             return
         self._sinks[rid] = sink
         sink.request_ids.add(rid)
+        if self.metrics is not None:
+            self.metrics.observe_arrival(rid, req.arrival_time)
+        log.debug("request queued: %d prompt tokens, priority %d", len(req.prompt_token_ids),
+                  req.priority, extra={"request_id": rid})
         self._wakeup.set()
 
     def abort(self, request_id: str) -> None:
@@ -120,9 +127,15 @@ class Engine:
     def detach(self, sink: RouterSink) -> None:
         """A router stream ended: abort everything it still has in flight."""
         for rid in list(sink.request_ids):
-            self.scheduler.abort_request(rid)
+            self._abort_unpublished(rid)
             self._sinks.pop(rid, None)
         sink.request_ids.clear()
+
+    def _abort_unpublished(self, request_id: str) -> None:
+        """Abort a request whose final output is sent some other way (or nowhere)."""
+        update = self.scheduler.abort_request(request_id)
+        if update is not None and self.metrics is not None:
+            self.metrics.observe_updates([update], time.monotonic())
 
     # ---- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -138,6 +151,8 @@ class Engine:
             try:
                 while len(pending) < limit and self.scheduler.has_unfinished_requests():
                     out = self.scheduler.schedule()
+                    if self.metrics is not None:
+                        self.metrics.observe_scheduled(out, time.monotonic())
                     if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
                         break  # everything runnable is in flight (or nothing fits)
                     await self.workers.send(out)
@@ -185,7 +200,7 @@ class Engine:
         if self.on_health:
             await self.on_health(False)
         for rid, sink in list(self._sinks.items()):
-            self.scheduler.abort_request(rid)
+            self._abort_unpublished(rid)
             sink.queue.put_nowait(self._batch([error_output(
                 rid, grpc.StatusCode.UNAVAILABLE, f"worker failed: {reason}")]))
             sink.request_ids.discard(rid)
@@ -216,6 +231,8 @@ class Engine:
             kv_cache_usage=s.block_manager.usage))
 
     def _publish(self, updates: list[RequestUpdate], step_id: int = 0) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_updates(updates, time.monotonic())
         by_sink: dict[int, tuple[RouterSink, list]] = {}
         for u in updates:
             sink = self._sinks.get(u.request_id)
@@ -239,5 +256,7 @@ class Engine:
             if u.finish_reason is not None:
                 del self._sinks[u.request_id]
                 sink.request_ids.discard(u.request_id)
+                log.debug("request finished: %s, %d output tokens", u.finish_reason.value,
+                          u.num_output_tokens, extra={"request_id": u.request_id})
         for sink, outs in by_sink.values():
             sink.queue.put_nowait(self._batch(outs, step_id))

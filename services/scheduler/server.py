@@ -13,10 +13,13 @@ import logging
 
 import grpc
 
-from services.common.config import LOG_LEVELS, PORT, add_flag, float_in, int_in
+from services.common.config import PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
+from services.common.logs import add_log_flags
+from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from services.scheduler.engine import Engine, RouterSink
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
 from services.scheduler.worker_client import WorkerGroup
 
@@ -106,8 +109,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--max-num-waiting-tokens", type=int_in(0), default=0,
              help="refuse new requests with RESOURCE_EXHAUSTED once the waiting queue would "
                   "hold more prompt tokens than this (0 = no limit)")
-    add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-             help="log verbosity")
+    add_log_flags(p)
+    add_metrics_flags(p, SCHEDULER_PORT)
 
 
 def scheduler_config(args, max_model_len: int, max_steps_in_flight: int = 1) -> SchedulerConfig:
@@ -178,11 +181,15 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     servicer = EngineServicer()
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
     await server.start()  # health answers NOT_SERVING while we wait for the workers
-    engine, loop_task = None, None
+    engine, loop_task, metrics_server = None, None, None
     try:
         log.info("scheduler waiting for workers %s", args.workers)
         engine, info = await build_engine(args)
         engine.on_health = lambda ok: set_serving(health, ok, [SERVICE])
+        engine.metrics = SchedulerMetrics(engine.scheduler, model_name=info.model)
+        metrics_server = start_metrics_server(engine.metrics.registry,
+                                              args.metrics_host or args.host, args.metrics_port)
+        args.metrics_port = metrics_server.port if metrics_server else args.metrics_port
         servicer.engine, servicer.info = engine, info
         loop_task = asyncio.create_task(engine.run())
         await set_serving(health, True, [SERVICE])
@@ -198,5 +205,7 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
             loop_task.cancel()
         if engine:
             await engine.workers.close()
+        if metrics_server is not None:
+            metrics_server.close()
         await server.stop(grace=1.0)
 

@@ -77,9 +77,11 @@ class RankSupervisor:
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                SUPERVISOR_ENV: str(os.getpid())}
         base = rank_argv(self.args)
+        metrics = self.args.metrics_port  # rank r: --metrics-port + r (-1 off, 0 any stay)
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "services.cli", "worker", *base, "--rank", str(r),
-             "--world-size", str(self.world_size), "--port", str(self.args.port + r)],
+             "--world-size", str(self.world_size), "--port", str(self.args.port + r),
+             "--metrics-port", str(metrics + r if metrics > 0 else metrics)],
             env=env, start_new_session=True)
             for r in range(self.world_size)]
         log.info("started %d worker ranks (pids %s) on %s", self.world_size,

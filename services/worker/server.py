@@ -22,9 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.common.config import LOG_LEVELS, PORT, add_flag, float_in, int_in, parse_bytes
+from services.common.config import PORT, add_flag, float_in, int_in, parse_bytes
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
+from services.common.logs import add_log_flags
+from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from services.worker.metrics import WorkerMetrics
 from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput)
 
 log = logging.getLogger(__name__)
@@ -81,9 +84,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Decode protobuf → ModelRunner.execute_step → encode protobuf; nothing else."""
 
     def __init__(self, runner, info: worker_pb2.GetWorkerInfoResponse,
-                 fatal: asyncio.Event | None = None):
+                 fatal: asyncio.Event | None = None, metrics: WorkerMetrics | None = None):
         self.runner = runner
         self.info = info
+        self.metrics = metrics
         self.fatal = fatal  # set when a failed step leaves this rank unusable (parallel ranks)
         # One thread: steps must run in order, and torch uses its own intra-op threads.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -98,6 +102,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 step = step_input_from_pb(msg)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {e}")
+            if step.new_requests and log.isEnabledFor(logging.DEBUG):
+                for r in step.new_requests:
+                    log.debug("step %d: new request, %d tokens, %d blocks", msg.step_id,
+                              len(r.prompt_token_ids), len(r.block_ids),
+                              extra={"request_id": r.request_id})
             t0 = time.perf_counter()
             try:
                 out = await loop.run_in_executor(self._executor, self.runner.execute_step, step)
@@ -106,9 +115,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 if self.fatal is not None:
                     self.fatal.set()
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {msg.step_id} failed: {e}")
+            seconds = time.perf_counter() - t0
+            if self.metrics is not None:
+                scheduled = [*step.new_requests, *step.cached_requests]
+                self.metrics.observe_step(seconds, sum(r.num_scheduled_tokens for r in scheduled),
+                                          len(scheduled))
             result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
                                            sampled_token_ids=out.sampled_token_ids,
-                                           execute_seconds=time.perf_counter() - t0)
+                                           execute_seconds=seconds)
             if out.logprobs is not None:
                 lp = out.logprobs
                 result.num_top_logprobs.extend(lp.num_top_logprobs)
@@ -158,8 +172,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="number of ranks; must equal tensor x pipeline parallel size (a check)")
     add_flag(p, "--distributed-timeout", type=float_in(0, lo_open=True), default=60.0,
              help="seconds a rank waits on a peer (rendezvous, collective) before failing")
-    add_flag(p, "--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-             help="log verbosity")
+    add_log_flags(p)
+    add_metrics_flags(p, WORKER_PORT)
 
 
 def world_size(args) -> int:
@@ -227,9 +241,14 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
     server, port, health = await new_server(args.host, args.port)
     args.port = port
     fatal = asyncio.Event() if getattr(runner, "parallel", None) else None
+    info = worker_info(runner)
+    metrics = WorkerMetrics(rank=info.rank)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(runner, worker_info(runner), fatal), server)
+        WorkerServicer(runner, info, fatal, metrics), server)
     await server.start()
+    metrics_server = start_metrics_server(metrics.registry, args.metrics_host or args.host,
+                                          args.metrics_port)
+    args.metrics_port = metrics_server.port if metrics_server else args.metrics_port
     try:
         await set_serving(health, True, [SERVICE])
         log.info("worker serving on %s:%d: %s %s, %d KV blocks", args.host, port,
@@ -244,6 +263,8 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
     finally:
         await set_serving(health, False, [SERVICE])
         await server.stop(grace=1.0)
+        if metrics_server is not None:
+            metrics_server.close()
     if fatal is not None:  # a rank of a group: exit now, whether stopped or failed
         if fatal.is_set():
             log.error("rank %d: a step failed; exiting so the rank group can restart",

@@ -52,13 +52,7 @@ def service_flags(service: str) -> set[str]:
             for opt in action.option_strings[:1] if opt.startswith("--") and opt != "--help"}
 
 
-# Set by another issue (metrics) on every service; tolerated on a service whose flag has not
-# landed yet (the variable is then ignored, as every PAGEDSERVE_* without a flag is).
-PENDING_FLAGS = {"PAGEDSERVE_METRICS_PORT"}
-
-
 def unknown_env(service: str, names) -> set[str]:
     """The PAGEDSERVE_* names a service would silently ignore (a typo or a removed flag)."""
     flags = service_flags(service)
-    return {n for n in names if n.startswith("PAGEDSERVE_") and n not in flags
-            and n not in PENDING_FLAGS}
+    return {n for n in names if n.startswith("PAGEDSERVE_") and n not in flags}

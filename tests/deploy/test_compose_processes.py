@@ -177,26 +177,17 @@ def test_request_through_the_compose_stack(stack, tiny_models):
 
 def test_metrics_ports_serve_the_dashboard_metrics(stack):
     """The ports Prometheus scrapes (PAGEDSERVE_METRICS_PORT of each service) serve the metric
-    names the Grafana dashboard uses. A service whose --metrics-port flag has not landed yet
-    is reported and skipped."""
+    names the Grafana dashboard uses."""
     tr, services = stack
     dashboard = json.loads((DOCKER / "grafana/dashboards/pagedserve.json").read_text())
     wanted = set(re.findall(r"pagedserve:\w+", " ".join(
         t["expr"] for p in dashboard["panels"] for t in p["targets"])))
-    exposed, missing_flag = "", []
+    exposed = ""
     for name, s in services.items():
         port = tr.ports[(name, int(s["environment"]["PAGEDSERVE_METRICS_PORT"]))]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-                exposed += resp.read().decode()
-        except OSError:
-            missing_flag.append(name)
-    assert "router" not in missing_flag, "the router serves /metrics on PAGEDSERVE_METRICS_PORT"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            exposed += resp.read().decode()
     names = set(re.findall(r"^(pagedserve:\w+?)(?:_bucket|_count|_sum)?[{ ]", exposed, re.M))
     names |= {n + "_total" for n in names} | {n + "_bucket" for n in names}
-    if missing_flag:
-        print(f"no /metrics yet on {missing_flag} (their --metrics-port flag comes with the "
-              "metrics issue): only the router's dashboard metrics are checked")
-    absent = {w for w in wanted - names if not (missing_flag and not w.startswith(
-        "pagedserve:router_"))}
+    absent = wanted - names
     assert not absent, f"dashboard metrics no service exposes: {sorted(absent)}"

@@ -39,11 +39,14 @@ def tiny_model(tmp_path):
 def test_worker_killed_mid_stream_then_restarted(tiny_model):
     router_port, sched_port, worker_port = _free_ports(3)
     router, sched, worker = (f"127.0.0.1:{p}" for p in (router_port, sched_port, worker_port))
-    worker_cmd = CLI + ["worker", "--port", str(worker_port), "--model", tiny_model,
+    worker_cmd = CLI + ["worker", "--port", str(worker_port), "--metrics-port", "0",
+                        "--model", tiny_model,
                         "--kv-cache-memory", "64MiB"]
     procs = [subprocess.Popen(worker_cmd),
-             subprocess.Popen(CLI + ["scheduler", "--port", str(sched_port), "--workers", worker]),
+             subprocess.Popen(CLI + ["scheduler", "--port", str(sched_port), "--workers", worker,
+                                     "--metrics-port", "0"]),
              subprocess.Popen(CLI + ["router", "--port", str(router_port), "--http-port", "0",
+                                     "--metrics-port", "0",
                                      "--scheduler", sched,
                                      "--model", tiny_model])]
     try:

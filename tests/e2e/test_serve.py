@@ -43,7 +43,7 @@ def serve():
         port, sport, wport = _free_ports(3)
         proc = subprocess.Popen(CLI + ["serve", "--port", str(port), "--scheduler-port",
                                        str(sport), "--worker-port", str(wport),
-                                       "--http-port", "0", *flags],
+                                       "--http-port", "0", "--metrics-port", "0", *flags],
                                 start_new_session=True)
         procs.append((proc, [port, sport, wport]))
         address = f"127.0.0.1:{port}"
@@ -92,7 +92,8 @@ def test_serve_refuses_busy_ports():
         port = busy.getsockname()[1]
         sport, wport = _free_ports(2)
         out = subprocess.run(CLI + ["serve", "--port", str(port), "--scheduler-port", str(sport),
-                                    "--worker-port", str(wport), "--http-port", "-1"],
+                                    "--worker-port", str(wport), "--http-port", "-1",
+                                    "--metrics-port", "-1"],
                              capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert f"port(s) {port}" in out.stderr and "already in use" in out.stderr
@@ -103,7 +104,7 @@ def test_services_exit_when_serve_is_killed(tmp_path):
     ports = _free_ports(3)
     proc = subprocess.Popen(CLI + ["serve", "--port", str(ports[0]), "--scheduler-port",
                                    str(ports[1]), "--worker-port", str(ports[2]),
-                                   "--http-port", "0", "--model",
+                                   "--http-port", "0", "--metrics-port", "0", "--model",
                                    model, "--kv-cache-memory", "16MiB"], start_new_session=True)
     try:
         _wait_healthy(f"127.0.0.1:{ports[0]}", proc)

@@ -21,7 +21,8 @@ def test_serve_passes_parallel_sizes_through(tiny_model):
     proc = subprocess.Popen(CLI + [
         "serve", "--model", tiny_model, "--dtype", "float32", "--kv-cache-memory", "16MiB",
         "--pipeline-parallel-size", "2", "--port", str(port), "--scheduler-port",
-        str(sched_port), "--worker-port", str(worker_port), "--http-port", "-1"],
+        str(sched_port), "--worker-port", str(worker_port), "--http-port", "-1",
+        "--metrics-port", "0"],
         start_new_session=True)
     try:
         _wait_healthy(f"127.0.0.1:{port}", proc, timeout=120)

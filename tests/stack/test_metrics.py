@@ -11,6 +11,9 @@ import requests
 from pagedserve_client import Client
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.logs import record_request_id
+from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """``{(sample name, sorted labels): value}`` from http://127.0.0.1:port/metrics."""
@@ -50,3 +53,63 @@ def test_router_counts_requests_per_method_replica_and_code(tiny):
     # the invalid request never reached a replica
     assert delta("pagedserve:router_replica_requests_total", replica=replica, code="OK") == 3
     assert get(after, "pagedserve:router_replicas_available") == 1
+
+
+def test_scheduler_and_worker_metrics_follow_the_requests(tiny):
+    sched_port, worker_port = tiny.scheduler_args.metrics_port, tiny.worker_args.metrics_port
+    before, wbefore = scrape(sched_port), scrape(worker_port)
+    prompts = [[3 + i, 40 + i, 77, 9, 12][: 3 + i % 3] for i in range(4)]
+    with Client(tiny.address) as c:
+        for p in prompts:
+            r = c.generate(prompt_token_ids=p, max_tokens=5, ignore_eos=True, temperature=0)
+            assert r.usage.completion_tokens == 5
+    tiny.wait_idle()
+    after, wafter = scrape(sched_port), scrape(worker_port)
+    m = {"model_name": tiny.info().model}
+
+    def delta(name, **labels):
+        return get(after, name, **m, **labels) - get(before, name, **m, **labels)
+
+    assert delta("pagedserve:request_success_total", finished_reason="length") == 4
+    assert delta("pagedserve:generation_tokens_total") == 20
+    assert delta("pagedserve:prompt_tokens_total") == sum(map(len, prompts))
+    # TTFT once per request; ITL once per later token; queue time and e2e once per request
+    assert delta("pagedserve:time_to_first_token_seconds_count") == 4
+    assert delta("pagedserve:inter_token_latency_seconds_count") == 16
+    assert delta("pagedserve:e2e_request_latency_seconds_count") == 4
+    assert delta("pagedserve:request_queue_time_seconds_count") == 4
+    steps = delta("pagedserve:iteration_tokens_total_count")
+    assert steps >= 5 and delta("pagedserve:iteration_tokens_total_sum") == (
+        sum(map(len, prompts)) + 4 * 4)  # prompts, then 4 decode tokens each
+    assert delta("pagedserve:prefix_cache_queries_total") >= sum(map(len, prompts))
+    assert get(after, "pagedserve:num_requests_running", **m) == 0
+    assert get(after, "pagedserve:num_requests_waiting", **m) == 0
+    assert get(after, "pagedserve:kv_cache_usage_perc", **m) == 0
+    # the worker ran exactly the steps the scheduler scheduled, with the same tokens
+    rank = {"rank": "0"}
+    assert get(wafter, "pagedserve:worker_step_seconds_count", **rank) - get(
+        wbefore, "pagedserve:worker_step_seconds_count", **rank) == steps
+    assert get(wafter, "pagedserve:worker_batch_tokens_sum", **rank) - get(
+        wbefore, "pagedserve:worker_batch_tokens_sum", **rank) == sum(map(len, prompts)) + 16
+
+
+def test_request_id_reaches_every_service_log_and_no_prompt_text_at_info(tiny, caplog):
+    """The client's x-request-id names the request in the router's, scheduler's and worker's
+    log records (DEBUG); at INFO nothing carries the prompt's text."""
+    import logging
+
+    secret = "zebra-violet-quartz"
+    with caplog.at_level(logging.DEBUG):
+        with grpc.insecure_channel(tiny.address) as channel:
+            req = api_pb2.GenerateRequest(
+                prompt=f"tell me about {secret}",
+                sampling_params=api_pb2.SamplingParams(max_tokens=2, temperature=0))
+            responses = list(api_pb2_grpc.GenerationServiceStub(channel).Generate(
+                req, metadata=(("x-request-id", "trace-me-42"),), timeout=60))
+        assert responses[-1].request_id == "trace-me-42"
+        tiny.wait_idle()
+    tagged = {r.name.split(".")[1] for r in caplog.records
+              if record_request_id(r) == "trace-me-42"}
+    assert {"router", "scheduler", "worker"} <= tagged, tagged
+    info_text = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
+    assert secret not in info_text and "trace-me-42" not in info_text  # ids ride as fields
