@@ -1,0 +1,78 @@
+"""Where an engine step's time goes: compare.py's workload through Scheduler + ModelRunner in
+one process, under torch.profiler, plus the Python time outside torch ops.
+
+    .venv/bin/python benchmarks/profile_engine.py --num-requests 32 --dtype float32
+
+Prints the top torch ops by self CPU time, and splits each step's wall time into scheduling
+(``Scheduler.schedule`` + ``update_from_output``), the StepRequest encode/decode, and the worker's
+``execute_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--rows", type=int, default=15, help="torch ops to print")
+    a = p.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from compare import workload
+    from services.router.tokenizer import load_tokenizer
+    from services.scheduler.request import EngineSamplingParams, Request
+    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.worker_client import build_step_request
+    from services.worker.model_runner import ModelRunner
+    from services.worker.server import step_input_from_pb
+
+    items = workload(load_tokenizer(a.model), a.num_requests, a.seed)
+    runner = ModelRunner(a.model, dtype=a.dtype)
+    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
+                          runner.num_kv_blocks, runner.eos_token_ids)
+    for i, it in enumerate(items):
+        scheduler.add_request(Request(f"r{i}", list(it.prompt_token_ids), EngineSamplingParams(
+            temperature=0, max_tokens=it.output_len, ignore_eos=True)))
+    spent = {"schedule": 0.0, "encode/decode": 0.0, "execute_step": 0.0, "update": 0.0}
+    steps, tokens = 0, 0
+    t_all = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        while scheduler.has_unfinished_requests():
+            t0 = time.perf_counter()
+            out = scheduler.schedule()
+            t1 = time.perf_counter()
+            step = step_input_from_pb(build_step_request(out))
+            t2 = time.perf_counter()
+            res = runner.execute_step(step)
+            t3 = time.perf_counter()
+            updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
+                                                                 res.sampled_token_ids)))
+            t4 = time.perf_counter()
+            for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                spent[k] += dt
+            steps += 1
+            tokens += sum(len(u.new_token_ids) for u in updates)
+    wall = time.perf_counter() - t_all
+    print(f"{steps} steps, {tokens} output tokens, {wall:.1f} s ({tokens / wall:.1f} tok/s, "
+          f"{torch.get_num_threads()} threads, profiler on)")
+    for k, v in spent.items():
+        print(f"  {k:14s} {v:7.2f} s  {100 * v / wall:5.1f} %")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
+
+
+if __name__ == "__main__":
+    main()
