@@ -87,27 +87,10 @@ def bench_transformers(model_dir: str, gguf_file: str | None, items: list[Item],
 
 def bench_engine(model: str | None, items: list[Item], dtype: str) -> float:
     """(b) Output tokens/s of Scheduler + ModelRunner in this process."""
-    from services.scheduler.request import EngineSamplingParams, Request
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
-    from services.scheduler.worker_client import build_step_request
-    from services.worker.model_runner import ModelRunner
-    from services.worker.server import step_input_from_pb
+    from throughput import bench_engine as engine_tok_s
 
-    runner = ModelRunner(model, dtype=dtype)
-    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
-                          runner.num_kv_blocks, runner.eos_token_ids)
-    for i, it in enumerate(items):
-        scheduler.add_request(Request(f"r{i}", list(it.prompt_token_ids), EngineSamplingParams(
-            temperature=0, max_tokens=it.output_len, ignore_eos=True)))
-    n, t0 = 0, time.perf_counter()
-    while scheduler.has_unfinished_requests():
-        out = scheduler.schedule()
-        res = runner.execute_step(step_input_from_pb(build_step_request(out)))
-        updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
-                                                             res.sampled_token_ids)))
-        n += sum(len(u.new_token_ids) for u in updates)
-    assert n == sum(it.output_len for it in items)
-    return n / (time.perf_counter() - t0)
+    return engine_tok_s(model, [it.prompt_token_ids for it in items],
+                        [it.output_len for it in items], dtype)
 
 
 async def _drive(address: str, items: list[Item]) -> float:

@@ -60,9 +60,10 @@ def bench_transformers(model_dir, gguf_file, prompts, output_len, batch_size, dt
         return n / (time.perf_counter() - t0)
 
 
-def bench_engine(model: str | None, prompts, output_len: int, dtype: str) -> float:
+def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype: str) -> float:
     """Output tokens/s of the engine in one process: Scheduler + ModelRunner, no gRPC (each
-    step still goes through the StepRequest encoding the services use)."""
+    step still goes through the StepRequest encoding the services use). ``output_len``: one
+    length for every prompt, or one per prompt (forced with ignore_eos)."""
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
     from services.scheduler.worker_client import build_step_request
@@ -72,9 +73,10 @@ def bench_engine(model: str | None, prompts, output_len: int, dtype: str) -> flo
     runner = ModelRunner(model, dtype=dtype)
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
                           runner.num_kv_blocks, runner.eos_token_ids)
-    params = EngineSamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        scheduler.add_request(Request(f"r{i}", list(p), params))
+    lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
+    for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
+        scheduler.add_request(Request(f"r{i}", list(p), EngineSamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True)))
     n, t0 = 0, time.perf_counter()
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
@@ -82,6 +84,7 @@ def bench_engine(model: str | None, prompts, output_len: int, dtype: str) -> flo
         updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
                                                              res.sampled_token_ids)))
         n += sum(len(u.new_token_ids) for u in updates)
+    assert n == sum(lens), "a request ended early"
     return n / (time.perf_counter() - t0)
 
 
