@@ -12,7 +12,7 @@ PROTOS := $(wildcard protos/pagedserve/v1/*.proto)
 # Flags for `make run`, e.g. make run ARGS="--dtype float32"
 ARGS   ?=
 
-.PHONY: install protos run test test-fast bench clean
+.PHONY: install protos run test test-fast bench soak clean
 
 install: $(STAMP) $(PB) $(NODE_STAMP)
 
@@ -50,6 +50,14 @@ test-fast: install
 
 bench: install
 	$(PY) benchmarks/throughput.py
+
+# Load and soak (docs/reliability.md): 2,000 streaming requests, up to 256 at once, 10% cancelled
+# mid-stream, over worker + scheduler + router processes on a tiny model; fails if a request
+# got no terminal response, a KV block stayed used, or a service's RSS grew by 5% or more.
+# E.g. make soak SOAK_ARGS="--requests 5000 --output soak.json"
+SOAK_ARGS ?=
+soak: install
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) node_modules services/common/pb clients/python/pagedserve_client/pb

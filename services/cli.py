@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import sys
 
-from services.common.config import HelpFormatter, add_flag, float_in, int_in
+from services.common.config import HelpFormatter, add_flag, env_name, float_in, int_in
 from services.common.metrics import SCHEDULER_PORT
 
 SERVE_PORT = int_in(1, 65535)  # serve wires fixed ports together: no 0 (= any) here
@@ -18,6 +18,9 @@ SERVE_PORT = int_in(1, 65535)  # serve wires fixed ports together: no 0 (= any) 
 SERVICES = ("worker", "scheduler", "router")
 # Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
 _WIRING = {"host", "port", "workers", "scheduler", "schedulers", "metrics_port", "help"}
+# Flags `serve` hands to a service in its environment (PAGEDSERVE_*), not on its command line,
+# which any local user can read (ps).
+_SECRETS = {"api_key"}
 
 
 def _service_module(name: str):
@@ -61,7 +64,7 @@ def forwarded_argv(name: str, ns: argparse.Namespace) -> list[str]:
     """The command-line flags of service ``name`` taken from serve's parsed namespace."""
     argv: list[str] = []
     for action in _service_parser(name)._actions:
-        if action.dest in _WIRING or not action.option_strings:
+        if action.dest in _WIRING or action.dest in _SECRETS or not action.option_strings:
             continue
         value = getattr(ns, action.dest, None)
         if isinstance(action, argparse._StoreTrueAction):
@@ -72,6 +75,18 @@ def forwarded_argv(name: str, ns: argparse.Namespace) -> list[str]:
         elif value is not None:
             argv += [action.option_strings[0], str(value)]
     return argv
+
+
+def forwarded_env(name: str, ns: argparse.Namespace) -> dict[str, str]:
+    """The secret flags of service ``name`` (``_SECRETS``) as ``PAGEDSERVE_*`` environment
+    variables for its process."""
+    env = {}
+    for action in _service_parser(name)._actions:
+        value = getattr(ns, action.dest, None)
+        if action.dest in _SECRETS and value is not None and action.option_strings:
+            env[env_name(action.option_strings[0])] = (
+                value.as_flag_value() if hasattr(value, "as_flag_value") else str(value))
+    return env
 
 
 def run_one_service(name: str, argv: list[str]) -> None:
@@ -110,17 +125,24 @@ def main(argv: list[str] | None = None) -> None:
     elif cmd == "serve":
         from services.launcher import run_stack
         ns = serve_parser().parse_args(rest)
-        raise SystemExit(run_stack(ns, {n: forwarded_argv(n, ns) for n in SERVICES}))
+        raise SystemExit(run_stack(ns, {n: forwarded_argv(n, ns) for n in SERVICES},
+                                   {n: forwarded_env(n, ns) for n in SERVICES}))
     elif cmd == "generate":
         from services.generate_cli import main as generate_main
         generate_main(rest)
     elif cmd == "health":
         from services.common.grpc_utils import health_status
+        from services.common.tls import add_tls_flags, client_credentials, tls_from_args
         p = argparse.ArgumentParser("pagedserve health")
         add_flag(p, "--address", default="127.0.0.1:50051", help="service host:port")
         add_flag(p, "--timeout", type=float, default=2.0, help="seconds")
+        add_tls_flags(p)  # a service serving TLS: its CA (and, with mTLS, a client cert)
         ns = p.parse_args(rest)
-        status = asyncio.run(health_status(ns.address, ns.timeout))
+        try:
+            credentials = client_credentials(tls_from_args(ns))
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(f"pagedserve health: {e}") from None
+        status = asyncio.run(health_status(ns.address, ns.timeout, credentials=credentials))
         ok = status == "SERVING"
         print(status)
         raise SystemExit(0 if ok else 1)

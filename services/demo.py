@@ -31,9 +31,9 @@ async def _one(client, i: int, prompt: str, live: bool) -> tuple[int, str, float
     return i, "".join(parts), ttft or 0.0, time.perf_counter() - t0, n
 
 
-async def _demo(address: str) -> None:
+async def _demo(address: str, **client_kwargs) -> None:
     from pagedserve_client import AsyncClient
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, **client_kwargs) as client:
         print(f"\n>>> {len(PROMPTS)} prompts sent at once; streaming the first live:\n"
               f"[0] {PROMPTS[0]}\n", flush=True)
         results = await asyncio.gather(*(_one(client, i, p, i == 0)
@@ -47,6 +47,7 @@ async def _demo(address: str) -> None:
         print(flush=True)
 
 
-def run_demo(address: str) -> None:
-    """Send the demo prompts to the router at ``address`` and print the answers."""
-    asyncio.run(_demo(address))
+def run_demo(address: str, **client_kwargs) -> None:
+    """Send the demo prompts to the router at ``address`` and print the answers
+    (``client_kwargs``: ``AsyncClient``'s TLS and ``api_key`` arguments)."""
+    asyncio.run(_demo(address, **client_kwargs))

@@ -1,13 +1,15 @@
 """``pagedserve serve``: run worker, scheduler and router as child processes on localhost.
 
 Starts them in dependency order, waits until each answers gRPC health SERVING, and stops them
-all on Ctrl-C / SIGTERM (or when one of them dies).
+all on Ctrl-C / SIGTERM (or when one of them dies): router and scheduler first, so they can
+drain the requests in flight (``--shutdown-timeout``), then the worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +17,7 @@ import sys
 import time
 
 from services.common.grpc_utils import check_health
+from services.common.tls import client_credentials, tls_from_args
 
 _PR_SET_PDEATHSIG = 1
 
@@ -27,11 +30,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def _spawn(name: str, argv: list[str]) -> subprocess.Popen:
+def _spawn(name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.cli", name, *argv]
+    env = {**os.environ, **env} if env else None  # secrets (--api-key) travel here, not argv
     # NOTE: own session, so a terminal's Ctrl-C reaches serve only and serve stops the children
     # in order; the parent-death signal covers a serve that is killed outright.
-    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent)
+    return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent, env=env)
 
 
 def ports_in_use(host: str, ports: list[int]) -> list[int]:
@@ -45,12 +49,13 @@ def ports_in_use(host: str, ports: list[int]) -> list[int]:
     return busy
 
 
-def _stop_all(procs: dict[str, subprocess.Popen], timeout: float = 10.0) -> None:
-    for p in procs.values():
+def _terminate(procs: list[subprocess.Popen], timeout: float) -> None:
+    """SIGTERM ``procs``, wait up to ``timeout`` seconds for them to exit, then SIGKILL."""
+    for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    for p in procs.values():
+    for p in procs:
         try:
             p.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -58,11 +63,29 @@ def _stop_all(procs: dict[str, subprocess.Popen], timeout: float = 10.0) -> None
             p.wait()
 
 
-async def _wait_healthy(procs, addresses: dict[str, str], timeout: float) -> str | None:
-    """None when every service is SERVING; else why not."""
+def _stop_all(procs: dict[str, subprocess.Popen], timeout: float = 10.0,
+              drain: float = 0.0) -> None:
+    """Stop the stack gracefully: router and scheduler first (they get ``drain`` seconds,
+    --shutdown-timeout, to finish the requests in flight, plus ``timeout`` s to exit), then
+    the worker, which keeps executing steps until its scheduler has drained. A second Ctrl-C
+    / SIGTERM meanwhile kills what is left."""
+    try:
+        _terminate([p for n, p in procs.items() if n != "worker"], drain + timeout)
+        _terminate([p for n, p in procs.items() if n == "worker"], timeout)
+    except KeyboardInterrupt:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+async def _wait_healthy(procs, addresses: dict[str, str], timeout: float,
+                        credentials=None) -> str | None:
+    """None when every service is SERVING; else why not. ``credentials``: TLS channel
+    credentials when the services serve TLS (the services' own certificate and CA)."""
     deadline = time.monotonic() + timeout
     for name, address in addresses.items():
-        while not await check_health(address, timeout=1.0):
+        while not await check_health(address, timeout=1.0, credentials=credentials):
             for n, p in procs.items():
                 if p.poll() is not None:
                     return f"{n} exited with code {p.returncode} during start-up"
@@ -73,9 +96,20 @@ async def _wait_healthy(procs, addresses: dict[str, str], timeout: float) -> str
     return None
 
 
-def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
+def run_stack(ns, service_argv: dict[str, list[str]],
+              service_env: dict[str, dict[str, str]] | None = None) -> int:
     """Start the stack, optionally run the demo, and serve until interrupted. Returns the exit
-    code (0 on Ctrl-C / SIGTERM)."""
+    code (0 on Ctrl-C / SIGTERM).
+
+    Args:
+        service_argv: each service's forwarded flags.
+        service_env: each service's extra environment (secret flags such as --api-key).
+    """
+    try:  # the services' own TLS settings also serve for our health checks
+        credentials = client_credentials(tls_from_args(ns))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagedserve serve: {e}", file=sys.stderr)
+        return 1
     host = "127.0.0.1"
     ports = {"worker": ns.worker_port, "scheduler": ns.scheduler_port, "router": ns.port}
     # NOTE: with tensor/pipeline parallelism the worker starts every rank, rank r on
@@ -115,15 +149,18 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for name in ("worker", "scheduler", "router"):
-            procs[name] = _spawn(name, wiring[name] + service_argv[name])
+            procs[name] = _spawn(name, wiring[name] + service_argv[name],
+                                 (service_env or {}).get(name))
         addresses = {n: f"{host}:{p}" for n, p in ports.items()}
-        error = asyncio.run(_wait_healthy(procs, addresses, ns.startup_timeout))
+        error = asyncio.run(_wait_healthy(procs, addresses, ns.startup_timeout, credentials))
         if error:
             print(f"pagedserve serve: {error}", file=sys.stderr)
             return 1
         if ns.demo:
             from services.demo import run_demo
-            run_demo(addresses["router"])
+            keys = getattr(ns, "api_key", None)
+            run_demo(addresses["router"], credentials=credentials,
+                     api_key=keys.as_flag_value().split(",")[0] if keys else None)
         http_hint = (f"  curl http://{host}:{http_port}/v1/models   (OpenAI-compatible HTTP)\n"
                      if http_port > 0 else "")
         print(f"pagedserve: serving on {host}:{ns.port}. Try:\n"
@@ -140,4 +177,4 @@ def run_stack(ns, service_argv: dict[str, list[str]]) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        _stop_all(procs)
+        _stop_all(procs, drain=getattr(ns, "shutdown_timeout", 0.0))

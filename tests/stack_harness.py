@@ -15,6 +15,7 @@ import time
 import grpc
 
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from services.common.tls import client_credentials, tls_from_args
 from services.router import server as router_server
 from services.scheduler import server as scheduler_server
 from services.worker import server as worker_server
@@ -28,17 +29,26 @@ def _args(module, argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _stats(address: str) -> engine_pb2.GetEngineStatsResponse:
-    with grpc.insecure_channel(address) as ch:
+def _channel(address: str, credentials=None) -> grpc.Channel:
+    """A blocking channel: TLS with ``credentials`` (a stack started with --ssl-*), else
+    plaintext."""
+    if credentials is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, credentials)
+
+
+def _stats(address: str, credentials=None) -> engine_pb2.GetEngineStatsResponse:
+    with _channel(address, credentials) as ch:
         return engine_pb2_grpc.EngineServiceStub(ch).GetEngineStats(
             engine_pb2.GetEngineStatsRequest(), timeout=10)
 
 
-def _wait_idle(address: str, timeout: float) -> engine_pb2.GetEngineStatsResponse:
+def _wait_idle(address: str, timeout: float, credentials=None
+               ) -> engine_pb2.GetEngineStatsResponse:
     """Poll the scheduler at ``address`` until no request runs or waits (or ``timeout`` s)."""
     deadline = time.monotonic() + timeout
     while True:
-        s = _stats(address)
+        s = _stats(address, credentials)
         if (s.num_running == 0 and s.num_waiting == 0) or time.monotonic() > deadline:
             return s
         time.sleep(0.05)
@@ -75,7 +85,8 @@ class _BackgroundStack:
     def _router_started(self, router_args) -> None:
         self.address = f"127.0.0.1:{router_args.port}"
         if router_args.http_port > 0:
-            self.http_url = f"http://127.0.0.1:{router_args.http_port}"
+            scheme = "https" if getattr(router_args, "ssl_certfile", None) else "http"
+            self.http_url = f"{scheme}://127.0.0.1:{router_args.http_port}"
 
     async def _start(self) -> None:
         raise NotImplementedError
@@ -103,7 +114,10 @@ class InProcessStack(_BackgroundStack):
 
     Args:
         model: model folder or .gguf (None = packaged SmolLM2).
-        worker_argv / scheduler_argv: extra flags for those services.
+        worker_argv / scheduler_argv / router_argv: extra flags for those services (e.g. the
+            ``--ssl-*`` flags: the harness's own calls to the scheduler then use the
+            scheduler's certificate and CA; ``http_url`` is https:// when the router has a
+            certificate).
     """
 
     def __init__(self, model: str | None, worker_argv: list[str] = (),
@@ -118,6 +132,8 @@ class InProcessStack(_BackgroundStack):
         self._stop: asyncio.Event | None = None
         self._tasks: list = []
         self.scheduler_address = ""
+        # the scheduler's own --ssl-* flags (if any) also serve for the introspection calls
+        self.scheduler_credentials = client_credentials(tls_from_args(self.scheduler_args))
 
     async def _start(self):
         self._stop = asyncio.Event()
@@ -144,16 +160,16 @@ class InProcessStack(_BackgroundStack):
     # ---- introspection for tests --------------------------------------------------------
     def stats(self) -> engine_pb2.GetEngineStatsResponse:
         """The scheduler's block and request counters."""
-        return _stats(self.scheduler_address)
+        return _stats(self.scheduler_address, self.scheduler_credentials)
 
     def info(self) -> engine_pb2.GetEngineInfoResponse:
-        with grpc.insecure_channel(self.scheduler_address) as ch:
+        with _channel(self.scheduler_address, self.scheduler_credentials) as ch:
             return engine_pb2_grpc.EngineServiceStub(ch).GetEngineInfo(
                 engine_pb2.GetEngineInfoRequest(), timeout=10)
 
     def wait_idle(self, timeout: float = 30.0) -> engine_pb2.GetEngineStatsResponse:
         """Wait until no request runs or waits (aborts propagate asynchronously)."""
-        return _wait_idle(self.scheduler_address, timeout)
+        return _wait_idle(self.scheduler_address, timeout, self.scheduler_credentials)
 
 
 class MultiReplicaStack(_BackgroundStack):

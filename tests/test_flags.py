@@ -23,6 +23,7 @@ from services.cli import serve_parser
     (["--log-level", "banana"], "argument --log-level: invalid choice: 'BANANA'"),
     (["--http-port", "-2"], "argument --http-port: must be in [-1, 65535], got -2"),
     (["--scheduler-connect-timeout", "0"], "argument --scheduler-connect-timeout: must be > 0"),
+    (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be >= 0, got -1"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -49,6 +50,18 @@ def test_environment_variables_still_set_defaults(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_LOG_LEVEL", "debug")
     ns = serve_parser().parse_args([])
     assert (ns.max_num_seqs, ns.enable_prefix_caching, ns.log_level) == (7, False, "DEBUG")
+
+
+def test_serve_passes_the_shutdown_timeout_to_every_service(monkeypatch):
+    from services.cli import forwarded_argv
+
+    ns = serve_parser().parse_args(["--shutdown-timeout", "2.5"])
+    for name in ("router", "scheduler", "worker"):
+        argv = forwarded_argv(name, ns)
+        assert argv[argv.index("--shutdown-timeout") + 1] == "2.5", name
+    assert serve_parser().parse_args([]).shutdown_timeout == 30.0
+    monkeypatch.setenv("PAGEDSERVE_SHUTDOWN_TIMEOUT", "0")
+    assert serve_parser().parse_args([]).shutdown_timeout == 0.0
 
 
 def test_device_cuda_without_cuda_is_a_clear_error():

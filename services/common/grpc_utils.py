@@ -53,17 +53,33 @@ def install_uvloop() -> None:
         pass
 
 
-async def new_server(host: str, port: int) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+async def new_server(host: str, port: int, *, tls=None, interceptors=(),
+                     max_receive_bytes: int | None = None
+                     ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Create a grpc.aio server bound to host:port with standard health checking.
+
+    Args:
+        tls: a ``services.common.tls.TLSConfig`` (TLS; mTLS when it has a CA bundle), or None
+            for plaintext.
+        interceptors: grpc.aio server interceptors (e.g. the router's API-key check).
+        max_receive_bytes: the largest request message accepted (larger ones are refused with
+            RESOURCE_EXHAUSTED); None = ``MAX_MESSAGE_BYTES``, the internal links' limit.
 
     Returns:
         (server, bound port — useful with port 0 —, health servicer, initially NOT_SERVING).
 
     Raises:
         RuntimeError: the port could not be bound.
+        ValueError: ``tls`` without a certificate and key.
     """
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    options = SERVER_OPTIONS if max_receive_bytes is None else [
+        o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"] + [
+        ("grpc.max_receive_message_length", max_receive_bytes)]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
+    if tls is not None:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind {host}:{port}")
     health_servicer = health.aio.HealthServicer()
@@ -93,11 +109,16 @@ def stop_event_on_signals() -> asyncio.Event:
     return event
 
 
-async def health_status(address: str, timeout: float = 2.0, service: str = "") -> str:
+async def health_status(address: str, timeout: float = 2.0, service: str = "",
+                        credentials: grpc.ChannelCredentials | None = None) -> str:
     """The gRPC health status at ``address`` ("SERVING", "NOT_SERVING", ...), or
-    "UNREACHABLE (<code>)" when nothing answers within ``timeout`` seconds."""
+    "UNREACHABLE (<code>)" when nothing answers within ``timeout`` seconds.
+
+    ``credentials``: TLS channel credentials (``TLSConfig.channel_credentials()``) for a
+    service serving TLS; None = plaintext."""
+    from services.common.tls import aio_channel
     try:
-        async with grpc.aio.insecure_channel(address) as channel:
+        async with aio_channel(address, credentials) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=service),
                                     timeout=timeout)
@@ -106,6 +127,8 @@ async def health_status(address: str, timeout: float = 2.0, service: str = "") -
         return f"UNREACHABLE ({e.code().name})"
 
 
-async def check_health(address: str, timeout: float = 2.0, service: str = "") -> bool:
-    """True when the gRPC health service at ``address`` answers SERVING within ``timeout`` s."""
-    return await health_status(address, timeout, service) == "SERVING"
+async def check_health(address: str, timeout: float = 2.0, service: str = "",
+                       credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """True when the gRPC health service at ``address`` answers SERVING within ``timeout`` s
+    (``credentials`` as in ``health_status``)."""
+    return await health_status(address, timeout, service, credentials) == "SERVING"

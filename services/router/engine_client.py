@@ -2,6 +2,9 @@
 
 Submits and aborts go up one outgoing queue (a single writer, as grpc.aio streams require);
 one reader task dispatches each TokenBatch's outputs to the queue of the request they belong to.
+The reader never waits for a request's consumer (it carries every request of this router): the
+caller bounds its queue instead (``generation.OutputQueue``, the router's --max-stream-buffer),
+and a queue that overflows aborts its requests from inside ``put_nowait``.
 If the stream breaks, every pending request gets an UNAVAILABLE error output and the client
 reconnects in the background.
 """
@@ -15,6 +18,7 @@ import grpc
 
 from services.common.grpc_utils import CHANNEL_OPTIONS
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from services.common.tls import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +34,17 @@ class EngineClient:
 
     Args:
         address: the scheduler's ``host:port``.
+        credentials: TLS channel credentials (see ``services.common.tls``); None = plaintext.
     """
 
-    def __init__(self, address: str, on_connection=None):
+    def __init__(self, address: str, on_connection=None,
+                 credentials: grpc.ChannelCredentials | None = None):
         self.address = address
         # async callback(bool): the stream came up (first TokenBatch) or went down
         self.on_connection = on_connection
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.load = engine_pb2.LoadReport()
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(address, credentials, options=CHANNEL_OPTIONS)
         self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
         self._pending: dict[str, asyncio.Queue] = {}
         self._outgoing: asyncio.Queue | None = None
@@ -121,6 +127,14 @@ class EngineClient:
     def release(self, request_id: str) -> None:
         """Forget a request whose caller no longer listens."""
         self._pending.pop(request_id, None)
+
+    def fail_all(self, why: str) -> None:
+        """End every request in flight here now with UNAVAILABLE ``why`` (e.g. at the shutdown
+        timeout), and ask the scheduler to abort them."""
+        for rid, queue in list(self._pending.items()):
+            self.abort(rid)
+            self._end(queue, _unavailable(rid, why))
+        self._pending.clear()
 
     async def _requests(self, outgoing: asyncio.Queue):
         while True:

@@ -6,6 +6,13 @@ GenerateResponses: incremental detokenization and stop-string matching per choic
 that choice's engine request), and a final message per choice with finish_reason and usage. If
 the caller stops listening (client cancelled) or a choice fails, every running choice is aborted
 so the engine frees its blocks.
+
+Backpressure: the outputs of one call wait in a bounded ``OutputQueue`` between the engine
+stream (which never waits for a client: it carries every request of this router) and the
+caller. A caller that reads too slowly (gRPC flow control suspends its ``yield`` while the
+client does not read) lets the queue fill; past ``max_pending`` messages the call is failed
+with RESOURCE_EXHAUSTED, its engine requests are aborted at once (their KV blocks freed), and the
+buffered outputs are dropped, so one slow client costs bounded memory and never slows the others.
 """
 
 from __future__ import annotations
@@ -85,11 +92,59 @@ class EngineError(Exception):
         self.code, self.message = code, message
 
 
+# Default of the router's --max-stream-buffer: outputs (engine steps) buffered per call.
+DEFAULT_MAX_STREAM_BUFFER = 4096
+
+
+class OutputQueue(asyncio.Queue):
+    """The RequestOutputs of one call's engine requests, at most ``max_pending`` waiting.
+
+    ``put_nowait`` never blocks (the engine stream's reader calls it for every request of this
+    router). An output that would exceed the bound is not queued: the queue drops what it holds,
+    keeps only a final ``overflow`` marker, and calls ``on_overflow()`` once. A request's final
+    output (finish_reason or error set) is always accepted, so a queue at its bound still ends.
+
+    Args:
+        max_pending: most outputs waiting (>= 1).
+        on_overflow: called (synchronously, from the putter) the first time the bound is hit.
+    """
+
+    OVERFLOW = object()  # the marker the reader gets after an overflow
+
+    def __init__(self, max_pending: int, on_overflow=None):
+        super().__init__()
+        self.max_pending = max_pending
+        self.on_overflow = on_overflow
+        self.overflowed = False
+
+    def put_nowait(self, item) -> None:
+        if self.overflowed:
+            return
+        final = item is not self.OVERFLOW and (item.finish_reason or item.error_code)
+        if final or self.qsize() < self.max_pending:
+            super().put_nowait(item)
+            return
+        self.overflowed = True
+        while not self.empty():  # free the buffered outputs now, not when the client reads
+            self.get_nowait()
+        super().put_nowait(self.OVERFLOW)
+        if self.on_overflow is not None:
+            self.on_overflow()
+
+
+def slow_client_error(max_pending: int) -> EngineError:
+    """The RESOURCE_EXHAUSTED a call ends with when its client reads too slowly."""
+    return EngineError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"client reads too slowly: {max_pending} responses were waiting to be "
+                       "sent (router --max-stream-buffer); the request was aborted")
+
+
 def _status(code_value: int) -> grpc.StatusCode:
     return next((c for c in grpc.StatusCode if c.value[0] == code_value), grpc.StatusCode.UNKNOWN)
 
 
-async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest):
+async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, *,
+                           max_pending: int = DEFAULT_MAX_STREAM_BUFFER, on_overflow=None):
     """Async generator of the GenerateResponses of one prepared request, all its choices merged.
 
     Submits ``req.n`` engine requests (one per choice, see ``services.router.choices``) and
@@ -100,14 +155,34 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest):
     If any choice fails in the engine, or the caller stops listening (client cancelled), every
     choice still running is aborted in the engine so none keeps KV blocks.
 
+    Args:
+        max_pending: most engine outputs buffered for this call while its caller does not
+            read (see ``OutputQueue``); past it every choice is aborted in the engine at once.
+        on_overflow: called with the ``EngineError`` (RESOURCE_EXHAUSTED) when that happens,
+            from the engine stream's reader, so a caller suspended in a write to its slow client
+            can end the call (the gRPC servicer aborts the RPC); the generator itself raises
+            that error at its next read.
+
     Raises:
         EngineError: the engine rejected or failed one of the choices (e.g. RESOURCE_EXHAUSTED
             when its queue is full, UNAVAILABLE when it is unreachable), or INVALID_ARGUMENT
             before anything is submitted when one of its engine request ids is still running
-            (a client reused a request_id).
+            (a client reused a request_id), or RESOURCE_EXHAUSTED when the caller read too
+            slowly (more than ``max_pending`` outputs waiting).
     """
-    queue: asyncio.Queue = asyncio.Queue()  # the outputs of all the choices, in arrival order
     choices = {}
+
+    def overflowed() -> None:  # called by the engine stream's reader: stop every choice now
+        for choice in choices.values():
+            if not choice.finished:
+                choice.finished = True
+                engine.abort(choice.engine_request_id)
+                engine.release(choice.engine_request_id)
+        if on_overflow is not None:
+            on_overflow(slow_client_error(max_pending))
+
+    # the outputs of all the choices, in arrival order
+    queue = OutputQueue(max_pending, overflowed)
     for i in range(req.n):
         rid = child_request_id(req.request_id, i, req.n)
         choices[rid] = Choice(i, rid, req.request_id, req.prompt_token_ids, req.text, tokenizer)
@@ -119,6 +194,8 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest):
                           f"request_id {req.request_id!r} is already running" +
                           (f" (engine request {taken!r})" if taken != req.request_id else ""))
     for rid, choice in choices.items():
+        if queue.overflowed:  # cannot happen with a real engine before anything was read
+            break
         engine.submit(rid, req.prompt_token_ids, child_params(req.params, choice.index),
                       priority=req.priority, queue=queue,
                       parent_request_id=req.request_id if req.n > 1 else "")
@@ -126,6 +203,8 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest):
     try:
         while num_running:
             out = await queue.get()
+            if out is OutputQueue.OVERFLOW:
+                raise slow_client_error(max_pending)
             choice = choices.get(out.request_id)
             if choice is None or choice.finished:  # e.g. the ABORT after a stop-string hit
                 continue

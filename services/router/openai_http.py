@@ -23,7 +23,8 @@ from aiohttp import web
 
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
-from services.router.generation import EngineError, prepare, stream_responses
+from services.router.generation import (DEFAULT_MAX_STREAM_BUFFER, EngineError, prepare,
+                                        stream_responses)
 from services.router.openai_requests import (OpenAIError, ParsedRequest, bad_request,
                                              from_status, parse_chat, parse_completion)
 from services.router.openai_responses import ResponseBuilder
@@ -32,7 +33,11 @@ from services.router.validation import RequestError
 log = logging.getLogger(__name__)
 # Bodies larger than this are validated and tokenized on a thread, not on the event loop.
 INLINE_PREPARE_BYTES = 16 * 1024
-MAX_BODY_BYTES = 64 * 1024 * 1024  # as the gRPC message limit
+# NOTE: the largest request the public APIs read (HTTP body; gRPC message, router
+# --max-request-bytes): 8 MiB holds a 128k-token prompt many times over (as JSON token
+# ids ~7 B/token, as text ~4 B/token), and bounds what one request makes the router parse
+# and tokenize. Larger: HTTP 413, gRPC RESOURCE_EXHAUSTED.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DISABLED = -1  # --http-port value that turns the HTTP server off
 
 
@@ -58,6 +63,7 @@ async def _openai_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         message = (f"Invalid URL ({request.method} {request.path})" if e.status in (404, 405)
+                   else e.text if e.status == 413  # names the limit and the body's size
                    else e.reason)
         return _error(OpenAIError(e.status, message, code=e.reason.lower().replace(" ", "_")))
     except ConnectionError:  # the client went away: nobody to answer
@@ -73,14 +79,18 @@ class OpenAIServer:
     Args:
         engine: the router's scheduler replicas (``engine.info.model`` is the served name).
         tokenizer: the model's fast tokenizer.
+        max_body_bytes: larger request bodies are refused with 413 (router
+            --max-request-bytes).
     """
 
-    def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None):
+    def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.max_stream_buffer = DEFAULT_MAX_STREAM_BUFFER  # router --max-stream-buffer
         self.app = web.Application(middlewares=[self._count, _openai_errors],
-                                   client_max_size=MAX_BODY_BYTES)
+                                   client_max_size=max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.get("/v1/models", self.models),
@@ -104,8 +114,15 @@ class OpenAIServer:
                 path = route.canonical if route is not None else "unmatched"
                 self.metrics.request_done(path, str(status))
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0 = a free port); returns the bound port.
+    def require_api_keys(self, keys) -> None:
+        """Answer 401 to every request but ``GET /health`` without an accepted
+        ``Authorization: Bearer <key>`` (``keys``: ``auth.ApiKeys``). Call before ``start``."""
+        from services.router.auth import http_middleware
+        self.app.middlewares.insert(1, http_middleware(keys))  # after _count: 401s are counted
+
+    async def start(self, host: str, port: int, ssl_context=None) -> int:
+        """Listen on host:port (0 = a free port); returns the bound port. With
+        ``ssl_context`` (``TLSConfig.http_ssl_context()``) it serves HTTPS.
 
         Raises:
             ValueError: port outside [0, 65535].
@@ -119,7 +136,7 @@ class OpenAIServer:
                                      shutdown_timeout=2.0)
         await self._runner.setup()
         try:
-            await web.TCPSite(self._runner, host, port).start()
+            await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
         except OSError as e:
             await self._runner.cleanup()
             raise RuntimeError(f"cannot bind HTTP {host}:{port}: {e.strerror or e}") from None
@@ -161,8 +178,10 @@ class OpenAIServer:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await request.json()
-        except ValueError:
+        except ValueError:  # also a body that is not UTF-8 (UnicodeDecodeError)
             raise bad_request("the request body is not valid JSON") from None
+        except RecursionError:  # e.g. [[[[...]]]] thousands deep: json's recursion limit
+            raise bad_request("the request body is not valid JSON: nested too deeply") from None
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         info = self._info()
@@ -172,7 +191,8 @@ class OpenAIServer:
                               code="model_not_found")
         parsed = parse_chat(body) if chat else parse_completion(body)
         try:
-            if (request.content_length or 0) > INLINE_PREPARE_BYTES:  # keep the loop free
+            # len(read()): the body already read (cached), also when it came chunked
+            if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
                 prepared = await asyncio.to_thread(prepare, parsed.request, self.tokenizer, info)
             else:
                 prepared = prepare(parsed.request, self.tokenizer, info)
@@ -182,8 +202,9 @@ class OpenAIServer:
                                   if prepared.params.HasField("logprobs") else None)
         # NOTE: aclosing: however the handler ends (client gone, error), the generator is
         # closed, and its clean-up aborts every engine request still running.
-        async with contextlib.aclosing(stream_responses(self.engine, self.tokenizer,
-                                                        prepared)) as responses:
+        async with contextlib.aclosing(stream_responses(
+                self.engine, self.tokenizer, prepared,
+                max_pending=self.max_stream_buffer)) as responses:
             if parsed.stream:
                 return await self._stream(request, responses, builder, parsed)
             try:

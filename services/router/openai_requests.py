@@ -108,7 +108,7 @@ def parse_completion(body: dict) -> ParsedRequest:
     Raises:
         OpenAIError: 400 for a wrong JSON type or an unsupported field.
     """
-    _refuse(body, echo=False, suffix=None, best_of=1, prompt_logprobs=None)
+    _refuse(body, echo=False, suffix=None, best_of=1, prompt_logprobs=None, logit_bias={})
     req = api_pb2.GenerateRequest()
     logprobs = _int32(body, "logprobs")  # the range is validation's: [0, 20]
     if logprobs is not None:
@@ -120,7 +120,7 @@ def parse_completion(body: dict) -> ParsedRequest:
                               "send one prompt per request", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        req.prompt = prompt
+        req.prompt = _utf8(prompt, "prompt")
     elif isinstance(prompt, list):
         if not all(_is_int(t) and INT32_MIN <= t <= INT32_MAX for t in prompt):
             raise bad_request("prompt must be a string or a list of token ids (ints)", "prompt")
@@ -141,7 +141,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     Raises:
         OpenAIError: 400 for a wrong JSON type or an unsupported field.
     """
-    _refuse(body, prompt_logprobs=None, tools=[], functions=[])
+    _refuse(body, prompt_logprobs=None, tools=[], functions=[], logit_bias={})
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise bad_request("response_format: only {\"type\": \"text\"} is supported",
@@ -155,7 +155,9 @@ def parse_chat(body: dict) -> ParsedRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
-        req.chat.messages.add(role=m["role"], content=_content(m.get("content"), i))
+        req.chat.messages.add(role=_utf8(m["role"], f"messages[{i}].role", "messages"),
+                              content=_utf8(_content(m.get("content"), i),
+                                            f"messages[{i}].content", "messages"))
     name, value = (("max_completion_tokens", body["max_completion_tokens"])
                    if body.get("max_completion_tokens") is not None
                    else ("max_tokens", body.get("max_tokens")))
@@ -228,9 +230,9 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
         sp.seed = seed % SEED_MODULUS
     stop = body.get("stop")
     if isinstance(stop, str):
-        sp.stop.append(stop)
+        sp.stop.append(_utf8(stop, "stop"))
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        sp.stop.extend(stop)
+        sp.stop.extend(_utf8(s, f"stop[{i}]", "stop") for i, s in enumerate(stop))
     elif stop is not None:
         raise bad_request("stop must be a string or a list of strings", "stop")
     ids = body.get("stop_token_ids")
@@ -243,6 +245,23 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
     priority = _int32(body, "priority")
     if priority is not None:
         req.priority = priority
+
+
+def _utf8(text: str, name: str, param: str | None = None) -> str:
+    """``text``, checked to be valid Unicode: JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which neither protobuf strings (UTF-8) nor the tokenizer accept.
+
+    Raises:
+        OpenAIError: 400 naming the field and the character's position.
+    """
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise bad_request(f"{name} is not valid Unicode: lone surrogate "
+                              f"U+{ord(text[e.start]):04X} at character {e.start}",
+                              param or name) from None
+    return text
 
 
 def _is_int(x) -> bool:

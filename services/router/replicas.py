@@ -240,6 +240,11 @@ class ReplicaSet:
             owner.release(request_id)
         self._maybe_close_drained()
 
+    def fail_all(self, why: str) -> None:
+        """``EngineClient.fail_all`` on every replica (draining ones too)."""
+        for client in [*self.replicas.values(), *self._draining.values()]:
+            client.fail_all(why)
+
     async def close(self) -> None:
         """Stop the DNS refresh and close every replica's stream."""
         if self._refresh_task is not None:

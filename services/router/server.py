@@ -6,20 +6,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 
 import grpc
+from aiohttp import web
 from grpc_reflection.v1alpha import reflection
 
-from services.common.config import PORT, add_flag, float_in, int_in
+from services.common.config import PORT, add_flag, float_in, int_in, parse_bytes
+from services.common.decode_errors import DecodeErrorInterceptor
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags, request_id_var
+from services.common.shutdown import (SHUTTING_DOWN, TIMED_OUT, InFlight, add_shutdown_flags,
+                                      drain)
 from services.common.metrics import ROUTER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.router import text_api
-from services.router.generation import EngineError, prepare, stream_responses
+from services.router.generation import (DEFAULT_MAX_STREAM_BUFFER, EngineError, prepare,
+                                        stream_responses)
+from services.router.auth import ApiKeyInterceptor, add_api_key_flag
+from services.router.engine_client import EngineClient
 from services.router.metrics import RouterMetrics
-from services.router.openai_http import DISABLED, OpenAIServer
+from services.router.openai_http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
+from services.router.openai_requests import OpenAIError
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.tokenizer import load_tokenizer
 from services.router.validation import RequestError
@@ -37,19 +47,24 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
     lives in ``generation`` (Generate, Chat) and ``text_api`` (Chat's mapping, Tokenize,
     Detokenize, ListModels)."""
 
-    def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None):
+    def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None,
+                 max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER):
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.inflight = InFlight()  # Generate/Chat calls running; draining: refuse new ones
+        self.max_stream_buffer = max_stream_buffer  # see generation.OutputQueue
 
     async def Generate(self, request, context):
-        with self._counted("Generate", context):
+        with self._counted("Generate", context), self.inflight.track():
+            await self._admit(context)
             async with contextlib.aclosing(self._generate(request, context)) as responses:
                 async for response in responses:
                     yield response
 
     async def Chat(self, request, context):
-        with self._counted("Chat", context):
+        with self._counted("Chat", context), self.inflight.track():
+            await self._admit(context)
             try:
                 generate = text_api.chat_to_generate(request)
             except RequestError as e:
@@ -82,13 +97,19 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):
-            code = grpc.StatusCode.CANCELLED
+            # a slow client cut off by the router has its code (RESOURCE_EXHAUSTED) set
+            code = context.code() or grpc.StatusCode.CANCELLED
             raise
         except Exception:
             code = context.code() or grpc.StatusCode.UNKNOWN
             raise
         finally:
             self.metrics.request_done(method, code or context.code() or grpc.StatusCode.OK)
+
+    async def _admit(self, context) -> None:
+        """Refuse a new Generate/Chat call with UNAVAILABLE once the router is draining."""
+        if self.inflight.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
 
     async def _info(self, context):
         if self.engine.info is None:
@@ -122,8 +143,18 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         log.info("request accepted: %d prompt tokens, n=%d, max_tokens=%s",
                  len(prepared.prompt_token_ids), prepared.n,
                  prepared.params.max_tokens if prepared.params.HasField("max_tokens") else "auto")
+        slow: list[asyncio.Task] = []  # aborts the RPC when the client reads too slowly
+
+        def on_overflow(e: EngineError) -> None:
+            # NOTE: from another task: this handler is suspended in a write the client's flow
+            # control holds back; the abort sends the status and closes this generator.
+            context.set_code(e.code)
+            slow.append(asyncio.create_task(_abort_quietly(context, e)))
+
         try:
-            async for response in stream_responses(self.engine, self.tokenizer, prepared):
+            async for response in stream_responses(self.engine, self.tokenizer, prepared,
+                                                   max_pending=self.max_stream_buffer,
+                                                   on_overflow=on_overflow):
                 if response.finish_reason:
                     log.info("request finished: %s, %d tokens",
                              api_pb2.FinishReason.Name(response.finish_reason),
@@ -131,7 +162,44 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
                 yield response
         except EngineError as e:
             log.info("request failed: %s", e.code.name)
+            if slow:  # already aborted by on_overflow: end with its AbortError, as grpc expects
+                error = await slow[0]
+                if error is not None:
+                    raise error
+                return
             await context.abort(e.code, e.message)
+
+
+async def _abort_quietly(context, e: EngineError) -> BaseException | None:
+    """``context.abort`` from outside the handler; returns the AbortError it raises."""
+    log.warning("request aborted: %s", e.message)
+    try:
+        await context.abort(e.code, e.message)
+    except Exception as abort_error:  # grpc.aio's AbortError, the normal outcome
+        return abort_error
+    return None
+
+
+def _http_gate(inflight: InFlight):
+    """aiohttp middleware: count HTTP requests in flight; while draining answer 503 to new
+    completions and to /health (so load balancers stop sending)."""
+    @web.middleware
+    async def gate(request: web.Request, handler):
+        if inflight.draining and request.path in _REFUSED_WHILE_DRAINING:
+            raise OpenAIError(503, SHUTTING_DOWN, "server_error", code="unavailable")
+        with inflight.track():
+            return await handler(request)
+    return gate
+
+
+_REFUSED_WHILE_DRAINING = {"/v1/completions", "/v1/chat/completions", "/health"}
+
+
+async def _end_in_flight(engine: ReplicaSet, inflight: InFlight) -> None:
+    """At the shutdown timeout: end every engine request with UNAVAILABLE (``TIMED_OUT``) and
+    give the calls a moment (seconds) to send that status to their clients."""
+    engine.fail_all(TIMED_OUT)
+    await inflight.wait_idle(2.0)
 
 
 def _targets(value: str) -> str:
@@ -154,10 +222,22 @@ def replica_set(args, on_connection=None, metrics: RouterMetrics | None = None) 
         addresses, dns_target = parse_targets(args.schedulers)
     else:
         addresses, dns_target = [args.scheduler], None
+    # NOTE: TLS (and the client certificate) on the router→scheduler links, when configured
+    factory = functools.partial(EngineClient,
+                                credentials=client_credentials(tls_from_args(args)))
     return ReplicaSet(addresses, policy=args.routing_policy, dns_target=dns_target,
+                      client_factory=factory,
                       dns_refresh=args.scheduler_dns_refresh,
                       affinity_blocks=args.prefix_affinity_blocks, on_connection=on_connection,
                       metrics=metrics)
+
+
+def _request_bytes(value: str) -> int:
+    """argparse type of --max-request-bytes: a size (``8MiB``) below 2 GiB (gRPC's int32)."""
+    n = parse_bytes(value)
+    if n > 2**31 - 1:
+        raise argparse.ArgumentTypeError(f"must be at most 2GiB-1 (2147483647), got {value!r}")
+    return n
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -182,8 +262,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file whose tokenizer to use "
                   "(default: packaged SmolLM2-135M-Instruct)")
+    add_flag(p, "--max-stream-buffer", type=int_in(1), default=DEFAULT_MAX_STREAM_BUFFER,
+             help="responses buffered per streaming call while its client does not read; "
+                  "past it the call fails with RESOURCE_EXHAUSTED and its engine requests are "
+                  "aborted")
+    add_flag(p, "--max-request-bytes", type=_request_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
+             help="largest public request accepted (gRPC message, HTTP body; e.g. 8MiB, at "
+                  "most 2GiB-1): larger gRPC requests fail with RESOURCE_EXHAUSTED, larger "
+                  "HTTP bodies with 413")
     add_flag(p, "--scheduler-connect-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for the scheduler at start-up")
+    add_shutdown_flags(p)
+    add_tls_flags(p)
+    add_api_key_flag(p)
     add_log_flags(p)
     add_metrics_flags(p, ROUTER_PORT)
 
@@ -191,27 +282,44 @@ def add_args(p: argparse.ArgumentParser) -> None:
 async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
     """Load the tokenizer, connect to the scheduler, and serve until stopped."""
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
-    server, port, health = await new_server(args.host, args.port)
+    tls = tls_from_args(args)
+    api_keys = getattr(args, "api_key", None)
+    server, port, health = await new_server(
+        args.host, args.port, tls=tls,
+        interceptors=[*([ApiKeyInterceptor(api_keys)] if api_keys else []),
+                      DecodeErrorInterceptor()],  # unparsable request -> INVALID_ARGUMENT
+        max_receive_bytes=args.max_request_bytes)
     args.port = port
     # NOTE: the router is SERVING exactly while the stream to at least one scheduler replica
     # is up (and that replica's engine agrees with the others).
     metrics = RouterMetrics(available=lambda: len(engine.available()))
-    engine = replica_set(args, on_connection=lambda up: set_serving(health, up, [SERVICE]),
-                         metrics=metrics)
-    api_pb2_grpc.add_GenerationServiceServicer_to_server(
-        GenerationServicer(engine, tokenizer, metrics), server)
+    # NOTE: once draining, a scheduler (re)connecting does not make the router SERVING again.
+    engine = replica_set(args, on_connection=lambda up: set_serving(
+        health, up and not inflight.draining, [SERVICE]), metrics=metrics)
+    servicer = GenerationServicer(engine, tokenizer, metrics, args.max_stream_buffer)
+    inflight = servicer.inflight  # gRPC calls and HTTP requests: one count, one drain
+    api_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         [SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-    http = OpenAIServer(engine, tokenizer, metrics) if args.http_port != DISABLED else None
+    http = (OpenAIServer(engine, tokenizer, metrics, max_body_bytes=args.max_request_bytes)
+            if args.http_port != DISABLED else None)
+    if http is not None:
+        http.max_stream_buffer = args.max_stream_buffer
+    if http is not None:
+        http.app.middlewares.append(_http_gate(inflight))
     await server.start()
     metrics_server = start_metrics_server(metrics.registry, args.metrics_host or args.host,
                                           args.metrics_port)
     args.metrics_port = metrics_server.port if metrics_server else args.metrics_port
     try:
         if http is not None:  # before the engine is up: /health answers 503 meanwhile
-            args.http_port = await http.start(args.http_host or args.host, args.http_port)
-            log.info("router OpenAI-compatible HTTP on %s:%d", args.http_host or args.host,
-                     args.http_port)
+            if api_keys:
+                http.require_api_keys(api_keys)
+            https = tls is not None and tls.certfile is not None
+            args.http_port = await http.start(args.http_host or args.host, args.http_port,
+                                              tls.http_ssl_context() if https else None)
+            log.info("router OpenAI-compatible %s on %s:%d", "HTTPS" if https else "HTTP",
+                     args.http_host or args.host, args.http_port)
         log.info("router waiting for scheduler %s (routing %s)",
                  args.schedulers or args.scheduler, args.routing_policy)
         await engine.start(timeout=args.scheduler_connect_timeout)
@@ -220,6 +328,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         if ready:
             ready.set()
         await (stop or stop_event_on_signals()).wait()
+        await drain("router", health, [SERVICE], args.shutdown_timeout, inflight.begin_drain,
+                    inflight.wait_idle, on_timeout=lambda: _end_in_flight(engine, inflight))
     finally:
         await set_serving(health, False, [SERVICE])
         if http is not None:

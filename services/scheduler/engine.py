@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.pb.pagedserve.v1 import engine_pb2
+from services.common.shutdown import SHUTTING_DOWN
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
 from services.scheduler.logprobs import logprobs_from_pb, prompt_logprobs_from_pb
 from services.scheduler.metrics import SchedulerMetrics
@@ -83,11 +84,16 @@ class Engine:
         self._reconnect_timeout = reconnect_timeout
         self.num_steps_total = 0
         self.healthy = True
+        self.draining = False  # shutting down: refuse new submits, finish the running ones
 
     # ---- requests from routers -------------------------------------------------------------
     def submit(self, sink: RouterSink, msg: engine_pb2.SubmitRequest) -> None:
         """Queue a request; a rejected one gets an error output on its sink at once."""
         rid = msg.request_id
+        if self.draining:
+            sink.queue.put_nowait(self._batch([error_output(
+                rid, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)]))
+            return
         if not self.healthy:
             sink.queue.put_nowait(self._batch([error_output(
                 rid, grpc.StatusCode.UNAVAILABLE, "engine has no worker; retry later")]))
@@ -130,6 +136,24 @@ class Engine:
             self._abort_unpublished(rid)
             self._sinks.pop(rid, None)
         sink.request_ids.clear()
+
+    def begin_drain(self) -> None:
+        """Shutting down: refuse new submits with UNAVAILABLE; running requests go on."""
+        self.draining = True
+
+    @property
+    def idle(self) -> bool:
+        """No request is queued, running, or waiting for its final output."""
+        return not self._sinks and not self.scheduler.has_unfinished_requests()
+
+    def fail_all(self, code: grpc.StatusCode, message: str) -> None:
+        """End every request now with an error output ``code``/``message`` on its router's
+        stream, and free its blocks."""
+        for rid, sink in list(self._sinks.items()):
+            self._abort_unpublished(rid)
+            sink.queue.put_nowait(self._batch([error_output(rid, code, message)]))
+            sink.request_ids.discard(rid)
+        self._sinks.clear()
 
     def _abort_unpublished(self, request_id: str) -> None:
         """Abort a request whose final output is sent some other way (or nowhere)."""
@@ -199,12 +223,7 @@ class Engine:
         self.healthy = False
         if self.on_health:
             await self.on_health(False)
-        for rid, sink in list(self._sinks.items()):
-            self._abort_unpublished(rid)
-            sink.queue.put_nowait(self._batch([error_output(
-                rid, grpc.StatusCode.UNAVAILABLE, f"worker failed: {reason}")]))
-            sink.request_ids.discard(rid)
-        self._sinks.clear()
+        self.fail_all(grpc.StatusCode.UNAVAILABLE, f"worker failed: {reason}")
         # NOTE: the step that failed may not have written blocks it registered, and a restarted
         # worker has an empty KV cache: no cached prefix can be trusted any more.
         self.scheduler.reset_prefix_cache()
@@ -216,7 +235,7 @@ class Engine:
                 log.warning("reconnecting to workers: %s", e)
         log.info("workers back; serving again")
         self.healthy = True
-        if self.on_health:
+        if self.on_health and not self.draining:
             await self.on_health(True)
 
     # ---- results -----------------------------------------------------------------------------

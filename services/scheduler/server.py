@@ -16,7 +16,10 @@ import grpc
 from services.common.config import PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
+from services.common.shutdown import (SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain,
+                                      wait_until)
 from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
+from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from services.scheduler.engine import Engine, RouterSink
 from services.scheduler.metrics import SchedulerMetrics
@@ -34,6 +37,12 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         # Set once the workers are connected; until then RPCs answer UNAVAILABLE.
         self.engine: Engine | None = None
         self.info: engine_pb2.GetEngineInfoResponse | None = None
+        self.sinks: set[RouterSink] = set()  # the open Connect streams
+
+    def close_streams(self) -> None:
+        """End every router's Connect stream once the batches queued on it are sent."""
+        for sink in self.sinks:
+            sink.queue.put_nowait(None)
 
     async def _require_engine(self, context) -> Engine:
         if self.engine is None:
@@ -42,6 +51,8 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
 
     async def Connect(self, request_iterator, context):
         await self._require_engine(context)
+        if self.engine.draining:  # a router reconnecting while we shut down: nothing to take
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         sink = RouterSink()
 
         async def read_requests():
@@ -55,12 +66,14 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 sink.queue.put_nowait(None)  # the router closed its side: end the stream
 
         reader = asyncio.create_task(read_requests())
+        self.sinks.add(sink)
         try:
             yield self.engine.load_batch()  # the handshake: tells the router the stream is up
             while (batch := await sink.queue.get()) is not None:
                 yield batch
         finally:
             reader.cancel()
+            self.sinks.discard(sink)
             self.engine.detach(sink)
 
     async def GetEngineInfo(self, request, context):
@@ -109,6 +122,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--max-num-waiting-tokens", type=int_in(0), default=0,
              help="refuse new requests with RESOURCE_EXHAUSTED once the waiting queue would "
                   "hold more prompt tokens than this (0 = no limit)")
+    add_tls_flags(p)
+    add_shutdown_flags(p)
     add_log_flags(p)
     add_metrics_flags(p, SCHEDULER_PORT)
 
@@ -144,7 +159,8 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
         ValueError: workers disagree, block sizes differ, or max_model_len cannot fit.
         WorkerError: workers not reachable within --worker-connect-timeout.
     """
-    workers = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()])
+    workers = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()],
+                          credentials=client_credentials(tls_from_args(args)))
     infos = await workers.connect(timeout=args.worker_connect_timeout)
     first = infos[0]
     for addr, info in zip(workers.addresses, infos):
@@ -176,7 +192,7 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         ValueError: a flag out of range (checked before waiting for the workers).
     """
     scheduler_config(args, max_model_len=args.max_model_len or 1)  # fail fast on bad flags
-    server, port, health = await new_server(args.host, args.port)
+    server, port, health = await new_server(args.host, args.port, tls=tls_from_args(args))
     args.port = port
     servicer = EngineServicer()
     engine_pb2_grpc.add_EngineServiceServicer_to_server(servicer, server)
@@ -185,7 +201,7 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     try:
         log.info("scheduler waiting for workers %s", args.workers)
         engine, info = await build_engine(args)
-        engine.on_health = lambda ok: set_serving(health, ok, [SERVICE])
+        engine.on_health = lambda ok: set_serving(health, ok and not engine.draining, [SERVICE])
         engine.metrics = SchedulerMetrics(engine.scheduler, model_name=info.model)
         metrics_server = start_metrics_server(engine.metrics.registry,
                                               args.metrics_host or args.host, args.metrics_port)
@@ -199,6 +215,10 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         if ready:
             ready.set()
         await (stop or stop_event_on_signals()).wait()
+        await drain("scheduler", health, [SERVICE], args.shutdown_timeout, engine.begin_drain,
+                    lambda timeout: wait_until(lambda: engine.idle, timeout),
+                    on_timeout=lambda: engine.fail_all(grpc.StatusCode.UNAVAILABLE, TIMED_OUT))
+        servicer.close_streams()  # the routers get every final output first
     finally:
         await set_serving(health, False, [SERVICE])
         if loop_task:

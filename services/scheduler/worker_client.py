@@ -20,6 +20,7 @@ import grpc
 
 from services.common.grpc_utils import CHANNEL_OPTIONS
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from services.common.tls import aio_channel
 from services.scheduler.request import EngineSamplingParams
 from services.scheduler.scheduler import SchedulerOutput
 
@@ -86,16 +87,18 @@ class WorkerGroup:
 
     Args:
         addresses: ``host:port`` of each rank of one group, in any order.
+        credentials: TLS channel credentials (see ``services.common.tls``); None = plaintext.
 
     Attributes:
         driver: index into ``addresses`` of the rank whose results carry the tokens.
         pipeline_parallel_size: stages of the group (1 without pipeline parallelism).
     """
 
-    def __init__(self, addresses: list[str]):
+    def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None):
         if not addresses:
             raise ValueError("--workers must name at least one worker address")
         self.addresses = addresses
+        self.credentials = credentials
         self._channels: list[grpc.aio.Channel] = []
         self._calls: list[grpc.aio.StreamStreamCall] = []
         self.infos: list[worker_pb2.GetWorkerInfoResponse] = []
@@ -133,7 +136,7 @@ class WorkerGroup:
     async def _get_infos(self, deadline: float, timeout: float
                          ) -> list[worker_pb2.GetWorkerInfoResponse]:
         await self.close()
-        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS)
+        self._channels = [aio_channel(a, self.credentials, options=CHANNEL_OPTIONS)
                           for a in self.addresses]
         infos = []
         for addr, ch in zip(self.addresses, self._channels):

@@ -22,6 +22,7 @@ import sys
 import time
 
 from services.common.grpc_utils import check_health, stop_event_on_signals
+from services.common.tls import client_credentials, tls_from_args
 
 log = logging.getLogger(__name__)
 SUPERVISOR_ENV = "PAGEDSERVE_RANK_SUPERVISOR_PID"  # set for the ranks a supervisor starts
@@ -70,6 +71,8 @@ class RankSupervisor:
         self.procs: list[subprocess.Popen] = []
         self.restarts = 0
         self._restart_delay = restart_delay
+        # the ranks serve TLS with this worker's --ssl-* flags: health checks use them too
+        self._credentials = client_credentials(tls_from_args(args))
 
     def _start_group(self) -> None:
         # NOTE: no preexec_fn: Python code between fork and exec can crash (locks held by gRPC's
@@ -105,7 +108,7 @@ class RankSupervisor:
     async def _wait_healthy(self, stop: asyncio.Event) -> bool:
         """True once every rank answers SERVING; False when a rank exited or stop was set."""
         for address in self.addresses:
-            while not await check_health(address, timeout=1.0):
+            while not await check_health(address, timeout=1.0, credentials=self._credentials):
                 if self._exited() or stop.is_set():
                     return False
                 await asyncio.sleep(0.2)
@@ -154,5 +157,6 @@ class RankSupervisor:
                 await asyncio.to_thread(self._stop_group)
                 self.restarts += 1
                 await asyncio.sleep(self._restart_delay)
-        finally:
-            await asyncio.to_thread(self._stop_group)
+        finally:  # each rank drains: it steps until its scheduler stream closes
+            await asyncio.to_thread(self._stop_group,
+                                    getattr(self.args, "shutdown_timeout", 0.0) + 3.0)

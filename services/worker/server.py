@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -25,7 +26,9 @@ import grpc
 from services.common.config import PORT, add_flag, float_in, int_in, parse_bytes
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
+from services.common.shutdown import InFlight, add_shutdown_flags, drain
 from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metrics_server
+from services.common.tls import add_tls_flags, tls_from_args
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.worker.metrics import WorkerMetrics
 from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput)
@@ -89,6 +92,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self.info = info
         self.metrics = metrics
         self.fatal = fatal  # set when a failed step leaves this rank unusable (parallel ranks)
+        self.streams = InFlight()  # open step streams: shutdown waits until none is
         # One thread: steps must run in order, and torch uses its own intra-op threads.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
 
@@ -96,6 +100,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         return self.info
 
     async def Execute(self, request_iterator, context):
+        with self.streams.track():
+            async with contextlib.aclosing(self._execute(request_iterator, context)) as steps:
+                async for result in steps:
+                    yield result
+
+    async def _execute(self, request_iterator, context):
         loop = asyncio.get_running_loop()
         async for msg in request_iterator:
             try:
@@ -172,6 +182,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="number of ranks; must equal tensor x pipeline parallel size (a check)")
     add_flag(p, "--distributed-timeout", type=float_in(0, lo_open=True), default=60.0,
              help="seconds a rank waits on a peer (rendezvous, collective) before failing")
+    add_tls_flags(p)
+    add_shutdown_flags(p)
     add_log_flags(p)
     add_metrics_flags(p, WORKER_PORT)
 
@@ -238,13 +250,13 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         from services.worker.launch import die_with_supervisor
         die_with_supervisor()
     runner = runner or await asyncio.to_thread(build_runner, args)
-    server, port, health = await new_server(args.host, args.port)
+    server, port, health = await new_server(args.host, args.port, tls=tls_from_args(args))
     args.port = port
     fatal = asyncio.Event() if getattr(runner, "parallel", None) else None
     info = worker_info(runner)
     metrics = WorkerMetrics(rank=info.rank)
-    worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(runner, info, fatal, metrics), server)
+    servicer = WorkerServicer(runner, info, fatal, metrics)
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     await server.start()
     metrics_server = start_metrics_server(metrics.registry, args.metrics_host or args.host,
                                           args.metrics_port)
@@ -260,6 +272,9 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
+        if fatal is None or not fatal.is_set():  # keep stepping until the scheduler drained
+            await drain("worker", health, [SERVICE], args.shutdown_timeout,
+                        servicer.streams.begin_drain, servicer.streams.wait_idle)
     finally:
         await set_serving(health, False, [SERVICE])
         await server.stop(grace=1.0)

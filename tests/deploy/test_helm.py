@@ -245,3 +245,21 @@ def test_readme_documents_every_value():
     assert not missing, f"values missing from helm/pagedserve/README.md's table: {missing}"
     for name in ("values.schema.json", "templates/NOTES.txt", "ci/values-cuda-tp4.yaml"):
         assert (CHART / name).is_file()
+
+
+def test_every_service_drains_within_its_pods_grace_period(tmp_path):
+    """PAGEDSERVE_SHUTDOWN_TIMEOUT reaches every container, each pod's grace period is longer,
+    and a grace period that would SIGKILL a draining pod is refused at render time."""
+    objects = _objects(_render(tmp_path, _values_file(tmp_path, {"shutdownTimeout": 40})))
+    pods = [o["spec"]["template"]["spec"] for o in objects
+            if o["kind"] in ("Deployment", "StatefulSet")]
+    assert len(pods) == 2
+    for spec in pods:
+        assert spec["terminationGracePeriodSeconds"] > 40
+        for c in spec["containers"]:
+            assert _env(c)["PAGEDSERVE_SHUTDOWN_TIMEOUT"] == "40"
+    short = _values_file(tmp_path, {"router": {"terminationGracePeriodSeconds": 20}})
+    proc = run([*HELM, "template", "ps", str(CHART), "-f", str(short)])
+    assert proc.returncode != 0, output(proc)
+    assert "router.terminationGracePeriodSeconds (20) must be larger than shutdownTimeout" \
+        in proc.stderr, output(proc)

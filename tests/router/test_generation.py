@@ -191,3 +191,47 @@ def test_a_running_child_id_is_refused_before_anything_is_submitted():
     assert err.value.message == "request_id 'req' is already running (engine request '2_req')"
     # nothing of ours was submitted, and the other caller's requests were left alone
     assert engine.submitted == {} and engine.aborted == [] and engine.released == []
+
+
+def test_a_slow_caller_is_cut_off_at_the_buffer_bound_and_its_choices_aborted():
+    # 2 choices, 9 outputs arrive before the caller reads anything: past 4 buffered outputs
+    # the call fails with RESOURCE_EXHAUSTED, both engine requests are aborted at once (not
+    # when the caller reads), and the buffered outputs are dropped.
+    outputs = [out(f"{i % 2}_req", [7 + i]) for i in range(9)]
+    engine = FakeEngine(outputs)
+    errors = []
+
+    async def run():
+        gen = stream_responses(engine, smollm2_tokenizer(), prepared(n=2), max_pending=4,
+                               on_overflow=errors.append)
+        try:
+            with pytest.raises(EngineError) as err:
+                async for _ in gen:
+                    pass
+        finally:
+            await gen.aclose()
+        return err.value
+
+    e = asyncio.run(run())
+    assert e.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "reads too slowly" in e.message
+    assert len(errors) == 1 and errors[0].code == e.code
+    # overflowed while choice 0's outputs were queued: choice 1 was never submitted (its abort
+    # is a no-op for a real engine, which does not know the id)
+    assert list(engine.submitted) == ["0_req"]
+    assert engine.aborted[0] == engine.released[0] == "0_req"
+
+
+def test_output_queue_bound_keeps_final_outputs():
+    from services.router.generation import OutputQueue
+
+    calls = []
+    q = OutputQueue(2, lambda: calls.append(1))
+    q.put_nowait(out(RID, [1]))
+    q.put_nowait(out(RID, [2]))
+    q.put_nowait(out(RID, finish=LENGTH))  # a final output is accepted past the bound
+    assert q.qsize() == 3 and not q.overflowed and calls == []
+    q2 = OutputQueue(2, lambda: calls.append(1))
+    for i in range(5):
+        q2.put_nowait(out(RID, [i]))
+    assert q2.overflowed and calls == [1]
+    assert q2.qsize() == 1 and q2.get_nowait() is OutputQueue.OVERFLOW  # the rest dropped

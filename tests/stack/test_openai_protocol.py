@@ -149,7 +149,7 @@ def _fake_generation(monkeypatch, fail_after: int, closed: list):
     RESOURCE_EXHAUSTED; ``closed`` records that the generator was closed."""
     from services.router import openai_http
 
-    async def stream_responses(engine, tokenizer, prepared):
+    async def stream_responses(engine, tokenizer, prepared, **options):
         try:
             for i in range(fail_after):
                 yield api_pb2.GenerateResponse(token_ids=[1], text=f"t{i}")

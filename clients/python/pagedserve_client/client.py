@@ -20,6 +20,11 @@ text) and ``list_models`` (→ ``[ModelInfo]``); their result types are in ``tex
 Errors are ``grpc.RpcError`` (``.code()`` INVALID_ARGUMENT etc. with a message naming the field;
 RESOURCE_EXHAUSTED when the server sheds load, UNAVAILABLE when it has no engine).
 
+Security: ``root_certificates`` / ``private_key`` / ``certificate_chain`` (PEM bytes) or
+``credentials`` (a ``grpc.ChannelCredentials``) make the channel TLS (mTLS with a client
+certificate); ``api_key`` is sent as ``authorization: Bearer <key>`` metadata on every call
+(UNAUTHENTICATED when the router refuses it).
+
 Deadlines, retries, cancellation:
 - ``timeout`` (seconds) on the client is every call's default deadline; each method also takes
   ``timeout=`` for that call. The deadline covers the whole call, retries included; past it
@@ -133,14 +138,60 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     return req
 
 
+def channel_credentials(root_certificates: bytes | None = None,
+                        private_key: bytes | None = None,
+                        certificate_chain: bytes | None = None,
+                        credentials: grpc.ChannelCredentials | None = None
+                        ) -> grpc.ChannelCredentials | None:
+    """The TLS credentials of a client, or None for a plaintext channel.
+
+    Args:
+        root_certificates: PEM CA bundle that verifies the router (None: the system's roots).
+        private_key / certificate_chain: PEM client key and certificate, for a router that
+            requires client certificates (mTLS); give both or neither.
+        credentials: ready-made ``grpc.ChannelCredentials`` (then the PEM arguments must be
+            None).
+
+    Raises:
+        ValueError: both ``credentials`` and PEM arguments, or only one of private_key /
+            certificate_chain.
+    """
+    pem = (root_certificates, private_key, certificate_chain)
+    if credentials is not None:
+        if any(x is not None for x in pem):
+            raise ValueError("pass either credentials= or the PEM arguments, not both")
+        return credentials
+    if (private_key is None) != (certificate_chain is None):
+        raise ValueError("private_key and certificate_chain must be given together")
+    if all(x is None for x in pem):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates,
+                                        private_key=private_key,
+                                        certificate_chain=certificate_chain)
+
+
 class _ClientBase:
-    """Channel, stub, default deadline and retry settings shared by both clients."""
+    """Channel, stub, default deadline, retry settings and call metadata shared by both
+    clients."""
 
     _insecure_channel: Callable
+    _secure_channel: Callable
 
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None,
-                 max_retries: int = 2, retry_backoff: float = 0.2):
-        self._channel = self._insecure_channel(address, options=_OPTIONS)
+                 max_retries: int = 2, retry_backoff: float = 0.2, *,
+                 root_certificates: bytes | None = None, private_key: bytes | None = None,
+                 certificate_chain: bytes | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 api_key: str | None = None):
+        creds = channel_credentials(root_certificates, private_key, certificate_chain,
+                                    credentials)
+        if creds is None:
+            self._channel = self._insecure_channel(address, options=_OPTIONS)
+        else:
+            self._channel = self._secure_channel(address, creds, options=_OPTIONS)
+        # NOTE: plain metadata, not grpc call credentials: those are refused on a plaintext
+        # channel, and a router may check keys behind a TLS-terminating proxy.
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
         self._stub = api_pb2_grpc.GenerationServiceStub(self._channel)
         self.timeout = timeout  # seconds per call; None = no deadline
         self.max_retries, self.retry_backoff = max_retries, retry_backoff
@@ -159,14 +210,25 @@ class Client(_ClientBase):
             method overrides it for that call.
         max_retries: retries of a call that fails with UNAVAILABLE before any message arrived.
         retry_backoff: seconds before the first retry; doubles each time, at most 2 s.
+        root_certificates: PEM CA bundle that verifies a router serving TLS (None with no
+            other TLS argument: plaintext; None with a client certificate: system roots).
+        private_key / certificate_chain: PEM client key and certificate for a router that
+            requires client certificates (mTLS).
+        credentials: a ready ``grpc.ChannelCredentials`` instead of the three PEM arguments.
+        api_key: sent as ``authorization: Bearer <api_key>`` metadata on every call, for a
+            router started with ``--api-key`` (a wrong or missing key: UNAUTHENTICATED).
+
+    Raises:
+        ValueError: inconsistent TLS arguments (see ``channel_credentials``).
     """
 
     _insecure_channel = staticmethod(grpc.insecure_channel)
+    _secure_channel = staticmethod(grpc.secure_channel)
 
     def _streaming(self, method: Callable, req, timeout, convert: Callable) -> Iterator:
         retry = self._retry(timeout)
         while True:
-            call = method(req, timeout=retry.remaining())
+            call = method(req, timeout=retry.remaining(), metadata=self._metadata)
             started = False
             try:
                 for msg in call:
@@ -185,7 +247,7 @@ class Client(_ClientBase):
         retry = self._retry(timeout)
         while True:
             try:
-                return method(req, timeout=retry.remaining())
+                return method(req, timeout=retry.remaining(), metadata=self._metadata)
             except grpc.RpcError as e:
                 delay = retry.next_delay(e, started=False)
                 if delay is None:
@@ -296,12 +358,13 @@ class AsyncClient(_ClientBase):
     task that iterates a stream cancels the RPC."""
 
     _insecure_channel = staticmethod(grpc.aio.insecure_channel)
+    _secure_channel = staticmethod(grpc.aio.secure_channel)
 
     async def _streaming(self, method: Callable, req, timeout,
                          convert: Callable) -> AsyncIterator:
         retry = self._retry(timeout)
         while True:
-            call = method(req, timeout=retry.remaining())
+            call = method(req, timeout=retry.remaining(), metadata=self._metadata)
             started = False
             try:
                 async for msg in call:
@@ -320,7 +383,7 @@ class AsyncClient(_ClientBase):
         retry = self._retry(timeout)
         while True:
             try:
-                return await method(req, timeout=retry.remaining())
+                return await method(req, timeout=retry.remaining(), metadata=self._metadata)
             except grpc.RpcError as e:
                 delay = retry.next_delay(e, started=False)
                 if delay is None:

@@ -83,3 +83,12 @@ app.kubernetes.io/component: {{ .component }}
     readOnly: true
 {{- end }}
 {{- end }}
+
+{{/* A pod's terminationGracePeriodSeconds, checked to leave the services their drain time
+(shutdownTimeout) before SIGKILL; call with (dict "ctx" $ "component" "router" "seconds" N). */}}
+{{- define "pagedserve.gracePeriod" -}}
+{{- if le (float64 .seconds) (float64 .ctx.Values.shutdownTimeout) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%v) must be larger than shutdownTimeout (%v): Kubernetes would kill the pod while it drains" .component .seconds .ctx.Values.shutdownTimeout) }}
+{{- end }}
+{{- .seconds }}
+{{- end }}
