@@ -93,27 +93,78 @@ def bench_engine(model: str | None, items: list[Item], dtype: str) -> float:
                         [it.output_len for it in items], dtype)
 
 
-async def _drive(address: str, items: list[Item]) -> float:
+async def _drive(address: str, items: list[Item], metrics_url: str | None = None
+                 ) -> tuple[float, float | None]:
+    """Send every item at once; returns (output tokens/s, the worker's busy fraction or None).
+
+    The busy fraction is the worker's summed step time (``pagedserve:worker_step_seconds``
+    scraped from ``metrics_url`` before and after) over the wall time: what the stack leaves
+    of the worker's time to the forward passes; the rest is the worker waiting for its next
+    StepRequest (scheduler, gRPC hops) or the OS giving its cores to other processes.
+    """
     from pagedserve_client import AsyncClient
 
     async with AsyncClient(address) as client:
         await client.generate(prompt_token_ids=items[0].prompt_token_ids[:8], max_tokens=2)
+        busy0 = _step_seconds(metrics_url)
         t0 = time.perf_counter()
         results = await asyncio.gather(*(
             client.generate(prompt_token_ids=it.prompt_token_ids, max_tokens=it.output_len,
                             ignore_eos=True, temperature=0) for it in items))
         elapsed = time.perf_counter() - t0
+        busy1 = _step_seconds(metrics_url)
     n = sum(r.usage.completion_tokens for r in results)
     assert n == sum(it.output_len for it in items), "a request ended early"
-    return n / elapsed
+    busy = None if busy0 is None or busy1 is None else (busy1 - busy0) / elapsed
+    return n / elapsed, busy
 
 
-def bench_stack(model: str | None, items: list[Item], dtype: str, extra: list[str]) -> float:
-    """(c) Output tokens/s of ``pagedserve serve`` with every request in flight."""
+def _step_seconds(metrics_url: str | None) -> float | None:
+    """The worker's ``pagedserve:worker_step_seconds_sum`` (seconds), or None if unreadable."""
+    import urllib.request
+
+    if metrics_url is None:
+        return None
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("pagedserve:worker_step_seconds_sum"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def _free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free TCP ports on 127.0.0.1 (a metrics BASE for serve)."""
+    import socket
+
+    for base in range(29100, 60000, 7):
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def bench_stack(model: str | None, items: list[Item], dtype: str, extra: list[str]
+                ) -> tuple[float, float | None]:
+    """(c) Output tokens/s of ``pagedserve serve`` with every request in flight, and the
+    worker's busy fraction (see ``_drive``)."""
     from throughput import running_stack
 
-    with running_stack(model, dtype, ["--http-port", "-1", *extra]) as address:
-        return asyncio.run(_drive(address, items))
+    base = _free_port_run(3)  # scheduler BASE, router BASE+1, worker rank 0 BASE+2
+    with running_stack(model, dtype, ["--http-port", "-1", "--metrics-port", str(base),
+                                      *extra]) as address:
+        return asyncio.run(_drive(address, items, f"http://127.0.0.1:{base + 2}/metrics"))
 
 
 def main() -> None:
@@ -138,8 +189,11 @@ def main() -> None:
     res: dict = {"num_requests": a.num_requests, "seed": a.seed, "dtype": a.dtype,
                  "output_tokens": total}
     if "stack" not in a.skip:
-        res["stack"] = bench_stack(a.model, items, a.dtype, a.serve_args.split())
+        res["stack"], busy = bench_stack(a.model, items, a.dtype, a.serve_args.split())
         print(f"(c) pagedserve stack, gRPC       : {res['stack']:8.1f} output tok/s", flush=True)
+        if busy is not None:
+            res["stack_worker_busy"] = busy
+            print(f"    worker busy (step time / wall): {busy:8.1%}", flush=True)
     if "engine" not in a.skip:
         res["engine"] = bench_engine(a.model, items, a.dtype)
         print(f"(b) pagedserve engine, in-process: {res['engine']:8.1f} output tok/s", flush=True)

@@ -1,17 +1,20 @@
 """Paged attention and KV-cache write in batched torch: the CPU production path.
 
-No Python loop over requests. One step of ``torch_paged_attention``:
+No Python loop over requests. A step's attention is planned once (``plan_paged_attention``, all
+the index arithmetic) and every layer reuses the plan:
 
-1. gather every sequence's K/V through its block table into padded ``[B, max_seq_len, Hkv, D]``
-   tensors with one ``index_select`` each, into a reused workspace (positions past ``seq_len``
-   read the sequence's own token 0, which is always written, so padding is finite and masked);
-2. split the sequences into the decode group (``query_len == 1``) and the prefill group
-   (``query_len > 1``: prompts, chunked-prefill chunks, prefix-cache hits);
-3. run the decode group as ONE ``scaled_dot_product_attention`` call with a boolean key-padding
-   mask, and the prefill group as one such call per bucket of similar query lengths (padding
-   at most doubles a bucket's query rows; mask = key padding plus causal with per-row offset
-   ``context_len``); GQA by ``enable_gqa``
-   (or, for 16-bit decode, by packing the G query heads of a KV head as G query rows);
+1. split the sequences into decode (``query_len == 1``) and prefill (``query_len > 1``: prompts,
+   chunked-prefill chunks, prefix-cache hits), and bucket each so that padding stays bounded:
+   decode by ``seq_len`` (at most ``DECODE_PADDING_FACTOR`` times the real keys), prefill by
+   ``query_len`` (at most ``MAX_PADDING_FACTOR`` times the real query rows);
+2. per layer and bucket, gather the K/V through the block tables into padded
+   ``[b, S, Hkv, D]`` tensors with one ``index_select`` each, into a reused workspace (positions
+   past ``seq_len`` read the sequence's own token 0, which is always written, so padding is
+   finite and masked);
+3. run ONE ``scaled_dot_product_attention`` call per bucket: decode with a key-padding mask,
+   prefill with key padding plus causal with per-row offset ``context_len``; GQA by
+   ``enable_gqa`` (or, for 16-bit decode, by packing the G query heads of a KV head as G query
+   rows);
 4. write the rows back into the flat ``[num_tokens, num_heads, head_dim]`` output.
 
 The index arithmetic (context_len / query_len / seq_len) is drawn in ``kernels/__init__.py``.
@@ -19,15 +22,14 @@ The index arithmetic (context_len / query_len / seq_len) is drawn in ``kernels/_
 NOTE: SDPA is used, not hand-written matmul + softmax, so the numbers are those of
 transformers' own SDPA attention: on CPU both land in the same fused flash kernel. For a batch of
 one sequence the result is bitwise identical to ``sdpa(q, k, v, is_causal=True)``; padding the
-keys of shorter sequences in a mixed batch can move results by about 1 ulp.
+keys of shorter sequences in a bucket can move results by about 1 ulp.
 
-NOTE: splitting the groups uses ``nonzero`` (a host sync on CUDA, free on CPU). A pure-decode
-step (``max_query_len == 1``) skips the split. The padded gather costs
-``num_seqs * max_seq_len`` K/V rows, so one long sequence makes the gather of a decode batch
-proportionally larger; that is the price of a single fused call per group.
+NOTE: on CPU the gather and SDPA of a decode step are memory-bound: the time follows the padded
+K/V size, ``sum over buckets of b * S``, which bucketing keeps near the real one.
 """
 
 import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -113,11 +115,15 @@ def torch_paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    plan: "AttentionPlan | None" = None,
 ) -> torch.Tensor:
     """Causal paged attention of each sequence's query tokens over its whole context.
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype`` (SDPA accumulates in
     fp32 for bf16/fp16 inputs). Rows of tokens past ``query_start_loc[-1]`` (padding) are zero.
+
+    ``plan`` is ``plan_paged_attention``'s result for these same metadata tensors; the model
+    builds it once per step and every layer reuses it (built here when None).
 
     Requires ``max_query_len >= max(query_len)``, ``max_seq_len >= max(seq_len)``,
     ``block_tables.shape[1] * block_size >= max_seq_len``, every ``seq_len >= query_len >= 1``
@@ -125,17 +131,109 @@ def torch_paged_attention(
     ``ValueError`` if ``num_heads`` is not a multiple of ``num_kv_heads``.
     """
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    num_seqs = seq_lens.shape[0]
-    device = query.device
+    if plan is None:
+        plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, max_query_len,
+                                    max_seq_len, k_cache.shape[1])
     gqa = num_heads != num_kv_heads
+    # NOTE: rows of padding tokens (past query_start_loc[-1]) are zeroed; a pure-decode step
+    # without padding writes every row and skips the fill.
+    full_decode = max_query_len == 1 and num_tokens == seq_lens.shape[0]
+    out = torch.empty_like(query) if full_decode else torch.zeros_like(query)
+    for group in plan.decode:
+        # Decode group: one query row per sequence against all its keys; mask = key padding.
+        k = _gather_kv("k", k_cache, group.slots)  # [b, Hkv, S, D]
+        v = _gather_kv("v", v_cache, group.slots)
+        q = query[group.rows]  # [b, H, D]
+        if gqa and query.dtype != torch.float32:
+            # NOTE: 16-bit: the G query heads of a KV head become G query rows of that head
+            # ("pack GQA", as transformers does for batched decode): CPU flash attention then
+            # reads each K/V head once instead of G times, ~4x faster in bf16. At fp32 the speed
+            # is the same and enable_gqa matches transformers' unbatched decode bit for bit.
+            q = q.view(q.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+        else:
+            o = F.scaled_dot_product_attention(
+                q.unsqueeze(2), k, v, attn_mask=group.mask, scale=scale, enable_gqa=gqa
+            )  # [b, H, 1, D]
+        out[group.rows] = o.reshape(q.shape[0], num_heads, head_dim)
+    for group in plan.prefill:
+        # Prefill group: ONE SDPA call over padded [b, H, max_query_len, D] query rows.
+        k = _gather_kv("k", k_cache, group.slots)  # [b, Hkv, S, D]
+        v = _gather_kv("v", v_cache, group.slots)
+        o = F.scaled_dot_product_attention(
+            query[group.rows].transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
+            enable_gqa=gqa,
+        )  # [b, H, Lq, D]
+        out[group.rows[group.q_valid]] = o.transpose(1, 2)[group.q_valid]
+    return out
 
+
+@dataclass(slots=True)
+class AttentionGroup:
+    """Sequences that share one SDPA call: their rows padded to a common shape.
+
+    Attributes:
+        rows: decode ``[b]`` int64, the token row of each sequence's query; prefill ``[b, Lq]``
+            int64, the token row of each padded query row (padding repeats the first row).
+        slots: ``[b, S]`` int64, the KV-cache slot of each key position; positions past a
+            sequence's ``seq_len`` read its token 0 (always written, so finite, and masked).
+        mask: ``[b, 1, 1, S]`` (decode: key padding) or ``[b, 1, Lq, S]`` (prefill: causal with
+            the row's ``context_len`` offset, plus key padding) bool, True = attend.
+        q_valid: prefill ``[b, Lq]`` bool, the real query rows; None for decode.
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor
+    q_valid: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """A step's attention work for ``torch_paged_attention``, computed once per step (all the
+    index arithmetic; only the K/V gathers and SDPA calls are left per layer).
+
+    Attributes:
+        decode: groups of sequences with ``query_len == 1``, bucketed by ``seq_len``.
+        prefill: groups of sequences with ``query_len > 1``, bucketed by ``query_len``.
+    """
+
+    decode: list[AttentionGroup]
+    prefill: list[AttentionGroup]
+
+
+# A bucket of decode sequences gathers and attends at most this many times its real keys.
+DECODE_PADDING_FACTOR = 1.25
+# A prefill bucket computes at most this many times its real query rows.
+MAX_PADDING_FACTOR = 2
+
+
+def plan_paged_attention(
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    block_size: int,
+) -> AttentionPlan:
+    """Split a step's sequences into SDPA groups and compute their rows, key slots and masks.
+
+    Decode sequences (``query_len == 1``) are bucketed by ``seq_len``: one padded call over a
+    batch whose contexts run from 32 to 800 tokens would gather and attend ~1.8x the real keys
+    (the K/V gather and SDPA are memory-bound on CPU, so time follows the padded size). Prefill
+    sequences are bucketed by ``query_len`` (``_buckets`` with ``MAX_PADDING_FACTOR``). Each
+    group's keys are cut to its longest sequence.
+
+    NOTE: the lengths are read on the host (``tolist``), a sync on CUDA and free on CPU; this is
+    the CPU path.
+    """
+    device = block_tables.device
     seq_lens = seq_lens.long()
     qsl = query_start_loc.long()
     query_lens = qsl[1:] - qsl[:-1]  # [num_seqs]
-
     # Key position p of sequence i has slot block_tables[i, p // block_size] * block_size +
     # p % block_size. Positions past seq_len read the sequence's token 0 (always written, so
     # finite) instead of whatever an unused table entry or an unwritten slot holds.
@@ -144,98 +242,50 @@ def torch_paged_attention(
     key_slots = block_tables[:, key_pos // block_size].long() * block_size + key_pos % block_size
     key_slots = torch.where(key_valid, key_slots, key_slots[:, :1])  # [num_seqs, S]
 
-    # NOTE: rows of padding tokens (past query_start_loc[-1]) are zeroed; a pure-decode step
-    # without padding writes every row and skips the fill.
-    full_decode = max_query_len == 1 and num_tokens == num_seqs
-    out = torch.empty_like(query) if full_decode else torch.zeros_like(query)
-    if max_query_len == 1:
-        decode, prefill = slice(None), None  # pure decode step: no split, no sync
-    else:
-        is_decode = query_lens == 1
-        decode = is_decode.nonzero().squeeze(1)  # [Bd]
-        prefill = (~is_decode).nonzero().squeeze(1)  # [Bp]
-
-    if prefill is None or decode.numel() > 0:
-        # Decode group: one query row per sequence against all its keys; mask = key padding.
-        rows = qsl[:-1][decode]  # [Bd] token index of each decode row
-        k = _gather_kv("k", k_cache, key_slots[decode])  # [Bd, Hkv, S, D]
-        v = _gather_kv("v", v_cache, key_slots[decode])
-        mask = key_valid[decode][:, None, None, :]  # [Bd, 1, 1, S]
-        q = query[rows]  # [Bd, H, D]
-        if gqa and query.dtype != torch.float32:
-            # NOTE: 16-bit: the G query heads of a KV head become G query rows of that head
-            # ("pack GQA", as transformers does for batched decode): CPU flash attention then
-            # reads each K/V head once instead of G times, ~4x faster in bf16. At fp32 the speed
-            # is the same and enable_gqa matches transformers' unbatched decode bit for bit.
-            q = q.view(q.shape[0], num_kv_heads, num_heads // num_kv_heads, head_dim)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [Bd, Hkv, G, D]
-        else:
-            o = F.scaled_dot_product_attention(
-                q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )  # [Bd, H, 1, D]
-        out[rows] = o.reshape(q.shape[0], num_heads, head_dim)
-    if prefill is not None and prefill.numel() > 0:
-        for group, group_query_len, group_seq_len in _prefill_buckets(
-                prefill, query_lens, seq_lens):
-            _prefill_group(
-                out, query, k_cache, v_cache, group, qsl, query_lens, seq_lens,
-                key_pos[:group_seq_len], key_valid[:, :group_seq_len],
-                key_slots[:, :group_seq_len], group_query_len, scale, gqa,
-            )
-    return out
+    s_lens, q_lens = seq_lens.tolist(), query_lens.tolist()
+    decode_idx = [i for i, q in enumerate(q_lens) if q == 1]
+    prefill_idx = [i for i, q in enumerate(q_lens) if q > 1]
+    starts = qsl[:-1]
+    decode = []
+    for members in _buckets(decode_idx, s_lens, DECODE_PADDING_FACTOR):
+        idx = torch.tensor(members, device=device)
+        s = max(s_lens[i] for i in members)
+        decode.append(AttentionGroup(rows=starts[idx], slots=key_slots[idx, :s],
+                                     mask=key_valid[idx, None, None, :s]))
+    prefill = []
+    for members in _buckets(prefill_idx, q_lens, MAX_PADDING_FACTOR):
+        idx = torch.tensor(members, device=device)
+        lq, s = max(q_lens[i] for i in members), max(s_lens[i] for i in members)
+        j = torch.arange(lq, device=device)  # [Lq]
+        q_valid = j[None, :] < query_lens[idx, None]  # [b, Lq]
+        # Padded query rows j >= query_len read the row's first token and sit at a position
+        # past the row's keys, so they see every valid key (no all-masked row, no NaN).
+        rows = starts[idx, None] + torch.where(q_valid, j, 0)  # [b, Lq]
+        q_pos = (seq_lens[idx] - query_lens[idx])[:, None] + j  # [b, Lq] position of each row
+        mask = (key_pos[None, None, :s] <= q_pos[:, :, None]) & key_valid[idx, None, :s]
+        prefill.append(AttentionGroup(rows=rows, slots=key_slots[idx, :s], mask=mask[:, None],
+                                      q_valid=q_valid))
+    return AttentionPlan(decode, prefill)
 
 
-MAX_PADDING_FACTOR = 2  # a prefill bucket computes at most this many times its real query rows
+def _buckets(indices: list[int], lengths: list[int], factor: float) -> list[list[int]]:
+    """Group ``indices`` into buckets padded to their longest member's length.
 
+    Sorted by ``lengths[i]`` (longest first), an index joins the current bucket while
+    ``longest * members <= factor * sum(member lengths)``, i.e. the padded work stays within
+    ``factor`` times the real work.
 
-def _prefill_buckets(prefill: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor):
-    """Split the prefill sequences into buckets of similar query length.
-
-    One padded SDPA call over all of them would compute ``Bp * max_query_len`` query rows: a
-    step with one 512-token chunk and thirty 32-token prompts (prefix-cache hits) would do 8x the
-    work. Sequences sorted by query length (longest first) go into a bucket while its padded rows
-    stay within ``MAX_PADDING_FACTOR`` times its real rows. Keys are cut to the bucket's longest
-    sequence.
-
-    Yields:
-        (indices ``[b]`` int64, the bucket's max query length, its max seq_len), in tokens.
+    Returns:
+        the buckets, each a list of indices (every index exactly once).
     """
-    q_lens = query_lens[prefill].tolist()  # NOTE: a host sync on CUDA; free on CPU
-    s_lens = seq_lens[prefill].tolist()
-    order = sorted(range(len(q_lens)), key=lambda i: -q_lens[i])
-    start = 0
+    order = sorted(indices, key=lambda i: -lengths[i])
+    out, start = [], 0
     while start < len(order):
-        longest, total, end = q_lens[order[start]], 0, start
-        while end < len(order) and longest * (end - start + 1) <= MAX_PADDING_FACTOR * (
-                total + q_lens[order[end]]):
-            total += q_lens[order[end]]
+        longest, total, end = lengths[order[start]], 0, start
+        while end < len(order) and longest * (end - start + 1) <= factor * (
+                total + lengths[order[end]]):
+            total += lengths[order[end]]
             end += 1
-        members = order[start:end]
-        yield (prefill[torch.tensor(members, device=prefill.device)], longest,
-               max(s_lens[i] for i in members))
+        out.append(order[start:end])
         start = end
-
-
-def _prefill_group(
-    out, query, k_cache, v_cache, prefill, qsl, query_lens, seq_lens,
-    key_pos, key_valid, key_slots, max_query_len, scale, gqa,
-) -> None:
-    """Rows with ``query_len > 1``: ONE SDPA call over padded ``[Bp, H, max_query_len, D]``.
-
-    Padded query rows ``j >= query_len`` read the row's first token and sit at a position past
-    the row's keys, so they see every valid key (no all-masked row, no NaN); they are discarded.
-    """
-    j = torch.arange(max_query_len, device=query.device)  # [Lq]
-    starts = qsl[:-1][prefill]  # [Bp]
-    q_lens = query_lens[prefill]  # [Bp]
-    q_valid = j[None, :] < q_lens[:, None]  # [Bp, Lq]
-    rows = starts[:, None] + torch.where(q_valid, j, 0)  # [Bp, Lq] token index of each query row
-    q_pos = (seq_lens[prefill] - q_lens)[:, None] + j  # [Bp, Lq] position of each query row
-    # causal with per-row offset context_len, plus key padding: [Bp, 1, Lq, S]
-    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_valid[prefill][:, None, :]
-    k = _gather_kv("k", k_cache, key_slots[prefill])  # [Bp, Hkv, S, D]
-    v = _gather_kv("v", v_cache, key_slots[prefill])
-    o = F.scaled_dot_product_attention(
-        query[rows].transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=gqa
-    )  # [Bp, H, Lq, D]
-    out[rows[q_valid]] = o.transpose(1, 2)[q_valid]
+    return out

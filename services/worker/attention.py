@@ -42,6 +42,9 @@ class AttentionMetadata:
         query_start_loc: ``[B + 1]`` int32, offsets of each sequence's query rows in the flat batch.
         max_query_len: largest ``query_len_i`` (tokens).
         max_seq_len: largest ``seq_lens[i]`` (tokens).
+        plan: the backend's per-step precomputation, made by the first layer's ``attend`` and
+            reused by the others (torch: ``kernels.torch_attention.AttentionPlan``; None until
+            then, and always None for triton).
     """
 
     slot_mapping: torch.Tensor
@@ -50,6 +53,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    plan: Any = None
 
 
 class AttentionBackend:
@@ -90,9 +94,14 @@ class AttentionBackend:
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Causal attention of ``query [T, H, D]`` over each sequence's cached K/V (which must
         already hold this step's tokens). Returns ``[T, H, D]`` in ``query.dtype``."""
-        return self._op("paged_attention")(
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.max_query_len, meta.max_seq_len, scale)
+        args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
+                meta.max_seq_len)
+        if self.name != "torch":
+            return self._op("paged_attention")(query, k_cache, v_cache, *args, scale)
+        if meta.plan is None:  # the step's first layer: plan once, every layer reuses it
+            from kernels.torch_attention import plan_paged_attention
+            meta.plan = plan_paged_attention(*args, k_cache.shape[1])
+        return self._op("paged_attention")(query, k_cache, v_cache, *args, scale, plan=meta.plan)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of ``x [T, E]`` (float32 inside), a new ``[T, E]`` tensor."""

@@ -323,19 +323,35 @@ def test_rejects_num_heads_not_multiple_of_num_kv_heads(attention):
         attention(**batch)
 
 
-def test_prefill_buckets_bound_padding_and_cover_every_sequence():
-    from kernels.torch_attention import MAX_PADDING_FACTOR, _prefill_buckets
+@pytest.mark.parametrize("factor", [1.25, 2])
+def test_buckets_bound_padding_and_cover_every_index(factor):
+    from kernels.torch_attention import _buckets
 
-    q_lens = [64, 4, 3, 1, 5, 2, 300, 33, 31]
-    query_lens = torch.tensor(q_lens)
-    seq_lens = torch.tensor([q + 10 * i for i, q in enumerate(q_lens)])
-    prefill = torch.tensor([i for i, q in enumerate(q_lens) if q > 1])
-    buckets = list(_prefill_buckets(prefill, query_lens, seq_lens))
-    assert len(buckets) > 1
+    lengths = [64, 4, 3, 1, 5, 2, 300, 33, 31, 770, 512, 129, 128, 40]
+    indices = [i for i, n in enumerate(lengths) if n > 1]
+    buckets = _buckets(indices, lengths, factor)
+    assert 1 < len(buckets) < len(indices)
     seen = []
-    for indices, max_q, max_s in buckets:
-        lens = [q_lens[i] for i in indices.tolist()]
-        assert max_q == max(lens) and max_s == max(seq_lens[indices].tolist())
-        assert max_q * len(lens) <= MAX_PADDING_FACTOR * sum(lens)
-        seen += indices.tolist()
-    assert sorted(seen) == prefill.tolist()
+    for members in buckets:
+        lens = [lengths[i] for i in members]
+        assert max(lens) * len(lens) <= factor * sum(lens)
+        seen += members
+    assert sorted(seen) == indices
+
+
+def test_plan_buckets_decode_by_seq_len_and_prefill_by_query_len():
+    """A mixed step: decode rows of very different context lengths go to several groups, each
+    cut to its own longest context; every sequence lands in exactly one group."""
+    from kernels.torch_attention import plan_paged_attention
+
+    pairs = [(1, 700), (1, 20), (1, 690), (64, 64), (1, 25), (3, 300), (2, 40)]
+    batch = make_batch(pairs, num_heads=4, num_kv_heads=2)
+    plan = plan_paged_attention(batch["block_tables"], batch["seq_lens"],
+                                batch["query_start_loc"], batch["max_query_len"],
+                                batch["max_seq_len"], batch["k_cache"].shape[1])
+    starts = batch["query_start_loc"][:-1].tolist()
+    decode_rows = sorted(r for g in plan.decode for r in g.rows.tolist())
+    assert decode_rows == sorted(starts[i] for i, (q, _) in enumerate(pairs) if q == 1)
+    assert sorted(g.slots.shape[1] for g in plan.decode) == [25, 700]
+    assert sorted(g.rows.shape[1] for g in plan.prefill) == [2, 64]  # 64 + 3, then 2
+    assert_matches_reference(torch_paged_attention(**batch, plan=plan), batch)
