@@ -106,17 +106,40 @@ async def _drive(address: str, items: list[Item], metrics_url: str | None = None
 
     async with AsyncClient(address) as client:
         await client.generate(prompt_token_ids=items[0].prompt_token_ids[:8], max_tokens=2)
-        busy0 = _step_seconds(metrics_url)
+        busy0, cpu0 = _step_seconds(metrics_url), _cpu_seconds()
         t0 = time.perf_counter()
         results = await asyncio.gather(*(
             client.generate(prompt_token_ids=it.prompt_token_ids, max_tokens=it.output_len,
                             ignore_eos=True, temperature=0) for it in items))
         elapsed = time.perf_counter() - t0
-        busy1 = _step_seconds(metrics_url)
+        busy1, cpu1 = _step_seconds(metrics_url), _cpu_seconds()
     n = sum(r.usage.completion_tokens for r in results)
     assert n == sum(it.output_len for it in items), "a request ended early"
     busy = None if busy0 is None or busy1 is None else (busy1 - busy0) / elapsed
+    for name in cpu1:
+        used = cpu1[name] - cpu0.get(name, 0.0)
+        print(f"    CPU time of {name:9s}: {used:7.1f} s ({used / elapsed:6.1%} of one core)",
+              flush=True)
     return n / elapsed, busy
+
+
+def _cpu_seconds() -> dict[str, float]:
+    """User + system CPU seconds so far of this process ("client") and of each service
+    process that ``pagedserve serve`` started (router, scheduler, worker), by name."""
+    import psutil
+
+    me = psutil.Process()
+    out = {"client": sum(me.cpu_times()[:2])}
+    for child in me.children(recursive=True):
+        try:
+            cmd = child.cmdline()
+            times = child.cpu_times()
+        except psutil.Error:
+            continue
+        for name in ("router", "scheduler", "worker"):
+            if "services.cli" in cmd and name in cmd:
+                out[name] = out.get(name, 0.0) + times.user + times.system
+    return out
 
 
 def _step_seconds(metrics_url: str | None) -> float | None:
