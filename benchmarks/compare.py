@@ -158,33 +158,15 @@ def _step_seconds(metrics_url: str | None) -> float | None:
     return None
 
 
-def _free_port_run(n: int) -> int:
-    """The first of ``n`` consecutive free TCP ports on 127.0.0.1 (a metrics BASE for serve)."""
-    import socket
-
-    for base in range(29100, 60000, 7):
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
-
-
 def bench_stack(model: str | None, items: list[Item], dtype: str, extra: list[str]
                 ) -> tuple[float, float | None]:
     """(c) Output tokens/s of ``pagedserve serve`` with every request in flight, and the
     worker's busy fraction (see ``_drive``)."""
     from throughput import running_stack
 
-    base = _free_port_run(3)  # scheduler BASE, router BASE+1, worker rank 0 BASE+2
+    from services.common.ports import free_port_range
+
+    base = free_port_range(3)  # scheduler BASE, router BASE+1, worker rank 0 BASE+2
     with running_stack(model, dtype, ["--http-port", "-1", "--metrics-port", str(base),
                                       *extra]) as address:
         return asyncio.run(_drive(address, items, f"http://127.0.0.1:{base + 2}/metrics"))

@@ -24,16 +24,9 @@ import json
 import multiprocessing as mp
 import os
 import queue
-import socket
 import statistics
 import tempfile
 import time
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
@@ -87,7 +80,9 @@ def measure(tp: int, ns: dict) -> dict:
     """Run ``tp`` ranks as processes (spawned: fresh torch state); rank 0's numbers."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    from services.common.ports import free_port
+
+    port = free_port()
     procs = [ctx.Process(target=_run_rank, args=(r, tp, port, ns, results)) for r in range(tp)]
     for p in procs:
         p.start()

@@ -16,12 +16,12 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from services.common.grpc_utils import check_health, stop_event_on_signals
+from services.common.ports import free_port
 from services.common.tls import client_credentials, tls_from_args
 
 log = logging.getLogger(__name__)
@@ -38,13 +38,6 @@ def die_with_supervisor() -> None:
     _die_with_parent()
     if os.getppid() != int(supervisor):  # it died before the signal was armed
         raise SystemExit("worker rank: the supervisor has exited")
-
-
-def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for the rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_argv(args: argparse.Namespace) -> list[str]:

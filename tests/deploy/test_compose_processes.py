@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common.ports import free_port
 from tests.deploy.conftest import COMPOSE, DOCKER, REPO, output, run, tool
 from tests.helpers import make_servable_tiny_llama
 
@@ -40,19 +40,13 @@ if not os.path.exists(PAGEDSERVE[0]):  # not installed as a console script: same
     PAGEDSERVE = [sys.executable, "-m", "services.cli"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Translation:
     """Container names, ports and mounts of the compose config -> this machine's."""
 
     def __init__(self, services: dict):
         self.services = services
         # (service, container port) -> local port
-        self.ports = {(name, int(env[var])): _free_port()
+        self.ports = {(name, int(env[var])): free_port()
                       for name, s in services.items() for env in [s.get("environment") or {}]
                       for var in PORT_VARS if var in env}
         self.mounts = {v["target"]: v["source"] for s in services.values()

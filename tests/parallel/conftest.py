@@ -9,12 +9,11 @@ single-rank greedy tokens with a ``ModelRunner`` in this process.
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 from pathlib import Path
 
 import pytest
 
+from services.common.ports import free_port_range
 from services.router import server as router_server
 from services.scheduler import server as scheduler_server
 from services.worker import server as worker_server
@@ -34,23 +33,6 @@ def _no_metrics(module) -> list[str]:
         "--metrics-port" in a.option_strings for a in p._actions) else []
 
 
-def free_port_range(n: int) -> int:
-    """A base port such that base .. base+n-1 are all free on 127.0.0.1."""
-    for _ in range(200):
-        base = random.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port range")
 
 
 class ParallelStack(_BackgroundStack):

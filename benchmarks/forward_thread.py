@@ -1,0 +1,103 @@
+"""Does running the forward on an executor thread (as the worker service does, beside its
+asyncio loop) slow it down? The same requests through Scheduler + ModelRunner, alternating:
+
+- ``main``: ``execute_step`` called on the main thread (as ``compare.py``'s in-process engine);
+- ``executor``: ``execute_step`` run by ``loop.run_in_executor`` on a one-thread pool (as
+  ``services/worker/server.py``).
+
+Both run inside a uvloop event loop that also serves an idle grpc.aio server, so the thread
+the forward runs on is the only difference; a third variant, ``executor, no server``, runs the
+executor case without the grpc.aio server.
+
+    .venv/bin/python benchmarks/forward_thread.py --num-requests 32
+
+Prints output tokens/s per run and the median ratio executor / main.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+async def run_engine(runner, items, on_executor: bool, with_server: bool = True) -> float:
+    """Output tokens/s of ``items`` through a fresh Scheduler and ``runner``, with an idle
+    grpc.aio server on this loop; each step's forward runs on this (the main) thread, or on a
+    one-thread executor when ``on_executor``, as in ``services/worker/server.py``."""
+    from services.common.grpc_utils import new_server
+    from services.scheduler.request import EngineSamplingParams, Request
+    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.worker_client import build_step_request
+    from services.worker.server import step_input_from_pb
+
+    server = (await new_server("127.0.0.1", 0))[0] if with_server else None
+    if server is not None:
+        await server.start()
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
+                          runner.num_kv_blocks, runner.eos_token_ids)
+    for i, it in enumerate(items):
+        scheduler.add_request(Request(f"r{i}", list(it.prompt_token_ids), EngineSamplingParams(
+            temperature=0, max_tokens=it.output_len, ignore_eos=True)))
+    try:
+        n, t0 = 0, time.perf_counter()
+        while scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            step = step_input_from_pb(build_step_request(out))
+            if on_executor:
+                res = await loop.run_in_executor(pool, runner.execute_step, step)
+            else:
+                res = runner.execute_step(step)
+            updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
+                                                                 res.sampled_token_ids)))
+            n += sum(len(u.new_token_ids) for u in updates)
+        return n / (time.perf_counter() - t0)
+    finally:
+        pool.shutdown()
+        if server is not None:
+            await server.stop(None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=2)
+    a = p.parse_args()
+
+    from compare import workload
+    from services.common.grpc_utils import install_uvloop
+    from services.router.tokenizer import load_tokenizer
+    from services.worker.model_runner import ModelRunner
+
+    install_uvloop()
+    items = workload(load_tokenizer(a.model), a.num_requests, a.seed)
+    runs: dict[str, list[float]] = {"main": [], "executor": [], "executor, no server": []}
+    for r in range(a.rounds):
+        for name in runs:
+            runner = ModelRunner(a.model, dtype=a.dtype)  # a fresh KV cache each run
+            tok_s = asyncio.run(run_engine(runner, items, on_executor=name != "main",
+                                           with_server=name != "executor, no server"))
+            runs[name].append(tok_s)
+            print(f"round {r + 1} {name:19s}: {tok_s:.1f} output tok/s", flush=True)
+            del runner
+    base = statistics.median(runs["main"])
+    for name, xs in runs.items():
+        print(f"median {name:19s}: {statistics.median(xs):.1f} tok/s, "
+              f"{statistics.median(xs) / base:.2f}x of main")
+
+
+if __name__ == "__main__":
+    main()
