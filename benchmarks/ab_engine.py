@@ -38,10 +38,9 @@ def parse_value(text: str) -> float | int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    from compare import add_workload_args
+
+    add_workload_args(p)
     p.add_argument("--knob", required=True, help="module.CONSTANT to vary")
     p.add_argument("--values", nargs="+", required=True, type=parse_value)
     p.add_argument("--rounds", type=int, default=2, help="runs of each value, interleaved")

@@ -56,6 +56,15 @@ def workload(tokenizer, num: int, seed: int, prompt_range=(32, 512),
     return items
 
 
+def add_workload_args(p: argparse.ArgumentParser, num_requests: int = 32) -> None:
+    """The flags every engine benchmark on this workload shares: --model, --num-requests,
+    --seed, --dtype (float32 by default: bf16 is ~5x slower on AVX2-only CPUs)."""
+    p.add_argument("--model", default=None, help="folder or .gguf (default: packaged SmolLM2)")
+    p.add_argument("--num-requests", type=int, default=num_requests)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+
 def bench_transformers(model_dir: str, gguf_file: str | None, items: list[Item],
                        batch_size: int, dtype: str) -> float:
     """(a) Output tokens/s of ``generate`` over static, left-padded batches in arrival order."""

@@ -34,21 +34,17 @@ async def run_engine(runner, items, on_executor: bool, with_server: bool = True)
     grpc.aio server on this loop; each step's forward runs on this (the main) thread, or on a
     one-thread executor when ``on_executor``, as in ``services/worker/server.py``."""
     from services.common.grpc_utils import new_server
-    from services.scheduler.request import EngineSamplingParams, Request
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
     from services.scheduler.worker_client import build_step_request
     from services.worker.server import step_input_from_pb
+    from throughput import loaded_scheduler
 
     server = (await new_server("127.0.0.1", 0))[0] if with_server else None
     if server is not None:
         await server.start()
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
-                          runner.num_kv_blocks, runner.eos_token_ids)
-    for i, it in enumerate(items):
-        scheduler.add_request(Request(f"r{i}", list(it.prompt_token_ids), EngineSamplingParams(
-            temperature=0, max_tokens=it.output_len, ignore_eos=True)))
+    scheduler = loaded_scheduler(runner, [it.prompt_token_ids for it in items],
+                                 [it.output_len for it in items])
     try:
         n, t0 = 0, time.perf_counter()
         while scheduler.has_unfinished_requests():
@@ -70,10 +66,9 @@ async def run_engine(runner, items, on_executor: bool, with_server: bool = True)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    from compare import add_workload_args
+
+    add_workload_args(p)
     p.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
 

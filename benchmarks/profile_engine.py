@@ -22,10 +22,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default=None)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    from compare import add_workload_args
+
+    add_workload_args(p)
     p.add_argument("--rows", type=int, default=15, help="torch ops to print")
     a = p.parse_args()
 

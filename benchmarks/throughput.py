@@ -64,19 +64,13 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
     """Output tokens/s of the engine in one process: Scheduler + ModelRunner, no gRPC (each
     step still goes through the StepRequest encoding the services use). ``output_len``: one
     length for every prompt, or one per prompt (forced with ignore_eos)."""
-    from services.scheduler.request import EngineSamplingParams, Request
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
     from services.scheduler.worker_client import build_step_request
     from services.worker.model_runner import ModelRunner
     from services.worker.server import step_input_from_pb
 
     runner = ModelRunner(model, dtype=dtype)
-    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
-                          runner.num_kv_blocks, runner.eos_token_ids)
     lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
-    for i, (p, n) in enumerate(zip(prompts, lens, strict=True)):
-        scheduler.add_request(Request(f"r{i}", list(p), EngineSamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True)))
+    scheduler = loaded_scheduler(runner, prompts, lens)
     n, t0 = 0, time.perf_counter()
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
@@ -86,6 +80,20 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
         n += sum(len(u.new_token_ids) for u in updates)
     assert n == sum(lens), "a request ended early"
     return n / (time.perf_counter() - t0)
+
+
+def loaded_scheduler(runner, prompts, output_lens: list[int]):
+    """A Scheduler sized for ``runner`` holding one greedy ``ignore_eos`` request per prompt,
+    ``output_lens[i]`` tokens each."""
+    from services.scheduler.request import EngineSamplingParams, Request
+    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
+                          runner.num_kv_blocks, runner.eos_token_ids)
+    for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True)):
+        scheduler.add_request(Request(f"r{i}", list(p), EngineSamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True)))
+    return scheduler
 
 
 async def _drive(address: str, prompts, output_len: int) -> tuple[float, int]:
