@@ -33,7 +33,7 @@ def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
     """One rank: load, run the steps, put {step times, collective time} on ``results``."""
     import torch
 
-    from services.worker.distributed import ParallelConfig, init_distributed
+    from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
     from services.worker.model_runner import ModelRunner
     from services.worker.step_input import CachedRequest, NewRequest, SamplingOptions, StepInput
 
@@ -74,6 +74,7 @@ def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
     if rank == 0:
         results.put(dict(prefill_s=prefill, decode_s=times, comm_prefill_s=comm_prefill,
                          comm_decode_s=comm[0] / steps, comm_calls_per_step=comm[1] / steps))
+    destroy_distributed()
 
 
 def measure(tp: int, ns: dict) -> dict:

@@ -12,12 +12,15 @@ import sys
 
 from services.common.config import HelpFormatter, add_flag, env_name, float_in, int_in
 from services.common.metrics import SCHEDULER_PORT
+from services.supervision import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW
 
 SERVE_PORT = int_in(1, 65535)  # serve wires fixed ports together: no 0 (= any) here
 
 SERVICES = ("worker", "scheduler", "router")
 # Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
 _WIRING = {"host", "port", "workers", "scheduler", "schedulers", "metrics_port", "help"}
+# Router flags about choosing among several scheduler replicas: `serve` runs exactly one.
+_REPLICA_ROUTING = {"scheduler_dns_refresh", "routing_policy", "prefix_affinity_blocks"}
 # Flags `serve` hands to a service in its environment (PAGEDSERVE_*), not on its command line,
 # which any local user can read (ps).
 _SECRETS = {"api_key"}
@@ -45,12 +48,19 @@ def serve_parser() -> argparse.ArgumentParser:
     add_flag(p, "--startup-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for all services to become healthy")
     add_flag(p, "--metrics-port", type=int_in(-1, 65535), default=SCHEDULER_PORT,
-             help="Prometheus ports: scheduler BASE, router BASE+1, worker rank r BASE+2+r "
-                  "(-1: off, 0: any free ports)")
+             help="Prometheus ports: scheduler BASE, router BASE+1, worker rank r BASE+2+r, "
+                  "serve's own (restart counts) BASE+2+world size (-1: off, 0: any free ports)")
+    add_flag(p, "--max-restarts", type=int_in(0), default=DEFAULT_MAX_RESTARTS,
+             help="restarts of one service (after the stack was first healthy) allowed within "
+                  "--restart-window; one more exit stops serve with code 1 (0: never restart)")
+    add_flag(p, "--restart-window", type=float_in(0, lo_open=True),
+             default=DEFAULT_RESTART_WINDOW,
+             help="seconds over which a service's exits are counted; the backoff before a "
+                  "restart is 1 s doubling per exit in this window, at most 30 s")
     p.add_argument("--demo", action="store_true",
                    help="once healthy, stream answers to a few prompts sent at once")
     seen = {"port", "scheduler_port", "worker_port", "startup_timeout", "demo", "help",
-            "metrics_port"}
+            "metrics_port", "max_restarts", "restart_window", *_REPLICA_ROUTING}
     for name in SERVICES:
         for action in _service_parser(name)._actions:
             if action.dest in _WIRING or action.dest in seen:
@@ -121,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if asked_help else 2)
     cmd, rest = argv[0], argv[1:]
     if cmd in SERVICES:
+        from services.launcher import die_with_serve
+        die_with_serve()  # started by `pagedserve serve`: die with it
         run_one_service(cmd, rest)
     elif cmd == "serve":
         from services.launcher import run_stack

@@ -1,10 +1,18 @@
-"""The ``make run`` demo: several prompts sent at once, the first streamed live."""
+"""The ``make run`` demo: several prompts sent at once, the first streamed live.
+
+Under ``serve --demo`` the services' logs go to a file (``open_service_log``), not to the
+terminal, so the answers print clean; the file's path is printed once, at start.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
+from typing import IO
+
+from services.common.model_files import cache_root
 
 PROMPTS = [
     "What is the capital of France?",
@@ -45,6 +53,22 @@ async def _demo(address: str, **client_kwargs) -> None:
         for i, _text, ttft, total, n in results:
             print(f"[{i}] {n} tokens, TTFT {ttft * 1000:.0f} ms, {n / total:.1f} tok/s")
         print(flush=True)
+
+
+def open_service_log() -> IO[bytes]:
+    """Open a new log file for the services that ``serve --demo`` starts (their stderr) and
+    say where it is on serve's stderr: ``$PAGEDSERVE_CACHE_DIR/logs/serve-TIME-PID.log``
+    (default cache ``~/.cache/pagedserve``). The caller passes it as each child's stderr.
+
+    Raises:
+        OSError: the folder or file cannot be created.
+    """
+    folder = cache_root() / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"serve-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    log = open(path, "ab")  # noqa: SIM115 -- the children write it for serve's whole life
+    print(f"pagedserve: --demo: the services' logs go to {path}", file=sys.stderr, flush=True)
+    return log
 
 
 def run_demo(address: str, **client_kwargs) -> None:

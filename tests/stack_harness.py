@@ -104,8 +104,33 @@ class _BackgroundStack:
         return self
 
     def _close_loop(self) -> None:
+        """Tear the loop down as ``asyncio.run`` does: cancel and await whatever is still
+        running (so no task is destroyed pending at garbage collection), close async
+        generators, stop the thread and close the loop.
+
+        Raises:
+            AssertionError: a task outlived the services' ``serve()`` — a service that does not
+                end what it started (a stream's request iterator, a reader) on shutdown.
+        """
+        if not self._thread.is_alive():
+            self._loop.close()
+            return
+
+        async def _cancel_rest():
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in rest:
+                t.cancel()
+            if rest:
+                await asyncio.wait(rest, timeout=10)
+            await asyncio.get_running_loop().shutdown_asyncgens()
+            return [t.get_coro() for t in rest]
+
+        left = self._run(_cancel_rest(), timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        assert not left, f"tasks still running after the services stopped: {left}"
 
 
 class InProcessStack(_BackgroundStack):

@@ -24,6 +24,8 @@ from services.cli import serve_parser
     (["--http-port", "-2"], "argument --http-port: must be in [-1, 65535], got -2"),
     (["--scheduler-connect-timeout", "0"], "argument --scheduler-connect-timeout: must be > 0"),
     (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be >= 0, got -1"),
+    (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
+    (["--restart-window", "0"], "argument --restart-window: must be > 0, got 0"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -62,6 +64,40 @@ def test_serve_passes_the_shutdown_timeout_to_every_service(monkeypatch):
     assert serve_parser().parse_args([]).shutdown_timeout == 30.0
     monkeypatch.setenv("PAGEDSERVE_SHUTDOWN_TIMEOUT", "0")
     assert serve_parser().parse_args([]).shutdown_timeout == 0.0
+
+
+REPLICA_ROUTING_FLAGS = ("--routing-policy", "--scheduler-dns-refresh", "--prefix-affinity-blocks")
+
+
+def test_serve_help_offers_no_replica_routing_flags_and_shows_each_default_once():
+    import argparse
+
+    from services.cli import _service_parser
+
+    text = serve_parser().format_help()
+    for flag in REPLICA_ROUTING_FLAGS:
+        assert flag not in text, flag
+        assert flag in _service_parser("router").format_help(), flag  # still on the router
+    assert "(default: None)" not in text
+    # one block per option: from its "  --flag" line to the next
+    blocks = [b for b in text.split("\n  -") if b.lstrip("-").split(" ")[0]]
+    assert len(blocks) > 30
+    for block in blocks:
+        assert block.lower().count("default") <= 1, block
+    assert "(default: 5)" in text and "(default: 60.0)" in text  # --max-restarts, --restart-window
+
+
+def test_serve_forwards_no_replica_routing_or_supervision_flags(monkeypatch):
+    from services.cli import forwarded_argv
+
+    monkeypatch.setenv("PAGEDSERVE_MAX_RESTARTS", "0")
+    ns = serve_parser().parse_args(["--restart-window", "10", "--max-stream-buffer", "9"])
+    assert (ns.max_restarts, ns.restart_window) == (0, 10.0)
+    argv = forwarded_argv("router", ns)
+    assert argv[argv.index("--max-stream-buffer") + 1] == "9"
+    for name in ("router", "scheduler", "worker"):
+        flags = set(forwarded_argv(name, ns))
+        assert not flags & {*REPLICA_ROUTING_FLAGS, "--max-restarts", "--restart-window"}, name
 
 
 def test_device_cuda_without_cuda_is_a_clear_error():

@@ -79,7 +79,14 @@ def env_name(flag: str) -> str:
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default (ours are set from the environment when present)."""
+    """--help shows each flag's default once (ours are set from the environment when present):
+    not where the help text already says what the default is, nor a meaningless ``None``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "default" in text.lower():
+            return text
+        return super()._get_help_string(action)
 
 
 def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:

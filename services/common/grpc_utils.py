@@ -1,4 +1,16 @@
-"""gRPC plumbing shared by the three services: server options, health, reflection, shutdown."""
+"""gRPC plumbing shared by the three services: server options, health, reflection, shutdown.
+
+Health has two meanings, under two names of the standard ``grpc.health.v1.Health`` service:
+
+- readiness, the overall status ``""`` and the service's own name (e.g.
+  ``pagedserve.v1.GenerationService``): SERVING while the service can serve requests now — the
+  worker once its model is loaded, the scheduler while it has a complete worker group, the
+  router while at least one scheduler replica can serve; NOT_SERVING while draining. Load
+  balancers, readiness probes, ``pagedserve health`` and ``pagedserve serve`` check this.
+- liveness, ``LIVENESS``: SERVING from the moment the server answers until the process exits,
+  whatever its dependencies do, so a liveness probe never restarts a service that only waits
+  for its workers or its scheduler.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +34,8 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# The health service name that reports liveness (see the module note); "" reports readiness.
+LIVENESS = "liveness"
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
@@ -66,7 +80,8 @@ async def new_server(host: str, port: int, *, tls=None, interceptors=(),
             RESOURCE_EXHAUSTED); None = ``MAX_MESSAGE_BYTES``, the internal links' limit.
 
     Returns:
-        (server, bound port — useful with port 0 —, health servicer, initially NOT_SERVING).
+        (server, bound port — useful with port 0 —, health servicer: readiness ``""``
+        NOT_SERVING until the service calls ``set_serving``, ``LIVENESS`` SERVING).
 
     Raises:
         RuntimeError: the port could not be bound.
@@ -85,12 +100,14 @@ async def new_server(host: str, port: int, *, tls=None, interceptors=(),
     health_servicer = health.aio.HealthServicer()
     # NOTE: grpc's HealthServicer starts with "" = SERVING; we are not, until start-up ends.
     await set_serving(health_servicer, False, [])
+    await health_servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server, bound, health_servicer
 
 
 async def set_serving(health_servicer, serving: bool, services: list[str]) -> None:
-    """Set the overall ("") and per-service health status."""
+    """Set the readiness: the overall ("") and per-service health status (``LIVENESS`` is
+    left as it is)."""
     status = (health_pb2.HealthCheckResponse.SERVING if serving
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ["", *services]:

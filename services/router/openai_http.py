@@ -6,7 +6,13 @@ Generate call: ``openai_requests`` maps the JSON onto a GenerateRequest, then
 ``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
 detokenization, stop strings, n choices). Errors use OpenAI's body
 ``{"error": {message, type, param, code}}``: 400 invalid argument, 404 unknown model or route,
-429 engine queue full, 503 no engine.
+429 engine queue full, 503 no scheduler replica can serve (none connected, or their engines
+wait for their workers; ``GET /health`` answers 503 then too).
+
+Each completion request leaves one access log line when it ends (a stream: when the stream
+ends), as a gRPC Generate call does: request id, route, HTTP status, prompt and completion
+tokens, duration (``services.common.logs.log_access``). The request id is the client's
+``X-Request-Id`` header (echoed in the response) or else the response's ``id``.
 
 A client that disconnects cancels its handler (aiohttp's ``handler_cancellation``), which
 closes the ``stream_responses`` generator, which aborts the engine requests.
@@ -18,13 +24,15 @@ import asyncio
 import contextlib
 import json
 import logging
+import uuid
 
 from aiohttp import web
 
+from services.common.logs import request_id_var
 from services.router.metrics import RouterMetrics
 from services.router.replicas import ReplicaSet
-from services.router.generation import (DEFAULT_MAX_STREAM_BUFFER, EngineError, prepare,
-                                        stream_responses)
+from services.router.generation import (DEFAULT_MAX_STREAM_BUFFER, EngineError, RequestLog,
+                                        prepare, stream_responses)
 from services.router.openai_requests import (OpenAIError, ParsedRequest, bad_request,
                                              from_status, parse_chat, parse_completion)
 from services.router.openai_responses import ResponseBuilder
@@ -39,6 +47,13 @@ INLINE_PREPARE_BYTES = 16 * 1024
 # and tokenize. Larger: HTTP 413, gRPC RESOURCE_EXHAUSTED.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DISABLED = -1  # --http-port value that turns the HTTP server off
+# Routes whose requests get an access log line at INFO (others, e.g. probes, at DEBUG).
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# HTTP header naming the request (as gRPC's x-request-id metadata), echoed in the response.
+REQUEST_ID_HEADER = "X-Request-Id"
+# The access-log status of a request whose client went away before its response (nginx's).
+CLIENT_CLOSED = 499
+_LOG = web.RequestKey("request_log", RequestLog)  # the request's access log entry
 
 
 def _error(e: OpenAIError) -> web.Response:
@@ -99,8 +114,10 @@ class OpenAIServer:
 
     @web.middleware
     async def _count(self, request: web.Request, handler):
-        """Count each request by route and final HTTP status (``cancelled``: the client left)."""
+        """Count each request by route and final HTTP status (``cancelled``: the client left),
+        and write a completion request's access log line."""
         status = "cancelled"
+        entry = request[_LOG] = RequestLog(request.path)
         try:
             response = await handler(request)
             status = response.status
@@ -113,6 +130,8 @@ class OpenAIServer:
                 route = request.match_info.route.resource
                 path = route.canonical if route is not None else "unmatched"
                 self.metrics.request_done(path, str(status))
+            if request.path in GENERATION_ROUTES:
+                entry.done(CLIENT_CLOSED if status == "cancelled" else status)
 
     def require_api_keys(self, keys) -> None:
         """Answer 401 to every request but ``GET /health`` without an accepted
@@ -149,9 +168,9 @@ class OpenAIServer:
 
     # ---- routes -------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        """200 while the router is connected to a scheduler replica (gRPC health SERVING), else
-        503."""
-        return web.Response(status=200 if self.engine.connected.is_set() else 503)
+        """Readiness: 200 while at least one scheduler replica can serve (connected, and its
+        engine has its workers; gRPC health SERVING), else 503 (and 503 while draining)."""
+        return web.Response(status=200 if self.engine.serving.is_set() else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         """The served model, as OpenAI's model list."""
@@ -170,8 +189,11 @@ class OpenAIServer:
 
     # ---- one request --------------------------------------------------------------------
     def _info(self):
-        if self.engine.info is None or not self.engine.connected.is_set():
+        if self.engine.info is None:
             raise OpenAIError(503, "router is connecting to its scheduler", "server_error",
+                              code="unavailable")
+        if not self.engine.serving.is_set():
+            raise OpenAIError(503, self.engine.unavailable_reason(), "server_error",
                               code="unavailable")
         return self.engine.info
 
@@ -190,6 +212,14 @@ class OpenAIServer:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
                               code="model_not_found")
         parsed = parse_chat(body) if chat else parse_completion(body)
+        client_id = request.headers.get(REQUEST_ID_HEADER, "")
+        # NOTE: without X-Request-Id the request is named by the response's id, so a client can
+        # find its request in the logs; validated by prepare (at most 128 characters).
+        parsed.request.request_id = client_id or (
+            ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
+        entry: RequestLog = request[_LOG]
+        entry.request_id = parsed.request.request_id
+        request_id_var.set(entry.request_id)
         try:
             # len(read()): the body already read (cached), also when it came chunked
             if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
@@ -198,25 +228,30 @@ class OpenAIServer:
                 prepared = prepare(parsed.request, self.tokenizer, info)
         except RequestError as e:
             raise from_status(e.code, e.message, parsed.prompt_param) from None
+        entry.accepted(prepared)
         builder = ResponseBuilder(chat, info.model, prepared.n, self.tokenizer
                                   if prepared.params.HasField("logprobs") else None)
+        if not client_id:
+            builder.id = prepared.request_id
+        headers = {REQUEST_ID_HEADER: prepared.request_id}
         # NOTE: aclosing: however the handler ends (client gone, error), the generator is
         # closed, and its clean-up aborts every engine request still running.
         async with contextlib.aclosing(stream_responses(
                 self.engine, self.tokenizer, prepared,
                 max_pending=self.max_stream_buffer)) as responses:
             if parsed.stream:
-                return await self._stream(request, responses, builder, parsed)
+                return await self._stream(request, responses, builder, parsed, headers)
             try:
                 async for r in responses:
+                    entry.observe(r)
                     builder.add(r)
             except EngineError as e:
                 raise from_status(e.code, e.message, parsed.prompt_param) from None
-            return web.json_response(builder.response(),
+            return web.json_response(builder.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def _stream(self, request: web.Request, responses, builder: ResponseBuilder,
-                      parsed: ParsedRequest) -> web.StreamResponse:
+                      parsed: ParsedRequest, headers: dict) -> web.StreamResponse:
         """Server-sent events: role chunks (chat), one chunk per message with text or a
         finish_reason, the usage chunk if asked, ``data: [DONE]``. An engine error before the
         first message is a normal HTTP error (e.g. 429); after it, an ``error`` event."""
@@ -224,8 +259,9 @@ class OpenAIServer:
             first = await anext(responses, None)
         except EngineError as e:
             raise from_status(e.code, e.message, parsed.prompt_param) from None
+        entry: RequestLog = request[_LOG]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
         usage = parsed.include_usage
         for chunk in builder.role_chunks(usage):
@@ -233,6 +269,7 @@ class OpenAIServer:
         try:
             r = first
             while r is not None:
+                entry.observe(r)
                 chunk = builder.chunk(r, usage)
                 if chunk is not None:
                     await resp.write(_sse(chunk))
@@ -240,6 +277,7 @@ class OpenAIServer:
             if usage:
                 await resp.write(_sse(builder.usage_chunk()))
         except EngineError as e:
+            entry.error = e.code.name
             await resp.write(_sse(from_status(e.code, e.message, parsed.prompt_param).body()))
         await resp.write(_sse("[DONE]"))
         await resp.write_eof()

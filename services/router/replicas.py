@@ -2,7 +2,7 @@
 
 ``ReplicaSet`` has the interface ``generation`` / ``server`` / ``openai_http`` / ``text_api`` use
 on one ``EngineClient`` (``submit``, ``abort``, ``release``, ``is_running``, ``info``,
-``connected``, ``start``, ``close``), so they do not know whether one scheduler or many serve
+``serving``, ``start``, ``close``), so they do not know whether one scheduler or many serve
 them. It picks a replica per request at ``submit`` time:
 
 - ``round_robin``: the available replicas in turn.
@@ -28,12 +28,14 @@ parent goes to the replica of the first one. Which replica owns a request is ask
 replicas themselves (each knows its in-flight ids), so ``abort`` / ``release`` / ``is_running``
 need no bookkeeping that could go stale.
 
-A replica is *available* while its stream is up and its engine info agrees with the first
-replica accepted (model, vocab_size, max_model_len); one that disagrees is logged as an error
-and kept out (while no other replica is available, the next one to connect is the reference).
-A replica whose stream breaks fails its in-flight requests with UNAVAILABLE (``EngineClient``)
-and gets no new ones until it reconnects. ``connected`` is set while at least one replica is
-available.
+A replica is *available* while it can serve (``EngineClient.serving``: its stream is up and its
+engine has a complete worker group) and its engine info agrees with the first replica accepted
+(model, vocab_size, max_model_len); one that disagrees is logged as an error and kept out (while
+no other replica is available, the next one to connect is the reference). A replica whose
+stream breaks fails its in-flight requests with UNAVAILABLE (``EngineClient``) and gets no new
+ones until it reconnects; one whose engine lost its workers gets no new ones until they are
+back. ``serving`` is set while at least one replica is available: the router's readiness
+(gRPC health, ``GET /health``) follows it.
 
 Replicas come from a list of ``host:port`` or from one ``dns:///name:port`` target, resolved
 again every ``dns_refresh`` seconds (e.g. a Kubernetes headless Service): a new address gets a
@@ -125,9 +127,9 @@ class ReplicaSet:
         dns_target: ``name:port`` resolved every ``dns_refresh`` seconds into the replicas.
         dns_refresh: seconds between DNS resolutions (> 0).
         affinity_blocks: full KV blocks of the prompt hashed by prefix_affinity (>= 1).
-        on_connection: async callback(bool): at least one replica became available (True) or
+        on_serving: async callback(bool): at least one replica became available (True) or
             none is any more (False).
-        client_factory: builds one replica's client from ``(address, on_connection)``
+        client_factory: builds one replica's client from ``(address, on_serving)``
             (default ``EngineClient``; tests pass fakes).
         metrics: ``RouterMetrics`` counting each replica's engine requests (or None).
 
@@ -137,7 +139,7 @@ class ReplicaSet:
 
     def __init__(self, addresses: list[str] = (), *, policy: str = "prefix_affinity",
                  dns_target: str | None = None, dns_refresh: float = 30.0,
-                 affinity_blocks: int = 2, on_connection=None, client_factory=EngineClient,
+                 affinity_blocks: int = 2, on_serving=None, client_factory=EngineClient,
                  metrics=None):
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
@@ -147,7 +149,7 @@ class ReplicaSet:
         self.dns_target = dns_target
         self.dns_refresh = dns_refresh
         self.affinity_blocks = affinity_blocks
-        self.on_connection = on_connection
+        self.on_serving = on_serving
         self._factory = client_factory
         self.metrics = metrics  # RouterMetrics, handed to every replica's client
         self._static = list(addresses)
@@ -160,7 +162,7 @@ class ReplicaSet:
         self._parents: dict[str, tuple[EngineClient, list[str]]] = {}
         self._parents_pruned_at = 0
         self._refresh_task: asyncio.Task | None = None
-        self.connected = asyncio.Event()
+        self.serving = asyncio.Event()  # at least one replica is available
 
     # ---- the EngineClient interface -----------------------------------------------------
     @property
@@ -183,7 +185,7 @@ class ReplicaSet:
             for address in self._static:
                 self._add(address)
         try:
-            await asyncio.wait_for(self.connected.wait(), timeout)
+            await asyncio.wait_for(self.serving.wait(), timeout)
         except asyncio.TimeoutError:
             names = self.dns_target or ",".join(self._static)
             raise TimeoutError(f"no scheduler of {names} ready after {timeout:.0f}s") from None
@@ -212,8 +214,7 @@ class ReplicaSet:
         if client is None:
             client = self.pick(prompt_token_ids)
         if client is None:
-            names = self.dns_target or ",".join(self._static)
-            queue.put_nowait(_unavailable(request_id, f"scheduler {names} unavailable"))
+            queue.put_nowait(_unavailable(request_id, self.unavailable_reason()))
             return queue
         if parent_request_id:
             entry = self._parents.get(parent_request_id)
@@ -254,9 +255,16 @@ class ReplicaSet:
         self.replicas.clear()
         self._draining.clear()
 
+    def unavailable_reason(self) -> str:
+        """Why no replica can take a request now (the message of the UNAVAILABLE / 503)."""
+        names = self.dns_target or ",".join(self._static)
+        if any(c.connected.is_set() and not c.serving.is_set() for c in self.replicas.values()):
+            return f"scheduler {names}: engine has no worker; retry later"
+        return f"scheduler {names} unavailable"
+
     # ---- routing ------------------------------------------------------------------------
     def available(self) -> list[EngineClient]:
-        """The replicas that take new requests: connected, engine info agreeing."""
+        """The replicas that take new requests: able to serve, engine info agreeing."""
         return [c for c in self.replicas.values() if self._available(c)]
 
     def pick(self, prompt_token_ids) -> EngineClient | None:
@@ -287,7 +295,7 @@ class ReplicaSet:
         return min(rotated, key=lambda c: (load(c), c.load.kv_cache_usage))
 
     def _available(self, client: EngineClient) -> bool:
-        return (client.connected.is_set() and client.address in self.replicas
+        return (client.serving.is_set() and client.address in self.replicas
                 and client.address not in self._refused)
 
     def _owner(self, request_id: str) -> EngineClient | None:
@@ -309,18 +317,18 @@ class ReplicaSet:
         if address in self._draining:  # came back before it drained: take it again
             self.replicas[address] = self._draining.pop(address)
             return
-        client = self._factory(address, on_connection=self._watch(address))
+        client = self._factory(address, on_serving=self._watch(address))
         client.metrics = self.metrics
         self.replicas[address] = client
         client.connect_in_background()
 
     def _watch(self, address: str):
-        async def on_connection(up: bool) -> None:
+        async def on_serving(up: bool) -> None:
             client = self.replicas.get(address) or self._draining.get(address)
             if up and client is not None:
                 self._check_info(address, client.info)
-            await self._update_connected()
-        return on_connection
+            await self._update_serving()
+        return on_serving
 
     def _check_info(self, address: str, info: engine_pb2.GetEngineInfoResponse) -> None:
         """Accept the replica, or refuse it when its info disagrees with the reference."""
@@ -340,15 +348,15 @@ class ReplicaSet:
             log.info("scheduler replica %s available (%d replicas)", address,
                      len(self.available()))
 
-    async def _update_connected(self) -> None:
+    async def _update_serving(self) -> None:
         up = bool(self.available())
-        if up != self.connected.is_set():
+        if up != self.serving.is_set():
             if up:
-                self.connected.set()
+                self.serving.set()
             else:
-                self.connected.clear()
-            if self.on_connection is not None:
-                await self.on_connection(up)
+                self.serving.clear()
+            if self.on_serving is not None:
+                await self.on_serving(up)
 
     async def _resolve(self) -> list[str]:
         """The DNS target's addresses as ``ip:port`` (IPv6 as ``[ip]:port``), sorted.
@@ -383,7 +391,7 @@ class ReplicaSet:
         for address in sorted(set(self.replicas) - addresses):
             log.info("scheduler replica %s left %s; draining", address, self.dns_target)
             self._draining[address] = self.replicas.pop(address)
-        await self._update_connected()
+        await self._update_serving()
         await self._close_drained()
 
     def _maybe_close_drained(self) -> None:

@@ -23,11 +23,11 @@ from services.common.metrics import ROUTER_PORT, add_metrics_flags, start_metric
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.router import text_api
-from services.router.generation import (DEFAULT_MAX_STREAM_BUFFER, EngineError, prepare,
-                                        stream_responses)
+from services.router.generation import (DEFAULT_MAX_STREAM_BUFFER, EngineError, RequestLog,
+                                        prepare, stream_responses)
 from services.router.auth import ApiKeyInterceptor, add_api_key_flag
 from services.router.engine_client import EngineClient
-from services.router.metrics import RouterMetrics
+from services.router.metrics import RouterMetrics, code_name
 from services.router.openai_http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
 from services.router.openai_requests import OpenAIError
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
@@ -56,20 +56,22 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         self.max_stream_buffer = max_stream_buffer  # see generation.OutputQueue
 
     async def Generate(self, request, context):
-        with self._counted("Generate", context), self.inflight.track():
+        entry = RequestLog(f"/{SERVICE}/Generate")
+        with self._counted("Generate", context, entry), self.inflight.track():
             await self._admit(context)
-            async with contextlib.aclosing(self._generate(request, context)) as responses:
+            async with contextlib.aclosing(self._generate(request, context, entry)) as responses:
                 async for response in responses:
                     yield response
 
     async def Chat(self, request, context):
-        with self._counted("Chat", context), self.inflight.track():
+        entry = RequestLog(f"/{SERVICE}/Chat")
+        with self._counted("Chat", context, entry), self.inflight.track():
             await self._admit(context)
             try:
                 generate = text_api.chat_to_generate(request)
             except RequestError as e:
                 await context.abort(e.code, e.message)
-            async with contextlib.aclosing(self._generate(generate, context)) as responses:
+            async with contextlib.aclosing(self._generate(generate, context, entry)) as responses:
                 async for response in responses:
                     yield api_pb2.ChatResponse(delta=response)
 
@@ -87,10 +89,11 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
             return await self._call(context, request, text_api.list_models)
 
     @contextlib.contextmanager
-    def _counted(self, method: str, context):
+    def _counted(self, method: str, context, entry: RequestLog | None = None):
         """Count the call under its final status: the aborted code, CANCELLED when the client
-        went away, UNKNOWN on an unexpected error, else OK."""
-        if self.metrics is None:
+        went away, UNKNOWN on an unexpected error, else OK; with ``entry``, write its access
+        log line with that status too."""
+        if self.metrics is None and entry is None:
             yield
             return
         code = None
@@ -104,7 +107,11 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
             code = context.code() or grpc.StatusCode.UNKNOWN
             raise
         finally:
-            self.metrics.request_done(method, code or context.code() or grpc.StatusCode.OK)
+            code = code or context.code() or grpc.StatusCode.OK
+            if self.metrics is not None:
+                self.metrics.request_done(method, code)
+            if entry is not None:
+                entry.done(code_name(code))
 
     async def _admit(self, context) -> None:
         """Refuse a new Generate/Chat call with UNAVAILABLE once the router is draining."""
@@ -127,11 +134,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
 
-    async def _generate(self, request, context):
-        info = await self._info(context)
+    async def _generate(self, request, context, entry: RequestLog):
         if not request.request_id:  # the caller's x-request-id metadata names the request
             request.request_id = dict(context.invocation_metadata() or ()).get(
                 REQUEST_ID_METADATA, "")
+        entry.request_id = request.request_id or None
+        info = await self._info(context)
         try:
             if request.ByteSize() > INLINE_PREPARE_BYTES:  # keep the loop free for others
                 prepared = await asyncio.to_thread(prepare, request, self.tokenizer, info)
@@ -140,9 +148,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         except RequestError as e:
             await context.abort(e.code, e.message)
         request_id_var.set(prepared.request_id)
-        log.info("request accepted: %d prompt tokens, n=%d, max_tokens=%s",
-                 len(prepared.prompt_token_ids), prepared.n,
-                 prepared.params.max_tokens if prepared.params.HasField("max_tokens") else "auto")
+        entry.accepted(prepared)
         slow: list[asyncio.Task] = []  # aborts the RPC when the client reads too slowly
 
         def on_overflow(e: EngineError) -> None:
@@ -155,13 +161,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
             async for response in stream_responses(self.engine, self.tokenizer, prepared,
                                                    max_pending=self.max_stream_buffer,
                                                    on_overflow=on_overflow):
-                if response.finish_reason:
-                    log.info("request finished: %s, %d tokens",
-                             api_pb2.FinishReason.Name(response.finish_reason),
-                             response.usage.completion_tokens)
+                entry.observe(response)
                 yield response
         except EngineError as e:
-            log.info("request failed: %s", e.code.name)
             if slow:  # already aborted by on_overflow: end with its AbortError, as grpc expects
                 error = await slow[0]
                 if error is not None:
@@ -211,9 +213,10 @@ def _targets(value: str) -> str:
     return value
 
 
-def replica_set(args, on_connection=None, metrics: RouterMetrics | None = None) -> ReplicaSet:
+def replica_set(args, on_serving=None, metrics: RouterMetrics | None = None) -> ReplicaSet:
     """The router's scheduler replicas from its flags: ``--schedulers`` if set, else the one
-    ``--scheduler`` (taken as given, any gRPC target: one replica, as before).
+    ``--scheduler`` (taken as given, any gRPC target: one replica, as before). ``on_serving``:
+    async callback(bool), whether at least one replica can serve (see ``ReplicaSet``).
 
     Raises:
         ValueError: a malformed ``--schedulers`` list.
@@ -228,7 +231,7 @@ def replica_set(args, on_connection=None, metrics: RouterMetrics | None = None) 
     return ReplicaSet(addresses, policy=args.routing_policy, dns_target=dns_target,
                       client_factory=factory,
                       dns_refresh=args.scheduler_dns_refresh,
-                      affinity_blocks=args.prefix_affinity_blocks, on_connection=on_connection,
+                      affinity_blocks=args.prefix_affinity_blocks, on_serving=on_serving,
                       metrics=metrics)
 
 
@@ -290,11 +293,13 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
                       DecodeErrorInterceptor()],  # unparsable request -> INVALID_ARGUMENT
         max_receive_bytes=args.max_request_bytes)
     args.port = port
-    # NOTE: the router is SERVING exactly while the stream to at least one scheduler replica
-    # is up (and that replica's engine agrees with the others).
+    # NOTE: the router is SERVING (readiness: "" and SERVICE; GET /health 200) exactly while at
+    # least one scheduler replica can serve: its stream is up, its engine has a complete worker
+    # group, and its engine agrees with the others. Liveness (grpc_utils.LIVENESS) stays
+    # SERVING throughout, so a router waiting for its engines is not restarted.
     metrics = RouterMetrics(available=lambda: len(engine.available()))
-    # NOTE: once draining, a scheduler (re)connecting does not make the router SERVING again.
-    engine = replica_set(args, on_connection=lambda up: set_serving(
+    # NOTE: once draining, a replica that can serve again does not make the router SERVING.
+    engine = replica_set(args, on_serving=lambda up: set_serving(
         health, up and not inflight.draining, [SERVICE]), metrics=metrics)
     servicer = GenerationServicer(engine, tokenizer, metrics, args.max_stream_buffer)
     inflight = servicer.inflight  # gRPC calls and HTTP requests: one count, one drain

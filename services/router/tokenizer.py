@@ -17,6 +17,7 @@ load it in the router process of a dev install; an image without torch is unaffe
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,12 +27,21 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from services.common.model_files import ModelSource, resolve_model
-from services.router.validation import invalid
+from services.common.model_files import (
+    ModelSource,
+    check_tokenizer_files,
+    resolve_model,
+    tokenizer_files,
+)
+from services.router.validation import invalid, validate_messages
 
 _CONVERT_TIMEOUT_S = 600
+_NO_TOKENIZER_EXIT = 3  # the child's exit code for a GGUF file without a tokenizer
 _CONVERT_SCRIPT = (
-    "import sys\n"
+    "import os, sys\n"
+    "import gguf\n"
+    "fields = gguf.GGUFReader(os.path.join(sys.argv[1], sys.argv[2])).fields\n"
+    f"if 'tokenizer.ggml.tokens' not in fields: sys.exit({_NO_TOKENIZER_EXIT})\n"
     "from transformers import AutoTokenizer\n"
     "tok = AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2])\n"
     "tok.save_pretrained(sys.argv[3])\n"
@@ -42,10 +52,13 @@ def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
     """Load the tokenizer of ``--model`` (None or "" is the packaged default, SmolLM2).
 
     Raises:
-        FileNotFoundError: no such model (see ``resolve_model``).
+        FileNotFoundError: no such model (see ``resolve_model``), or a model without a
+            tokenizer: a folder without tokenizer files (``check_tokenizer_files``), a GGUF
+            file without tokenizer metadata.
         RuntimeError: the GGUF conversion failed (the child's error output is in the message).
         subprocess.TimeoutExpired: the conversion took over 600 s.
-        ValueError: the folder only has a slow (pure-Python) tokenizer.
+        ValueError: the folder only has a slow (pure-Python) tokenizer, or one that needs
+            sentencepiece / tiktoken to be converted.
     """
     source = resolve_model(model)
     if source.is_gguf:
@@ -54,9 +67,20 @@ def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
             install_atomically(cache, lambda tmp: _convert_gguf(source, tmp))
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cache))
     else:
+        check_tokenizer_files(source.path)
         from transformers import AutoTokenizer  # imports torch when it is installed
 
-        tokenizer = AutoTokenizer.from_pretrained(source.path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.path)
+        except (ValueError, ImportError) as e:  # a slow tokenizer that cannot be converted
+            if not re.search("sentencepiece|tiktoken", str(e), re.IGNORECASE):
+                raise
+            raise ValueError(
+                f"--model folder {source.path} has no tokenizer.json, and its "
+                f"{', '.join(tokenizer_files(source.path))} needs the sentencepiece (or "
+                "tiktoken) package to be converted: install it, or save the tokenizer as "
+                "tokenizer.json (tokenizer.save_pretrained(folder) with a fast tokenizer)"
+            ) from None
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"{source.path}: no fast tokenizer (tokenizer.json) found, got "
                          f"{type(tokenizer).__name__}")
@@ -91,6 +115,11 @@ def _convert_gguf(source: ModelSource, out_dir: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _CONVERT_SCRIPT, source.folder, source.gguf_file, str(out_dir)],
         capture_output=True, text=True, timeout=_CONVERT_TIMEOUT_S)
+    if proc.returncode == _NO_TOKENIZER_EXIT:
+        raise FileNotFoundError(
+            f"--model {source.path} has no tokenizer: the GGUF file lacks the tokenizer.ggml.* "
+            "metadata (tokens, merges); use a GGUF converted with its tokenizer, or a "
+            "transformers folder with tokenizer.json")
     if proc.returncode != 0 or not (out_dir / "tokenizer.json").is_file():
         raise RuntimeError(f"converting the tokenizer of {source.path} failed "
                            f"(exit {proc.returncode}): {proc.stderr[-2000:]}")
@@ -118,21 +147,20 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict], *,
     tokens (vLLM's chat default): the ids never start with a doubled BOS.
 
     Args:
-        messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+        messages: ``[{"role": "system" | "user" | "assistant" | ..., "content": str}, ...]``.
         add_generation_prompt: append the assistant prefix (what Generate sends); False ends
             with the last message.
         add_special_tokens: also let the tokenizer's post-processor add its special tokens to
             the rendered text (vLLM's tokenize option; off for generation).
 
     Raises:
-        RequestError(INVALID_ARGUMENT): no messages, a message without string role/content, no
-            chat template, or the template rejected the conversation (e.g. role order).
+        RequestError(INVALID_ARGUMENT): no messages, a message without string role/content or
+            with a role outside ``validation.CHAT_ROLES`` (``validate_messages``), no chat
+            template, or the template rejected the conversation (e.g. role order).
     """
     if not messages:
         raise invalid("chat.messages is empty")
-    for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise invalid(f"chat.messages[{i}] needs a string role and content")
+    messages = validate_messages(messages)
     if not tokenizer.chat_template:
         raise invalid("this model has no chat template: send a plain prompt instead")
     try:

@@ -23,6 +23,10 @@ TOP_K_OFF = -1
 MAX_N = 64  # most choices (parallel samples) per request
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
 PRIORITY_POLICY = "priority"  # the scheduling policy under which priority != 0 is allowed
+# Chat roles a message may have: OpenAI's (``function`` is its deprecated tool role). vLLM
+# passes any role to the chat template; we refuse unknown ones, as OpenAI does, so a typo is
+# not silently rendered into the prompt.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class RequestError(Exception):
@@ -199,6 +203,31 @@ def validate_prompt_ids(ids: Sequence[int], *, max_model_len: int, vocab_size: i
         raise invalid(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}: "
                            "the prompt must be shorter than max_model_len")
     _check_ids("prompt_token_ids", ids, vocab_size)
+
+
+def validate_messages(messages: Sequence) -> list[dict]:
+    """Check a conversation and return it as the ``[{"role", "content"}]`` dicts the chat
+    template takes. ``messages``: ChatMessage protos or dicts. The same rule for Generate's
+    ``chat``, the Chat RPC and OpenAI's /v1/chat/completions (the index is the message's).
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): no messages, a role or content that is not a string, or
+            a role outside ``CHAT_ROLES``, e.g. ``messages[1].role must be one of system,
+            developer, user, assistant, tool, function, got 'wizard'``.
+    """
+    if not messages:
+        raise invalid("messages is empty")
+    out = []
+    for i, m in enumerate(messages):
+        role, content = ((m.get("role"), m.get("content")) if isinstance(m, dict)
+                         else (m.role, m.content))
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise invalid(f"messages[{i}] needs a string role and content")
+        if role not in CHAT_ROLES:
+            raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                          f"got {role!r}")
+        out.append({"role": role, "content": content})
+    return out
 
 
 def validate_request_id(request_id: str) -> str:

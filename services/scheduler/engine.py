@@ -4,6 +4,12 @@ one TokenBatch per router stream.
 Routers attach a ``RouterSink`` per Connect stream; every request remembers its sink so its
 tokens go back down the stream that submitted it. The loop sleeps while nothing is unfinished.
 
+Health: the engine can serve while it has a complete worker group (``healthy``). When a rank
+fails (mid-step, or while idle) it turns unhealthy at once, and again healthy once the group is
+back; each change calls ``on_health`` (the servicer's gRPC health) and sends every attached
+router a TokenBatch whose LoadReport says so (``waiting_for_workers``), so routers stop routing
+here within one message, not at the next step.
+
 NOTE: the core ``Scheduler`` is only touched from this event loop's thread, so submits and
 aborts that arrive while a step is on the workers interleave between steps safely: an aborted
 request's sampled token is ignored by ``update_from_output``.
@@ -69,7 +75,8 @@ class Engine:
     Args:
         scheduler: the pure-Python core (owns queues and blocks).
         workers: connected worker ranks.
-        on_health: called with True/False when the workers come and go.
+        on_health: async callback(bool), awaited when the workers go (False) and come back
+            (True).
         metrics: the ``SchedulerMetrics`` to feed (arrivals, steps, tokens, finishes), or None.
     """
 
@@ -78,7 +85,8 @@ class Engine:
         self.scheduler = scheduler
         self.metrics = metrics
         self.workers = workers
-        self._sinks: dict[str, RouterSink] = {}
+        self._sinks: dict[str, RouterSink] = {}  # request id -> the stream it came from
+        self._routers: set[RouterSink] = set()  # every attached Connect stream
         self._wakeup = asyncio.Event()
         self.on_health = on_health
         self._reconnect_timeout = reconnect_timeout
@@ -130,8 +138,22 @@ class Engine:
         if update is not None:
             self._publish([update])
 
+    def attach(self) -> RouterSink:
+        """A router opened a Connect stream: its sink, with the handshake batch (the current
+        load, and whether the engine can serve) already queued."""
+        sink = RouterSink()
+        sink.queue.put_nowait(self.load_batch())
+        self._routers.add(sink)
+        return sink
+
+    def close_streams(self) -> None:
+        """End every router's Connect stream once the batches queued on it are sent."""
+        for sink in self._routers:
+            sink.queue.put_nowait(None)
+
     def detach(self, sink: RouterSink) -> None:
         """A router stream ended: abort everything it still has in flight."""
+        self._routers.discard(sink)
         for rid in list(sink.request_ids):
             self._abort_unpublished(rid)
             self._sinks.pop(rid, None)
@@ -220,9 +242,7 @@ class Engine:
 
     async def _fail_and_reconnect(self, reason: str) -> None:
         log.error("worker failure: %s; failing %d requests", reason, len(self._sinks))
-        self.healthy = False
-        if self.on_health:
-            await self.on_health(False)
+        await self._set_healthy(False)
         self.fail_all(grpc.StatusCode.UNAVAILABLE, f"worker failed: {reason}")
         # NOTE: the step that failed may not have written blocks it registered, and a restarted
         # worker has an empty KV cache: no cached prefix can be trusted any more.
@@ -234,9 +254,16 @@ class Engine:
             except WorkerError as e:
                 log.warning("reconnecting to workers: %s", e)
         log.info("workers back; serving again")
-        self.healthy = True
-        if self.on_health and not self.draining:
-            await self.on_health(True)
+        await self._set_healthy(True)
+
+    async def _set_healthy(self, healthy: bool) -> None:
+        """Record whether the engine can serve; tell gRPC health (not SERVING again while
+        draining) and every router (a load batch: ``waiting_for_workers``)."""
+        self.healthy = healthy
+        if self.on_health and not (healthy and self.draining):
+            await self.on_health(healthy)
+        for sink in self._routers:
+            sink.queue.put_nowait(self.load_batch())
 
     # ---- results -----------------------------------------------------------------------------
     def load_batch(self) -> engine_pb2.TokenBatch:
@@ -247,7 +274,7 @@ class Engine:
         s = self.scheduler
         return engine_pb2.TokenBatch(step_id=step_id, outputs=outputs, load=engine_pb2.LoadReport(
             num_running=s.num_running, num_waiting=s.num_waiting,
-            kv_cache_usage=s.block_manager.usage))
+            kv_cache_usage=s.block_manager.usage, waiting_for_workers=not self.healthy))
 
     def _publish(self, updates: list[RequestUpdate], step_id: int = 0) -> None:
         if self.metrics is not None:

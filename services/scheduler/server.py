@@ -21,7 +21,7 @@ from services.common.shutdown import (SHUTTING_DOWN, TIMED_OUT, add_shutdown_fla
 from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
-from services.scheduler.engine import Engine, RouterSink
+from services.scheduler.engine import Engine
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
 from services.scheduler.worker_client import WorkerGroup
@@ -37,12 +37,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         # Set once the workers are connected; until then RPCs answer UNAVAILABLE.
         self.engine: Engine | None = None
         self.info: engine_pb2.GetEngineInfoResponse | None = None
-        self.sinks: set[RouterSink] = set()  # the open Connect streams
 
     def close_streams(self) -> None:
         """End every router's Connect stream once the batches queued on it are sent."""
-        for sink in self.sinks:
-            sink.queue.put_nowait(None)
+        if self.engine is not None:
+            self.engine.close_streams()
 
     async def _require_engine(self, context) -> Engine:
         if self.engine is None:
@@ -53,7 +52,9 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         await self._require_engine(context)
         if self.engine.draining:  # a router reconnecting while we shut down: nothing to take
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-        sink = RouterSink()
+        # NOTE: its first batch is the handshake: it tells the router the stream is up, and
+        # whether the engine can serve (it may be waiting for its workers to come back).
+        sink = self.engine.attach()
 
         async def read_requests():
             try:
@@ -66,14 +67,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 sink.queue.put_nowait(None)  # the router closed its side: end the stream
 
         reader = asyncio.create_task(read_requests())
-        self.sinks.add(sink)
         try:
-            yield self.engine.load_batch()  # the handshake: tells the router the stream is up
             while (batch := await sink.queue.get()) is not None:
                 yield batch
         finally:
             reader.cancel()
-            self.sinks.discard(sink)
             self.engine.detach(sink)
 
     async def GetEngineInfo(self, request, context):

@@ -19,6 +19,13 @@ Backends: gloo on CPU, NCCL on CUDA. Rendezvous is TCP at ``MASTER_ADDR:MASTER_P
 torch.distributed environment variables). Every collective has a timeout, so a rank whose peer
 died fails its step instead of blocking forever; such a rank must then exit (its process group
 is unusable) and the whole group be restarted (``services/worker/launch.py`` does that).
+
+Teardown: a process that joined a group must not reach interpreter exit with the group alive.
+ProcessGroupGloo owns C++ worker threads; if its destructor has not run by then, they are
+destroyed still joinable during finalization and the process aborts (SIGABRT, "terminate
+called without an active exception"; PyTorch issues #65231 and #190489). A process that ends
+normally calls ``destroy_distributed`` first; a worker rank leaves with ``os._exit``, which
+skips finalization altogether (its forward thread may be stuck in a collective on a dead peer).
 """
 
 from __future__ import annotations
@@ -131,6 +138,26 @@ class ParallelState:
         out = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(out, src=self.config.rank - self.config.tensor_parallel_size)
         return out
+
+
+def destroy_distributed(timeout_s: float = 30.0) -> None:
+    """Leave the default group cleanly: wait for every rank (a barrier, so no peer is still in a
+    collective with this one), then destroy all process groups. A no-op when none was joined.
+
+    Call it on every rank of the group, at the end of a successful run; a rank that failed
+    should exit without it (its peers would wait ``timeout_s`` seconds at the barrier).
+
+    Raises:
+        RuntimeError: a peer did not reach the barrier within ``timeout_s`` seconds.
+    """
+    if not dist.is_initialized():
+        return
+    # NOTE: monitored_barrier is gloo-only; barrier with the group's own timeout covers NCCL.
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def init_distributed(config: ParallelConfig, device: torch.device,

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.common.grpc_utils import LIVENESS
 from tests.deploy.conftest import CHART, output, run, tool, unknown_env
 
 CI_VALUES = CHART / "ci" / "values-cuda-tp4.yaml"
@@ -161,6 +162,11 @@ def test_cuda_tp4_three_replicas(tmp_path):
         port = int(_env(c)["PAGEDSERVE_PORT"])
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["grpc"]["port"] == port, (c["name"], probe)
+        # readiness: the ability to serve (""); liveness: the process (grpc_utils.LIVENESS)
+        assert "service" not in c["readinessProbe"]["grpc"], c["name"]
+        assert c["livenessProbe"]["grpc"]["service"] == LIVENESS, c["name"]
+    # the scheduler must not be restarted while it waits for its workers
+    assert scheduler["startupProbe"]["grpc"]["service"] == LIVENESS
     hpa = _by_kind(objects, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"]["name"] == sts["metadata"]["name"]
@@ -187,7 +193,10 @@ def test_router_finds_engines_through_the_headless_service(tmp_path):
     assert _env(rc)["PAGEDSERVE_SCHEDULERS"] == (
         f"dns:///{headless['metadata']['name']}.llm.svc.cluster.local:{grpc_port}")
     assert rc["readinessProbe"]["grpc"]["port"] == int(_env(rc)["PAGEDSERVE_PORT"])
-    assert "startupProbe" in rc and "livenessProbe" in rc
+    assert "service" not in rc["readinessProbe"]["grpc"]  # "": SERVING while engines can serve
+    for probe in ("startupProbe", "livenessProbe"):  # never restarted for waiting on engines
+        assert rc[probe]["grpc"] == {"port": int(_env(rc)["PAGEDSERVE_PORT"]),
+                                     "service": LIVENESS}, probe
     svc = _by_kind(objects, "Service", "-router")
     assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {
         "grpc": 50051, "http": 8000, "metrics": 9091}

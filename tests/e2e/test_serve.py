@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -117,3 +119,38 @@ def test_services_exit_when_serve_is_killed(tmp_path):
                              capture_output=True).returncode == 0:
             assert time.monotonic() < deadline, f"a service on port {p} outlived serve"
             time.sleep(0.5)
+
+
+def test_demo_prints_clean_answers_and_logs_to_a_file(tmp_path):
+    """``make run``: the answers on a terminal (stdout and stderr together) hold no log
+    lines; the services' logs, debug level included, are in the file whose path serve prints."""
+    model = make_servable_tiny_llama(tmp_path / "tiny")
+    ports = _free_ports(3)
+    terminal = tmp_path / "terminal"
+    env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    with open(terminal, "wb") as tty:
+        proc = subprocess.Popen(CLI + ["serve", "--demo", "--port", str(ports[0]),
+                                       "--scheduler-port", str(ports[1]), "--worker-port",
+                                       str(ports[2]), "--http-port", "-1", "--metrics-port", "-1",
+                                       "--model", model, "--kv-cache-memory", "32MiB",
+                                       "--log-level", "debug"],
+                                stdout=tty, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while "Ctrl-C stops" not in (text := terminal.read_text()):  # after the demo
+            assert proc.poll() is None, f"serve exited early: {text[-2000:]}"
+            assert time.monotonic() < deadline, "demo did not finish in time"
+            time.sleep(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert text.count(">>> 4 prompts sent at once") == 1 and "[3] " in text
+    for fragment in ('{"time"', '"level"', '"service"', "DEBUG"):
+        assert fragment not in text, f"log output among the demo's answers: {fragment}"
+    logs = list((tmp_path / "cache" / "logs").glob("serve-*.log"))
+    assert len(logs) == 1 and f"the services' logs go to {logs[0]}" in text
+    records = [json.loads(line) for line in logs[0].read_text().splitlines()
+               if line.startswith('{"time"')]
+    assert {r["service"] for r in records} >= {"worker", "scheduler", "router"}
+    assert "DEBUG" in {r["level"] for r in records}

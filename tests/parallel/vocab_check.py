@@ -8,7 +8,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from services.worker.distributed import ParallelConfig, init_distributed
+from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
 from services.worker.models.llama import LlamaConfig
 from services.worker.parallel import ShardPlan, VocabParallelEmbedding, vocab_parallel_logits
 
@@ -32,3 +32,6 @@ def check_rank(rank: int, port: int) -> None:
     hidden = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
     logits = vocab_parallel_logits(hidden, shard, 7, ps)
     assert logits.shape == (3, 7) and torch.allclose(logits, hidden @ weight.T)
+    # NOTE: without this, gloo's threads can outlive the group into interpreter exit and the
+    # process aborts with -6 after passing every check (see services/worker/distributed.py).
+    destroy_distributed()

@@ -30,13 +30,14 @@ def asynctest(fn):
 
 
 class FakeReplica:
-    """An EngineClient stand-in: ``up()`` / ``down()`` drive the connection; submits are
-    recorded and stay in flight until ``finish``."""
+    """An EngineClient stand-in: ``up()`` / ``down()`` drive the connection, ``workers(ok)``
+    its engine's workers; submits are recorded and stay in flight until ``finish``."""
 
-    def __init__(self, address, on_connection=None, info=INFO):
-        self.address, self.on_connection, self.info = address, on_connection, info
+    def __init__(self, address, on_serving=None, info=INFO):
+        self.address, self.on_serving, self.info = address, on_serving, info
         self.load = engine_pb2.LoadReport()
         self.connected = asyncio.Event()
+        self.serving = asyncio.Event()
         self.pending: dict[str, str] = {}  # request id -> parent id
         self.submitted: list[str] = []
         self.aborted: list[str] = []
@@ -48,12 +49,23 @@ class FakeReplica:
     async def up(self, info=None):
         self.info = info or self.info
         self.connected.set()
-        await self.on_connection(True)
+        self.serving.set()
+        await self.on_serving(True)
 
     async def down(self):
         self.connected.clear()
+        self.serving.clear()
         self.pending.clear()
-        await self.on_connection(False)
+        await self.on_serving(False)
+
+    async def workers(self, ok: bool):
+        """The engine lost its workers (False) or has them back (True); the stream stays up."""
+        self.load = engine_pb2.LoadReport(waiting_for_workers=not ok)
+        if ok:
+            self.serving.set()
+        else:
+            self.serving.clear()
+        await self.on_serving(ok)
 
     @property
     def num_pending(self):
@@ -89,15 +101,15 @@ class Harness:
         self.fakes: dict[str, FakeReplica] = {}
         self.health: list[bool] = []
 
-        def factory(address, on_connection):
-            self.fakes[address] = FakeReplica(address, on_connection)
+        def factory(address, on_serving):
+            self.fakes[address] = FakeReplica(address, on_serving)
             return self.fakes[address]
 
-        async def on_connection(up):
+        async def on_serving(up):
             self.health.append(up)
 
         self.rs = ReplicaSet(list(addresses), client_factory=factory,
-                             on_connection=on_connection, **kwargs)
+                             on_serving=on_serving, **kwargs)
 
     async def start(self, up=None):
         task = asyncio.create_task(self.rs.start(timeout=5))
@@ -239,18 +251,52 @@ async def test_a_running_id_is_refused_by_its_owner_not_sent_elsewhere():
 async def test_a_replica_down_is_skipped_and_health_follows_the_last_one():
     h = Harness(policy="round_robin")
     await h.start()
-    assert h.health == [True] and h.rs.connected.is_set()
+    assert h.health == [True] and h.rs.serving.is_set()
     await h.fakes["a:1"].down()
     for i in range(4):
         h.rs.submit(f"r{i}", prompt(i), PARAMS)
     assert h.fakes["a:1"].submitted == [] and len(h.fakes["b:1"].submitted) == 4
     assert h.health == [True]
     await h.fakes["b:1"].down()
-    assert h.health == [True, False] and not h.rs.connected.is_set()
+    assert h.health == [True, False] and not h.rs.serving.is_set()
     out = h.rs.submit("late", prompt(0), PARAMS).get_nowait()
     assert out.error_code == grpc.StatusCode.UNAVAILABLE.value[0]
     await h.fakes["a:1"].up()
     assert h.health == [True, False, True]
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "prefix_affinity"])
+@asynctest
+async def test_a_replica_without_workers_gets_nothing_and_health_follows_the_engines(policy):
+    """A replica whose stream is up but whose engine waits for its workers takes no new
+    request; the set is serving (router readiness) exactly while one engine can serve."""
+    h = Harness(policy=policy)
+    await h.start()
+    await h.fakes["a:1"].workers(False)
+    assert h.health == [True] and h.rs.serving.is_set()
+    for i in range(6):
+        h.rs.submit(f"r{i}", prompt(i), PARAMS)
+    assert h.fakes["a:1"].submitted == [] and len(h.fakes["b:1"].submitted) == 6
+    await h.fakes["b:1"].workers(False)
+    assert h.health == [True, False] and not h.rs.serving.is_set()
+    out = h.rs.submit("late", prompt(0), PARAMS).get_nowait()
+    assert out.error_code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert "no worker" in out.error_message and "retry later" in out.error_message
+    await h.fakes["a:1"].workers(True)
+    assert h.health == [True, False, True] and h.rs.serving.is_set()
+    h.rs.submit("back", prompt(0), PARAMS)
+    assert h.where("back") == "a:1"
+
+
+@asynctest
+async def test_no_replica_connected_is_unavailable_not_no_worker():
+    h = Harness(policy="round_robin")
+    await h.start()
+    await h.fakes["a:1"].down()
+    await h.fakes["b:1"].down()
+    out = h.rs.submit("x", prompt(0), PARAMS).get_nowait()
+    assert out.error_code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert out.error_message == "scheduler a:1,b:1 unavailable"
 
 
 @asynctest
@@ -337,7 +383,7 @@ async def test_a_failed_resolution_keeps_the_replicas(monkeypatch):
     monkeypatch.setattr(h.rs, "_resolve", resolve)
     await h.start()
     await h.rs.refresh()
-    assert set(h.rs.replicas) == {"10.0.0.1:7"} and h.rs.connected.is_set()
+    assert set(h.rs.replicas) == {"10.0.0.1:7"} and h.rs.serving.is_set()
     await h.rs.close()
 
 

@@ -70,6 +70,38 @@ def test_missing_model_raises():
         load_tokenizer("/nonexistent/model.gguf")
 
 
+def test_folder_without_tokenizer_files_names_the_folder_and_the_files(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "tokenizer_config.json").write_text("{}")  # configures, but no vocabulary
+    with pytest.raises(FileNotFoundError, match="has no tokenizer") as e:
+        load_tokenizer(str(tmp_path))
+    assert str(tmp_path) in str(e.value)
+    assert "tokenizer.json" in str(e.value) and "tokenizer.model" in str(e.value)
+    assert "sentencepiece" not in str(e.value)
+
+
+def test_sentencepiece_file_without_the_package_says_so(tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("sentencepiece") or importlib.util.find_spec("tiktoken"):
+        pytest.skip("a converter package is installed")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(ValueError, match="has no tokenizer.json, and its tokenizer.model "
+                                         "needs the sentencepiece"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_gguf_without_tokenizer_metadata_says_so(tmp_path, monkeypatch):
+    from tests.helpers import make_tiny_gguf, make_tiny_llama
+
+    make_tiny_llama(tmp_path / "hf")
+    gguf = make_tiny_gguf(tmp_path / "no-tokenizer.gguf", tmp_path / "hf")  # stores none
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(FileNotFoundError, match="has no tokenizer: the GGUF file lacks"):
+        load_tokenizer(str(gguf))
+    assert not resolve_model(str(gguf)).cache_dir("tokenizer").exists()
+
+
 def test_failed_conversion_raises_and_leaves_no_cache(tmp_path, monkeypatch):
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"not a gguf")
@@ -155,7 +187,10 @@ def test_encode_chat_does_not_double_the_bos():
 
 @pytest.mark.parametrize("tok, messages, match", [
     (tiny_bos_tokenizer, [], "chat.messages is empty"),
-    (tiny_bos_tokenizer, [{"role": "user"}], r"chat.messages\[0\]"),
+    (tiny_bos_tokenizer, [{"role": "user"}], r"messages\[0\] needs a string role"),
+    (tiny_bos_tokenizer, [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}],
+     r"messages\[1\]\.role must be one of system, developer, user, assistant, tool, "
+     r"function, got 'wizard'"),
     (tiny_sentencepiece_tokenizer, [{"role": "user", "content": "hi"}], "no chat template"),
 ])
 def test_encode_chat_errors(tok, messages, match):

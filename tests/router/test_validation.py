@@ -11,8 +11,10 @@ from hypothesis import strategies as st
 
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.validation import (
+    CHAT_ROLES,
     RequestError,
     TextOptions,
+    validate_messages,
     validate_n,
     validate_priority,
     validate_prompt_ids,
@@ -187,3 +189,36 @@ def test_priority_must_be_zero_under_fcfs(policy):
     assert message.startswith("priority must be 0 unless the scheduler runs "
                               "--scheduling-policy priority")
     assert message.endswith("got 3") and "fcfs" in message
+
+
+@pytest.mark.parametrize("role", CHAT_ROLES)
+def test_every_openai_chat_role_is_accepted(role):
+    msg = api_pb2.ChatMessage(role=role, content="hi")
+    assert validate_messages([msg]) == [{"role": role, "content": "hi"}]
+    assert validate_messages([{"role": role, "content": "hi"}]) == [{"role": role, "content": "hi"}]
+
+
+@pytest.mark.parametrize("role", ["wizard", "", "User", "bot"])
+def test_unknown_chat_role_is_refused_naming_the_message(role):
+    messages = [api_pb2.ChatMessage(role="user", content="a"),
+                api_pb2.ChatMessage(role=role, content="b")]
+    assert error(validate_messages, messages) == (
+        "messages[1].role must be one of system, developer, user, assistant, tool, function, "
+        f"got {role!r}")
+
+
+def test_chat_rpc_refuses_an_unknown_role_before_tokenizing():
+    """The Chat RPC's own path (servicer -> chat_to_generate -> prepare) without gRPC."""
+    from services.common.pb.pagedserve.v1 import engine_pb2
+    from services.router.generation import prepare
+    from services.router.text_api import chat_to_generate
+    from tests.router import tiny_bos_tokenizer
+
+    info = engine_pb2.GetEngineInfoResponse(vocab_size=16, max_model_len=64)
+    chat = api_pb2.ChatRequest(messages=[api_pb2.ChatMessage(role="wizard", content="hi")])
+    with pytest.raises(RequestError) as e:
+        prepare(chat_to_generate(chat), tiny_bos_tokenizer(), info)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.message.startswith("messages[0].role must be one of system,")
+    chat.messages[0].role = "user"
+    assert prepare(chat_to_generate(chat), tiny_bos_tokenizer(), info).prompt_token_ids

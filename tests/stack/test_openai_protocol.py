@@ -108,7 +108,7 @@ def test_grpc_status_to_http(code, message, status, param):
 class _NoEngine:
     """An engine client that never connected."""
     info = None
-    connected = asyncio.Event()
+    serving = asyncio.Event()
 
 
 def test_server_without_engine_answers_503_and_404():
@@ -140,8 +140,8 @@ class _FakeEngine:
 
     def __init__(self):
         self.info = engine_pb2.GetEngineInfoResponse(model="m", max_model_len=64)
-        self.connected = asyncio.Event()
-        self.connected.set()
+        self.serving = asyncio.Event()
+        self.serving.set()
 
 
 def _fake_generation(monkeypatch, fail_after: int, closed: list):
@@ -191,3 +191,29 @@ def test_engine_error_mid_stream_is_an_error_event(monkeypatch):
     assert json.loads(events[1])["choices"][0]["text"] == "t1"
     assert json.loads(events[2])["error"]["code"] == "resource_exhausted"
     assert closed
+
+
+def test_chat_with_an_unknown_role_is_400_naming_the_message():
+    """Through the real HTTP server and the real ``prepare`` (the same rule as gRPC Chat)."""
+    from tests.router import tiny_bos_tokenizer
+
+    async def main():
+        engine = _FakeEngine()
+        engine.info.vocab_size = 16
+        server = OpenAIServer(engine, tokenizer=tiny_bos_tokenizer())
+        port = await server.start("127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+                        "model": "m", "messages": [{"role": "user", "content": "hi"},
+                                                   {"role": "wizard", "content": "abracadabra"}]
+                }) as r:
+                    return r.status, await r.json()
+        finally:
+            await server.stop()
+
+    status, body = asyncio.run(main())
+    assert status == 400
+    assert body["error"]["param"] == "messages"
+    assert body["error"]["message"] == ("messages[1].role must be one of system, developer, "
+                                        "user, assistant, tool, function, got 'wizard'")
