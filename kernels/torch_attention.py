@@ -76,7 +76,10 @@ def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) 
         return torch.empty(numel, dtype=dtype, device=device)
     if not hasattr(_workspaces, "buffers"):
         _workspaces.buffers = {}
-    key = (name, dtype)
+    # NOTE: keyed by inference mode too: a buffer made under torch.inference_mode() is an
+    # inference tensor, which may not be written in place outside it (a test calling the kernel
+    # directly after a forward under inference mode in the same thread failed that way).
+    key = (name, dtype, torch.is_inference_mode_enabled())
     buf = _workspaces.buffers.get(key)
     if buf is None or buf.numel() < numel:
         buf = _workspaces.buffers[key] = torch.empty(numel, dtype=dtype)

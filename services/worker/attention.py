@@ -2,13 +2,15 @@
 
 The model only calls ``backend.write_kv`` and ``backend.attend``, plus the per-layer ops
 ``rms_norm``, ``fused_add_rms_norm`` and ``rotary_embedding``; the model runner builds one
-``AttentionMetadata`` per step and every layer reuses it. Two backends share one contract
+``AttentionMetadata`` per step and every layer reuses it. Three backends share one contract
 (``kernels/__init__.py`` draws the index arithmetic):
 
 - ``"torch"``:  ``kernels.torch_attention`` + ``kernels.torch_ops`` (batched torch; the CPU path,
   and the model's reference math),
 - ``"triton"``: ``kernels.triton_attention`` + ``kernels.triton_norm_rope`` (Triton kernels; the
-  CUDA path).
+  CUDA path),
+- ``"cpu"``:    ``kernels.cpu_attention`` (native C++ paged attention and KV write, built once
+  into the cache by ``kernels.cpu_build``) + ``kernels.torch_ops`` (norms and RoPE); CPU only.
 
 ``"auto"`` picks triton on CUDA and torch on CPU. Kernel modules are imported lazily, on first
 use, so choosing a backend never imports the other one's dependencies.
@@ -44,7 +46,7 @@ class AttentionMetadata:
         max_seq_len: largest ``seq_lens[i]`` (tokens).
         plan: the backend's per-step precomputation, made by the first layer's ``attend`` and
             reused by the others (torch: ``kernels.torch_attention.AttentionPlan``; None until
-            then, and always None for triton).
+            then, and always None for triton and cpu, whose kernels plan per call).
     """
 
     slot_mapping: torch.Tensor
@@ -61,11 +63,14 @@ class AttentionBackend:
     on first use.
 
     Args:
-        name: ``"torch"`` or ``"triton"``.
+        name: ``"torch"``, ``"triton"`` or ``"cpu"``.
     """
 
-    _MODULES = {"torch": ("kernels.torch_attention", "kernels.torch_ops"),
-                "triton": ("kernels.triton_attention", "kernels.triton_norm_rope")}
+    # backend -> (module, prefix of its functions) pairs; op ``o`` is ``<prefix>_<o>``
+    _MODULES = {"torch": (("kernels.torch_attention", "torch"), ("kernels.torch_ops", "torch")),
+                "triton": (("kernels.triton_attention", "triton"),
+                           ("kernels.triton_norm_rope", "triton")),
+                "cpu": (("kernels.cpu_attention", "cpu"), ("kernels.torch_ops", "torch"))}
     _OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm",
             "rotary_embedding")
 
@@ -78,10 +83,13 @@ class AttentionBackend:
 
     def _op(self, op: str) -> Callable[..., Any]:
         if self._ops is None:
-            found: dict[str, Any] = {}
-            for module in self._MODULES[self.name]:
-                found.update(vars(importlib.import_module(module)))
-            self._ops = {o: found[f"{self.name}_{o}"] for o in self._OPS}
+            ops: dict[str, Callable[..., Any]] = {}
+            for module, prefix in self._MODULES[self.name]:
+                found = vars(importlib.import_module(module))
+                for o in self._OPS:  # the first module that has an op provides it
+                    if o not in ops and f"{prefix}_{o}" in found:
+                        ops[o] = found[f"{prefix}_{o}"]
+            self._ops = ops
         return self._ops[op]
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
@@ -126,7 +134,8 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """Pick the backend for ``device``: ``"auto"`` = triton on CUDA, torch elsewhere.
 
     Raises:
-        ValueError: unknown name, or ``"triton"`` on a CPU without ``TRITON_INTERPRET=1``.
+        ValueError: unknown name, ``"triton"`` on a CPU without ``TRITON_INTERPRET=1``, or
+            ``"cpu"`` on a non-CPU device.
     """
     device = torch.device(device)
     if name == "auto":
@@ -134,4 +143,6 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton attention backend needs a CUDA device "
                          "(or TRITON_INTERPRET=1 for slow CPU testing); use 'torch' on CPU")
+    if name == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu attention backend runs on the CPU only, not {device}")
     return AttentionBackend(name)

@@ -169,8 +169,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "the size of the profiling forward pass)")
     add_flag(p, "--max-model-len", type=int_in(1), default=None,
              help="cap on the context length")
-    add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-             help="auto = triton on CUDA, torch on CPU")
+    add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+             help="auto = triton on CUDA, torch on CPU; cpu = the native C++ CPU kernels")
     add_flag(p, "--tensor-parallel-size", type=int_in(1), default=1,
              help="ranks each layer is split across (all-reduce over gloo/NCCL)")
     add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,

@@ -1,0 +1,129 @@
+"""Paged attention and KV-cache write in native C++: the fast CPU path.
+
+Same contracts as ``torch_attention`` (the readable CPU reference; ``kernels/__init__.py`` draws
+the index arithmetic), computed by the torch custom ops of ``kernels/csrc/cpu_paged_attention.cpp``
+(``torch.ops.pagedserve.paged_attention`` / ``reshape_and_cache``), which ``kernels.cpu_build``
+compiles once into the cache and this module loads on first use.
+
+One varlen kernel serves decode, chunked prefill and prefix-hit tails: work items of
+(sequence, query tile, KV heads, KV split) run in one OpenMP loop; each walks its K/V blocks
+through the block table (no gather of the context, no padding), holds the G query heads of a KV
+head together (GQA: one K/V load for all of them), and keeps a float32 online softmax
+(FlashAttention-2, Dao 2023). Decode-sized tiles read the blocks in place with vectorized
+loops; prefill tiles (>= 16 rows per KV head) copy 256 keys at a time into a float32 buffer and
+run Q K^T and P V as GEMMs. Long contexts at small batch are split over KV ranges and merged
+(flash-decoding, Dao et al. 2023). The block-table cache is PagedAttention (Kwon et al., SOSP
+2023). ``kernels/csrc/cpu_paged_attention.cpp`` has the details.
+
+Instruction sets: the hot loop is compiled for AVX-512, AVX2+FMA and the baseline, and the best
+the CPU has runs; ``PAGEDSERVE_CPU_ISA=scalar|avx2|avx512|auto`` forces a lower one (read at
+every call), ``cpu_isa()`` names the one in use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Environment variable that forces a lower instruction-set path (tests, debugging).
+ISA_ENV = "PAGEDSERVE_CPU_ISA"
+
+
+def _ops():
+    from kernels import cpu_build  # NOTE: lazy, so `python -m kernels.cpu_build` runs cleanly
+
+    cpu_build.load()
+    return torch.ops.pagedserve
+
+
+def cpu_isa() -> str:
+    """The instruction-set path the kernels take now: ``"avx512"``, ``"avx2"`` or ``"scalar"``
+    (the best this CPU supports, unless ``PAGEDSERVE_CPU_ISA`` asks for a lower one).
+
+    Raises:
+        ValueError: ``PAGEDSERVE_CPU_ISA`` is unknown or above what the CPU supports.
+    """
+    return _ops().cpu_isa()
+
+
+def cpu_reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 accepted)
+) -> None:
+    """Write each token's K/V into its slot ``block_id * block_size + offset``; slot < 0 = skip.
+
+    Values are cast to the cache dtype. Slots must be unique (the scheduler guarantees it). The
+    caches may have any strides with ``head_dim`` contiguous (e.g. halves of one combined K/V
+    tensor); offsets are 64-bit.
+
+    Raises:
+        ValueError: shapes, dtypes or layouts that do not fit.
+        IndexError: a slot past ``num_blocks * block_size``.
+    """
+    dtype = k_cache.dtype
+    if key.dtype != dtype or key.stride(-1) != 1:
+        key = key.to(dtype).contiguous()
+    if value.dtype != dtype or value.stride(-1) != 1:
+        value = value.to(dtype).contiguous()
+    _ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.long().contiguous())
+
+
+def cpu_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context + query tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    plan: object = None,
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """Causal paged attention of each sequence's query tokens over its whole context.
+
+    Query token ``j`` of sequence ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
+    attends to key positions ``0 ..`` that position, read through ``block_tables[i]``.
+
+    Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype`` (float32, bfloat16 or
+    float16; the caches must have the same dtype; softmax and accumulation in float32). Rows of
+    tokens past ``query_start_loc[-1]`` (padding) are zero.
+
+    Args:
+        scale: multiplies ``q . k`` (usually ``head_dim ** -0.5``).
+        plan: ignored (the torch backend's per-step plan; this kernel plans in C++ per call).
+        num_splits: KV splits per (sequence, query tile, KV head): 0 = automatic (split long
+            contexts only while the batch leaves threads idle), 1 = never, n > 1 = up to n
+            (never more than the range has blocks).
+        max_query_len, max_seq_len: accepted for the common signature; the kernel reads the
+            lengths themselves.
+
+    Requires every ``seq_len >= query_len >= 0`` and ``block_tables.shape[1] * block_size >=
+    seq_len``; table entries past a sequence's last block may hold anything (never read).
+
+    Raises:
+        ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, mismatched shapes or
+            dtypes, ``query_len > seq_len``.
+        IndexError: a used block-table entry outside ``[0, num_blocks)``, or a table too short
+            for ``seq_len``.
+    """
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    _ops().paged_attention(
+        out, query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens),
+        _int32(query_start_loc), float(scale), int(num_splits))
+    return out
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous-rows int32 (a no-op for the model runner's tensors)."""
+    if t.dtype != torch.int32:
+        t = t.to(torch.int32)
+    return t if t.stride(-1) == 1 else t.contiguous()

@@ -1,0 +1,123 @@
+"""Build (once) and load the native CPU kernels, ``kernels/csrc/cpu_paged_attention.cpp``.
+
+The extension is a plain shared library of torch custom ops (``torch.ops.pagedserve.*``, no
+Python module), compiled by ``torch.utils.cpp_extension.load`` (g++ and ninja, ``-O3
+-fopenmp``) into a folder named after a hash of everything that goes into it: the source, the
+flags and the torch version. A changed source therefore builds into a new folder, and an
+unchanged one is loaded straight from the finished library with ``torch.ops.load_library``,
+which needs neither ninja nor a compiler (the worker image builds at image build time and runs
+without a compiler).
+
+Cache location: ``$PAGEDSERVE_CACHE_DIR/cpu_kernels`` (default ``~/.cache/pagedserve``, the
+same root the model cache uses), e.g. ``~/.cache/pagedserve/cpu_kernels/pagedserve_cpu-1a2b.../``.
+
+``python -m kernels.cpu_build`` builds (or finds) the library and prints its path, the build
+time and the instruction-set path the kernels will take (``make install`` runs it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+NAME = "pagedserve_cpu"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_paged_attention.cpp"
+# NOTE: -fopenmp on both sides links libgomp.so.1, the same soname as the libgomp torch's CPU
+# wheel ships and has already loaded, so the process keeps one OpenMP runtime (one thread pool).
+CFLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: Path | None = None
+
+
+def cache_root() -> Path:
+    """``$PAGEDSERVE_CACHE_DIR/cpu_kernels``, default ``~/.cache/pagedserve/cpu_kernels``."""
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "pagedserve")
+    return Path(root) / "cpu_kernels"
+
+
+def build_key() -> str:
+    """16 hex digits of sha256 over the source, the flags and the torch version."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    return h.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    """Where the finished library for the current source lives (whether built or not)."""
+    return cache_root() / f"{NAME}-{build_key()}" / f"{NAME}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the library unless it is already in the cache; return its path.
+
+    The compile happens in ``<folder>/build`` (ninja, with cpp_extension's file lock against
+    concurrent builds) and the result is copied to ``<folder>/pagedserve_cpu.so`` with an atomic
+    rename, so another process never loads a half-written file. Loads the library into this
+    process as a side effect when it compiles.
+
+    Raises:
+        RuntimeError: the compiler or ninja is missing, or the compile fails.
+    """
+    final = library_path()
+    if final.exists():
+        return final
+    build_dir = final.parent / "build"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    from torch.utils import cpp_extension
+
+    # NOTE: cpp_extension runs `ninja` from PATH; the PyPI ninja sits in the venv's bin folder,
+    # which is not on PATH when the venv's python is run directly (as `make install` does).
+    try:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    built = cpp_extension.load(
+        name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        build_directory=str(build_dir), is_python_module=False, verbose=verbose)
+    global _loaded
+    _loaded = Path(built)
+    tmp = final.with_suffix(f".tmp{os.getpid()}")
+    shutil.copyfile(built, tmp)
+    os.replace(tmp, final)
+    return final
+
+
+def load() -> None:
+    """Register ``torch.ops.pagedserve.*`` in this process (building first if needed); once.
+
+    Raises:
+        RuntimeError: as ``build``.
+    """
+    global _loaded
+    if _loaded is not None:
+        return
+    with _lock:
+        if _loaded is None:
+            path = build()
+            if _loaded is None:  # found in the cache, not loaded by the build
+                torch.ops.load_library(str(path))
+                _loaded = path
+
+
+def main() -> None:
+    start = time.perf_counter()
+    cached = library_path().exists()
+    load()
+    print(f"{_loaded} ({'cached' if cached else 'built'} in {time.perf_counter() - start:.1f} s, "
+          f"isa {torch.ops.pagedserve.cpu_isa()})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""The native CPU kernels (``kernels.cpu_attention``) against the float64 reference.
+
+Same batches, cases and per-dtype tolerances as ``test_paged_attention.py`` (imported from it),
+on every instruction-set path this CPU can run (forced with ``PAGEDSERVE_CPU_ISA``; the
+AVX-512 path is compiled everywhere but runs only on a CPU that has AVX-512), with split-KV
+off, automatic and forced. Plus the KV-cache write, 64-bit offsets, custom-op schemas, and a
+tiny Llama whose greedy tokens with ``--attention-backend cpu`` equal transformers' at float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import reference_paged_attention, reference_reshape_and_cache
+from kernels.cpu_attention import ISA_ENV, cpu_isa, cpu_paged_attention, cpu_reshape_and_cache
+from tests.kernels.test_paged_attention import CASES, TOLERANCES
+from tests.kernels.test_paged_attention import make_batch as _make_batch
+
+ISA_ORDER = ["scalar", "avx2", "avx512"]
+
+
+def _best_isa() -> str:
+    """The best path this CPU runs: what ``cpu_isa`` reports with no override."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(ISA_ENV, raising=False)
+        return cpu_isa()
+
+
+BEST_ISA = _best_isa()
+RUNNABLE_ISAS = ISA_ORDER[: ISA_ORDER.index(BEST_ISA) + 1]
+# every ISA path this CPU can run (the fallbacks below its best included); a path it lacks
+# cannot execute here, and test_isa_env_var checks that forcing it is refused
+ISA_PARAMS = RUNNABLE_ISAS
+SPLITS = {"nosplit": 1, "auto": 0, "split4": 4}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=ISA_PARAMS)
+def isa(request, monkeypatch) -> str:
+    monkeypatch.setenv(ISA_ENV, request.param)
+    assert cpu_isa() == request.param
+    return request.param
+
+
+def make_batch(pairs, **kwargs) -> dict:
+    """``test_paged_attention.make_batch`` on the CPU (it builds on CUDA when there is one)."""
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v
+            for k, v in _make_batch(pairs, **kwargs).items()}
+
+
+def garble_unused(batch: dict) -> None:
+    """Unused block-table entries hold huge and negative ids, unwritten cache slots NaN."""
+    block_size = batch["k_cache"].shape[1]
+    in_use = torch.zeros(batch["k_cache"].shape[:2], dtype=torch.bool)
+    for i, seq_len in enumerate(batch["seq_lens"].tolist()):
+        for pos in range(seq_len):
+            in_use[batch["block_tables"][i, pos // block_size], pos % block_size] = True
+        n = math.ceil(seq_len / block_size)
+        batch["block_tables"][i, n:] = torch.tensor([2**30, -7, 2**31 - 1])[
+            torch.arange(batch["block_tables"].shape[1] - n) % 3]
+    batch["k_cache"][~in_use] = float("nan")
+    batch["v_cache"][~in_use] = float("nan")
+
+
+def check(out: torch.Tensor, batch: dict) -> None:
+    expected = reference_paged_attention(**batch)
+    assert out.shape == batch["query"].shape and out.dtype == batch["query"].dtype
+    atol, rtol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+GQA_BLOCK_SIZES = [(g, b) for g in (1, 3, 8) for b in (16, 32, 64)]
+
+
+@pytest.mark.parametrize("splits", list(SPLITS))
+@pytest.mark.parametrize(("num_queries_per_kv", "block_size"), GQA_BLOCK_SIZES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference_fp32(isa, case, num_queries_per_kv, block_size, splits):
+    batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2,
+                       block_size=block_size)
+    garble_unused(batch)
+    check(cpu_paged_attention(**batch, num_splits=SPLITS[splits]), batch)
+
+
+@pytest.mark.parametrize("splits", list(SPLITS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("num_queries_per_kv", "block_size"), [(1, 16), (3, 32), (8, 64)])
+@pytest.mark.parametrize("case", ["mixed", "prefix_hits", "vllm_mix"])
+def test_matches_reference_low_precision(isa, case, num_queries_per_kv, block_size, dtype,
+                                         splits):
+    batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2,
+                       block_size=block_size, dtype=dtype)
+    check(cpu_paged_attention(**batch, num_splits=SPLITS[splits]), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 80])
+def test_head_dims(isa, head_dim, block_size, dtype):
+    batch = make_batch(CASES["vllm_mix"], num_heads=9, num_kv_heads=3, head_dim=head_dim,
+                       block_size=block_size, dtype=dtype)
+    check(cpu_paged_attention(**batch), batch)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 32, 1000])
+def test_split_kv_matches_reference_and_no_split(isa, num_splits):
+    """Flash-decoding splits, merged by (max, sum): a long decode beside short ones, where many
+    splits leave ranges of a single block (and forced splits of a prefill tile leave ranges some
+    of its rows see nothing of)."""
+    batch = make_batch([(1, 1328), (1, 17), (1, 1), (33, 300), (4, 20)], num_heads=9,
+                       num_kv_heads=3)
+    out = cpu_paged_attention(**batch, num_splits=num_splits)
+    check(out, batch)
+    torch.testing.assert_close(out, cpu_paged_attention(**batch, num_splits=1),
+                               atol=1e-6, rtol=1e-5)
+
+
+def test_padding_tokens_give_zero_rows(isa):
+    batch = make_batch(CASES["mixed"])
+    garble_unused(batch)
+    num_real = batch["query"].shape[0]
+    batch["query"] = torch.cat([batch["query"], torch.randn_like(batch["query"][:4])])
+    out = cpu_paged_attention(**batch)
+    assert torch.isfinite(out).all()
+    assert (out[num_real:] == 0).all()
+    check(out[:num_real], {**batch, "query": batch["query"][:num_real]})
+
+
+def test_strided_query_and_combined_kv_cache(isa):
+    """Query a view of a fused QKV tensor; K and V the two halves of one combined cache."""
+    pairs = [(1, 37), (5, 18), (17, 40)]
+    batch = make_batch(pairs, num_heads=6, num_kv_heads=2, block_size=16)
+    k, v = batch["k_cache"], batch["v_cache"]
+    combined = torch.stack([k, v], dim=1)  # [num_blocks, 2, block_size, Hkv, D]
+    batch["k_cache"], batch["v_cache"] = combined[:, 0], combined[:, 1]
+    qkv = torch.randn(batch["query"].shape[0], 10, 64)
+    batch["query"] = qkv[:, 2:8]  # token stride 10 * 64
+    check(cpu_paged_attention(**batch), batch)
+
+
+def test_empty_query_sequences_and_wide_tables(isa):
+    """A sequence with no query rows this step, and block tables wider than needed."""
+    batch = make_batch([(3, 20), (1, 9)], num_heads=4, num_kv_heads=2)
+    batch["seq_lens"] = torch.tensor([20, 7, 9], dtype=torch.int32)
+    batch["query_start_loc"] = torch.tensor([0, 3, 3, 4], dtype=torch.int32)
+    batch["block_tables"] = torch.cat([batch["block_tables"],
+                                       batch["block_tables"][1:]])[[0, 1, 2]]
+    check(cpu_paged_attention(**batch), batch)
+
+
+def test_chunked_prefill_then_decode_equals_dense_causal_attention(isa):
+    """The engine's use: write each step's K/V, then attend; chunks + decodes = one dense pass."""
+    num_heads, num_kv_heads, head_dim, block_size, total = 6, 2, 64, 16, 21
+    q = torch.randn(total, num_heads, head_dim)
+    k = torch.randn(total, num_kv_heads, head_dim)
+    v = torch.randn(total, num_kv_heads, head_dim)
+    k_cache = torch.zeros(8, block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    block_table = torch.tensor([[5, 2, 7]], dtype=torch.int32)
+    pos = torch.arange(total)
+    slots = block_table[0, pos // block_size].long() * block_size + pos % block_size
+    outs, start = [], 0
+    for chunk in [8, 8, 3, 1, 1]:  # chunked prefill of a 19-token prompt, then 2 decode steps
+        end = start + chunk
+        cpu_reshape_and_cache(k[start:end], v[start:end], k_cache, v_cache, slots[start:end])
+        outs.append(cpu_paged_attention(
+            q[start:end], k_cache, v_cache, block_table,
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
+            max_query_len=chunk, max_seq_len=end, scale=head_dim**-0.5))
+        start = end
+    dense = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(torch.cat(outs), dense, atol=atol, rtol=rtol)
+
+
+def test_cache_past_2_31_elements_uses_64_bit_offsets(isa):
+    """bfloat16 K/V halves of one combined cache of more than 2**31 elements (4 GiB of virtual
+    memory: ``torch.empty`` commits only the pages the test touches, well under 1 MiB), with
+    blocks near both ends; written and read through the native ops."""
+    num_kv_heads, head_dim, block_size = 1, 64, 16
+    per_block = 2 * block_size * num_kv_heads * head_dim
+    num_blocks = 2**31 // per_block + 8
+    try:
+        kv_cache = torch.empty(num_blocks, 2, block_size, num_kv_heads, head_dim,
+                               dtype=torch.bfloat16)
+    except (RuntimeError, MemoryError) as e:  # address space refused
+        pytest.skip(f"cannot reserve a >2**31-element cache here: {e}")
+    assert kv_cache.numel() > 2**31
+    k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
+    block_tables = torch.tensor([[num_blocks - 1, 3, num_blocks - 5],
+                                 [num_blocks - 2, num_blocks - 7, 0]], dtype=torch.int32)
+    pairs = [(5, 40), (1, 20)]
+    seq_lens = torch.tensor([s for _, s in pairs], dtype=torch.int32)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        pos = torch.arange(seq_len)
+        blocks = block_tables[i, pos // block_size].long()
+        key = torch.randn(seq_len, num_kv_heads, head_dim, dtype=torch.bfloat16)
+        value = torch.randn_like(key)
+        cpu_reshape_and_cache(key, value, k_cache, v_cache, blocks * block_size + pos % block_size)
+        assert torch.equal(k_cache[blocks, pos % block_size], key)
+        assert torch.equal(v_cache[blocks, pos % block_size], value)
+    batch = dict(query=torch.randn(6, 3, head_dim, dtype=torch.bfloat16), k_cache=k_cache,
+                 v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                 query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32),
+                 max_query_len=5, max_seq_len=40, scale=head_dim**-0.5)
+    for num_splits in (1, 2):
+        check(cpu_paged_attention(**batch, num_splits=num_splits), batch)
+
+
+# --- reshape_and_cache -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["separate", "combined"])
+def test_reshape_and_cache_matches_reference_and_skips_negative_slots(dtype, layout):
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 7, 16, 3, 64, 40
+    if layout == "combined":  # K and V halves of one [num_blocks, 2, ...] tensor
+        kv = torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim).to(dtype)
+        k_cache, v_cache = kv[:, 0], kv[:, 1]
+    else:
+        k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+        v_cache = torch.randn_like(k_cache)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    key = torch.randn(num_tokens, num_kv_heads, head_dim)  # float32: cast to the cache dtype
+    value = torch.randn(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[::5] = -1  # padding tokens
+    reference_reshape_and_cache(key.to(dtype), value.to(dtype), expected_k, expected_v, slots)
+    cpu_reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_reshape_and_cache_strided_key_and_int32_slots():
+    k_cache = torch.zeros(4, 16, 2, 64)
+    v_cache = torch.zeros_like(k_cache)
+    kv = torch.randn(5, 2, 2, 64)  # key and value interleaved: token stride 256
+    slots = torch.tensor([3, 17, -1, 63, 40], dtype=torch.int32)
+    cpu_reshape_and_cache(kv[:, 0], kv[:, 1], k_cache, v_cache, slots)
+    expected_k, expected_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    reference_reshape_and_cache(kv[:, 0], kv[:, 1], expected_k, expected_v, slots.long())
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+def test_reshape_and_cache_rejects_slot_past_cache():
+    k_cache = torch.zeros(2, 16, 1, 64)
+    with pytest.raises(IndexError, match="slot_mapping"):
+        cpu_reshape_and_cache(torch.zeros(1, 1, 64), torch.zeros(1, 1, 64), k_cache,
+                              torch.zeros_like(k_cache), torch.tensor([32]))
+
+
+# --- errors, ISA choice, op registration -----------------------------------------------------
+
+
+def test_rejects_num_heads_not_multiple_of_num_kv_heads():
+    batch = make_batch([(1, 5)], num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="multiple"):
+        cpu_paged_attention(**batch)
+
+
+def test_rejects_used_block_id_out_of_range():
+    batch = make_batch([(1, 37)])
+    batch["block_tables"][0, 1] = batch["k_cache"].shape[0]
+    with pytest.raises(IndexError, match="block_tables"):
+        cpu_paged_attention(**batch)
+
+
+def test_rejects_query_longer_than_sequence():
+    batch = make_batch([(5, 18)])
+    batch["seq_lens"][0] = 4
+    with pytest.raises(ValueError, match="query_len"):
+        cpu_paged_attention(**batch)
+
+
+def test_isa_env_var(monkeypatch):
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    assert cpu_isa() == BEST_ISA
+    monkeypatch.setenv(ISA_ENV, "auto")
+    assert cpu_isa() == BEST_ISA
+    monkeypatch.setenv(ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA"):
+        cpu_isa()
+    if BEST_ISA != "avx512":
+        monkeypatch.setenv(ISA_ENV, "avx512")
+        with pytest.raises(ValueError, match="supports at most"):
+            cpu_paged_attention(**make_batch([(1, 5)]))
+
+
+def test_ops_are_registered_with_mutation_schemas():
+    """Custom ops with mutation annotations and meta kernels, as torch.compile needs them."""
+    ops = torch.ops.pagedserve
+    attn, write = ops.paged_attention.default, ops.reshape_and_cache.default
+    assert [a.name for a in attn._schema.arguments if a.is_write] == ["out"]
+    assert [a.name for a in write._schema.arguments if a.is_write] == ["k_cache", "v_cache"]
+    batch = make_batch([(1, 37), (5, 18)])
+    args = (torch.empty_like(batch["query"]), batch["query"], batch["k_cache"],
+            batch["v_cache"], batch["block_tables"], batch["seq_lens"],
+            batch["query_start_loc"], batch["scale"], 0)
+    torch.library.opcheck(attn, args, test_utils=("test_schema", "test_faketensor"))
+    slots = torch.tensor([3, -1, 40])
+    write_args = (torch.randn(3, 2, 64), torch.randn(3, 2, 64), batch["k_cache"],
+                  batch["v_cache"], slots)
+    torch.library.opcheck(write, write_args, test_utils=("test_schema", "test_faketensor"))
+
+
+# --- the model with the cpu backend ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.helpers import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-cpu"))
+
+
+def test_greedy_batch_with_cpu_backend_equals_transformers_generate(tiny_llama):
+    """Continuous batching (late arrival, chunked prefill next to decodes, preemption) with the
+    native kernels: exactly transformers' greedy tokens at float32."""
+    from transformers import LlamaForCausalLM as HFLlamaForCausalLM
+
+    from services.worker.model_runner import ModelRunner
+    from tests.worker.test_model import NEW_TOKENS, drive_greedy, hf_greedy
+
+    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
+                         kv_cache_memory=4 << 20, attention_backend="cpu")
+    assert runner.attention_backend_name == "cpu"
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 9, 40, 300)]
+    outputs = drive_greedy(runner, prompts, NEW_TOKENS, token_budget=64,
+                           arrivals=[3, 0, 0, 0], preempt=(8, 2))
+    ref = HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    assert outputs == [hf_greedy(ref, p, NEW_TOKENS) for p in prompts]
