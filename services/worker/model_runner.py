@@ -87,7 +87,8 @@ class ModelRunner:
             activations and KV cache); the KV cache gets what the profiled peak leaves.
         max_num_batched_tokens: tokens of the largest step, used to profile peak memory on CUDA.
         max_model_len: longest sequence (tokens); default and upper bound: the model's.
-        attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cpu"`` (services/worker/attention.py).
+        attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cpu"``
+            (services/worker/attention.py).
         max_num_seqs: sequences of the largest step (the profiling step samples this many rows).
         parallel: this rank's place in a tensor/pipeline-parallel group (``init_distributed``);
             None = a single rank. Every rank runs every step; only the driver (tp rank 0 of the
