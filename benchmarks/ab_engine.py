@@ -6,7 +6,8 @@ machine's speed falls on both.
         --knob kernels.torch_attention.DECODE_PADDING_FACTOR --values inf 1.25
 
 ``--knob module.NAME`` is a module-level constant read at run time; each value is parsed as a
-Python float/int literal (``inf`` allowed) and set before the run. Prints output tokens/s per
+Python int/float literal (``inf`` allowed), else kept as a string, and set before the run, e.g.
+``--knob services.worker.attention.CPU_AUTO_BACKEND --values torch cpu``. Prints output tokens/s per
 run, the median per value and the ratio of each value's median to the first value's.
 """
 
@@ -24,16 +25,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def parse_value(text: str) -> float | int:
-    """``"inf"`` → math.inf, ``"2"`` → 2, ``"1.25"`` → 1.25.
-
-    Raises:
-        ValueError: not a number.
-    """
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
+def parse_value(text: str) -> float | int | str:
+    """``"inf"`` → math.inf, ``"2"`` → 2, ``"1.25"`` → 1.25; anything else stays a string
+    (``"cpu"``)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def main() -> None:

@@ -5,25 +5,29 @@ The model only calls ``backend.write_kv`` and ``backend.attend``, plus the per-l
 ``AttentionMetadata`` per step and every layer reuses it. Three backends share one contract
 (``kernels/__init__.py`` draws the index arithmetic):
 
-- ``"torch"``:  ``kernels.torch_attention`` + ``kernels.torch_ops`` (batched torch; the CPU path,
-  and the model's reference math),
+- ``"torch"``:  ``kernels.torch_attention`` + ``kernels.torch_ops`` (batched torch; the readable
+  reference path, the model's reference math, and the CPU fallback),
 - ``"triton"``: ``kernels.triton_attention`` + ``kernels.triton_norm_rope`` (Triton kernels; the
   CUDA path),
 - ``"cpu"``:    ``kernels.cpu_attention`` (native C++ paged attention and KV write, built once
   into the cache by ``kernels.cpu_build``) + ``kernels.torch_ops`` (norms and RoPE); CPU only.
 
-``"auto"`` picks triton on CUDA and torch on CPU. Kernel modules are imported lazily, on first
-use, so choosing a backend never imports the other one's dependencies.
+``"auto"`` picks triton on CUDA and cpu on CPU (torch when the native library cannot load).
+Kernel modules are imported lazily, on first use, so choosing a backend never imports the other
+one's dependencies.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -130,8 +134,27 @@ class AttentionBackend:
         return f"AttentionBackend({self.name!r})"
 
 
+# What "auto" means on a CPU (benchmarks/ab_engine.py varies it): the native kernels, 2.2x the
+# torch backend's engine throughput at float32 here (docs/benchmarks.md), when their library
+# loads; the torch backend otherwise.
+CPU_AUTO_BACKEND = "cpu"
+
+
+def _native_cpu_kernels_load() -> bool:
+    """Whether ``torch.ops.pagedserve`` loads (building it first if the cache lacks it)."""
+    from kernels import cpu_build
+    try:
+        cpu_build.load()
+        return True
+    except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
+        log.warning("native CPU kernels unavailable (%s); using the torch attention backend", e)
+        return False
+
+
 def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """Pick the backend for ``device``: ``"auto"`` = triton on CUDA, torch elsewhere.
+    """Pick the backend for ``device``: ``"auto"`` = triton on CUDA, ``CPU_AUTO_BACKEND``
+    elsewhere; when that is ``"cpu"`` and the native library cannot be built or loaded (no
+    compiler in the image, say), ``"auto"`` logs why and falls back to ``"torch"``.
 
     Raises:
         ValueError: unknown name, ``"triton"`` on a CPU without ``TRITON_INTERPRET=1``, or
@@ -139,7 +162,9 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else CPU_AUTO_BACKEND
+        if name == "cpu" and not _native_cpu_kernels_load():
+            name = "torch"
     if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("the triton attention backend needs a CUDA device "
                          "(or TRITON_INTERPRET=1 for slow CPU testing); use 'torch' on CPU")

@@ -340,3 +340,18 @@ def test_greedy_batch_with_cpu_backend_equals_transformers_generate(tiny_llama):
                            arrivals=[3, 0, 0, 0], preempt=(8, 2))
     ref = HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
     assert outputs == [hf_greedy(ref, p, NEW_TOKENS) for p in prompts]
+
+
+def test_auto_picks_the_native_kernels_on_cpu_and_falls_back_to_torch(monkeypatch):
+    from kernels import cpu_build
+    from services.worker.attention import select_backend
+
+    assert select_backend("auto", "cpu").name == "cpu"
+
+    def broken():
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(cpu_build, "load", broken)
+    assert select_backend("auto", "cpu").name == "torch"
+    assert select_backend("cpu", "cpu").name == "cpu"  # asked for by name: no fallback, and
+    with pytest.raises(RuntimeError, match="no compiler"):  # its ops fail on first use
+        cpu_isa()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
-from services.worker.attention import AttentionMetadata
+from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner, resolve_dtype
 from services.worker.models.llama import LlamaConfig
@@ -71,7 +71,10 @@ def test_logits_match_transformers(variant, tiny_llama, tmp_path):
 
 
 def test_bfloat16_logits_match_transformers_bfloat16(tiny_llama):
-    ours, _, _ = load_model(str(tiny_llama), torch.bfloat16, "cpu")
+    """The model's own op order is transformers': the torch (reference) backend, whose
+    attention is transformers' SDPA."""
+    ours, _, _ = load_model(str(tiny_llama), torch.bfloat16, "cpu",
+                            attn_backend=select_backend("torch", "cpu"))
     assert ours.embed_tokens.weight.dtype == torch.bfloat16
     assert ours.inv_freq.dtype == torch.float32
     ref = HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
@@ -82,6 +85,25 @@ def test_bfloat16_logits_match_transformers_bfloat16(tiny_llama):
     assert logits.dtype == torch.float32
     # same op order as transformers, so far tighter than bf16's ~1e-2 relative step
     torch.testing.assert_close(logits, expected, atol=2e-2, rtol=1.6e-2)
+
+
+def test_bfloat16_native_kernels_are_as_accurate_as_transformers_bfloat16(tiny_llama):
+    """The native CPU kernels accumulate attention in float32 in their own order, so their
+    bf16 logits are not transformers' bf16 logits bit for bit; they must be as close to the
+    float32 truth as transformers' bf16 run is (measured: max 0.143 vs 0.155, mean 0.0166 vs
+    0.0166 on logits up to 5)."""
+    ours, _, _ = load_model(str(tiny_llama), torch.bfloat16, "cpu",
+                            attn_backend=select_backend("cpu", "cpu"))
+    token_ids = list(range(3, 80))
+    logits = run_ours(ours, token_ids)
+    with torch.inference_mode():
+        truth, hf_bf16 = (
+            HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=dtype).eval()(
+                torch.tensor([token_ids])).logits[0].float()
+            for dtype in (torch.float32, torch.bfloat16))
+    ours_err, hf_err = (logits - truth).abs(), (hf_bf16 - truth).abs()
+    assert ours_err.max() <= 1.25 * hf_err.max()
+    assert ours_err.mean() <= 1.25 * hf_err.mean()
 
 
 def test_config_from_transformers4_dict():
