@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kernels import reference_paged_attention, reference_reshape_and_cache
 from kernels.cpu_attention import ISA_ENV, cpu_isa, cpu_paged_attention, cpu_reshape_and_cache
@@ -154,34 +153,6 @@ def test_empty_query_sequences_and_wide_tables(isa):
     batch["block_tables"] = torch.cat([batch["block_tables"],
                                        batch["block_tables"][1:]])[[0, 1, 2]]
     check(cpu_paged_attention(**batch), batch)
-
-
-def test_chunked_prefill_then_decode_equals_dense_causal_attention(isa):
-    """The engine's use: write each step's K/V, then attend; chunks + decodes = one dense pass."""
-    num_heads, num_kv_heads, head_dim, block_size, total = 6, 2, 64, 16, 21
-    q = torch.randn(total, num_heads, head_dim)
-    k = torch.randn(total, num_kv_heads, head_dim)
-    v = torch.randn(total, num_kv_heads, head_dim)
-    k_cache = torch.zeros(8, block_size, num_kv_heads, head_dim)
-    v_cache = torch.zeros_like(k_cache)
-    block_table = torch.tensor([[5, 2, 7]], dtype=torch.int32)
-    pos = torch.arange(total)
-    slots = block_table[0, pos // block_size].long() * block_size + pos % block_size
-    outs, start = [], 0
-    for chunk in [8, 8, 3, 1, 1]:  # chunked prefill of a 19-token prompt, then 2 decode steps
-        end = start + chunk
-        cpu_reshape_and_cache(k[start:end], v[start:end], k_cache, v_cache, slots[start:end])
-        outs.append(cpu_paged_attention(
-            q[start:end], k_cache, v_cache, block_table,
-            seq_lens=torch.tensor([end], dtype=torch.int32),
-            query_start_loc=torch.tensor([0, chunk], dtype=torch.int32),
-            max_query_len=chunk, max_seq_len=end, scale=head_dim**-0.5))
-        start = end
-    dense = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-    ).transpose(0, 1)
-    atol, rtol = TOLERANCES[torch.float32]
-    torch.testing.assert_close(torch.cat(outs), dense, atol=atol, rtol=rtol)
 
 
 def test_cache_past_2_31_elements_uses_64_bit_offsets(isa):

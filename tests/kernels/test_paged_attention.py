@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import (
+    cpu_paged_attention,
+    cpu_reshape_and_cache,
     reference_paged_attention,
     torch_paged_attention,
     torch_reshape_and_cache,
@@ -242,11 +244,16 @@ def test_torch_path_is_bitwise_sdpa_for_one_sequence():
     assert torch.equal(torch_paged_attention(**decode), step)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_chunked_prefill_then_decode_equals_dense_causal_attention(backend):
-    """The engine's use: write each step's K/V, then attend; chunks + decodes = one dense pass."""
-    attention = BACKENDS[backend]
-    reshape_and_cache = {"torch": torch_reshape_and_cache, "triton": triton_reshape_and_cache}[backend]
+    """The engine's use: write each step's K/V, then attend; chunks + decodes = one dense pass.
+    ``cpu``: the native kernels (on their best ISA path here; tests/kernels/
+    test_cpu_paged_attention.py runs every path)."""
+    if backend == "cpu" and CUDA:
+        pytest.skip("the native kernels run on the CPU only")
+    attention = {**BACKENDS, "cpu": cpu_paged_attention}[backend]
+    reshape_and_cache = {"torch": torch_reshape_and_cache, "triton": triton_reshape_and_cache,
+                         "cpu": cpu_reshape_and_cache}[backend]
     num_heads, num_kv_heads, head_dim, block_size, total = 6, 2, 64, 16, 21
     q = torch.randn(total, num_heads, head_dim, device=DEVICE)
     k = torch.randn(total, num_kv_heads, head_dim, device=DEVICE)
