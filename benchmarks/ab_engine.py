@@ -6,7 +6,7 @@ machine's speed falls on both.
         --knob kernels.torch_attention.DECODE_PADDING_FACTOR --values inf 1.25
 
 ``--knob module.NAME`` is a module-level constant read at run time; each value is parsed as a
-Python int/float literal (``inf`` allowed), else kept as a string, and set before the run, e.g.
+Python bool/int/float literal (``True``, ``inf`` allowed), else kept as a string, and set before the run, e.g.
 ``--knob services.worker.attention.CPU_AUTO_BACKEND --values torch cpu``. Prints output tokens/s per
 run, the median per value and the ratio of each value's median to the first value's.
 """
@@ -25,9 +25,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def parse_value(text: str) -> float | int | str:
-    """``"inf"`` → math.inf, ``"2"`` → 2, ``"1.25"`` → 1.25; anything else stays a string
-    (``"cpu"``)."""
+def parse_value(text: str) -> bool | float | int | str:
+    """``"True"`` / ``"False"`` → bool, ``"inf"`` → math.inf, ``"2"`` → 2, ``"1.25"`` → 1.25;
+    anything else stays a string (``"cpu"``)."""
+    if text in ("True", "False"):
+        return text == "True"
     for kind in (int, float):
         try:
             return kind(text)

@@ -78,3 +78,29 @@ def torch_rotary_embedding(
     cos, sin = emb.cos().to(query.dtype)[:, None, :], emb.sin().to(query.dtype)[:, None, :]
     query.copy_(query * cos + _rotate_half(query) * sin)
     key.copy_(key * cos + _rotate_half(key) * sin)
+
+
+_ONEDNN_LINEAR_OK = True  # cleared if this torch build's oneDNN linear op fails once
+
+
+def torch_wide_linear(
+    x: torch.Tensor,  # [num_tokens, hidden_size]
+    weight: torch.Tensor,  # [out_features, hidden_size], out_features large (the LM head)
+) -> torch.Tensor:
+    """``x @ weight.T`` (``F.linear`` without bias) for a wide weight such as the LM head.
+
+    Returns ``[num_tokens, out_features]`` in ``x.dtype``. On a CPU at float32 it calls oneDNN's
+    linear (``torch.ops.mkldnn._linear_pointwise``, what Inductor's CPU freezing path uses)
+    instead of ATen's MKL sgemm: for SmolLM2's LM head (``[M, 576] x [49152, 576]^T``) it was
+    1.3-2.5x faster for M = 1..256 on an AMD EPYC with AVX2 (``docs/benchmarks.md``), where
+    sgemm streams the 113 MB weight poorly. Elsewhere (bf16 already goes through oneDNN, CUDA)
+    and if the op is missing from the build, it is plain ``F.linear``.
+    """
+    global _ONEDNN_LINEAR_OK
+    if (_ONEDNN_LINEAR_OK and x.device.type == "cpu" and x.dtype == torch.float32
+            and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
+        try:
+            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _ONEDNN_LINEAR_OK = False
+    return torch.nn.functional.linear(x, weight)

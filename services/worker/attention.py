@@ -85,6 +85,11 @@ class AttentionBackend:
         self.name = name
         self._ops: dict[str, Callable[..., Any]] | None = None
 
+    def load(self) -> None:
+        """Import the kernel modules now (the first op call does it otherwise): before
+        ``torch.compile`` traces the model, so no import machinery is traced."""
+        self._op(self._OPS[0])
+
     def _op(self, op: str) -> Callable[..., Any]:
         if self._ops is None:
             ops: dict[str, Callable[..., Any]] = {}

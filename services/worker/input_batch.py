@@ -1,17 +1,39 @@
-"""The worker's per-request state and the step's model inputs built from it.
+"""The worker's persistent input batch: per-request rows written once, and each step's model
+inputs gathered from them (vLLM V1's ``vllm/v1/worker/gpu_input_batch.py`` idea).
+
+A request gets a row when it arrives and gives it back when it finishes. Its row holds its token
+list, block table and sampling parameters: written once (the prompt, the whole table, the
+options), then updated from each step's diff (the new token ids, the new block ids; a request
+resumed from preemption has its block-table row replaced)::
+
+    row r   token_ids[r, :num_tokens[r]]       [max_num_seqs, max_model_len]  int32
+            block_table[r, :num_blocks[r]]     [max_num_seqs, max_blocks]     int32, 0 after
+            temperature / top_p / min_p[r]     float32        top_k[r]  int64
+            max_blocks = ceil(max_model_len / block_size)
 
 ``InputBatch.update`` applies a ``StepInput`` (drop finished, store new, apply diffs) and
-``InputBatch.prepare`` turns the scheduled requests into flat tensors. Index arithmetic for one
-scheduled request with ``c = num_computed_tokens``, ``n = num_scheduled_tokens``::
+``InputBatch.prepare`` gathers the scheduled rows with numpy fancy indexing into preallocated
+step buffers (``[max_num_batched_tokens]`` per token, ``[max_num_seqs + 1]`` per request; both grow
+once if a step is larger than the worker was told, so the worker's flags need not match the
+scheduler's). Index
+arithmetic for scheduled request i in row r with ``c = num_computed_tokens``,
+``n = num_scheduled_tokens``::
 
-    token list   t0 t1 ... t(c-1) | tc ... t(c+n-1) | (nothing: the scheduler sends every token)
-                 <- in KV cache -> <- this step  ->
-    positions                       c ... c+n-1        (rows query_start_loc[i] .. [i+1]-1)
-    slot(p)      = block_ids[p // block_size] * block_size + p % block_size
-    seq_len      = c + n           (context including this step's tokens)
-    sampled iff  c + n == len(token list): logits row = query_start_loc[i + 1] - 1
+    token_ids[r]  t0 t1 ... t(c-1) | tc ... t(c+n-1) | (nothing: the scheduler sends every token)
+                  <- in KV cache -> <- this step  ->
+    positions                        c ... c+n-1        (rows query_start_loc[i] .. [i+1]-1)
+    slot(p)       = block_table[r, p // block_size] * block_size + p % block_size
+    seq_len       = c + n           (context including this step's tokens)
+    sampled iff   c + n == num_tokens[r]: logits row = query_start_loc[i + 1] - 1
 
-Everything is built with numpy over all tokens at once; the only Python loops run over requests.
+Python loops run over the step's diffs (one small write per request) and over the rows that
+need special sampling work (seeded, penalised, under min_tokens, prompt logprobs); everything
+else, per token or per row, is numpy.
+
+NOTE: the worker is not told about preemptions (it only sees the resume), so it may hold more
+requests than ``max_num_seqs``. When every row is taken and a request of the step needs one, a
+held request that is not in the step gives its row up: its tokens and block ids are parked in
+its ``RequestState`` and written back when it is scheduled again.
 """
 
 from __future__ import annotations
@@ -31,23 +53,35 @@ from services.worker.step_input import SamplingOptions, StepInput
 
 @dataclass(slots=True)
 class RequestState:
-    """What the worker remembers about a request between steps."""
+    """What the worker remembers about a request between steps, besides its row's data."""
 
     request_id: str
-    token_ids: list[int]  # prompt + every token the scheduler has sent back
-    block_ids: list[int]  # block table, logical order
     sampling: SamplingOptions
     generator: torch.Generator | None  # seeded once from sampling.seed, advanced per sample
-    num_prompt_tokens: int = 0  # token_ids[num_prompt_tokens:] are outputs
+    num_prompt_tokens: int  # tokens [num_prompt_tokens:] of its token list are outputs
     counts: TokenCounts | None = None  # only when a penalty is on
     min_tokens_stop_ids: tuple[int, ...] = ()  # masked while outputs < min_tokens
+    row: int = -1  # its row of the InputBatch; -1 while parked
+    parked: tuple[np.ndarray, np.ndarray] | None = None  # (token ids, block ids) while rowless
 
 
 @dataclass(slots=True)
-class ScheduledRequest:
-    state: RequestState
-    num_computed_tokens: int
-    num_scheduled_tokens: int
+class ScheduledBatch:
+    """The requests one step computes, in order (new, then cached), as parallel arrays.
+
+    Attributes:
+        request_ids: the ``B`` request ids.
+        rows: ``[B]`` int64, their rows of the InputBatch.
+        num_computed_tokens / num_scheduled_tokens: ``[B]`` int64 (every one > 0 scheduled).
+    """
+
+    request_ids: list[str]
+    rows: np.ndarray
+    num_computed_tokens: np.ndarray
+    num_scheduled_tokens: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
 
 
 @dataclass(slots=True)
@@ -75,62 +109,150 @@ class PreparedStep:
 
 
 class InputBatch:
-    """Per-request state of a worker, and the builder of each step's inputs.
+    """Per-request state of a worker in preallocated rows, and the builder of each step's inputs.
 
     Args:
         device: where the step tensors go.
         block_size: tokens per KV block.
-        num_kv_blocks: blocks in the cache (block ids must be below it).
+        num_kv_blocks: blocks in the cache (block ids must be below it; may be set later).
         vocab_size: logits width (for top-k normalisation).
         eos_token_ids: the model's EOS ids (masked under min_tokens unless ignore_eos).
+        max_num_seqs: rows at start (requests of one step; grows if a step has more).
+        max_model_len: tokens of one request (a hard limit).
+        max_num_batched_tokens: step buffer tokens at start (grows if a step has more).
     """
 
     def __init__(self, device: torch.device, block_size: int, num_kv_blocks: int,
-                 vocab_size: int, eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+                 vocab_size: int, eos_token_ids: tuple[int, ...] | list[int] = (), *,
+                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
         self.device, self.block_size = device, block_size
         self.num_kv_blocks, self.vocab_size = num_kv_blocks, vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
         self.requests: dict[str, RequestState] = {}
-        # Held requests that use penalties / min_tokens: 0 skips those per-row passes.
-        self.num_token_aware = 0
+        self.free_rows: list[int] = []  # pop() gives the lowest free row first
+        self.row_states: list[RequestState | None] = []
+        self.max_num_seqs = self.max_num_batched_tokens = 0
+        self._grow_rows(max_num_seqs)
+        self._grow_tokens(max_num_batched_tokens)
+        self._step_ids: set[str] | None = None  # the current step's request ids (evictions)
 
-    def update(self, step: StepInput) -> list[ScheduledRequest]:
+    # Persistent rows (see the module docstring): name -> (per-row shape, dtype). A free row has
+    # num_tokens = num_blocks = 0 and an all-zero block table.
+    def _row_arrays(self) -> dict[str, tuple[tuple[int, ...], type]]:
+        return {"token_ids": ((self.max_model_len,), np.int32), "num_tokens": ((), np.int64),
+                "block_table": ((self.max_blocks,), np.int32), "num_blocks": ((), np.int64),
+                "temperature": ((), np.float32), "top_p": ((), np.float32),
+                "top_k": ((), np.int64), "min_p": ((), np.float32), "seeded": ((), bool),
+                "penalized": ((), bool), "num_prompt_tokens": ((), np.int64),
+                "min_tokens": ((), np.int64),  # 0 unless it has stop ids to mask
+                "num_logprobs": ((), np.int64), "num_prompt_logprobs": ((), np.int64),  # -1 none
+                # step buffers per request, sliced per step ([0] of query_start_loc stays 0)
+                "_seq_lens": ((), np.int32), "_query_start_loc": ((), np.int32),
+                "_logits_indices": ((), np.int64)}
+
+    def _grow_rows(self, rows: int) -> None:
+        """Have at least ``rows`` rows (existing rows keep their data; new ones are free).
+
+        NOTE: sized for ``max_num_seqs`` at start; a scheduler configured for more requests per
+        step than this worker was told grows it once instead of failing the step.
+        """
+        old = self.max_num_seqs
+        if rows <= old:
+            return
+        for name, (shape, dtype) in self._row_arrays().items():
+            extra = 1 if name == "_query_start_loc" else 0
+            grown = np.zeros((rows + extra, *shape), dtype=dtype)
+            if old:
+                grown[:old + extra] = getattr(self, name)
+            setattr(self, name, grown)
+        self.row_states.extend([None] * (rows - old))
+        self.free_rows = list(range(rows - 1, old - 1, -1)) + self.free_rows
+        self.max_num_seqs = rows
+
+    def _grow_tokens(self, tokens: int) -> None:
+        """Have step buffers for at least ``tokens`` tokens (``[tokens]`` int64 each).
+
+        NOTE: step N+1 overwrites what step N's tensors view (on CPU they share memory; on
+        CUDA each is copied to the device through a fresh pinned buffer). Steps run one at a
+        time, the pipeline-parallel worker's too, and nothing keeps a PreparedStep past its
+        step.
+        """
+        if tokens <= self.max_num_batched_tokens:
+            return
+        self._input_ids, self._positions, self._slot_mapping = (
+            np.zeros(tokens, dtype=np.int64) for _ in range(3))
+        self.max_num_batched_tokens = tokens
+
+    @property
+    def num_token_aware(self) -> int:
+        """Held requests whose sampling looks at their tokens (a penalty or min_tokens)."""
+        return sum(s.counts is not None or bool(s.min_tokens_stop_ids)
+                   for s in self.requests.values())
+
+    def update(self, step: StepInput) -> ScheduledBatch:
         """Apply ``step``'s diffs; return the scheduled requests in order (new, then cached).
 
         Raises:
             KeyError: a cached request the worker does not hold.
+            ValueError: a token list longer
+                than ``max_model_len``, a block table longer than ``max_blocks``, or a block id
+                outside ``[0, num_kv_blocks)``.
         """
+        self._grow_rows(len(step.new_requests) + len(step.cached_requests))
+        self._step_ids = None
         for request_id in step.finished_request_ids:
             state = self.requests.pop(request_id, None)
-            if state is not None and _token_aware(state):
-                self.num_token_aware -= 1
-        scheduled = []
-        for new in step.new_requests:
-            state = self._new_state(new.request_id, new.prompt_token_ids, new.block_ids,
-                                    new.sampling)
-            old = self.requests.get(new.request_id)
-            if old is not None and _token_aware(old):
-                self.num_token_aware -= 1
-            self.requests[new.request_id] = state
-            self.num_token_aware += _token_aware(state)
-            scheduled.append(ScheduledRequest(state, new.num_computed_tokens,
-                                              new.num_scheduled_tokens))
-        for cached in step.cached_requests:
-            state = self.requests.get(cached.request_id)
+            if state is not None:
+                self._free(state)
+        new, cached = step.new_requests, step.cached_requests
+        rows = []
+        for r in new:
+            old = self.requests.pop(r.request_id, None)
+            if old is not None:
+                self._free(old)
+            rows.append(self._add(r.request_id, r.prompt_token_ids, r.block_ids, r.sampling,
+                                  step))
+        append_rows, append_ids = [], []  # new token ids, written all at once below
+        for r in cached:  # NOTE: the one Python loop over a decode step's requests: keep it lean
+            state = self.requests.get(r.request_id)
             if state is None:
-                raise KeyError(
-                    f"step {step.step_id}: worker holds no request {cached.request_id!r}")
-            state.token_ids.extend(cached.new_token_ids)
-            if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
-            scheduled.append(ScheduledRequest(state, cached.num_computed_tokens,
-                                              cached.num_scheduled_tokens))
-        return [s for s in scheduled if s.num_scheduled_tokens > 0]
+                raise KeyError(f"step {step.step_id}: worker holds no request {r.request_id!r}")
+            row = state.row if state.row >= 0 else self._unpark(state, step)
+            rows.append(row)
+            if r.new_token_ids:
+                append_rows.append(row)
+                append_ids.append(r.new_token_ids)
+            if r.resumed_from_preemption:
+                self._write_blocks(r.request_id, row, 0, r.new_block_ids)
+            elif r.new_block_ids:
+                self._write_blocks(r.request_id, row, int(self.num_blocks[row]), r.new_block_ids)
+        if append_rows:
+            self._append_tokens(np.array(append_rows, dtype=np.int64), append_ids)
+        both = new + cached
+        batch = ScheduledBatch(
+            [r.request_id for r in both], np.array(rows, dtype=np.int64),
+            np.array([r.num_computed_tokens for r in both], dtype=np.int64),
+            np.array([r.num_scheduled_tokens for r in both], dtype=np.int64))
+        keep = batch.num_scheduled_tokens > 0
+        if not keep.all():
+            batch = ScheduledBatch([i for i, k in zip(batch.request_ids, keep.tolist()) if k],
+                                   batch.rows[keep], batch.num_computed_tokens[keep],
+                                   batch.num_scheduled_tokens[keep])
+        return batch
 
-    def _new_state(self, request_id: str, token_ids: list[int], block_ids: list[int],
-                   sampling: SamplingOptions) -> RequestState:
+    # ---- rows ----------------------------------------------------------------------------
+
+    def _add(self, request_id: str, token_ids: list[int], block_ids: list[int],
+             sampling: SamplingOptions, step: StepInput) -> int:
+        """Store a new request in a row; returns the row."""
+        SamplingTensors.check(sampling.temperature, sampling.top_p, sampling.top_k,
+                              sampling.min_p)
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: {len(token_ids)} tokens, more than "
+                             f"max_model_len={self.max_model_len}")
+        self._check_blocks(request_id, 0, block_ids)
         generator = None
         if sampling.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
@@ -142,96 +264,217 @@ class InputBatch:
         if sampling.min_tokens > 0:
             eos = () if sampling.ignore_eos else self.eos_token_ids
             stop_ids = tuple(dict.fromkeys(eos + tuple(sampling.stop_token_ids)))
-        return RequestState(request_id, list(token_ids), list(block_ids), sampling, generator,
-                            len(token_ids), counts, stop_ids)
+        state = RequestState(request_id, sampling, generator, len(token_ids), counts, stop_ids)
+        self.requests[request_id] = state
+        row = self._bind(state, step)
+        self.token_ids[row, :len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+        self._write_blocks(request_id, row, 0, block_ids)
+        return row
 
-    def _sampling_tensors(self, rows: list[ScheduledRequest]) -> SamplingTensors:
-        """The per-row sampling parameters; penalties and min_tokens only when some held
-        request uses them (then one pass over the rows picks the ones that do)."""
-        states = [r.state for r in rows]
-        options = [s.sampling for s in states]
-        penalties, mask = None, None
-        if self.num_token_aware:
-            pen_rows = [i for i, s in enumerate(states) if s.counts is not None]
-            if pen_rows:
-                for i in pen_rows:
-                    states[i].counts.update(states[i].token_ids)
-                penalties = PenaltyTensors.build(
-                    pen_rows, [states[i].counts for i in pen_rows],
-                    [options[i].repetition_penalty for i in pen_rows],
-                    [options[i].presence_penalty for i in pen_rows],
-                    [options[i].frequency_penalty for i in pen_rows], self.device)
-            mask_rows, mask_ids = [], []
-            for i, s in enumerate(states):
-                if (s.min_tokens_stop_ids and len(s.token_ids) - s.num_prompt_tokens
-                        < s.sampling.min_tokens):
-                    mask_rows.extend([i] * len(s.min_tokens_stop_ids))
-                    mask_ids.extend(s.min_tokens_stop_ids)
-            mask = (mask_rows, mask_ids)
-        return SamplingTensors.build(
-            [o.temperature for o in options], [o.top_p for o in options],
-            [o.top_k for o in options],
-            {i: s.generator for i, s in enumerate(states) if s.generator is not None},
-            self.vocab_size, self.device, min_p=[o.min_p for o in options],
-            penalties=penalties, min_tokens_mask=mask)
+    def _bind(self, state: RequestState, step: StepInput) -> int:
+        """Give ``state`` a row (parking a request outside ``step`` if none is free) and write
+        its sampling parameters there; returns the row."""
+        if not self.free_rows:
+            if self._step_ids is None:
+                self._step_ids = ({r.request_id for r in step.new_requests}
+                                  | {r.request_id for r in step.cached_requests})
+            victim = next(s for s in self.requests.values()
+                          if s.row >= 0 and s.request_id not in self._step_ids)
+            row = victim.row
+            victim.parked = (self.token_ids[row, :self.num_tokens[row]].copy(),
+                             self.block_table[row, :self.num_blocks[row]].copy())
+            self._free(victim)
+        row = state.row = self.free_rows.pop()
+        self.row_states[row] = state
+        o = state.sampling
+        self.temperature[row], self.top_p[row], self.min_p[row] = o.temperature, o.top_p, o.min_p
+        self.top_k[row] = SamplingTensors.effective_top_k(o.top_k, self.vocab_size)
+        self.seeded[row] = state.generator is not None
+        self.penalized[row] = state.counts is not None
+        self.num_prompt_tokens[row] = state.num_prompt_tokens
+        self.min_tokens[row] = o.min_tokens if state.min_tokens_stop_ids else 0
+        self.num_logprobs[row] = -1 if o.logprobs is None else o.logprobs
+        self.num_prompt_logprobs[row] = -1 if o.prompt_logprobs is None else o.prompt_logprobs
+        return row
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> PreparedStep:
-        """Build the flat model inputs of ``scheduled`` (non-empty).
+    def _unpark(self, state: RequestState, step: StepInput) -> int:
+        """Give a parked request a row again, with its tokens and block table."""
+        token_ids, block_ids = state.parked
+        row = self._bind(state, step)
+        state.parked = None
+        self.token_ids[row, :len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+        self.block_table[row, :len(block_ids)] = block_ids
+        self.num_blocks[row] = len(block_ids)
+        return row
+
+    def _free(self, state: RequestState) -> None:
+        """Give ``state``'s row back (a no-op for a parked request), leaving it clean."""
+        row, state.row = state.row, -1
+        if row < 0:
+            return
+        self.block_table[row, :self.num_blocks[row]] = 0
+        self.num_blocks[row] = self.num_tokens[row] = 0
+        self.row_states[row] = None
+        self.free_rows.append(row)
+
+    def _check_blocks(self, request_id: str, start: int, block_ids: list[int]) -> None:
+        if start + len(block_ids) > self.max_blocks:
+            raise ValueError(
+                f"request {request_id!r}: {start + len(block_ids)} blocks, more than "
+                f"ceil(max_model_len / block_size) = {self.max_blocks} (max_model_len="
+                f"{self.max_model_len})")
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_kv_blocks):
+            raise ValueError(f"request {request_id!r}: block ids must be in "
+                             f"[0, {self.num_kv_blocks}), got [{min(block_ids)}, "
+                             f"{max(block_ids)}]")
+
+    def _append_tokens(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
+        """Append ``token_ids[i]`` to the token list of row ``rows[i]`` (``rows [N]`` int64)."""
+        flat = list(chain.from_iterable(token_ids))
+        one_each = len(flat) == len(rows)  # a decode step
+        counts = 1 if one_each else np.fromiter(map(len, token_ids), dtype=np.int64,
+                                                count=len(rows))  # [N]
+        starts = self.num_tokens[rows]  # [N]
+        ends = starts + counts
+        too_long = np.flatnonzero(ends > self.max_model_len)
+        if len(too_long):
+            i = too_long[0]
+            raise ValueError(f"request {self.row_states[rows[i]].request_id!r}: {ends[i]} tokens, "
+                             f"more than max_model_len={self.max_model_len}")
+        if one_each:
+            self.token_ids[rows, starts] = flat
+        else:
+            self.token_ids[np.repeat(rows, counts), _ragged_arange(starts, counts)] = flat
+        self.num_tokens[rows] = ends
+
+    def _write_blocks(self, request_id: str, row: int, start: int, block_ids: list[int]) -> None:
+        """Write ``block_ids`` at ``start`` of the row's block table, which ends after them
+        (``start = 0`` replaces the table; what lay beyond is zeroed)."""
+        self._check_blocks(request_id, start, block_ids)
+        end = start + len(block_ids)
+        self.block_table[row, start:end] = block_ids
+        self.block_table[row, end:self.num_blocks[row]] = 0
+        self.num_blocks[row] = end
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def prepare(self, scheduled: ScheduledBatch) -> PreparedStep:
+        """Gather the flat model inputs of ``scheduled`` (non-empty) from its rows.
 
         Raises:
-            ValueError: a request schedules tokens it does not have, lacks blocks for them, or
-                names a block id outside ``[0, num_kv_blocks)``.
+            ValueError: a request schedules tokens it does not have or lacks blocks for them.
+                (A step of more than ``max_num_batched_tokens`` tokens grows the buffers.)
         """
-        bs = self.block_size
-        for s in scheduled:
-            rid, start = s.state.request_id, s.num_computed_tokens
-            end = start + s.num_scheduled_tokens
-            if start < 0 or end > len(s.state.token_ids):
-                raise ValueError(f"request {rid!r}: tokens [{start}, {end}) scheduled but it "
-                                 f"holds {len(s.state.token_ids)}")
-            if -(-end // bs) > len(s.state.block_ids):
-                raise ValueError(f"request {rid!r}: {end} tokens need {-(-end // bs)} blocks, "
-                                 f"block table has {len(s.state.block_ids)}")
-        num_sched = np.array([s.num_scheduled_tokens for s in scheduled], dtype=np.int64)  # [B]
-        computed = np.array([s.num_computed_tokens for s in scheduled], dtype=np.int64)  # [B]
-        num_tokens = np.array([len(s.state.token_ids) for s in scheduled], dtype=np.int64)
-        query_start_loc = np.zeros(len(scheduled) + 1, dtype=np.int64)  # [B + 1]
-        np.cumsum(num_sched, out=query_start_loc[1:])
-        total = int(query_start_loc[-1])
-        req_idx = np.repeat(np.arange(len(scheduled)), num_sched)  # [T] request of each token
-        positions = np.arange(total) - query_start_loc[req_idx] + computed[req_idx]  # [T]
-        input_ids = np.fromiter(
-            chain.from_iterable(s.state.token_ids[s.num_computed_tokens:s.num_computed_tokens
-                                                  + s.num_scheduled_tokens] for s in scheduled),
-            dtype=np.int64, count=total)  # [T]
-        max_blocks = max(len(s.state.block_ids) for s in scheduled)
-        block_tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)  # [B, max_blocks]
-        for i, s in enumerate(scheduled):
-            block_tables[i, :len(s.state.block_ids)] = s.state.block_ids
-        if block_tables.min() < 0 or block_tables.max() >= self.num_kv_blocks:
-            raise ValueError(f"block ids must be in [0, {self.num_kv_blocks}), got "
-                             f"[{block_tables.min()}, {block_tables.max()}]")
-        slot_mapping = (block_tables[req_idx, positions // bs].astype(np.int64) * bs
-                        + positions % bs)  # [T]
-        seq_lens = computed + num_sched  # [B]
-        is_sampled = seq_lens == num_tokens  # [B]
-        logits_indices = query_start_loc[1:][is_sampled] - 1  # [S]
-        rows = [s for s, keep in zip(scheduled, is_sampled.tolist()) if keep]
+        bs, rows = self.block_size, scheduled.rows  # [B]
+        computed, num_sched = scheduled.num_computed_tokens, scheduled.num_scheduled_tokens
+        ends = computed + num_sched  # [B] seq_lens
+        num_tokens, num_blocks = self.num_tokens[rows], self.num_blocks[rows]  # [B]
+        bad = np.flatnonzero((computed < 0) | (ends > num_tokens))
+        if len(bad):
+            i = bad[0]
+            raise ValueError(f"request {scheduled.request_ids[i]!r}: tokens [{computed[i]}, "
+                             f"{ends[i]}) scheduled but it holds {num_tokens[i]}")
+        need = -(-ends // bs)  # [B] blocks
+        bad = np.flatnonzero(need > num_blocks)
+        if len(bad):
+            i = bad[0]
+            raise ValueError(f"request {scheduled.request_ids[i]!r}: {ends[i]} tokens need "
+                             f"{need[i]} blocks, block table has {num_blocks[i]}")
+        cu = np.cumsum(num_sched)  # [B]
+        total, batch_size = int(cu[-1]), len(rows)
+        self._grow_tokens(total)
+        query_start_loc = self._query_start_loc[:batch_size + 1]  # [B + 1]
+        query_start_loc[1:] = cu
+        positions = self._positions[:total]  # [T]
+        positions[:] = _ragged_arange(computed, num_sched)
+        token_rows = np.repeat(rows, num_sched)  # [T] the row of each token
+        input_ids = self._input_ids[:total]  # [T]
+        input_ids[:] = self.token_ids[token_rows, positions]
+        slot_mapping = self._slot_mapping[:total]  # [T]
+        np.multiply(self.block_table[token_rows, positions // bs], bs, out=slot_mapping)
+        slot_mapping += positions % bs
+        seq_lens = self._seq_lens[:batch_size]  # [B]
+        seq_lens[:] = ends
+        sampled = np.flatnonzero(ends == num_tokens)  # [S] indices of the sampled requests
+        logits_indices = self._logits_indices[:len(sampled)]  # [S]
+        np.subtract(cu[sampled], 1, out=logits_indices)
+        block_tables = self.block_table[rows, :int(num_blocks.max())]  # [B, max_blocks]
         meta = AttentionMetadata(
             slot_mapping=self._to_device(slot_mapping),
             block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
-            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
+            seq_lens=self._to_device(seq_lens),
+            query_start_loc=self._to_device(query_start_loc),
             max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=int(ends.max()),
         )
-        sampling = self._sampling_tensors(rows)
+        sampled_rows = rows[sampled]  # [S]
+        ids = scheduled.request_ids
+        num_logprobs = self.num_logprobs[sampled_rows]  # [S]
         return PreparedStep(
             input_ids=self._to_device(input_ids), positions=self._to_device(positions),
             attn_metadata=meta, logits_indices=self._to_device(logits_indices),
-            sampled_request_ids=[r.state.request_id for r in rows], sampling=sampling,
-            num_logprobs=[r.state.sampling.logprobs for r in rows],
-            prompt_chunks=_prompt_chunks(scheduled, query_start_loc))
+            sampled_request_ids=(list(ids) if len(sampled) == len(ids)
+                                 else [ids[i] for i in sampled.tolist()]),
+            sampling=self._sampling_tensors(sampled_rows),
+            num_logprobs=([None if k < 0 else k for k in num_logprobs.tolist()]
+                          if (num_logprobs >= 0).any() else [None] * len(sampled)),
+            prompt_chunks=self._prompt_chunks(scheduled, query_start_loc))
+
+    def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
+        """The sampling parameters of ``rows [S]`` by indexing; Python loops only over the rows
+        that are seeded, penalised or under min_tokens."""
+        generators = {i: self.row_states[rows[i]].generator
+                      for i in np.flatnonzero(self.seeded[rows]).tolist()}
+        penalties, mask = None, None
+        pen_rows = np.flatnonzero(self.penalized[rows]).tolist()
+        if pen_rows:
+            states = [self.row_states[rows[i]] for i in pen_rows]
+            for s in states:
+                s.counts.update(self.token_ids[s.row, :self.num_tokens[s.row]])
+            penalties = PenaltyTensors.build(
+                pen_rows, [s.counts for s in states],
+                [s.sampling.repetition_penalty for s in states],
+                [s.sampling.presence_penalty for s in states],
+                [s.sampling.frequency_penalty for s in states], self.device)
+        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]  # [S]
+        under_min = np.flatnonzero(num_outputs < self.min_tokens[rows]).tolist()
+        if under_min:
+            mask_rows, mask_ids = [], []
+            for i in under_min:
+                stop_ids = self.row_states[rows[i]].min_tokens_stop_ids
+                mask_rows.extend([i] * len(stop_ids))
+                mask_ids.extend(stop_ids)
+            mask = (mask_rows, mask_ids)
+        return SamplingTensors.from_arrays(
+            self.temperature[rows], self.top_p[rows], self.top_k[rows], generators,
+            self.vocab_size, self.device, min_p=self.min_p[rows], penalties=penalties,
+            min_tokens_mask=mask)
+
+    def _prompt_chunks(self, scheduled: ScheduledBatch, query_start_loc: np.ndarray
+                       ) -> list[PromptChunk]:
+        """The prompt tokens each prompt_logprobs request scores this step.
+
+        Position p (hidden row ``query_start_loc[i] + p - num_computed``) predicts token p + 1,
+        so a chunk computing positions [c, c + n) scores prompt tokens
+        [c + 1, min(c + n, P - 1) + 1)::
+
+            prompt  t0 t1 t2 t3 t4 | outputs        P = 5, chunk c = 2, n = 3
+            rows          p2 p3 p4                  p2 -> t3, p3 -> t4; p4 -> output (sampled)
+        """
+        chunks = []
+        for i in np.flatnonzero(self.num_prompt_logprobs[scheduled.rows] >= 0).tolist():
+            row = int(scheduled.rows[i])
+            start = int(scheduled.num_computed_tokens[i])
+            end = min(start + int(scheduled.num_scheduled_tokens[i]),
+                      int(self.num_prompt_tokens[row]) - 1)
+            if end > start:
+                chunks.append(PromptChunk(scheduled.request_ids[i],
+                                          int(self.num_prompt_logprobs[row]),
+                                          int(query_start_loc[i]), start + 1,
+                                          self.token_ids[row, start + 1:end + 1].tolist()))
+        return chunks
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(np.ascontiguousarray(array))
@@ -240,28 +483,11 @@ class InputBatch:
         return tensor
 
 
-def _prompt_chunks(scheduled: list[ScheduledRequest], query_start_loc: np.ndarray
-                   ) -> list[PromptChunk]:
-    """The prompt tokens each prompt_logprobs request scores this step.
-
-    Position p (hidden row ``query_start_loc[i] + p - num_computed``) predicts token p + 1, so a
-    chunk computing positions [c, c + n) scores prompt tokens [c + 1, min(c + n, P - 1) + 1)::
-
-        prompt  t0 t1 t2 t3 t4 | outputs        P = 5, chunk c = 2, n = 3
-        rows          p2 p3 p4                  p2 -> t3, p3 -> t4; p4 -> output (sampled)
-    """
-    chunks = []
-    for i, s in enumerate(scheduled):
-        k, state = s.state.sampling.prompt_logprobs, s.state
-        start = s.num_computed_tokens
-        end = min(start + s.num_scheduled_tokens, state.num_prompt_tokens - 1)
-        if k is None or end <= start:
-            continue
-        chunks.append(PromptChunk(state.request_id, k, int(query_start_loc[i]), start + 1,
-                                  state.token_ids[start + 1:end + 1]))
-    return chunks
-
-
-def _token_aware(state: RequestState) -> bool:
-    """The request's sampling looks at its tokens (a penalty or min_tokens)."""
-    return state.counts is not None or bool(state.min_tokens_stop_ids)
+def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``[starts[0], .., starts[0] + counts[0] - 1, starts[1], ...]``: ``[sum(counts)]`` int64
+    from ``starts, counts [N]`` int64 (each request's positions, flattened). May return
+    ``starts`` itself (when every count is 1)."""
+    if (counts == 1).all():
+        return starts
+    ends = np.cumsum(counts)  # [N]
+    return np.repeat(starts - ends + counts, counts) + np.arange(int(ends[-1]))

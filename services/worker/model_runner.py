@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import torch
 
 from services.worker.attention import select_backend
+from services.worker.compiled import CompiledForward, why_eager
 from services.worker.distributed import ParallelState
 from services.worker.input_batch import InputBatch
 from services.worker.loader import load_model
@@ -93,6 +95,9 @@ class ModelRunner:
         parallel: this rank's place in a tensor/pipeline-parallel group (``init_distributed``);
             None = a single rank. Every rank runs every step; only the driver (tp rank 0 of the
             last stage) returns sampled tokens, the others an empty ``StepOutput``.
+        enforce_eager: never compile the forward (vLLM's ``--enforce-eager``). Otherwise a
+            single-rank CPU worker on the native kernels runs it through ``torch.compile``
+            (``services/worker/compiled.py``), compiled here, at start, by warm-up steps.
     Raises:
         ValueError: bad dtype/backend/max_model_len, or no room for a single KV block.
     """
@@ -101,7 +106,8 @@ class ModelRunner:
                  block_size: int = 16, kv_cache_memory: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, attention_backend: str = "auto",
-                 max_num_seqs: int = 256, parallel: ParallelState | None = None) -> None:
+                 max_num_seqs: int = 256, parallel: ParallelState | None = None,
+                 enforce_eager: bool = False) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
@@ -131,7 +137,9 @@ class ModelRunner:
                                 * cfg.head_dim * self.dtype.itemsize)
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.device, block_size, 0, self.vocab_size,
-                                      self.eos_token_ids)
+                                      self.eos_token_ids, max_num_seqs=max_num_seqs,
+                                      max_model_len=self.max_model_len,
+                                      max_num_batched_tokens=max_num_batched_tokens)
         if self.device.type == "cuda":
             kv_bytes = self._profile_cuda(max_num_batched_tokens, max_num_seqs,
                                           gpu_memory_utilization, total, non_torch_before)
@@ -149,6 +157,14 @@ class ModelRunner:
         self.input_batch.num_kv_blocks = num_blocks
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s) on %s", num_blocks, block_size,
                  num_blocks * self.bytes_per_block / 2**30, self.dtype_name, self.device)
+        world = parallel.config.world_size if parallel else 1
+        self.eager_reason = why_eager(enforce_eager, self.device, backend.name, world)
+        self.forward = self.model
+        if self.eager_reason is None:
+            self.forward = CompiledForward(self.model, backend)
+            self._warm_up()
+        else:
+            log.info("forward runs eagerly: %s", self.eager_reason)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model.config
@@ -172,22 +188,11 @@ class ModelRunner:
         num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
         lens = [max_num_batched_tokens // num_seqs + (i < max_num_batched_tokens % num_seqs)
                 for i in range(num_seqs)]
-        requests, next_block = [], 0
-        for i, n in enumerate(lens):  # room for n + 1 tokens: the prefill, then one decode
-            blocks = list(range(next_block, next_block + n // self.block_size + 1))
-            next_block += len(blocks)
-            requests.append(NewRequest(f"__profile_{i}", [0] * n, SamplingOptions(1.0, 0.9, 50),
-                                       blocks, 0, n))
-        self.kv_caches = self._allocate_kv_cache(next_block)
-        dummy_bytes = next_block * self.bytes_per_block
-        self.input_batch.num_kv_blocks = next_block
-        out = self.execute_step(StepInput(-2, requests, [], []))
-        # A decode step too, so both kernel variants are compiled before serving.
-        self.execute_step(StepInput(-1, [], [
-            CachedRequest(r.request_id, [t], [], False, len(r.prompt_token_ids), 1)
-            for r, t in zip(requests, out.sampled_token_ids or [0] * len(requests),
-                            strict=True)], []))  # (only the driver rank samples)
-        self.execute_step(StepInput(-1, [], [], [r.request_id for r in requests]))
+        num_blocks = sum(n // self.block_size + 1 for n in lens)
+        self.kv_caches = self._allocate_kv_cache(num_blocks)
+        dummy_bytes = num_blocks * self.bytes_per_block
+        self.input_batch.num_kv_blocks = num_blocks
+        self._dummy_steps(lens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - dummy_bytes
         del self.kv_caches
@@ -201,6 +206,37 @@ class ModelRunner:
                  peak / 2**30, non_torch_increase / 2**30, kv_bytes / 2**30, total / 2**30,
                  utilization)
         return kv_bytes
+
+    def _dummy_steps(self, lens: list[int]) -> None:
+        """One prefill step of greedy-free dummy requests of ``lens`` tokens, then one decode
+        step of them, then drop them; their KV goes into blocks 0.. (room for ``n + 1`` tokens
+        each), which the scheduler has not handed out yet."""
+        requests, next_block = [], 0
+        for i, n in enumerate(lens):
+            blocks = list(range(next_block, next_block + n // self.block_size + 1))
+            next_block += len(blocks)
+            requests.append(NewRequest(f"__warmup_{i}", [0] * n, SamplingOptions(1.0, 0.9, 50),
+                                       blocks, 0, n))
+        out = self.execute_step(StepInput(-2, requests, [], []))
+        self.execute_step(StepInput(-1, [], [
+            CachedRequest(r.request_id, [t], [], False, len(r.prompt_token_ids), 1)
+            for r, t in zip(requests, out.sampled_token_ids or [0] * len(requests),
+                            strict=True)], []))  # (only the driver rank samples)
+        self.execute_step(StepInput(-1, [], [], [r.request_id for r in requests]))
+
+    def _warm_up(self) -> None:
+        """Compile the forward before serving: a prefill of two sequences (at least two
+        blocks each where the cache allows, so no size is 1 when the graph is traced), then a
+        decode step of them, which must reuse the graph."""
+        room = self.num_kv_blocks // 2 - 1  # blocks per dummy sequence, less one for decode
+        if room < 0:
+            log.info("no room for warm-up in %d KV block(s): compiling at the first step",
+                     self.num_kv_blocks)
+            return
+        n = max(2, min(128, self.max_model_len - 1, room * self.block_size))
+        t0 = time.perf_counter()
+        self._dummy_steps([n, n])
+        log.info("warm-up (compile included) took %.1f s", time.perf_counter() - t0)
 
     @torch.inference_mode()
     def execute_step(self, step: StepInput) -> StepOutput:
@@ -218,8 +254,8 @@ class ModelRunner:
         if pc and not pc.is_first_stage:
             received = self.parallel.recv_from_prev_stage(
                 (batch.input_ids.shape[0], self.model.config.hidden_size), self.dtype)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                            batch.attn_metadata, received)  # [T, E]
+        hidden = self.forward(batch.input_ids, batch.positions, self.kv_caches,
+                              batch.attn_metadata, received)  # [T, E]
         if pc and not pc.is_last_stage:
             self.parallel.send_to_next_stage(hidden)
             return StepOutput(step.step_id, [], [])

@@ -19,8 +19,10 @@ step folds in only the tokens appended since the last step, so nothing is rebuil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -47,13 +49,14 @@ class TokenCounts:
         return cls(prompt_mask, torch.zeros(vocab_size, dtype=torch.int32, device=device),
                    len(prompt_token_ids))
 
-    def update(self, token_ids: list[int]) -> None:
-        """Fold ``token_ids[num_counted:]`` (output tokens: usually the last sampled one) in."""
+    def update(self, token_ids: Sequence[int] | np.ndarray) -> None:
+        """Fold ``token_ids[num_counted:]`` (output tokens: usually the last sampled one) in;
+        ``token_ids`` is the request's whole token list (a list or a 1-D int array)."""
         new = token_ids[self.num_counted:]
-        if new:
+        if len(new):
             device = self.output_counts.device
             self.output_counts.index_put_(
-                (torch.tensor(new, dtype=torch.int64, device=device),),
+                (torch.as_tensor(new, dtype=torch.int64, device=device),),
                 torch.ones(len(new), dtype=torch.int32, device=device), accumulate=True)
             self.num_counted = len(token_ids)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from services.worker.penalties import (PenaltyTensors, apply_min_p, apply_min_tokens,
@@ -46,42 +47,78 @@ class SamplingTensors:
     penalties: PenaltyTensors | None = None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @staticmethod
+    def check(temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> None:
+        """Validate one row's parameters (vLLM conventions: top_k 0 or -1 = off, k >= V = off;
+        min_p 0 = off).
+
+        Raises:
+            ValueError: a negative temperature, top_p outside (0, 1], top_k < -1 or min_p
+                outside [0, 1].
+        """
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"bad sampling parameters: temperature {temperature}, top_p {top_p}")
+        if top_k < -1:
+            raise ValueError(f"bad top_k {top_k}: use 0 or -1 for off, else k >= 1")
+        if not 0 <= min_p <= 1:
+            raise ValueError(f"bad min_p {min_p}: must be in [0, 1]")
+
+    @staticmethod
+    def effective_top_k(top_k: int, vocab_size: int) -> int:
+        """``top_k`` in [1, V]: V when it is off (0, -1 or >= V)."""
+        return vocab_size if top_k <= 0 or top_k >= vocab_size else top_k
+
     @classmethod
     def build(cls, temperature: list[float], top_p: list[float], top_k: list[int],
               generators: dict[int, torch.Generator], vocab_size: int,
               device: torch.device, *, min_p: list[float] | None = None,
               penalties: PenaltyTensors | None = None,
               min_tokens_mask: tuple[list[int], list[int]] | None = None) -> SamplingTensors:
-        """From per-row Python lists (vLLM conventions: top_k 0 or -1 = off, k >= V = off;
-        min_p 0 = off). ``min_tokens_mask`` lists (row, token id) pairs to mask.
+        """From per-row Python lists (checked by ``check``). ``min_tokens_mask`` lists
+        (row, token id) pairs to mask.
 
         Raises:
-            ValueError: a negative temperature, top_p outside (0, 1], top_k < -1 or min_p
-                outside [0, 1].
+            ValueError: a row's parameters are out of range (see ``check``).
         """
-        if any(t < 0 for t in temperature) or any(not 0 < p <= 1 for p in top_p):
-            raise ValueError(f"bad sampling parameters: temperature {temperature}, top_p {top_p}")
-        if any(k < -1 for k in top_k):
-            raise ValueError(f"bad top_k {top_k}: use 0 or -1 for off, else k >= 1")
-        if min_p is not None and any(not 0 <= m <= 1 for m in min_p):
-            raise ValueError(f"bad min_p {min_p}: must be in [0, 1]")
-        ks = [vocab_size if k <= 0 or k >= vocab_size else k for k in top_k]
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        for i, (t, p, k) in enumerate(zip(temperature, top_p, top_k, strict=True)):
+            cls.check(t, p, k, min_p[i] if min_p else 0.0)
+        return cls.from_arrays(
+            np.asarray(temperature, dtype=np.float32), np.asarray(top_p, dtype=np.float32),
+            np.asarray([cls.effective_top_k(k, vocab_size) for k in top_k], dtype=np.int64),
+            generators, vocab_size, device,
+            min_p=None if min_p is None else np.asarray(min_p, dtype=np.float32),
+            penalties=penalties, min_tokens_mask=min_tokens_mask)
+
+    @classmethod
+    def from_arrays(cls, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
+                    generators: dict[int, torch.Generator], vocab_size: int,
+                    device: torch.device, *, min_p: np.ndarray | None = None,
+                    penalties: PenaltyTensors | None = None,
+                    min_tokens_mask: tuple[list[int], list[int]] | None = None
+                    ) -> SamplingTensors:
+        """From per-row numpy arrays ``[B]`` already checked: temperature, top_p, min_p
+        float32, top_k int64 in [1, V] (``effective_top_k``). Not copied on CPU: pass arrays
+        the caller will not modify (e.g. the result of fancy indexing).
+        """
+        def tensor(values: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(values).to(device, non_blocking=True)
+
+        def index_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
         return cls(
-            temperature=tensor(temperature, torch.float32),
-            top_p=tensor(top_p, torch.float32),
-            top_k=tensor(ks, torch.int64),
+            temperature=tensor(temperature),
+            top_p=tensor(top_p),
+            top_k=tensor(top_k),
             generators=generators,
-            all_greedy=all(t < _SAMPLING_EPS for t in temperature),
-            no_top_k=all(k == vocab_size for k in ks),
-            no_top_p=all(p >= 1.0 for p in top_p),
-            min_p=tensor(min_p, torch.float32) if min_p and any(m > 0 for m in min_p) else None,
+            all_greedy=bool((temperature < _SAMPLING_EPS).all()),
+            no_top_k=bool((top_k == vocab_size).all()),
+            no_top_p=bool((top_p >= 1.0).all()),
+            min_p=tensor(min_p) if min_p is not None and (min_p > 0).any() else None,
             penalties=penalties,
             min_tokens_mask=(None if not min_tokens_mask or not min_tokens_mask[0] else
-                             (tensor(min_tokens_mask[0], torch.int64),
-                              tensor(min_tokens_mask[1], torch.int64))),
+                             (index_tensor(min_tokens_mask[0]),
+                              index_tensor(min_tokens_mask[1]))),
         )
 
 

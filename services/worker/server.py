@@ -1,8 +1,8 @@
 """The worker service: WorkerService servicer (thin) and its start-up.
 
 Each StepRequest is decoded into a ``StepInput``, run by the ``ModelRunner`` on one dedicated
-thread (so the event loop keeps answering health checks during a forward pass), and the sampled
-tokens go back as a StepResult.
+thread (so the event loop keeps answering health checks during a forward pass; the same thread
+loaded the model, see ``forward_thread``), and the sampled tokens go back as a StepResult.
 
 Parallel workers (``--tensor-parallel-size N --pipeline-parallel-size M``): without ``--rank``,
 ``serve`` supervises N*M rank processes (``services/worker/launch.py``), rank r serving on
@@ -83,18 +83,33 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
     return out
 
 
+def forward_thread() -> ThreadPoolExecutor:
+    """The one thread that does a worker's torch work: loading, warm-up and every step.
+
+    NOTE: one thread for all of it, not one for loading and another for steps: each thread
+    that starts an OpenMP parallel region gets its own libgomp thread pool, and once a process
+    has more OpenMP threads than CPUs, libgomp throttles its spin-wait (GOMP_SPINCOUNT's
+    "throttled" count), so every worker thread sleeps on a futex at the end of every parallel
+    region and is woken for the next one. Measured (benchmarks/forward_thread.py, 16
+    requests): ~150,000 voluntary context switches in a run with a second pool, ~300 without.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
     """Decode protobuf → ModelRunner.execute_step → encode protobuf; nothing else."""
 
     def __init__(self, runner, info: worker_pb2.GetWorkerInfoResponse,
-                 fatal: asyncio.Event | None = None, metrics: WorkerMetrics | None = None):
+                 fatal: asyncio.Event | None = None, metrics: WorkerMetrics | None = None,
+                 executor: ThreadPoolExecutor | None = None):
         self.runner = runner
         self.info = info
         self.metrics = metrics
         self.fatal = fatal  # set when a failed step leaves this rank unusable (parallel ranks)
         self.streams = InFlight()  # open step streams: shutdown waits until none is
-        # One thread: steps must run in order, and torch uses its own intra-op threads.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        # One thread: steps must run in order, and torch uses its own intra-op threads. Pass
+        # the thread that built the runner (see forward_thread()).
+        self._executor = executor or forward_thread()
 
     async def GetWorkerInfo(self, request, context):
         return self.info
@@ -171,6 +186,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="cap on the context length")
     add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
              help="auto = triton on CUDA, torch on CPU; cpu = the native C++ CPU kernels")
+    add_flag(p, "--enforce-eager", action="store_true",
+             help="run the model eagerly: never torch.compile the forward (by default a "
+                  "single-rank CPU worker compiles it at start, cached on disk)")
     add_flag(p, "--tensor-parallel-size", type=int_in(1), default=1,
              help="ranks each layer is split across (all-reduce over gloo/NCCL)")
     add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
@@ -219,7 +237,7 @@ def build_runner(args):
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                       parallel=parallel)
+                       parallel=parallel, enforce_eager=args.enforce_eager)
 
 
 def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
@@ -249,13 +267,15 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
     if runner is None:
         from services.worker.launch import die_with_supervisor
         die_with_supervisor()
-    runner = runner or await asyncio.to_thread(build_runner, args)
+    forward = forward_thread()
+    runner = runner or await asyncio.get_running_loop().run_in_executor(forward, build_runner,
+                                                                        args)
     server, port, health = await new_server(args.host, args.port, tls=tls_from_args(args))
     args.port = port
     fatal = asyncio.Event() if getattr(runner, "parallel", None) else None
     info = worker_info(runner)
     metrics = WorkerMetrics(rank=info.rank)
-    servicer = WorkerServicer(runner, info, fatal, metrics)
+    servicer = WorkerServicer(runner, info, fatal, metrics, forward)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     await server.start()
     metrics_server = start_metrics_server(metrics.registry, args.metrics_host or args.host,

@@ -80,3 +80,18 @@ def test_preemption_gives_identical_tokens(tiny_model_dir, prompts_and_expected)
         _leak_check(stack)
     finally:
         stack.stop()
+
+
+def test_enforce_eager_stack_gives_identical_tokens(tiny_model_dir, prompts_and_expected):
+    """The same greedy tokens with --enforce-eager (the module stack above compiles the
+    forward; this one runs it eagerly)."""
+    prompts, expected = prompts_and_expected
+    stack = InProcessStack(tiny_model_dir,
+                           worker_argv=["--dtype", "float32", "--kv-cache-memory", "64MiB",
+                                        "--enforce-eager"],
+                           scheduler_argv=["--max-num-batched-tokens", "256"]).start()
+    try:
+        assert _generate_all(stack.address, prompts) == expected
+        _leak_check(stack)
+    finally:
+        stack.stop()

@@ -12,7 +12,8 @@ V, EOS = 32, 2
 
 def _batch() -> InputBatch:
     return InputBatch(torch.device("cpu"), block_size=4, num_kv_blocks=8, vocab_size=V,
-                      eos_token_ids=[EOS])
+                      eos_token_ids=[EOS], max_num_seqs=4, max_model_len=32,
+                      max_num_batched_tokens=16)
 
 
 def _step(batch: InputBatch, step_id: int, new=(), cached=(), finished=()):

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.torch_ops import torch_wide_linear
+
 
 @dataclass(slots=True)
 class LlamaConfig:
@@ -238,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x if residual is None else x + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, E]`` -> logits ``[N, V]`` float32 (matmul in the model dtype)."""
+        """``hidden [N, E]`` -> logits ``[N, V]`` float32 (matmul in the model dtype; on a CPU at
+        float32 through oneDNN, ``kernels.torch_ops.torch_wide_linear``)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return torch_wide_linear(hidden, weight).float()
