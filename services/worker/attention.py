@@ -86,9 +86,18 @@ class AttentionBackend:
         self._ops: dict[str, Callable[..., Any]] | None = None
 
     def load(self) -> None:
-        """Import the kernel modules now (the first op call does it otherwise): before
-        ``torch.compile`` traces the model, so no import machinery is traced."""
+        """Import the kernel modules and load the native library now (the first op call does
+        it otherwise): before ``torch.compile`` traces the model, so neither the import
+        machinery nor the library loader's lock is traced.
+
+        Raises:
+            RuntimeError: the native library (``"cpu"``) cannot be built or loaded.
+        """
         self._op(self._OPS[0])
+        if self.name == "cpu":
+            from kernels import cpu_build
+
+            cpu_build.load()
 
     def _op(self, op: str) -> Callable[..., Any]:
         if self._ops is None:

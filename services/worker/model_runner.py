@@ -208,7 +208,7 @@ class ModelRunner:
         return kv_bytes
 
     def _dummy_steps(self, lens: list[int]) -> None:
-        """One prefill step of greedy-free dummy requests of ``lens`` tokens, then one decode
+        """One prefill step of sampled dummy requests of ``lens`` tokens, then one decode
         step of them, then drop them; their KV goes into blocks 0.. (room for ``n + 1`` tokens
         each), which the scheduler has not handed out yet."""
         requests, next_block = [], 0
@@ -229,9 +229,9 @@ class ModelRunner:
         blocks each where the cache allows, so no size is 1 when the graph is traced), then a
         decode step of them, which must reuse the graph."""
         room = self.num_kv_blocks // 2 - 1  # blocks per dummy sequence, less one for decode
-        if room < 0:
-            log.info("no room for warm-up in %d KV block(s): compiling at the first step",
-                     self.num_kv_blocks)
+        if room < 0 or self.max_model_len < 3:  # two tokens and a decode must fit
+            log.info("no room for warm-up (%d KV blocks, max_model_len %d): compiling at the "
+                     "first step", self.num_kv_blocks, self.max_model_len)
             return
         n = max(2, min(128, self.max_model_len - 1, room * self.block_size))
         t0 = time.perf_counter()
