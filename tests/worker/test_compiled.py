@@ -80,3 +80,18 @@ def test_why_eager_names_each_reason(monkeypatch):
 
     monkeypatch.setattr(config.cpp, "cxx", ("no-such-compiler-x",))
     assert "C++ compiler" in why_eager(False, cpu, "cpu", 1)
+
+
+def test_explicit_cpu_backend_compiles_in_a_fresh_process(tiny_llama):
+    """``--attention-backend cpu`` (not auto, which loads the library while choosing) in a new
+    process: the native library is loaded before Dynamo traces, not inside the trace."""
+    import subprocess
+    import sys
+
+    code = ("from services.worker.model_runner import ModelRunner\n"
+            f"r = ModelRunner({str(tiny_llama)!r}, dtype='float32', device='cpu', "
+            "kv_cache_memory=1 << 20, attention_backend='cpu')\n"
+            "assert r.eager_reason is None and r.forward.compile_seconds is not None\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
