@@ -23,10 +23,18 @@ NOTE: padded buckets (CUDA-graph style) were the other choice; on CPU there is n
 overhead to save, and every bucket would be one more compile at start (tens of seconds each on
 2 cores), so one dynamic graph it is.
 
-The parameters are graph inputs (Dynamo inlines nn.Modules), so every model with the same
-architecture, dtype and device shares the compiled code, in one process and, through Inductor's
-on-disk FX graph cache (``$PAGEDSERVE_CACHE_DIR/inductor``), across restarts: the first start
-compiles (tens of seconds for SmolLM2), later starts load the cached code.
+Compiled ahead of time and saved whole: the forward is compiled with Dynamo's AOT API
+(``torch.compile(...).aot_compile``, the one vLLM uses) into a function of ``(model, inputs)``
+and written to ``$PAGEDSERVE_CACHE_DIR/inductor/aot/<key>.bin``, where the key hashes everything the
+graph was specialised on (torch and Python versions, the CPU's vector ISA, the model class and
+its config, dtype, block size, the source of the model, kernel and compile modules). A restart
+with the same key loads that file (Dynamo's bytecode trace, ~10 s of SmolLM2's start, and
+Inductor's code generation are both skipped) and calls it with guards off: the key stands in for
+them, as in vLLM. The parameters are graph inputs (Dynamo inlines nn.Modules), so one artifact
+serves every model with that key, in one process (kept in memory) and across restarts. The first
+start compiles (a minute or more for SmolLM2 on 2 cores). Inductor's own caches share that
+folder (``$TORCHINDUCTOR_CACHE_DIR`` moves both). If the AOT path fails (an unreadable artifact, a torch that
+refuses to save), the plain ``torch.compile`` path runs instead, with a warning.
 
 Eager fallback (``--enforce-eager``, vLLM's flag, turns compilation off everywhere): the
 ``torch`` reference backend and the Triton (CUDA) backend run eagerly, and so do parallel
@@ -38,12 +46,17 @@ hidden states). A machine without a C++ compiler (Inductor generates C++) runs e
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from services.common.model_files import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +67,9 @@ COMPILE_ON_CPU = True
 
 
 def inductor_cache_dir() -> str:
-    """Where Inductor keeps compiled graphs across restarts: ``$TORCHINDUCTOR_CACHE_DIR`` if the
+    """Where Inductor keeps its caches across restarts: ``$TORCHINDUCTOR_CACHE_DIR`` if the
     user set it, else ``$PAGEDSERVE_CACHE_DIR/inductor`` (default ``~/.cache/pagedserve``)."""
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "pagedserve")
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(root, "inductor")
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(cache_root() / "inductor")
 
 
 # NOTE: set at import, before anything asks Inductor for its cache folder: Inductor writes its
@@ -97,19 +108,26 @@ class CompiledForward:
             hidden_states=None)`` returns ``[T, E]`` (``services/worker/models/llama.py``).
         backend: its ``AttentionBackend``; its ops are resolved before tracing, so Dynamo never
             sees the lazy import.
+        block_size: tokens per KV block (the caches' second dimension is static in the graph).
 
-    Compilation happens at the first call (the model runner's warm-up makes that call).
+    Compilation (or loading the saved artifact) happens at the first call; the model runner's
+    warm-up makes that call. ``compile_seconds`` is how long it took, ``source`` how the
+    function was obtained: "compiled" (AOT, saved), "loaded" (from disk), "memory" (already in
+    this process), or "jit" (the plain ``torch.compile`` fallback).
     """
 
-    def __init__(self, model: torch.nn.Module, backend: Any) -> None:
+    def __init__(self, model: torch.nn.Module, backend: Any, block_size: int) -> None:
         import torch.fx.experimental._config as fx_config
 
         fx_config.backed_size_oblivious = True
         fx_config.use_duck_shape = False
         backend.load()
         self.model = model
-        self._compiled = torch.compile(model.forward, fullgraph=True, dynamic=None)
+        self.key = artifact_key(model, backend.name, block_size)
+        self.path = Path(inductor_cache_dir()) / "aot" / f"{self.key}.bin"
+        self._fn: Any = None  # (model, input_ids, positions, kv_caches, meta, hidden) -> [T, E]
         self.compile_seconds: float | None = None
+        self.source: str | None = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
@@ -120,22 +138,83 @@ class CompiledForward:
         if num_tokens < MIN_TOKENS:
             input_ids, positions, meta, hidden_states = _pad(
                 MIN_TOKENS - num_tokens, input_ids, positions, meta, hidden_states)
-        for t in (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
-            torch._dynamo.mark_dynamic(t, 0)
-        torch._dynamo.mark_dynamic(meta.block_tables, [0, 1])
-        if hidden_states is not None:
-            torch._dynamo.mark_dynamic(hidden_states, 0)
-        if self.compile_seconds is None:
-            for cache in (c for layer in kv_caches for c in layer):  # any --kv-cache-memory
-                torch._dynamo.mark_dynamic(cache, 0)
+        args = (self.model, input_ids, positions, kv_caches, meta, hidden_states)
+        if self._fn is None:
             t0 = time.perf_counter()
-            out = self._compiled(input_ids, positions, kv_caches, meta, hidden_states)
+            self._fn, self.source = self._obtain(args)
             self.compile_seconds = time.perf_counter() - t0
-            log.info("compiled the forward in %.1f s (Inductor cache %s)", self.compile_seconds,
-                     os.environ["TORCHINDUCTOR_CACHE_DIR"])
-        else:
-            out = self._compiled(input_ids, positions, kv_caches, meta, hidden_states)
-        return out[:num_tokens]
+            log.info("forward %s in %.1f s (%s)", self.source, self.compile_seconds, self.path)
+        return self._fn(*args)[:num_tokens]
+
+    def _obtain(self, args: tuple) -> tuple[Any, str]:
+        """The compiled function for ``args``: from this process, from disk, or compiled now
+        (and saved); the plain ``torch.compile`` path if the AOT one fails."""
+        if self.key in _LOADED:
+            return _LOADED[self.key], "memory"
+        fn_globals = type(self.model).forward.__globals__
+        if self.path.exists():
+            try:
+                with open(self.path, "rb") as f:
+                    fn = torch.compiler.load_compiled_function(f, f_globals=fn_globals)
+                fn.disable_guard_check()
+                _LOADED[self.key] = fn
+                return fn, "loaded"
+            except Exception as e:  # noqa: BLE001 - any unreadable artifact: compile afresh
+                log.warning("could not load %s (%s: %s); compiling", self.path,
+                            type(e).__name__, e)
+        _mark_dynamic(args)
+        try:
+            fn = torch.compile(type(self.model).forward, fullgraph=True).aot_compile((args, {}))
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fn.save_compiled_function(str(self.path))  # atomic: a temp file, then a rename
+        except Exception as e:  # noqa: BLE001 - e.g. Inductor caches disabled: compile in place
+            log.warning("ahead-of-time compile failed (%s: %s); using torch.compile without a "
+                        "saved artifact", type(e).__name__, e)
+            jit = torch.compile(type(self.model).forward, fullgraph=True, dynamic=None)
+            jit(*args)
+            return jit, "jit"
+        fn.disable_guard_check()
+        _LOADED[self.key] = fn
+        return fn, "compiled"
+
+
+# AOT-compiled functions by artifact key, shared by the model runners of one process.
+_LOADED: dict[str, Any] = {}
+
+# The sources whose text the graph depends on (the model's math, the ops' schemas, this file).
+_SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py")
+
+
+def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> str:
+    """A 24-hex-digit hash of everything a compiled forward was specialised on: torch, Python,
+    the CPU's vector ISA, the model class and config, its dtype and device, the attention
+    backend, the block size, and the text of the model, kernel and compile modules."""
+    root = Path(__file__).resolve().parents[2]
+    param = next(model.parameters())
+    h = hashlib.sha256()
+    for part in (torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
+                 type(model).__qualname__, repr(getattr(model, "config", None)),
+                 str(param.dtype), param.device.type, backend_name, str(block_size),
+                 str(len(getattr(model, "layers", ())))):
+        h.update(part.encode() + b"\0")
+    for rel in _SOURCES:
+        paths = sorted((root / rel).rglob("*.py")) if (root / rel).is_dir() else [root / rel]
+        for path in paths:
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _mark_dynamic(args: tuple) -> None:
+    """Mark the sizes that vary between steps dynamic on the example ``args`` (model,
+    input_ids, positions, kv_caches, meta, hidden_states) before tracing."""
+    _, input_ids, positions, kv_caches, meta, hidden_states = args
+    for t in (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
+        torch._dynamo.mark_dynamic(t, 0)
+    torch._dynamo.mark_dynamic(meta.block_tables, [0, 1])
+    if hidden_states is not None:
+        torch._dynamo.mark_dynamic(hidden_states, 0)
+    for cache in (c for layer in kv_caches for c in layer):  # any --kv-cache-memory
+        torch._dynamo.mark_dynamic(cache, 0)
 
 
 def _pad(extra: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,

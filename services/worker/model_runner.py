@@ -161,7 +161,7 @@ class ModelRunner:
         self.eager_reason = why_eager(enforce_eager, self.device, backend.name, world)
         self.forward = self.model
         if self.eager_reason is None:
-            self.forward = CompiledForward(self.model, backend)
+            self.forward = CompiledForward(self.model, backend, self.block_size)
             self._warm_up()
         else:
             log.info("forward runs eagerly: %s", self.eager_reason)

@@ -69,7 +69,7 @@ def test_enforce_eager_runs_the_plain_module(tiny_llama):
     assert runner.forward is runner.model and runner.eager_reason == "--enforce-eager"
 
 
-def test_why_eager_names_each_reason(monkeypatch):
+def test_why_eager_names_each_reason():
     cpu = torch.device("cpu")
     assert why_eager(False, cpu, "cpu", 1) is None
     assert why_eager(True, cpu, "cpu", 1) == "--enforce-eager"
@@ -78,8 +78,10 @@ def test_why_eager_names_each_reason(monkeypatch):
     assert "parallel" in why_eager(False, cpu, "cpu", 2)
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "cxx", ("no-such-compiler-x",))
-    assert "C++ compiler" in why_eager(False, cpu, "cpu", 1)
+    # NOTE: config.patch, not monkeypatch: monkeypatch's undo hides the config entry for good.
+    with config.patch({"cpp.cxx": ("no-such-compiler-x",)}):
+        assert "C++ compiler" in why_eager(False, cpu, "cpu", 1)
+    assert why_eager(False, cpu, "cpu", 1) is None
 
 
 def test_explicit_cpu_backend_compiles_in_a_fresh_process(tiny_llama):
@@ -95,3 +97,75 @@ def test_explicit_cpu_backend_compiles_in_a_fresh_process(tiny_llama):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+_RESTART = """
+import sys, torch
+from services.worker.model_runner import ModelRunner
+r = ModelRunner(sys.argv[1], dtype='float32', device='cpu', kv_cache_memory=4 << 20,
+                attention_backend='cpu')
+print(r.forward.source)
+batch = r.input_batch
+from tests.worker.test_compiled import _steps
+with torch.inference_mode():
+    for step in _steps():
+        p = batch.prepare(batch.update(step))
+        args = (p.input_ids, p.positions, r.kv_caches, p.attn_metadata)
+        torch.testing.assert_close(r.forward(*args), r.model(*args), rtol=1e-5, atol=1e-5)
+"""
+
+
+def _start(model, cache) -> tuple[str, str]:
+    """A fresh process's ModelRunner on ``cache``: how it got its forward, and its stderr."""
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _RESTART, str(model)], capture_output=True,
+                          text=True, timeout=900,
+                          env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1], proc.stderr
+
+
+def test_a_restart_loads_the_saved_artifact_and_a_bad_one_is_recompiled(
+        tiny_llama, tmp_path, monkeypatch, caplog):
+    """First start compiles and saves; a restart loads the artifact (no Dynamo trace) and its
+    every step shape equals the eager model; a corrupt artifact is compiled again, with a
+    warning, and replaced."""
+    import services.worker.compiled as compiled
+
+    assert _start(tiny_llama, tmp_path)[0] == "compiled"
+    (artifact,) = (tmp_path / "aot").iterdir()
+    assert _start(tiny_llama, tmp_path)[0] == "loaded"
+    artifact.write_bytes(b"not a compiled function")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled, "_LOADED", {})  # as a new process would be
+    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
+                         kv_cache_memory=1 << 20, attention_backend="cpu")
+    assert runner.eager_reason is None, runner.eager_reason
+    assert runner.forward.source == "compiled" and "could not load" in caplog.text
+    assert artifact.stat().st_size > 1000
+    monkeypatch.setattr(compiled, "_LOADED", {})
+    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
+                         kv_cache_memory=1 << 20, attention_backend="cpu")
+    assert runner.forward.source == "loaded"
+
+
+def test_the_artifact_key_changes_with_what_the_graph_depends_on(tiny_llama):
+    from services.worker.compiled import artifact_key
+
+    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
+                         kv_cache_memory=1 << 20, attention_backend="cpu", enforce_eager=True)
+    model = runner.model
+    key = artifact_key(model, "cpu", 16)
+    assert key == artifact_key(model, "cpu", 16)
+    assert len({key, artifact_key(model, "cpu", 32), artifact_key(model, "torch", 16)}) == 3
+    assert artifact_key(model.to(torch.bfloat16), "cpu", 16) != key
+    model.to(torch.float32)
+    eps = model.config.rms_norm_eps
+    model.config.rms_norm_eps = eps * 2  # a constant baked into the graph
+    try:
+        assert artifact_key(model, "cpu", 16) != key
+    finally:
+        model.config.rms_norm_eps = eps
