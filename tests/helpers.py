@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from pathlib import Path
 
 import torch
@@ -19,6 +21,14 @@ TINY_LLAMA_CONFIG = dict(
     # comparisons against transformers flaky.
     initializer_range=0.15,
 )
+
+
+def asynctest(fn):
+    """Run an async test on a fresh event loop (pytest-asyncio is not a dependency)."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        return asyncio.run(fn(*args, **kwargs))
+    return run
 
 
 def make_tiny_llama(path: str | Path, seed: int = 0, **overrides) -> Path:

@@ -13,6 +13,11 @@ here within one message, not at the next step.
 NOTE: the core ``Scheduler`` is only touched from this event loop's thread, so submits and
 aborts that arrive while a step is on the workers interleave between steps safely: an aborted
 request's sampled token is ignored by ``update_from_output``.
+
+The loop never dies silently: an unexpected exception (a bug) is logged with its traceback,
+turns health NOT_SERVING, fails every request in flight with INTERNAL naming the error, and the
+loop starts again on fresh worker streams. If the scheduler is left holding requests or blocks
+after that, the loop gives up and ``run`` raises (the server exits non-zero for a supervisor).
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class Engine:
         self.on_health = on_health
         self._reconnect_timeout = reconnect_timeout
         self.num_steps_total = 0
+        self.num_loop_failures_total = 0  # unexpected exceptions the loop recovered from
         self.healthy = True
         self.draining = False  # shutting down: refuse new submits, finish the running ones
 
@@ -185,12 +191,32 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
-        """Step forever; on a worker failure fail every request and reconnect.
+        """Step forever; on a worker failure fail every request and reconnect; on any other
+        exception do the same with INTERNAL (see the module docstring).
 
-        Keeps up to ``max_steps_in_flight`` steps (the pipeline-parallel size) sent before the
-        oldest result is back, so every pipeline stage has a micro-batch to work on; the core
-        scheduler skips requests whose previous step is still in flight.
+        Raises:
+            RuntimeError: recovery left requests or KV blocks behind in the scheduler.
         """
+        while True:
+            try:
+                await self._loop()
+            except Exception as e:  # noqa: BLE001 - a bug: fail loudly, never silently
+                log.exception("engine loop failed; failing %d requests", len(self._sinks))
+                self.num_loop_failures_total += 1
+                await self._fail_and_reconnect(
+                    f"engine loop failed: {type(e).__name__}: {e}", grpc.StatusCode.INTERNAL)
+                s = self.scheduler
+                if s.has_unfinished_requests() or (
+                        s.block_manager.num_free_blocks != s.block_manager.num_blocks):
+                    raise RuntimeError("the engine could not recover from a failed loop: "
+                                       f"{s.num_running + s.num_waiting} requests, "
+                                       f"{s.block_manager.num_free_blocks} of "
+                                       f"{s.block_manager.num_blocks} blocks free") from e
+
+    async def _loop(self) -> None:
+        """Step until an unexpected exception: keeps up to ``max_steps_in_flight`` steps (the
+        pipeline-parallel size) sent before the oldest result is back, so every pipeline stage
+        has a micro-batch to work on; a worker failure fails every request and reconnects."""
         pending: deque = deque()  # SchedulerOutputs sent, oldest first
         limit = self.scheduler.config.max_steps_in_flight
         while True:
@@ -213,7 +239,7 @@ class Engine:
                 result = await self.workers.receive(out)
             except WorkerError as e:
                 pending.clear()
-                await self._fail_and_reconnect(str(e))
+                await self._fail_and_reconnect(f"worker failed: {e}")
                 continue
             self.num_steps_total += 1
             sampled = dict(zip(result.request_ids, result.sampled_token_ids))
@@ -240,10 +266,13 @@ class Engine:
         if broken is not None and broken.is_set() and not self._wakeup.is_set():
             raise WorkerError("a worker rank's stream ended while idle")
 
-    async def _fail_and_reconnect(self, reason: str) -> None:
-        log.error("worker failure: %s; failing %d requests", reason, len(self._sinks))
+    async def _fail_and_reconnect(self, reason: str,
+                                  code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        """Turn unhealthy, fail every request with ``code`` and ``reason``, forget the prefix
+        cache, reopen the worker streams (waiting for the ranks), turn healthy again."""
+        log.error("%s; failing %d requests", reason, len(self._sinks))
         await self._set_healthy(False)
-        self.fail_all(grpc.StatusCode.UNAVAILABLE, f"worker failed: {reason}")
+        self.fail_all(code, reason)
         # NOTE: the step that failed may not have written blocks it registered, and a restarted
         # worker has an empty KV cache: no cached prefix can be trusted any more.
         self.scheduler.reset_prefix_cache()

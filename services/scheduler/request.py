@@ -12,8 +12,9 @@ Index arithmetic (positions are token indices into ``all_token_ids``)::
                    |<----- num_computed_tokens = 7 ---->|<- 3 --->|
                    |<------------------ num_tokens = 10 ---------->|
 
-    num_computed_tokens   tokens whose K/V are already in the cache (here a request that was
-                          preempted and is recomputing prompt + output: 7 of 10 done).
+    num_computed_tokens   tokens whose K/V are in the cache or being computed by a step in
+                          flight (counted when scheduled; here a request that was preempted
+                          and is recomputing prompt + output: 7 of 10 done).
     num_scheduled_tokens  tokens computed in one step (chosen by the Scheduler):
                           min(num_tokens - num_computed_tokens, token budget left).
     sampling              the worker samples a next token only when the step's chunk reaches
@@ -23,7 +24,8 @@ Index arithmetic (positions are token indices into ``all_token_ids``)::
                           block_ids[i // block_size] * block_size + i % block_size.
 
 In steady-state decode num_computed_tokens == num_tokens - 1 (the last sampled token is the one
-to feed); during a prefill it lags further behind.
+to feed) before a step, and == num_tokens while that step is in flight (nothing more to schedule
+until its token arrives); during a prefill it lags further behind.
 """
 
 from __future__ import annotations

@@ -14,12 +14,20 @@ refuses new requests with ``QueueFullError``).
 
 Per step: ``schedule()`` -> SchedulerOutput -> every worker rank -> sampled token ids ->
 ``update_from_output()`` -> RequestUpdates for the routers.
+
+Schedule-time accounting (vLLM V1's): ``schedule()`` advances ``num_computed_tokens`` by what
+it schedules, so a step in flight needs no bookkeeping of its own. A request whose chunk
+reached the end has nothing more to schedule until its token arrives; a chunked prefill's next
+chunk may go into the next step while the previous one is still in flight (workers run steps in
+order). ``update_from_output()`` applies any step, in any order relative to aborts and
+preemptions: it ignores the requests that are gone, finished, or preempted since they were
+scheduled (their epoch, ``num_preemptions``, changed).
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
@@ -105,6 +113,12 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int  # sum of num_scheduled_tokens, <= max_num_batched_tokens
     finished_req_ids: set[str]  # finished/aborted since the last step: worker drops their state
     preempted_req_ids: set[str]  # preempted this step: worker drops blocks, keeps token ids
+    # NOTE: the two below stay in the scheduler (update_from_output reads them); not sent.
+    # request_id -> its num_preemptions when scheduled: a result from before a preemption is
+    # stale (the request recomputes from scratch).
+    epochs: dict[str, int] = field(default_factory=dict)
+    sampled_req_ids: set[str] = field(default_factory=set)  # chunks that reach the end: a token
+    applied: bool = False  # update_from_output has consumed it
 
 
 @dataclass(slots=True)
@@ -129,14 +143,14 @@ class Scheduler:
     and the preemption victim is always the tail: the lowest priority, and among equals the
     latest arrival. Admission takes the head of ``waiting`` (same key order).
 
-    At most ``max_steps_in_flight`` non-empty SchedulerOutputs may await ``update_from_output``
-    when ``schedule()`` is called (1: strictly alternate); a step whose requests have all been
-    aborted meanwhile (e.g. after a worker failure) no longer counts. Outputs with nothing
-    scheduled still carry ``finished_req_ids``: forward them.
+    Any number of SchedulerOutputs may await ``update_from_output`` (the engine keeps up to
+    ``max_steps_in_flight``, the pipeline depth); each is applied once, and a step that never
+    comes back (a worker failure) blocks nothing. Outputs with nothing scheduled still carry
+    ``finished_req_ids``: forward them.
 
-    NOTE: with several steps in flight (pipeline parallelism, vLLM V1 style) a request whose
-    previous step is still in flight is skipped, so no request is in two steps at once. A
-    preempted in-flight request drops out of its step: its result is ignored.
+    NOTE: with several steps in flight (pipeline parallelism) a request waiting for its token
+    is not scheduled again until the token arrives; a preempted in-flight request drops out of
+    its step: its result is ignored.
 
     Args:
         config: scheduling limits and policies.
@@ -172,8 +186,6 @@ class Scheduler:
         self._step_id = 0
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self._preempted_req_ids: set[str] = set()  # for the next SchedulerOutput
-        self._in_flight: dict[int, SchedulerOutput] = {}  # non-empty outputs not yet updated
-        self._in_flight_step: dict[str, int] = {}  # request_id -> the step it is in flight in
 
     @property
     def num_running(self) -> int:
@@ -264,21 +276,7 @@ class Scheduler:
 
         Cost: O(running + admitted) plus the block operations (a prefix lookup is O(blocks of
         the prompt)).
-
-        Raises:
-            RuntimeError: ``max_steps_in_flight`` non-empty outputs with live requests were not
-                passed to update_from_output yet.
         """
-        if self._in_flight:
-            # NOTE: a step none of whose requests is still in it (all aborted) is moot.
-            self._in_flight = {
-                sid: o for sid, o in self._in_flight.items()
-                if any(self._in_flight_step.get(rid) == sid for rid in o.num_scheduled_tokens)}
-            if len(self._in_flight) >= self.config.max_steps_in_flight:
-                raise RuntimeError(
-                    f"schedule() called before update_from_output() of step "
-                    f"{min(self._in_flight)}")
-        in_flight = self._in_flight_step
         bm = self.block_manager
         config = self.config
         budget = config.max_num_batched_tokens
@@ -294,11 +292,11 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            if in_flight and request.request_id in in_flight:
-                i += 1  # its previous step has no result yet
-                continue
             num_computed = request.num_computed_tokens
             num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
+            if num_new <= 0:
+                i += 1  # its token is still to come (a step in flight)
+                continue
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
@@ -355,11 +353,14 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             budget -= num_new
 
-        # 3. Diffs for the workers (each request: O(its new tokens + new blocks)).
+        # 3. Diffs for the workers (each request: O(its new tokens + new blocks)), then the
+        # schedule-time accounting: the scheduled tokens count as computed from now on.
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         requests = self.requests
-        for request_id in num_scheduled:
+        epochs: dict[str, int] = {}
+        sampled: set[str] = set()
+        for request_id, num_new in num_scheduled.items():
             request = requests[request_id]
             sent = request.num_tokens_sent
             num_prompt = len(request.prompt_token_ids)
@@ -377,7 +378,11 @@ class Scheduler:
                     list(request.block_ids) if is_resumed else new_blocks[request_id],
                     is_resumed, request.num_computed_tokens,
                 ))
-            request.num_tokens_sent = num_prompt + len(request.output_token_ids)
+            request.num_tokens_sent = num_tokens = num_prompt + len(request.output_token_ids)
+            request.num_computed_tokens += num_new
+            epochs[request_id] = request.num_preemptions
+            if request.num_computed_tokens == num_tokens:
+                sampled.add(request_id)
 
         self._step_id += 1
         total = config.max_num_batched_tokens - budget
@@ -387,25 +392,19 @@ class Scheduler:
         # finished_req_ids.
         preempted = self._preempted_req_ids - finished
         self._preempted_req_ids = set()
-        output = SchedulerOutput(
-            self._step_id, new_reqs, cached_reqs, num_scheduled, total, finished, preempted
-        )
-        if total:
-            self._in_flight[output.step_id] = output
-            for request_id in num_scheduled:
-                in_flight[request_id] = output.step_id
-        return output
+        return SchedulerOutput(self._step_id, new_reqs, cached_reqs, num_scheduled, total,
+                               finished, preempted, epochs, sampled)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
         logprobs: dict[str, TokenLogprobs] | None = None,
         prompt_logprobs: dict[str, PromptLogprobs] | None = None,
     ) -> list[RequestUpdate]:
-        """Apply a finished step: advance num_computed_tokens, append tokens, finish requests.
+        """Apply a finished step: append tokens, finish requests.
 
         ``sampled_token_ids`` maps request_id -> the token sampled for it. Tokens are used only
-        for requests whose chunk reached the end (num_computed_tokens == num_tokens after the
-        step) and that are still running; others (mid-prefill, aborted in flight) are ignored.
+        for requests whose chunk reached the end when scheduled and that are still running in
+        the same epoch; others (mid-prefill, aborted, finished or preempted since) are ignored.
         ``logprobs`` maps request_id -> its token's logprobs (requests that asked), carried
         into the RequestUpdate as is. ``prompt_logprobs`` maps request_id -> the prompt tokens
         its chunk scored; each prompt token is passed on once (a recompute after preemption
@@ -417,31 +416,24 @@ class Scheduler:
             order.
 
         Raises:
-            RuntimeError: ``output`` is not the step awaiting its result (e.g. applied twice).
+            ValueError: ``output`` was applied before.
         """
-        if output.total_num_scheduled_tokens == 0:
-            return []
-        if self._in_flight.pop(output.step_id, None) is None:
-            ids = sorted(self._in_flight)
-            raise RuntimeError(
-                f"update_from_output() for step {output.step_id}, but the step in flight is "
-                f"{(ids[0] if len(ids) == 1 else ids) if ids else None}"
-            )
+        if output.applied:
+            raise ValueError(f"update_from_output(): step {output.step_id} was applied before")
+        output.applied = True
         updates: list[RequestUpdate] = []
         any_finished = False
         requests = self.requests
-        in_flight = self._in_flight_step
-        for request_id, num_new in output.num_scheduled_tokens.items():
-            if in_flight.get(request_id) != output.step_id:
-                continue  # aborted or preempted while the step ran
-            del in_flight[request_id]
-            request = requests[request_id]
-            request.num_computed_tokens += num_new
+        epochs, sampled = output.epochs, output.sampled_req_ids
+        for request_id in output.num_scheduled_tokens:
+            request = requests.get(request_id)
+            if request is None or request.num_preemptions != epochs[request_id] or (
+                    request.status is not RequestStatus.RUNNING):
+                continue  # aborted, finished or preempted since it was scheduled
             prompt_chunk = (self._new_prompt_logprobs(request, prompt_logprobs.get(request_id))
                             if prompt_logprobs else None)
             token_id = sampled_token_ids.get(request_id)
-            reached_end = request.num_computed_tokens == len(request.prompt_token_ids) + len(
-                request.output_token_ids)
+            reached_end = request_id in sampled
             if prompt_chunk is not None and (not reached_end or token_id is None):
                 updates.append(_update(request, [], None, prompt_logprobs=prompt_chunk))
             if not reached_end:
@@ -499,7 +491,6 @@ class Scheduler:
         """Recompute preemption: drop the KV (cached blocks stay cached, so the recompute may
         hit them), keep the tokens, back in line at its place."""
         self.block_manager.free(request)
-        self._in_flight_step.pop(request.request_id, None)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -511,7 +502,6 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Free blocks, set the final status; tell the workers if they ever saw it."""
         self.block_manager.free(request)
-        self._in_flight_step.pop(request.request_id, None)
         request.finish(reason)
         # NOTE: num_tokens_sent > 0 <=> the request was in some SchedulerOutput (prompts are
         # non-empty); workers hold state only for those.

@@ -188,6 +188,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
 
     Raises:
         ValueError: a flag out of range (checked before waiting for the workers).
+        SystemExit(1): the engine loop ended (it could not recover from an error); health is
+            NOT_SERVING by then, so a supervisor restarts the process.
     """
     scheduler_config(args, max_model_len=args.max_model_len or 1)  # fail fast on bad flags
     server, port, health = await new_server(args.host, args.port, tls=tls_from_args(args))
@@ -212,7 +214,14 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
                  info.max_model_len)
         if ready:
             ready.set()
-        await (stop or stop_event_on_signals()).wait()
+        stop = stop or stop_event_on_signals()
+        waiter = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([waiter, loop_task], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if loop_task.done():  # the engine gave up recovering: exit non-zero, do not linger
+            await set_serving(health, False, [SERVICE])
+            log.critical("the engine loop ended: %r; exiting", loop_task.exception())
+            raise SystemExit(1)
         await drain("scheduler", health, [SERVICE], args.shutdown_timeout, engine.begin_drain,
                     lambda timeout: wait_until(lambda: engine.idle, timeout),
                     on_timeout=lambda: engine.fail_all(grpc.StatusCode.UNAVAILABLE, TIMED_OUT))

@@ -27,8 +27,8 @@ def _run(max_steps_in_flight: int, num_kv_blocks: int = 64, n: int = 6):
             out = s.schedule()
             if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
                 break
-            in_flight = {rid for o, _ in pending for rid in o.num_scheduled_tokens}
-            assert not in_flight & out.num_scheduled_tokens.keys(), "a request in two steps"
+            owing = {rid for o, _ in pending for rid in o.sampled_req_ids}
+            assert not owing & out.num_scheduled_tokens.keys(), "scheduled before its token"
             pending.append((out, w.execute(out)))
         most_in_flight = max(most_in_flight, len(pending))
         out, sampled = pending.popleft()
@@ -48,7 +48,7 @@ def test_two_steps_in_flight_give_the_serial_outputs(num_kv_blocks):
         assert s.num_preemptions_total > 0
 
 
-def test_schedule_refuses_beyond_max_steps_in_flight():
+def test_a_second_step_in_flight_has_nothing_for_requests_awaiting_tokens():
     s = make_scheduler(max_steps_in_flight=2)
     for r in make_requests(3, 4):
         s.add_request(r)
@@ -57,5 +57,5 @@ def test_schedule_refuses_beyond_max_steps_in_flight():
     with pytest.raises(ValueError, match="max_steps_in_flight"):
         make_scheduler(max_steps_in_flight=0)
     s.update_from_output(first, {})
-    with pytest.raises(RuntimeError, match="in flight is None"):
+    with pytest.raises(ValueError, match="applied before"):
         s.update_from_output(first, {})

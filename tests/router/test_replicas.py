@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 
 import grpc
 import pytest
@@ -14,19 +13,12 @@ import pytest
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.router.replicas import (AFFINITY_MARGIN, ReplicaSet, parse_targets,
                                       pick_rendezvous, prefix_key)
+from tests.helpers import asynctest
 
 BLOCK = 4
 INFO = engine_pb2.GetEngineInfoResponse(model="m", max_model_len=64, vocab_size=100,
                                         block_size=BLOCK)
 PARAMS = engine_pb2.EngineSamplingParams()
-
-
-def asynctest(fn):
-    """Run an async test on a fresh event loop (pytest-asyncio is not a dependency)."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        return asyncio.run(fn(*args, **kwargs))
-    return run
 
 
 class FakeReplica:

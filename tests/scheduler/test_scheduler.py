@@ -349,19 +349,23 @@ def test_abort_while_step_in_flight_ignores_its_token():
     assert s.schedule().finished_req_ids == {"req-0"}
 
 
-def test_schedule_and_update_must_alternate():
+def test_a_request_awaiting_its_token_is_not_scheduled_again_and_a_step_applies_once():
+    """Schedule-time accounting: once scheduled to its end, a request has nothing to compute
+    until its token arrives; applying the same step twice is refused."""
     s = make_scheduler()
     s.add_request(make_request(0, 4))
     out = s.schedule()
-    with pytest.raises(RuntimeError, match="before update_from_output"):
-        s.schedule()
-    s.update_from_output(out, {})
-    with pytest.raises(RuntimeError, match="in flight is None"):
-        s.update_from_output(out, {})  # applied twice
+    assert s.get_request("req-0").num_computed_tokens == 4  # counted when scheduled
+    assert s.schedule().num_scheduled_tokens == {}
+    assert [u.new_token_ids for u in s.update_from_output(out, {"req-0": 11})] == [[11]]
+    assert s.schedule().num_scheduled_tokens == {"req-0": 1}
+    with pytest.raises(ValueError, match="applied before"):
+        s.update_from_output(out, {"req-0": 11})
 
 
 def test_a_lost_step_whose_requests_were_all_aborted_does_not_block():
-    """A worker failure: the step never returns and the engine aborts everything."""
+    """A worker failure: the step comes back late (or never) after the engine aborted
+    everything; scheduling goes on, and the late result changes nothing."""
     s = make_scheduler()
     s.add_request(make_request(0, 4))
     lost = s.schedule()
@@ -369,9 +373,25 @@ def test_a_lost_step_whose_requests_were_all_aborted_does_not_block():
     s.add_request(make_request(1, 4))
     out = s.schedule()
     assert out.finished_req_ids == {"req-0"} and out.num_scheduled_tokens == {"req-1": 4}
-    with pytest.raises(RuntimeError):
-        s.update_from_output(lost, {"req-0": 11})
+    assert s.update_from_output(lost, {"req-0": 11}) == []
     assert len(s.update_from_output(out, {"req-1": 11})) == 1
+    assert s.block_manager.num_free_blocks == s.block_manager.num_blocks - 1
+
+
+def test_a_result_from_before_a_preemption_is_ignored():
+    """Preempted while its step was in flight, then resumed: the old step's token is stale
+    (the request recomputes from scratch) and is not appended."""
+    s = make_scheduler()
+    s.add_request(make_request(0, 4))
+    first = s.schedule()
+    request = s.get_request("req-0")
+    s.running.remove(request)
+    s._preempt(request)
+    resumed = s.schedule()
+    assert resumed.num_scheduled_tokens == {"req-0": 4}
+    assert s.update_from_output(first, {"req-0": 11}) == []
+    assert request.output_token_ids == []
+    assert [u.new_token_ids for u in s.update_from_output(resumed, {"req-0": 12})] == [[12]]
 
 
 # --- finishing ------------------------------------------------------------------------------

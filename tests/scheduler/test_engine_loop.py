@@ -1,0 +1,164 @@
+"""The scheduler's engine loop (services/scheduler/engine.py) on fake worker ranks: aborts while
+steps are in flight under pipeline parallelism never stop it, and an unexpected exception fails
+the requests in flight with an explicit error, turns health NOT_SERVING and restarts the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import deque
+
+import grpc
+import pytest
+
+from services.common.pb.pagedserve.v1 import engine_pb2, worker_pb2
+from services.scheduler.engine import Engine
+from tests.helpers import asynctest
+from tests.scheduler.factories import FakeWorker, fake_token, make_scheduler
+
+
+class FakeRanks:
+    """A WorkerGroup stand-in: each step is executed when sent (ranks run steps in order) and
+    its result comes back ``delay`` seconds later, oldest first; ``connect`` opens new streams
+    (results still queued on the old ones are gone)."""
+
+    def __init__(self, scheduler, delay: float = 0.002):
+        self.worker = FakeWorker(scheduler)
+        self.delay = delay
+        self.queue: deque = deque()
+        self.broken = None
+        self.connects = 0
+
+    async def send(self, out) -> None:
+        self.queue.append((out.step_id, self.worker.execute(out)))
+        await asyncio.sleep(0)  # a stream write yields: submits and aborts interleave here too
+
+    async def receive(self, out) -> worker_pb2.StepResult:
+        await asyncio.sleep(self.delay)  # submits and aborts interleave here
+        step_id, sampled = self.queue.popleft()
+        assert step_id == out.step_id
+        return worker_pb2.StepResult(step_id=step_id, request_ids=list(sampled),
+                                     sampled_token_ids=list(sampled.values()))
+
+    async def connect(self, timeout: float) -> None:
+        self.queue.clear()
+        self.connects += 1
+
+
+def _submit(engine: Engine, sink, index: int, prompt_len: int, max_tokens: int) -> str:
+    rid = f"req-{index}"
+    engine.submit(sink, engine_pb2.SubmitRequest(
+        request_id=rid, prompt_token_ids=[1000 * index + j for j in range(prompt_len)],
+        sampling_params=engine_pb2.EngineSamplingParams(max_tokens=max_tokens,
+                                                        ignore_eos=True)))
+    return rid
+
+
+async def _outputs(sink, rid: str, timeout: float = 10.0) -> list[engine_pb2.RequestOutput]:
+    """Every RequestOutput for ``rid`` on ``sink`` up to its final one (other ids dropped)."""
+    got = []
+    async with asyncio.timeout(timeout):
+        while not got or got[-1].finish_reason == engine_pb2.ENGINE_FINISH_REASON_UNSPECIFIED:
+            batch = await sink.queue.get()
+            got += [o for o in batch.outputs if o.request_id == rid]
+    return got
+
+
+def _engine(max_steps_in_flight: int = 1, **kwargs) -> tuple[Engine, FakeRanks, list[bool]]:
+    scheduler = make_scheduler(64, max_steps_in_flight=max_steps_in_flight,
+                               long_prefill_token_threshold=8, **kwargs)
+    health: list[bool] = []
+
+    async def on_health(ok: bool) -> None:
+        health.append(ok)
+
+    ranks = FakeRanks(scheduler)
+    return Engine(scheduler, ranks, on_health=on_health), ranks, health
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@asynctest
+async def test_aborts_while_steps_are_in_flight_never_stop_the_loop(stages):
+    """The pipeline-parallel abort storm: many requests cancelled at random points, then,
+    beside one long request, one at a time each cancelled after a few steps (often the only
+    request of a step in flight: the old in-flight bookkeeping raised on that step's result
+    and the loop died), then a normal request, which gets exactly the tokens it would get
+    alone; the loop never failed and no block is leaked."""
+    engine, ranks, health = _engine(stages, max_model_len=256)
+    loop = asyncio.create_task(engine.run())
+    sink = engine.attach()
+    rng = random.Random(stages)
+    rids = [_submit(engine, sink, i, rng.randint(1, 30), rng.randint(1, 20)) for i in range(40)]
+    for rid in rng.sample(rids, 20):
+        await asyncio.sleep(rng.random() * 0.01)
+        engine.abort(rid)
+    long = _submit(engine, sink, 99, 4, 200)
+    for i in range(40, 90):
+        rid = _submit(engine, sink, i, rng.randint(1, 12), 50)
+        for _ in range(rng.randint(1, 12)):
+            await asyncio.sleep(0.002)
+        engine.abort(rid)
+    engine.abort(long)
+    last = _submit(engine, sink, 90, 9, 12)
+    tokens = [t for o in await _outputs(sink, last) for t in o.new_token_ids]
+    assert tokens == [fake_token(last, 9 + k) for k in range(12)]
+    assert not loop.done() and health == [] and engine.num_loop_failures_total == 0
+    async with asyncio.timeout(10):
+        while engine.scheduler.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    loop.cancel()
+
+
+@asynctest
+async def test_an_unexpected_exception_fails_the_requests_and_the_loop_restarts(monkeypatch,
+                                                                              caplog):
+    engine, ranks, health = _engine()
+    sink = engine.attach()
+    real = engine.scheduler.update_from_output
+    calls = {"n": 0}
+
+    def update_from_output(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.scheduler, "update_from_output", update_from_output)
+    loop = asyncio.create_task(engine.run())
+    a, b = _submit(engine, sink, 1, 5, 20), _submit(engine, sink, 2, 6, 20)
+    for rid in (a, b):
+        final = (await _outputs(sink, rid))[-1]
+        assert final.error_code == grpc.StatusCode.INTERNAL.value[0]
+        assert "engine loop failed: RuntimeError: injected" in final.error_message
+    assert health == [False, True] and ranks.connects == 1
+    assert engine.num_loop_failures_total == 1 and "Traceback" in caplog.text
+    c = _submit(engine, sink, 3, 4, 5)  # the loop is back
+    assert [t for o in await _outputs(sink, c) for t in o.new_token_ids] == [
+        fake_token(c, 4 + k) for k in range(5)]
+    assert not loop.done()
+    loop.cancel()
+
+
+@asynctest
+async def test_a_loop_that_cannot_recover_raises(monkeypatch):
+    """Recovery that leaves a request in the scheduler (here: one no router owns) gives up:
+    ``run`` raises, and the server exits non-zero on that."""
+    engine, ranks, health = _engine()
+    sink = engine.attach()
+
+    def boom(*args, **kwargs):
+        from tests.scheduler.factories import make_request
+
+        engine.scheduler.add_request(make_request(9, 3))  # not failed by fail_all: no sink
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.scheduler, "update_from_output", boom)
+    loop = asyncio.create_task(engine.run())
+    _submit(engine, sink, 1, 5, 20)
+    with pytest.raises(RuntimeError, match="could not recover"):
+        async with asyncio.timeout(10):
+            await loop
+    assert health[0] is False
