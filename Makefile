@@ -13,7 +13,7 @@ PROTOS := $(wildcard protos/pagedserve/v1/*.proto)
 # Flags for `make run`, e.g. make run ARGS="--dtype float32"
 ARGS   ?=
 
-.PHONY: install protos run test test-fast bench soak clean
+.PHONY: install protos run lint test test-fast bench soak clean
 
 install: $(STAMP) $(PB) $(NODE_STAMP) $(CPU_KERNELS)
 
@@ -50,7 +50,13 @@ $(PB): $(PROTOS) scripts/gen_protos.py | $(STAMP)
 run: install
 	$(PY) -m services.cli serve --demo $(ARGS)
 
-test: install
+# Lint and types (ruff and mypy, pinned in requirements.lock; configured in pyproject.toml).
+# mypy checks services/, kernels/ and clients/ against the generated protobuf stubs.
+lint: install
+	$(PY) -m ruff check services kernels clients
+	$(PY) -m mypy
+
+test: install lint
 	$(PY) -m pytest -q tests
 
 # Everything but the end-to-end process tests.

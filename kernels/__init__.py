@@ -36,9 +36,9 @@ The batch (one model step) and its index arithmetic::
                   |                       | reshape_and_cache         |
                   |<------------------- seq_len -------------------->|
 
-        query_len_i   = query_start_loc[i + 1] - query_start_loc[i]   (1 = decode, >1 = prefill chunk)
-        seq_len_i     = seq_lens[i]                                    (includes the query tokens)
-        context_len_i = seq_len_i - query_len_i                        (0 = first prefill chunk)
+        query_len_i   = query_start_loc[i + 1] - query_start_loc[i] (1 = decode, >1 = prefill chunk)
+        seq_len_i     = seq_lens[i]                                  (includes the query tokens)
+        context_len_i = seq_len_i - query_len_i                      (0 = first prefill chunk)
 
     query token j (0-based in its chunk) sits at position context_len_i + j and attends to the
     key positions 0 .. context_len_i + j inclusive (causal).

@@ -56,7 +56,8 @@ def reference_paged_attention(
         start, end = qsl[i], qsl[i + 1]
         query_len = end - start
         if query_len > seq_len or query_len > max_query_len or seq_len > max_seq_len:
-            raise ValueError(f"sequence {i}: query_len {query_len}, seq_len {seq_len} out of bounds")
+            raise ValueError(
+                f"sequence {i}: query_len {query_len}, seq_len {seq_len} out of bounds")
         if query_len == 0:
             continue
         pos = torch.arange(seq_len, device=query.device)

@@ -81,8 +81,10 @@ def _reshape_and_cache_kernel(
 
     k = tl.load(key_ptr + tok * stride_k_tok + heads * stride_k_head + dims, mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + heads * stride_v_head + dims, mask=mask)
-    k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_tok + heads * stride_kc_head + dims
-    v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_tok + heads * stride_vc_head + dims
+    k_dst = (k_cache_ptr + block * stride_kc_block + offset * stride_kc_tok
+             + heads * stride_kc_head + dims)
+    v_dst = (v_cache_ptr + block * stride_vc_block + offset * stride_vc_tok
+             + heads * stride_vc_head + dims)
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -104,9 +106,12 @@ def triton_reshape_and_cache(
     _, block_size, _, _ = k_cache.shape
     _check(value.shape == key.shape, "key and value shapes differ")
     _check(k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ")
-    _check(k_cache.shape[2:] == key.shape[1:], "cache [.., num_kv_heads, head_dim] differs from key's")
-    _check(_is_pow2(head_dim) and _is_pow2(block_size), "head_dim and block_size must be powers of 2")
-    _check(all(t.stride(-1) == 1 for t in (key, value, k_cache, v_cache)), "head_dim must be contiguous")
+    _check(k_cache.shape[2:] == key.shape[1:],
+           "cache [.., num_kv_heads, head_dim] differs from key's")
+    _check(_is_pow2(head_dim) and _is_pow2(block_size),
+           "head_dim and block_size must be powers of 2")
+    _check(all(t.stride(-1) == 1 for t in (key, value, k_cache, v_cache)),
+           "head_dim must be contiguous")
     if num_tokens == 0:
         return
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -129,7 +134,8 @@ def _find_seq_idx(
     num_seqs,
     BLOCK_Q: tl.constexpr,
 ):
-    """The sequence i owning global tile ``tile_idx``: the last i with qsl[i] // BLOCK_Q + i <= tile_idx."""
+    """The sequence i owning global tile ``tile_idx``: the last i with
+    qsl[i] // BLOCK_Q + i <= tile_idx."""
     left: tl.int32 = 0
     right = num_seqs
     while left < right:
@@ -193,7 +199,8 @@ def _paged_attention_kernel(
     row_valid = (offs_m < BLOCK_Q * NUM_QUERIES_PER_KV) & (q_idx < query_len)
     q_pos = context_len + q_idx  # [BLOCK_M] position in the sequence
     tok = (q_start + q_idx).to(tl.int64)  # [BLOCK_M] row of the flat query
-    q_ptrs = query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head + offs_d[None, :]
+    q_ptrs = (query_ptr + tok[:, None] * stride_q_tok + head[:, None] * stride_q_head
+              + offs_d[None, :])
     q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scaled scores (base 2)
@@ -236,7 +243,8 @@ def _paged_attention_kernel(
 
     if NUM_SPLITS == 1:
         acc = acc / l_i[:, None]
-        o_ptrs = out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :]
+        o_ptrs = (out_ptr + tok[:, None] * stride_o_tok + head[:, None] * stride_o_head
+                  + offs_d[None, :])
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
         row = (split * num_tokens + tok) * NUM_HEADS + head  # [BLOCK_M] int64
@@ -353,7 +361,8 @@ def triton_paged_attention(
         f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
     )
     _check(_is_pow2(head_dim) and head_dim >= 16, f"head_dim {head_dim} must be a power of 2 >= 16")
-    _check(_is_pow2(block_size) and block_size >= 16, f"block_size {block_size} must be a power of 2 >= 16")
+    _check(_is_pow2(block_size) and block_size >= 16,
+           f"block_size {block_size} must be a power of 2 >= 16")
     _check(k_cache.shape == v_cache.shape, "k_cache and v_cache shapes differ")
     _check(all(t.stride(-1) == 1 for t in (query, k_cache, v_cache)), "head_dim must be contiguous")
     _check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")

@@ -113,6 +113,7 @@ def triton_fused_add_rms_norm(
     does, and if ``residual`` differs from ``x`` in shape or dtype.
     """
     out, residual_out = _rms_norm(x, residual, weight, eps)
+    assert residual_out is not None  # made whenever there is a residual
     return out, residual_out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import grpc
 
@@ -34,17 +35,18 @@ def main(argv: list[str] | None = None) -> None:
     add_flag(p, "--api-key", default=None,
              help="sent as 'authorization: Bearer <key>' (a router started with --api-key)")
     a = p.parse_args(argv)
-    sampling = dict(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p,
-                    top_k=a.top_k, seed=a.seed, stop=a.stop or None, n=a.n, priority=a.priority)
+    sampling = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
+                "top_k": a.top_k, "seed": a.seed, "stop": a.stop or None, "n": a.n,
+                "priority": a.priority}
     messages = [{"role": "user", "content": a.chat}] if a.chat is not None else None
     prompt = a.prompt if a.chat is None else None
     try:
         tls = load_tls(a.ssl_certfile, a.ssl_keyfile, a.ssl_ca_certs)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"pagedserve generate: {e}") from None
-    tls_kwargs = {} if tls is None else dict(
-        root_certificates=tls.root_certificates, private_key=tls.private_key,
-        certificate_chain=tls.certificate_chain)
+    tls_kwargs: dict[str, Any] = {} if tls is None else {
+        "root_certificates": tls.root_certificates, "private_key": tls.private_key,
+        "certificate_chain": tls.certificate_chain}
     # PAGEDSERVE_API_KEY may hold the router's comma-separated list: send the first key
     api_key = a.api_key.split(",")[0].strip() if a.api_key else None
     with Client(a.address, api_key=api_key, **tls_kwargs) as client:

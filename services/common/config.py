@@ -86,7 +86,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         text = action.help or ""
         if action.default is None or "default" in text.lower():
             return text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""  # typeshed: str | None; never None here
 
 
 def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:

@@ -36,7 +36,8 @@ CHANNEL_OPTIONS = [
 ]
 # The health service name that reports liveness (see the module note); "" reports readiness.
 LIVENESS = "liveness"
-SERVER_OPTIONS = CHANNEL_OPTIONS + [
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
 ]

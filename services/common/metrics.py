@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -47,7 +48,7 @@ class MetricsServer:
     """A running ``/metrics`` endpoint; ``port`` is the bound port (useful with port 0)."""
 
     port: int
-    _httpd: object
+    _httpd: WSGIServer
 
     def close(self) -> None:
         """Stop serving (the thread ends with the server)."""

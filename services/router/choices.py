@@ -92,6 +92,8 @@ class Choice:
         ids = list(out.new_token_ids)
         self._logprobs = token_logprobs(out)
         if out.prompt_logprobs:
+            # NOTE: they all come with the prompt's steps, up to the choice's first message
+            assert self._prompt_logprobs is not None
             self._prompt_logprobs.extend(prompt_logprobs(out, self._prompt_tokens))
         self.num_output_tokens += len(ids)
         if out.num_cached_tokens:
@@ -118,7 +120,7 @@ class Choice:
         taken, self._prompt_logprobs = self._prompt_logprobs or [], None
         return taken
 
-    def _final(self, ids: list[int], text: str, reason: int,
+    def _final(self, ids: list[int], text: str, reason: api_pb2.FinishReason,
                stop_str: str | None = None) -> api_pb2.GenerateResponse:
         self.finished = True
         return api_pb2.GenerateResponse(
@@ -161,4 +163,4 @@ def token_logprobs(out: engine_pb2.RequestOutput) -> list[api_pb2.TokenLogprob]:
         token_id=t, logprob=lp,
         top=[api_pb2.TopLogprob(token_id=top_ids[j], logprob=top_lps[j])
              for j in range(i * k, (i + 1) * k)])
-        for i, (t, lp) in enumerate(zip(ids, lps))]
+        for i, (t, lp) in enumerate(zip(ids, lps, strict=True))]

@@ -116,7 +116,7 @@ class IncrementalDetokenizer:
                 raise
         # NOTE: vLLM (issue #17448) restarts the stream at the current token, dropping the text
         # of the ids held since the last delta; we restart at those ids, so none is lost.
-        replay, self._unemitted, self._context = self._unemitted + [token_id], [], []
+        replay, self._unemitted, self._context = [*self._unemitted, token_id], [], []
         self._stream = DecodeStream(skip_special_tokens=self._skip)
         out = []
         for t in replay:

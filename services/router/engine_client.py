@@ -73,8 +73,9 @@ class EngineClient:
         self.connect_in_background()
         try:
             await asyncio.wait_for(self.serving.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"scheduler {self.address} not ready after {timeout:.0f}s") from None
+        assert self.info is not None  # serving is set only once GetEngineInfo answered
         return self.info
 
     def connect_in_background(self) -> None:
@@ -119,6 +120,7 @@ class EngineClient:
                 error_message=f"request_id {request_id!r} is already running"))
             return queue
         self._pending[request_id] = queue
+        assert self._outgoing is not None  # connected is set only inside _run, after it
         self._outgoing.put_nowait(engine_pb2.EngineRequest(submit=engine_pb2.SubmitRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
             priority=priority, parent_request_id=parent_request_id)))

@@ -30,9 +30,15 @@ from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.router.choices import Choice, child_params, child_request_id
 from services.router.replicas import ReplicaSet
 from services.router.tokenizer import encode_chat, encode_prompt
-from services.router.validation import (RequestError, TextOptions, validate_n,
-                                        validate_priority, validate_prompt_ids,
-                                        validate_request_id, validate_sampling)
+from services.router.validation import (
+    RequestError,
+    TextOptions,
+    validate_n,
+    validate_priority,
+    validate_prompt_ids,
+    validate_request_id,
+    validate_sampling,
+)
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +232,7 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
             (a client reused a request_id), or RESOURCE_EXHAUSTED when the caller read too
             slowly (more than ``max_pending`` outputs waiting).
     """
-    choices = {}
+    choices: dict[str, Choice] = {}
 
     def overflowed() -> None:  # called by the engine stream's reader: stop every choice now
         for choice in choices.values():
@@ -249,10 +255,10 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
         raise EngineError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"request_id {req.request_id!r} is already running" +
                           (f" (engine request {taken!r})" if taken != req.request_id else ""))
-    for rid, choice in choices.items():
+    for rid, c in choices.items():
         if queue.overflowed:  # cannot happen with a real engine before anything was read
             break
-        engine.submit(rid, req.prompt_token_ids, child_params(req.params, choice.index),
+        engine.submit(rid, req.prompt_token_ids, child_params(req.params, c.index),
                       priority=req.priority, queue=queue,
                       parent_request_id=req.request_id if req.n > 1 else "")
     num_running = len(choices)

@@ -14,7 +14,7 @@ replica, and per status code.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter

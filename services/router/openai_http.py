@@ -29,13 +29,24 @@ import uuid
 from aiohttp import web
 
 from services.common.logs import request_id_var
+from services.router.generation import (
+    DEFAULT_MAX_STREAM_BUFFER,
+    EngineError,
+    RequestLog,
+    prepare,
+    stream_responses,
+)
 from services.router.metrics import RouterMetrics
-from services.router.replicas import ReplicaSet
-from services.router.generation import (DEFAULT_MAX_STREAM_BUFFER, EngineError, RequestLog,
-                                        prepare, stream_responses)
-from services.router.openai_requests import (OpenAIError, ParsedRequest, bad_request,
-                                             from_status, parse_chat, parse_completion)
+from services.router.openai_requests import (
+    OpenAIError,
+    ParsedRequest,
+    bad_request,
+    from_status,
+    parse_chat,
+    parse_completion,
+)
 from services.router.openai_responses import ResponseBuilder
+from services.router.replicas import ReplicaSet
 from services.router.validation import RequestError
 
 log = logging.getLogger(__name__)
@@ -78,7 +89,7 @@ async def _openai_errors(request: web.Request, handler):
         if e.status < 400:
             raise
         message = (f"Invalid URL ({request.method} {request.path})" if e.status in (404, 405)
-                   else e.text if e.status == 413  # names the limit and the body's size
+                   else e.text or e.reason if e.status == 413  # names the limit and the size
                    else e.reason)
         return _error(OpenAIError(e.status, message, code=e.reason.lower().replace(" ", "_")))
     except ConnectionError:  # the client went away: nobody to answer
@@ -116,7 +127,7 @@ class OpenAIServer:
     async def _count(self, request: web.Request, handler):
         """Count each request by route and final HTTP status (``cancelled``: the client left),
         and write a completion request's access log line."""
-        status = "cancelled"
+        status: int | str = "cancelled"
         entry = request[_LOG] = RequestLog(request.path)
         try:
             response = await handler(request)
@@ -264,8 +275,8 @@ class OpenAIServer:
                                            "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
         usage = parsed.include_usage
-        for chunk in builder.role_chunks(usage):
-            await resp.write(_sse(chunk))
+        for role_chunk in builder.role_chunks(usage):
+            await resp.write(_sse(role_chunk))
         try:
             r = first
             while r is not None:

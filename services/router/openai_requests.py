@@ -224,7 +224,9 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
         if value is not None:
             setattr(sp, name, value)
     if max_tokens is not None:
-        sp.max_tokens = _int32({max_tokens_name: max_tokens}, max_tokens_name)
+        limit = _int32({max_tokens_name: max_tokens}, max_tokens_name)
+        assert limit is not None  # None only for a null value
+        sp.max_tokens = limit
     seed = _typed(body, "seed", int)
     if seed is not None:
         sp.seed = seed % SEED_MODULUS

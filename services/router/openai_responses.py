@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from typing import Any
 
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai_logprobs import LogprobsFormatter, merge
@@ -61,7 +62,7 @@ class ResponseBuilder:
         for i in range(self.n):
             final = self._finals.get(i)
             text = "".join(self._texts[i])
-            choice = {"index": i}
+            choice: dict[str, Any] = {"index": i}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -101,7 +102,7 @@ class ResponseBuilder:
             self._finals[r.index] = r
         elif not r.text and not (self._logprobs is not None and r.logprobs):
             return None
-        choice = {"index": r.index}
+        choice: dict[str, Any] = {"index": r.index}
         if self.chat:
             choice["delta"] = {"content": r.text} if r.text else {}
         else:
@@ -119,10 +120,10 @@ class ResponseBuilder:
         return body
 
     def _chunk(self, choice: dict | None, include_usage: bool) -> dict:
-        body = {"id": self.id,
-                "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model,
-                "choices": [choice] if choice is not None else []}
+        body: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created, "model": self.model,
+            "choices": [choice] if choice is not None else []}
         if include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body

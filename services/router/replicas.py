@@ -51,6 +51,7 @@ import itertools
 import logging
 import socket
 import struct
+from collections.abc import Sequence
 
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.router.engine_client import EngineClient, _unavailable
@@ -137,7 +138,7 @@ class ReplicaSet:
         ValueError: an unknown policy, or neither addresses nor a DNS target.
     """
 
-    def __init__(self, addresses: list[str] = (), *, policy: str = "prefix_affinity",
+    def __init__(self, addresses: Sequence[str] = (), *, policy: str = "prefix_affinity",
                  dns_target: str | None = None, dns_refresh: float = 30.0,
                  affinity_blocks: int = 2, on_serving=None, client_factory=EngineClient,
                  metrics=None):
@@ -186,10 +187,11 @@ class ReplicaSet:
                 self._add(address)
         try:
             await asyncio.wait_for(self.serving.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             names = self.dns_target or ",".join(self._static)
             raise TimeoutError(f"no scheduler of {names} ready after {timeout:.0f}s") from None
-        return self.info
+        assert self._reference is not None  # set by the replica that made it serve
+        return self._reference
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
                params: engine_pb2.EngineSamplingParams, *, priority: int = 0,
@@ -279,6 +281,7 @@ class ReplicaSet:
         least = self._least_loaded(candidates)
         if self.policy == "least_loaded":
             return least
+        assert self._reference is not None  # an available replica was checked against it
         key = prefix_key(prompt_token_ids, self._reference.block_size, self.affinity_blocks)
         if key is None:
             return least
@@ -326,6 +329,7 @@ class ReplicaSet:
         async def on_serving(up: bool) -> None:
             client = self.replicas.get(address) or self._draining.get(address)
             if up and client is not None:
+                assert client.info is not None  # a client serves only once it has its info
                 self._check_info(address, client.info)
             await self._update_serving()
         return on_serving
@@ -364,6 +368,7 @@ class ReplicaSet:
         Raises:
             OSError: the name does not resolve.
         """
+        assert self.dns_target is not None  # only resolved with a DNS target
         host, _, port = self.dns_target.rpartition(":")
         infos = await asyncio.get_running_loop().getaddrinfo(
             host, int(port), type=socket.SOCK_STREAM)

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -17,16 +19,20 @@ from services.common.config import PORT, add_flag, float_in, int_in, parse_bytes
 from services.common.decode_errors import DecodeErrorInterceptor
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags, request_id_var
-from services.common.shutdown import (SHUTTING_DOWN, TIMED_OUT, InFlight, add_shutdown_flags,
-                                      drain)
 from services.common.metrics import ROUTER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, InFlight, add_shutdown_flags, drain
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.router import text_api
-from services.router.generation import (DEFAULT_MAX_STREAM_BUFFER, EngineError, RequestLog,
-                                        prepare, stream_responses)
 from services.router.auth import ApiKeyInterceptor, add_api_key_flag
 from services.router.engine_client import EngineClient
+from services.router.generation import (
+    DEFAULT_MAX_STREAM_BUFFER,
+    EngineError,
+    RequestLog,
+    prepare,
+    stream_responses,
+)
 from services.router.metrics import RouterMetrics, code_name
 from services.router.openai_http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
 from services.router.openai_requests import OpenAIError
@@ -124,7 +130,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
                                 "router is connecting to its scheduler")
         return self.engine.info
 
-    async def _call(self, context, request, fn, *args):
+    async def _call(self, context, request, fn: Callable[..., Any], *args):
         """``fn(*args, engine_info)``, on a thread for large requests; RequestError → status."""
         info = await self._info(context)
         try:
@@ -167,7 +173,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
             if slow:  # already aborted by on_overflow: end with its AbortError, as grpc expects
                 error = await slow[0]
                 if error is not None:
-                    raise error
+                    raise error from e
                 return
             await context.abort(e.code, e.message)
 
@@ -177,7 +183,7 @@ async def _abort_quietly(context, e: EngineError) -> BaseException | None:
     log.warning("request aborted: %s", e.message)
     try:
         await context.abort(e.code, e.message)
-    except Exception as abort_error:  # grpc.aio's AbortError, the normal outcome
+    except Exception as abort_error:  # noqa: BLE001 - grpc.aio's AbortError, the normal outcome
         return abort_error
     return None
 
@@ -297,6 +303,9 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     # least one scheduler replica can serve: its stream is up, its engine has a complete worker
     # group, and its engine agrees with the others. Liveness (grpc_utils.LIVENESS) stays
     # SERVING throughout, so a router waiting for its engines is not restarted.
+    # declared here: the callbacks below refer to them, and they are assigned after them
+    engine: ReplicaSet
+    inflight: InFlight
     metrics = RouterMetrics(available=lambda: len(engine.available()))
     # NOTE: once draining, a replica that can serve again does not make the router SERVING.
     engine = replica_set(args, on_serving=lambda up: set_serving(
@@ -320,16 +329,18 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         if http is not None:  # before the engine is up: /health answers 503 meanwhile
             if api_keys:
                 http.require_api_keys(api_keys)
-            https = tls is not None and tls.certfile is not None
+            ssl_context = (tls.http_ssl_context()
+                           if tls is not None and tls.certfile is not None else None)
+            https = ssl_context is not None
             args.http_port = await http.start(args.http_host or args.host, args.http_port,
-                                              tls.http_ssl_context() if https else None)
+                                              ssl_context)
             log.info("router OpenAI-compatible %s on %s:%d", "HTTPS" if https else "HTTP",
                      args.http_host or args.host, args.http_port)
         log.info("router waiting for scheduler %s (routing %s)",
                  args.schedulers or args.scheduler, args.routing_policy)
-        await engine.start(timeout=args.scheduler_connect_timeout)
+        info = await engine.start(timeout=args.scheduler_connect_timeout)
         log.info("router serving on %s:%d (model %s, max_model_len %d)", args.host, port,
-                 engine.info.model, engine.info.max_model_len)
+                 info.model, info.max_model_len)
         if ready:
             ready.set()
         await (stop or stop_event_on_signals()).wait()

@@ -112,6 +112,7 @@ def install_atomically(target: Path, fill: Callable[[Path], None]) -> None:
 
 def _convert_gguf(source: ModelSource, out_dir: Path) -> None:
     """Convert the GGUF tokenizer into ``out_dir`` (tokenizer.json + config) in a child process."""
+    assert source.gguf_file is not None  # called for GGUF sources only
     proc = subprocess.run(
         [sys.executable, "-c", _CONVERT_SCRIPT, source.folder, source.gguf_file, str(out_dir)],
         capture_output=True, text=True, timeout=_CONVERT_TIMEOUT_S)

@@ -11,6 +11,7 @@ import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -134,7 +135,7 @@ def _logprobs(params: api_pb2.SamplingParams, name: str) -> int | None:
     return value
 
 
-def _penalties(params: api_pb2.SamplingParams) -> dict[str, float | int]:
+def _penalties(params: api_pb2.SamplingParams) -> dict[str, Any]:
     """min_p, the three penalties and min_tokens, checked (vLLM's ranges), with defaults.
 
     Raises:

@@ -32,9 +32,9 @@ import grpc
 
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.common.shutdown import SHUTTING_DOWN
-from services.scheduler.request import EngineSamplingParams, FinishReason, Request
 from services.scheduler.logprobs import logprobs_from_pb, prompt_logprobs_from_pb
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.request import EngineSamplingParams, FinishReason, Request
 from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
@@ -200,7 +200,7 @@ class Engine:
         while True:
             try:
                 await self._loop()
-            except Exception as e:  # noqa: BLE001 - a bug: fail loudly, never silently
+            except Exception as e:  # a bug: fail loudly, never silently
                 log.exception("engine loop failed; failing %d requests", len(self._sinks))
                 self.num_loop_failures_total += 1
                 await self._fail_and_reconnect(
@@ -242,7 +242,8 @@ class Engine:
                 await self._fail_and_reconnect(f"worker failed: {e}")
                 continue
             self.num_steps_total += 1
-            sampled = dict(zip(result.request_ids, result.sampled_token_ids))
+            # (equal lengths: WorkerGroup.receive checked them)
+            sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
             try:
                 logprobs = logprobs_from_pb(result)
                 prompt_logprobs = prompt_logprobs_from_pb(result)

@@ -71,7 +71,7 @@ def logprobs_from_pb(result: worker_pb2.StepResult) -> dict[str, TokenLogprobs] 
     ids, lps = list(result.top_token_ids), list(result.top_logprobs)
     sampled = iter(result.sampled_logprobs)
     out, t = {}, 0
-    for rid, k in zip(result.request_ids, counts):
+    for rid, k in zip(result.request_ids, counts, strict=True):
         if k >= 0:
             out[rid] = TokenLogprobs(next(sampled), ids[t:t + k], lps[t:t + k])
             t += k
@@ -91,13 +91,13 @@ def prompt_logprobs_from_pb(result: worker_pb2.StepResult) -> dict[str, PromptLo
     n = len(rids)
     if (not len(result.prompt_first_positions) == len(counts) == len(ks) == n
             or sum(counts) != len(result.prompt_logprobs)
-            or not sum(c * k for c, k in zip(counts, ks)) == len(result.prompt_top_token_ids)
-            == len(result.prompt_top_logprobs)):
+            or not (sum(c * k for c, k in zip(counts, ks, strict=True))
+                    == len(result.prompt_top_token_ids) == len(result.prompt_top_logprobs))):
         raise ValueError(f"step {result.step_id}: malformed prompt logprobs columns")
     lps, ids, tops = (list(result.prompt_logprobs), list(result.prompt_top_token_ids),
                       list(result.prompt_top_logprobs))
     out, t, u = {}, 0, 0
-    for rid, start, c, k in zip(rids, result.prompt_first_positions, counts, ks):
+    for rid, start, c, k in zip(rids, result.prompt_first_positions, counts, ks, strict=True):
         out[rid] = PromptLogprobs(start, lps[t:t + c], ids[u:u + c * k], tops[u:u + c * k], k)
         t += c
         u += c * k

@@ -16,11 +16,10 @@ import grpc
 from services.common.config import PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
-from services.common.shutdown import (SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain,
-                                      wait_until)
 from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
-from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain, wait_until
+from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.scheduler.engine import Engine
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
@@ -46,23 +45,24 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
     async def _require_engine(self, context) -> Engine:
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is waiting for its workers")
+        assert self.engine is not None  # context.abort raises
         return self.engine
 
     async def Connect(self, request_iterator, context):
-        await self._require_engine(context)
-        if self.engine.draining:  # a router reconnecting while we shut down: nothing to take
+        engine = await self._require_engine(context)  # set once, never unset
+        if engine.draining:  # a router reconnecting while we shut down: nothing to take
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         # NOTE: its first batch is the handshake: it tells the router the stream is up, and
         # whether the engine can serve (it may be waiting for its workers to come back).
-        sink = self.engine.attach()
+        sink = engine.attach()
 
         async def read_requests():
             try:
                 async for msg in request_iterator:
                     if msg.HasField("submit"):
-                        self.engine.submit(sink, msg.submit)
+                        engine.submit(sink, msg.submit)
                     elif msg.HasField("abort"):
-                        self.engine.abort(msg.abort.request_id)
+                        engine.abort(msg.abort.request_id)
             finally:
                 sink.queue.put_nowait(None)  # the router closed its side: end the stream
 
@@ -72,20 +72,21 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
                 yield batch
         finally:
             reader.cancel()
-            self.engine.detach(sink)
+            engine.detach(sink)
 
     async def GetEngineInfo(self, request, context):
         await self._require_engine(context)
         return self.info
 
     async def GetEngineStats(self, request, context):
-        s = (await self._require_engine(context)).scheduler
+        engine = await self._require_engine(context)
+        s = engine.scheduler
         bm = s.block_manager
         return engine_pb2.GetEngineStatsResponse(
             num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks, num_running=s.num_running,
             num_waiting=s.num_waiting, num_preemptions_total=s.num_preemptions_total,
-            num_steps_total=self.engine.num_steps_total, num_cached_blocks=bm.num_cached_blocks,
+            num_steps_total=engine.num_steps_total, num_cached_blocks=bm.num_cached_blocks,
             prefix_cache_queries_total=s.prefix_cache_queries_total,
             prefix_cache_hits_total=s.prefix_cache_hits_total,
             num_rejected_total=s.num_rejected_total)
@@ -161,10 +162,12 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
                           credentials=client_credentials(tls_from_args(args)))
     infos = await workers.connect(timeout=args.worker_connect_timeout)
     first = infos[0]
-    for addr, info in zip(workers.addresses, infos):
-        if (info.model, info.dtype, info.block_size) != (first.model, first.dtype, first.block_size):
-            raise ValueError(f"worker {addr} serves {info.model}/{info.dtype}/block {info.block_size}"
-                             f" but rank 0 serves {first.model}/{first.dtype}/block {first.block_size}")
+    for addr, info in zip(workers.addresses, infos, strict=True):
+        if ((info.model, info.dtype, info.block_size)
+                != (first.model, first.dtype, first.block_size)):
+            raise ValueError(
+                f"worker {addr} serves {info.model}/{info.dtype}/block {info.block_size}"
+                f" but rank 0 serves {first.model}/{first.dtype}/block {first.block_size}")
         if info.block_size != args.block_size:
             raise ValueError(f"worker {addr} has block_size {info.block_size} but the scheduler's "
                              f"--block-size is {args.block_size}; start both with the same value")

@@ -139,7 +139,7 @@ class WorkerGroup:
         self._channels = [aio_channel(a, self.credentials, options=CHANNEL_OPTIONS)
                           for a in self.addresses]
         infos = []
-        for addr, ch in zip(self.addresses, self._channels):
+        for addr, ch in zip(self.addresses, self._channels, strict=True):
             stub = worker_pb2_grpc.WorkerServiceStub(ch)
             while True:
                 try:
@@ -206,7 +206,7 @@ class WorkerGroup:
             raise WorkerError(f"worker stream failed: {e.code().name}: {e.details()}") from e
         except asyncio.InvalidStateError as e:
             raise WorkerError(f"worker stream failed: {e}") from e
-        for addr, res in zip(self.addresses, results):
+        for addr, res in zip(self.addresses, results, strict=True):
             if res is grpc.aio.EOF or res.step_id != out.step_id:
                 raise WorkerError(f"worker {addr} closed its stream or answered out of order")
         result = results[self.driver]

@@ -22,8 +22,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -71,10 +72,10 @@ class AttentionBackend:
     """
 
     # backend -> (module, prefix of its functions) pairs; op ``o`` is ``<prefix>_<o>``
-    _MODULES = {"torch": (("kernels.torch_attention", "torch"), ("kernels.torch_ops", "torch")),
-                "triton": (("kernels.triton_attention", "triton"),
-                           ("kernels.triton_norm_rope", "triton")),
-                "cpu": (("kernels.cpu_attention", "cpu"), ("kernels.torch_ops", "torch"))}
+    _MODULES: ClassVar[dict[str, tuple[tuple[str, str], ...]]] = {
+        "torch": (("kernels.torch_attention", "torch"), ("kernels.torch_ops", "torch")),
+        "triton": (("kernels.triton_attention", "triton"), ("kernels.triton_norm_rope", "triton")),
+        "cpu": (("kernels.cpu_attention", "cpu"), ("kernels.torch_ops", "torch"))}
     _OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm",
             "rotary_embedding")
 

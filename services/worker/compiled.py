@@ -7,8 +7,8 @@ break and Inductor fuses everything between them (the norms, RoPE, the SiLU gate
 adds) into a few C++ loops per layer; the matmuls stay ATen/oneDNN calls.
 
 Dynamic shapes, one graph: the token count ``T``, the batch dimensions of the attention
-metadata (sequences, block-table width) and the caches' block count are marked dynamic, so a step of any size reuses the
-graph compiled at warm-up. Two torch settings make that hold:
+metadata (sequences, block-table width) and the caches' block count are marked dynamic, so a
+step of any size reuses the graph compiled at warm-up. Two torch settings make that hold:
 
 - ``backed_size_oblivious``: a dynamic size is not specialised when a step has exactly 1 of
   something (one sequence, a one-block table), so such steps need no graph of their own;
@@ -25,16 +25,21 @@ overhead to save, and every bucket would be one more compile at start (tens of s
 
 Compiled ahead of time and saved whole: the forward is compiled with Dynamo's AOT API
 (``torch.compile(...).aot_compile``, the one vLLM uses) into a function of ``(model, inputs)``
-and written to ``$PAGEDSERVE_CACHE_DIR/inductor/aot/<key>.bin``, where the key hashes everything the
-graph was specialised on (torch and Python versions, the CPU's vector ISA, the model class and
-its config, dtype, block size, the source of the model, kernel and compile modules). A restart
+and written to ``$PAGEDSERVE_CACHE_DIR/inductor/aot/<key>.bin``, where the key hashes
+everything the graph was specialised on (torch and Python versions, the CPU's vector ISA, the
+model class and its config, dtype, block size, the source of the model, kernel and compile
+modules). A restart
 with the same key loads that file (Dynamo's bytecode trace, ~10 s of SmolLM2's start, and
 Inductor's code generation are both skipped) and calls it with guards off: the key stands in for
 them, as in vLLM. The parameters are graph inputs (Dynamo inlines nn.Modules), so one artifact
 serves every model with that key, in one process (kept in memory) and across restarts. The first
 start compiles (a minute or more for SmolLM2 on 2 cores). Inductor's own caches share that
-folder (``$TORCHINDUCTOR_CACHE_DIR`` moves both). If the AOT path fails (an unreadable artifact, a torch that
-refuses to save), the plain ``torch.compile`` path runs instead, with a warning.
+folder (``$TORCHINDUCTOR_CACHE_DIR`` moves both). If the AOT path fails (an unreadable artifact,
+a torch that refuses to save), the plain ``torch.compile`` path runs instead, with a warning.
+
+NOTE: without guards, Python ints the graph was traced with (the metadata's ``max_query_len`` /
+``max_seq_len``) may be baked in. The native kernels ignore those two; an op that reads one
+must take it as a tensor, or a loaded artifact would reuse the warm-up's value.
 
 Eager fallback (``--enforce-eager``, vLLM's flag, turns compilation off everywhere): the
 ``torch`` reference backend and the Triton (CUDA) backend run eagerly, and so do parallel
@@ -152,6 +157,7 @@ class CompiledForward:
         if self.key in _LOADED:
             return _LOADED[self.key], "memory"
         fn_globals = type(self.model).forward.__globals__
+        fn: Any  # an AOTCompiledFunction, which torch's signatures type as a plain Callable
         if self.path.exists():
             try:
                 with open(self.path, "rb") as f:
@@ -164,7 +170,9 @@ class CompiledForward:
                             type(e).__name__, e)
         _mark_dynamic(args)
         try:
-            fn = torch.compile(type(self.model).forward, fullgraph=True).aot_compile((args, {}))
+            # torch.compile's result has aot_compile, which its return type does not show
+            compiled: Any = torch.compile(type(self.model).forward, fullgraph=True)
+            fn = compiled.aot_compile((args, {}))
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fn.save_compiled_function(str(self.path))  # atomic: a temp file, then a rename
         except Exception as e:  # noqa: BLE001 - e.g. Inductor caches disabled: compile in place

@@ -194,4 +194,6 @@ def init_distributed(config: ParallelConfig, device: torch.device,
             tp_group = group
     ids = [uuid.uuid4().hex if config.rank == 0 else None]
     dist.broadcast_object_list(ids, src=0, device=device if device.type == "cuda" else None)
-    return ParallelState(config, tp_group if n > 1 else None, ids[0], device)
+    group_id = ids[0]
+    assert group_id is not None  # rank 0's, broadcast to every rank
+    return ParallelState(config, tp_group if n > 1 else None, group_id, device)

@@ -122,6 +122,25 @@ class InputBatch:
         max_num_batched_tokens: step buffer tokens at start (grows if a step has more).
     """
 
+    # The persistent rows and per-request step buffers (set by _grow_rows, see _row_arrays)
+    token_ids: np.ndarray
+    num_tokens: np.ndarray
+    block_table: np.ndarray
+    num_blocks: np.ndarray
+    temperature: np.ndarray
+    top_p: np.ndarray
+    top_k: np.ndarray
+    min_p: np.ndarray
+    seeded: np.ndarray
+    penalized: np.ndarray
+    num_prompt_tokens: np.ndarray
+    min_tokens: np.ndarray
+    num_logprobs: np.ndarray
+    num_prompt_logprobs: np.ndarray
+    _seq_lens: np.ndarray
+    _query_start_loc: np.ndarray
+    _logits_indices: np.ndarray
+
     def __init__(self, device: torch.device, block_size: int, num_kv_blocks: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] | list[int] = (), *,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
@@ -163,7 +182,7 @@ class InputBatch:
             return
         for name, (shape, dtype) in self._row_arrays().items():
             extra = 1 if name == "_query_start_loc" else 0
-            grown = np.zeros((rows + extra, *shape), dtype=dtype)
+            grown: np.ndarray = np.zeros((rows + extra, *shape), dtype=dtype)
             if old:
                 grown[:old + extra] = getattr(self, name)
             setattr(self, name, grown)
@@ -215,19 +234,19 @@ class InputBatch:
             rows.append(self._add(r.request_id, r.prompt_token_ids, r.block_ids, r.sampling,
                                   step))
         append_rows, append_ids = [], []  # new token ids, written all at once below
-        for r in cached:  # NOTE: the one Python loop over a decode step's requests: keep it lean
-            state = self.requests.get(r.request_id)
+        for c in cached:  # NOTE: the one Python loop over a decode step's requests: keep it lean
+            state = self.requests.get(c.request_id)
             if state is None:
-                raise KeyError(f"step {step.step_id}: worker holds no request {r.request_id!r}")
+                raise KeyError(f"step {step.step_id}: worker holds no request {c.request_id!r}")
             row = state.row if state.row >= 0 else self._unpark(state, step)
             rows.append(row)
-            if r.new_token_ids:
+            if c.new_token_ids:
                 append_rows.append(row)
-                append_ids.append(r.new_token_ids)
-            if r.resumed_from_preemption:
-                self._write_blocks(r.request_id, row, 0, r.new_block_ids)
-            elif r.new_block_ids:
-                self._write_blocks(r.request_id, row, int(self.num_blocks[row]), r.new_block_ids)
+                append_ids.append(c.new_token_ids)
+            if c.resumed_from_preemption:
+                self._write_blocks(c.request_id, row, 0, c.new_block_ids)
+            elif c.new_block_ids:
+                self._write_blocks(c.request_id, row, int(self.num_blocks[row]), c.new_block_ids)
         if append_rows:
             self._append_tokens(np.array(append_rows, dtype=np.int64), append_ids)
         both = new + cached
@@ -237,8 +256,8 @@ class InputBatch:
             np.array([r.num_scheduled_tokens for r in both], dtype=np.int64))
         keep = batch.num_scheduled_tokens > 0
         if not keep.all():
-            batch = ScheduledBatch([i for i, k in zip(batch.request_ids, keep.tolist()) if k],
-                                   batch.rows[keep], batch.num_computed_tokens[keep],
+            kept = [i for i, k in zip(batch.request_ids, keep.tolist(), strict=True) if k]
+            batch = ScheduledBatch(kept, batch.rows[keep], batch.num_computed_tokens[keep],
                                    batch.num_scheduled_tokens[keep])
         return batch
 
@@ -260,7 +279,7 @@ class InputBatch:
         # any output, so every token of a NewRequest is a prompt token.
         counts = (TokenCounts.create(token_ids, self.vocab_size, self.device)
                   if sampling.uses_penalties else None)
-        stop_ids = ()
+        stop_ids: tuple[int, ...] = ()
         if sampling.min_tokens > 0:
             eos = () if sampling.ignore_eos else self.eos_token_ids
             stop_ids = tuple(dict.fromkeys(eos + tuple(sampling.stop_token_ids)))
@@ -300,6 +319,7 @@ class InputBatch:
 
     def _unpark(self, state: RequestState, step: StepInput) -> int:
         """Give a parked request a row again, with its tokens and block table."""
+        assert state.parked is not None  # a request without a row is parked
         token_ids, block_ids = state.parked
         row = self._bind(state, step)
         state.parked = None
@@ -346,6 +366,7 @@ class InputBatch:
         if one_each:
             self.token_ids[rows, starts] = flat
         else:
+            assert isinstance(counts, np.ndarray)  # an int only when one_each
             self.token_ids[np.repeat(rows, counts), _ragged_arange(starts, counts)] = flat
         self.num_tokens[rows] = ends
 

@@ -141,7 +141,7 @@ class RankSupervisor:
                 while healthy and not stop.is_set() and not self._exited():
                     try:
                         await asyncio.wait_for(stop.wait(), timeout=0.2)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 if stop.is_set():
                     break

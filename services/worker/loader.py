@@ -83,6 +83,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     with torch.device("meta"):
         net = LlamaForCausalLM(cfg, attn_backend or select_backend("auto", device))
         if plan:
+            assert parallel is not None  # a plan is made only for a parallel state
             shard_model(net, plan, parallel)
     state = _read_state_dict(folder, cfg, dtype, device, plan)
     try:
@@ -114,8 +115,9 @@ def convert_gguf(source: ModelSource) -> Path:
     hf = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file,
                                               dtype=torch.float32)
     # NOTE: the weights are already dequantised; without this transformers refuses to save a
-    # "gguf-quantised" model.
-    hf.hf_quantizer = None
+    # "gguf-quantised" model. (The ignore: torch types Module.__setattr__'s value as a tensor
+    # or module, and transformers does not declare the attribute it reads as optional.)
+    hf.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -148,7 +150,7 @@ def _read_state_dict(folder: Path, cfg: LlamaConfig, dtype: torch.dtype, device:
         handles = {}  # our-prefix-less name -> (open file, checkpoint name)
         for file in files:
             f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors file, not a dict
                 handles[name.removeprefix("model.")] = (f, name)
         return _build_state(folder, cfg, handles, plan, dtype, device)
 
@@ -162,6 +164,7 @@ def _build_state(folder: Path, cfg: LlamaConfig, handles: dict, plan: ShardPlan 
         part = plan.slice_of(name) if plan else None
         if part is None:
             return f.get_tensor(full_name)
+        assert plan is not None  # part is None without a plan
         dim, start, stop = part
         view = f.get_slice(full_name)
         tensor = view[start:stop] if dim == 0 else view[:, start:stop]

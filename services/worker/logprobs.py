@@ -33,7 +33,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     rows = [i for i, k in enumerate(num_logprobs) if k is not None]
     if not rows:
         return None
-    ks = [min(num_logprobs[i], logits.shape[1]) for i in rows]
+    ks = [min(k, logits.shape[1]) for k in num_logprobs if k is not None]  # row by row
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)  # [R, V]
     sampled = logprobs.gather(1, token_ids.index_select(0, index).unsqueeze(1))  # [R, 1]
@@ -69,8 +69,8 @@ def compute_prompt_logprobs(logits: torch.Tensor, chunks: list[PromptChunk]
     chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()  # [P]
     max_k = min(max(c.k for c in chunks), logits.shape[1])
     if max_k > 0:
-        values, indices = logprobs.topk(max_k, dim=-1)  # [P, max_k]
-        values, indices = values.tolist(), indices.tolist()
+        top_values, top_indices = logprobs.topk(max_k, dim=-1)  # [P, max_k]
+        values, indices = top_values.tolist(), top_indices.tolist()
     out, row = [], 0
     for c in chunks:
         n, k = len(c.target_token_ids), min(c.k, max_k)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from typing import cast
 
 import torch
 
@@ -20,10 +21,16 @@ from services.worker.distributed import ParallelState
 from services.worker.input_batch import InputBatch
 from services.worker.loader import load_model
 from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
+from services.worker.models.llama import DecoderLayer, LlamaForCausalLM
 from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
-from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput,
-                                        StepOutput)
+from services.worker.step_input import (
+    CachedRequest,
+    NewRequest,
+    SamplingOptions,
+    StepInput,
+    StepOutput,
+)
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +139,7 @@ class ModelRunner:
         cfg = self.model.config
         # NOTE: this rank's layers and KV heads only (a pipeline stage, a tensor-parallel shard).
         self.num_layers = len(self.model.layers)
-        self.num_kv_heads = self.model.layers[0].attn.n_kv_heads
+        self.num_kv_heads: int = cast(DecoderLayer, self.model.layers[0]).attn.n_kv_heads
         self.bytes_per_block = (2 * self.num_layers * block_size * self.num_kv_heads
                                 * cfg.head_dim * self.dtype.itemsize)
         self.sampler = Sampler()
@@ -159,7 +166,7 @@ class ModelRunner:
                  num_blocks * self.bytes_per_block / 2**30, self.dtype_name, self.device)
         world = parallel.config.world_size if parallel else 1
         self.eager_reason = why_eager(enforce_eager, self.device, backend.name, world)
-        self.forward = self.model
+        self.forward: LlamaForCausalLM | CompiledForward = self.model
         if self.eager_reason is None:
             self.forward = CompiledForward(self.model, backend, self.block_size)
             self._warm_up()
@@ -249,21 +256,21 @@ class ModelRunner:
         if not scheduled:
             return StepOutput(step.step_id, [], [])
         batch = self.input_batch.prepare(scheduled)
-        pc = self.parallel.config if self.parallel else None
+        ps = self.parallel
         received = None
-        if pc and not pc.is_first_stage:
-            received = self.parallel.recv_from_prev_stage(
+        if ps and not ps.config.is_first_stage:
+            received = ps.recv_from_prev_stage(
                 (batch.input_ids.shape[0], self.model.config.hidden_size), self.dtype)
         hidden = self.forward(batch.input_ids, batch.positions, self.kv_caches,
                               batch.attn_metadata, received)  # [T, E]
-        if pc and not pc.is_last_stage:
-            self.parallel.send_to_next_stage(hidden)
+        if ps and not ps.config.is_last_stage:
+            ps.send_to_next_stage(hidden)
             return StepOutput(step.step_id, [], [])
         prompt_logprobs = self._prompt_logprobs(hidden, batch)  # (a collective under TP)
         if not batch.sampled_request_ids:
             return StepOutput(step.step_id, [], [], None, prompt_logprobs)
         logits = self._compute_logits(hidden[batch.logits_indices])  # [S, V] float32
-        if pc and not pc.is_driver:
+        if ps and not ps.config.is_driver:
             return StepOutput(step.step_id, [], [])
         token_ids = self.sampler(logits, batch.sampling)  # [S] int64
         logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)  # raw logits

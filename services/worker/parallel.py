@@ -23,12 +23,15 @@ stage applies the final norm and the LM head (and keeps the embedding when it is
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import ParallelConfig, ParallelState
-from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
+from services.worker.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
 
 
 def check_parallel_config(cfg: LlamaConfig, pc: ParallelConfig) -> None:
@@ -137,11 +140,12 @@ def shard_model(model: LlamaForCausalLM, plan: ShardPlan, ps: ParallelState) -> 
         model.norm = nn.Identity()  # the next stage gets the residual stream, un-normalised
         model.lm_head = None
     if not plan.keeps_embedding:
-        model.embed_tokens = None
+        # NOTE: the model's attributes are typed as built; sharding swaps or drops its modules
+        model.embed_tokens = None  # type: ignore[assignment]
     if pc.tensor_parallel_size == 1:
         return
     e, d = cfg.hidden_size, cfg.head_dim
-    for layer in model.layers:
+    for layer in cast(Iterable[DecoderLayer], model.layers):  # typed as Iterable[Module]
         attn, mlp = layer.attn, layer.mlp
         attn.n_heads, attn.n_kv_heads = plan.num_heads, plan.num_kv_heads
         attn.q_size, attn.kv_size = plan.num_heads * d, plan.num_kv_heads * d
@@ -151,6 +155,7 @@ def shard_model(model: LlamaForCausalLM, plan: ShardPlan, ps: ParallelState) -> 
         mlp.gate_up_proj = nn.Linear(e, 2 * plan.intermediate_size, bias=cfg.mlp_bias)
         mlp.down_proj = RowParallelLinear(plan.intermediate_size, e, cfg.mlp_bias, ps)
     if model.embed_tokens is not None:
-        model.embed_tokens = VocabParallelEmbedding(plan.vocab_per_rank, e, plan.vocab_start, ps)
+        model.embed_tokens = VocabParallelEmbedding(  # type: ignore[assignment]  # (as above)
+            plan.vocab_per_rank, e, plan.vocab_start, ps)
     if model.lm_head is not None:
         model.lm_head = nn.Linear(e, plan.vocab_per_rank, bias=False)

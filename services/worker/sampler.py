@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.worker.penalties import (PenaltyTensors, apply_min_p, apply_min_tokens,
-                                       apply_penalties)
+from services.worker.penalties import PenaltyTensors, apply_min_p, apply_min_tokens, apply_penalties
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 

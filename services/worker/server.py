@@ -26,12 +26,12 @@ import grpc
 from services.common.config import PORT, add_flag, float_in, int_in, parse_bytes
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
-from services.common.shutdown import InFlight, add_shutdown_flags, drain
 from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metrics_server
-from services.common.tls import add_tls_flags, tls_from_args
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from services.common.shutdown import InFlight, add_shutdown_flags, drain
+from services.common.tls import add_tls_flags, tls_from_args
 from services.worker.metrics import WorkerMetrics
-from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput)
+from services.worker.step_input import CachedRequest, NewRequest, SamplingOptions, StepInput
 
 log = logging.getLogger(__name__)
 SERVICE = "pagedserve.v1.WorkerService"
@@ -75,7 +75,7 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
                          f"{[len(col) for col in columns]}")
     tokens, blocks = list(c.new_token_ids), list(c.new_block_ids)
     out, t, b = [], 0, 0
-    for rid, nt, nb, resumed, computed, scheduled in zip(c.request_ids, *columns):
+    for rid, nt, nb, resumed, computed, scheduled in zip(c.request_ids, *columns, strict=True):
         out.append(CachedRequest(rid, tokens[t:t + nt], blocks[b:b + nb], resumed, computed,
                                  scheduled))
         t += nt
@@ -142,7 +142,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {msg.step_id} failed: {e}")
             seconds = time.perf_counter() - t0
             if self.metrics is not None:
-                scheduled = [*step.new_requests, *step.cached_requests]
+                scheduled: list[NewRequest | CachedRequest] = [
+                    *step.new_requests, *step.cached_requests]
                 self.metrics.observe_step(seconds, sum(r.num_scheduled_tokens for r in scheduled),
                                           len(scheduled))
             result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,

@@ -7,8 +7,14 @@
 
 from pagedserve_client.client import AsyncClient, Client, build_request
 from pagedserve_client.text_types import ModelInfo, TokenizeResult
-from pagedserve_client.types import (Choice, GenerationResult, StreamDelta, TokenLogprob,
-                                     TopLogprob, Usage)
+from pagedserve_client.types import (
+    Choice,
+    GenerationResult,
+    StreamDelta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
 
 __all__ = ["AsyncClient", "Choice", "Client", "GenerationResult", "ModelInfo", "StreamDelta",
            "TokenLogprob", "TokenizeResult", "TopLogprob", "Usage", "build_request"]

@@ -46,9 +46,15 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import grpc
 
 from pagedserve_client.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
-from pagedserve_client.text_types import (ModelInfo, TokenizeResult, chat_request,
-                                          detokenize_request, models_from_pb,
-                                          tokenize_request, tokenize_result)
+from pagedserve_client.text_types import (
+    ModelInfo,
+    TokenizeResult,
+    chat_request,
+    detokenize_request,
+    models_from_pb,
+    tokenize_request,
+    tokenize_result,
+)
 from pagedserve_client.types import GenerationResult, StreamDelta, delta_from_pb, join
 
 _SAMPLING_FIELDS = {f.name for f in api_pb2.SamplingParams.DESCRIPTOR.fields}

@@ -64,6 +64,7 @@ def tokenize_request(prompt: str | None, messages: list[dict] | None,
     if prompt is not None:
         req.prompt = prompt
     else:
+        assert messages is not None  # exactly one of the two, checked above
         req.chat.SetInParent()  # an empty list is still the chat input (the server refuses it)
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:

@@ -203,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        # (an Identity on a pipeline stage before the last: services/worker/parallel.py)
+        self.norm: nn.Module = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
         # Computed on the CPU even under a meta-device context, so loading with assign=True
