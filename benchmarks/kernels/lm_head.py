@@ -6,20 +6,8 @@
 Prints the median of 20 calls per M and the ratio.
 """
 
-import time
-
 import torch
-
-
-def bench(f, n: int = 20) -> float:
-    for _ in range(3):
-        f()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[n // 2]
+from cpu_paged_attention import time_ms  # (this folder is on sys.path when run as a script)
 
 
 def main() -> None:
@@ -27,10 +15,10 @@ def main() -> None:
     w = torch.randn(49152, 576) * 0.05
     for m in (1, 4, 16, 64, 128, 256):
         x = torch.randn(m, 576)
-        aten = bench(lambda: torch.nn.functional.linear(x, w))
-        onednn = bench(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
-        print(f"M {m:3d}: aten {aten * 1e3:7.2f} ms, oneDNN {onednn * 1e3:7.2f} ms, "
-              f"{aten / onednn:.2f}x")
+        aten = time_ms(lambda: torch.nn.functional.linear(x, w), 20, "median")
+        onednn = time_ms(lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+                         20, "median")
+        print(f"M {m:3d}: aten {aten:7.2f} ms, oneDNN {onednn:7.2f} ms, {aten / onednn:.2f}x")
 
 
 if __name__ == "__main__":
