@@ -123,8 +123,6 @@ class BlockManager:
         # free list in O(1). Left = least recently freed = allocated (evicted) first.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[BlockHash, Block] = {}  # prefix key -> block holding it
-        self.num_queried_tokens = 0  # prefix-cache lookups since start, in tokens
-        self.num_hit_tokens = 0  # of those, tokens found
 
     @property
     def num_free_blocks(self) -> int:
@@ -185,9 +183,9 @@ class BlockManager:
 
         At least one token is always left to compute (the step that computes it samples the
         next token), so at most ``(num_tokens - 1) // block_size`` blocks are returned. Each hit
-        re-checks the block's stored tokens and parent key. Counts the lookup in
-        ``num_queried_tokens`` / ``num_hit_tokens``. Nothing is reserved: pass the blocks to
-        ``allocate`` in the same scheduling pass.
+        re-checks the block's stored tokens and parent key. Nothing is reserved: pass the
+        blocks to ``allocate`` in the same scheduling pass (the scheduler counts the lookup:
+        ``prefix_cache_queries_total`` / ``prefix_cache_hits_total``).
 
         Returns:
             (block ids in logical order, number of tokens they hold = len * block_size).
@@ -207,8 +205,6 @@ class BlockManager:
                     break
                 hits.append(block.block_id)
                 parent = hashes[j]
-        self.num_queried_tokens += request.num_tokens
-        self.num_hit_tokens += len(hits) * bs
         return hits, len(hits) * bs
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -251,7 +251,7 @@ class Engine:
                 log.error("%s", e)
                 logprobs = prompt_logprobs = None
             self._publish(self.scheduler.update_from_output(out, sampled, logprobs,
-                                                            prompt_logprobs), out.step_id)
+                                                            prompt_logprobs))
 
     async def _idle(self) -> None:
         """Sleep until a request arrives; raise WorkerError if a rank's stream ends meanwhile
@@ -300,13 +300,13 @@ class Engine:
         """A TokenBatch with no outputs, only the current load."""
         return self._batch([])
 
-    def _batch(self, outputs: list[engine_pb2.RequestOutput], step_id: int = 0):
+    def _batch(self, outputs: list[engine_pb2.RequestOutput]) -> engine_pb2.TokenBatch:
         s = self.scheduler
-        return engine_pb2.TokenBatch(step_id=step_id, outputs=outputs, load=engine_pb2.LoadReport(
+        return engine_pb2.TokenBatch(outputs=outputs, load=engine_pb2.LoadReport(
             num_running=s.num_running, num_waiting=s.num_waiting,
             kv_cache_usage=s.block_manager.usage, waiting_for_workers=not self.healthy))
 
-    def _publish(self, updates: list[RequestUpdate], step_id: int = 0) -> None:
+    def _publish(self, updates: list[RequestUpdate]) -> None:
         if self.metrics is not None:
             self.metrics.observe_updates(updates, time.monotonic())
         by_sink: dict[int, tuple[RouterSink, list]] = {}
@@ -316,8 +316,7 @@ class Engine:
                 continue
             out = engine_pb2.RequestOutput(
                 request_id=u.request_id, new_token_ids=u.new_token_ids,
-                finish_reason=_FINISH[u.finish_reason], num_prompt_tokens=u.num_prompt_tokens,
-                num_output_tokens=u.num_output_tokens, num_cached_tokens=u.num_cached_tokens)
+                finish_reason=_FINISH[u.finish_reason], num_cached_tokens=u.num_cached_tokens)
             if u.logprobs is not None:
                 out.new_token_logprobs.append(u.logprobs.logprob)
                 out.top_token_ids.extend(u.logprobs.top_token_ids)
@@ -335,4 +334,4 @@ class Engine:
                 log.debug("request finished: %s, %d output tokens", u.finish_reason.value,
                           u.num_output_tokens, extra={"request_id": u.request_id})
         for sink, outs in by_sink.values():
-            sink.queue.put_nowait(self._batch(outs, step_id))
+            sink.queue.put_nowait(self._batch(outs))

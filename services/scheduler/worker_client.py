@@ -1,7 +1,8 @@
 """The scheduler's side of the scheduler↔worker protocol: one Execute stream per worker rank.
 
-``WorkerGroup.execute`` turns a ``SchedulerOutput`` into one ``StepRequest`` (new requests in
-full, the rest as diffs), sends it to every rank and returns the driver's ``StepResult``.
+``WorkerGroup.send`` turns a ``SchedulerOutput`` into one ``StepRequest`` (new requests in full,
+the rest as diffs) and sends it to every rank; ``WorkerGroup.receive`` returns the driver's
+``StepResult`` of the oldest step sent.
 
 Ranks of a tensor/pipeline-parallel group may be listed in any order: each reports its rank,
 the group's sizes and a group id in GetWorkerInfo. The driver is tp rank 0 of the last pipeline
@@ -165,15 +166,6 @@ class WorkerGroup:
         tp = max(1, infos[0].tensor_parallel_size)
         pp = max(1, infos[0].pipeline_parallel_size)
         return next(k for k, i in enumerate(infos) if i.rank == (pp - 1) * tp)
-
-    async def execute(self, out: SchedulerOutput) -> worker_pb2.StepResult:
-        """Send one step to every rank; return the driver's result.
-
-        Raises:
-            WorkerError: a rank's stream broke or answered a different step.
-        """
-        await self.send(out)
-        return await self.receive(out)
 
     async def send(self, out: SchedulerOutput) -> None:
         """Send one step to every rank without waiting for its result (pipelining: several

@@ -128,8 +128,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             non_torch_before = total - free - torch.cuda.memory_reserved(self.device)
         self.parallel = parallel
-        self.model, self.hf_config, info = load_model(model, self.dtype, self.device, backend,
-                                                      parallel)
+        self.model, _, info = load_model(model, self.dtype, self.device, backend, parallel)
         if max_model_len is not None and max_model_len > info.max_model_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {info.max_model_len}")

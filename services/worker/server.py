@@ -147,8 +147,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 self.metrics.observe_step(seconds, sum(r.num_scheduled_tokens for r in scheduled),
                                           len(scheduled))
             result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
-                                           sampled_token_ids=out.sampled_token_ids,
-                                           execute_seconds=seconds)
+                                           sampled_token_ids=out.sampled_token_ids)
             if out.logprobs is not None:
                 lp = out.logprobs
                 result.num_top_logprobs.extend(lp.num_top_logprobs)

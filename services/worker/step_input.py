@@ -79,11 +79,11 @@ class StepOutput:
     request_ids: list[str]
     sampled_token_ids: list[int]  # parallel to request_ids
     logprobs: SampledLogprobs | None = None  # None when no request of the step asked
-    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PromptChunkLogprobs] = field(default_factory=list)
 
 
 @dataclass(slots=True)
-class PromptLogprobs:
+class PromptChunkLogprobs:
     """Raw logprobs of the prompt tokens one request's chunk scored this step.
 
     Prompt token ``first_position + j`` (``j < len(logprobs)``) has logprob ``logprobs[j]``

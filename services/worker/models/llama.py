@@ -211,11 +211,6 @@ class LlamaForCausalLM(nn.Module):
         # (which skips buffers) keeps real values; the loader then moves it with .to(device).
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
-    def set_attention_backend(self, backend: Any) -> None:
-        for module in self.modules():
-            if isinstance(module, (Attention, RMSNorm)):
-                module.backend = backend
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attn_metadata: Any, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
