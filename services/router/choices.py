@@ -24,10 +24,6 @@ from services.router.validation import TextOptions
 
 SEED_MODULUS = 2**64  # seeds are uint64 on the wire
 
-_FINISH = {engine_pb2.ENGINE_FINISH_REASON_STOP: api_pb2.FINISH_REASON_STOP,
-           engine_pb2.ENGINE_FINISH_REASON_LENGTH: api_pb2.FINISH_REASON_LENGTH,
-           engine_pb2.ENGINE_FINISH_REASON_ABORT: api_pb2.FINISH_REASON_ABORT}
-
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
     """The engine request id of choice ``index`` of ``n``: ``request_id`` when n == 1, else
@@ -108,7 +104,7 @@ class Choice:
             text += tail.text_to_emit
             if tail.stopped:
                 return self._final(ids, text, api_pb2.FINISH_REASON_STOP, tail.stop_str), False
-            return self._final(ids, text + self._stops.flush(), _FINISH[out.finish_reason]), False
+            return self._final(ids, text + self._stops.flush(), out.finish_reason), False
         if ids or text:
             return api_pb2.GenerateResponse(
                 request_id=self.request_id, token_ids=ids, text=text, index=self.index,

@@ -21,7 +21,7 @@ import logging
 import grpc
 
 from services.common.grpc_utils import CHANNEL_OPTIONS
-from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2, engine_pb2_grpc
 from services.common.tls import aio_channel
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def _unavailable(request_id: str, why: str) -> engine_pb2.RequestOutput:
     return engine_pb2.RequestOutput(
-        request_id=request_id, finish_reason=engine_pb2.ENGINE_FINISH_REASON_ABORT,
+        request_id=request_id, finish_reason=api_pb2.FINISH_REASON_ABORT,
         error_code=grpc.StatusCode.UNAVAILABLE.value[0], error_message=why)
 
 
@@ -115,7 +115,7 @@ class EngineClient:
             # NOTE: refused here, not only by the scheduler: its rejection would carry the same
             # id and so end the running request's stream instead of this one.
             self._end(queue, engine_pb2.RequestOutput(
-                request_id=request_id, finish_reason=engine_pb2.ENGINE_FINISH_REASON_ABORT,
+                request_id=request_id, finish_reason=api_pb2.FINISH_REASON_ABORT,
                 error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                 error_message=f"request_id {request_id!r} is already running"))
             return queue

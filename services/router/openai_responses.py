@@ -18,11 +18,9 @@ import time
 import uuid
 from typing import Any
 
+from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai_logprobs import LogprobsFormatter, merge
-
-FINISH_REASONS = {api_pb2.FINISH_REASON_STOP: "stop", api_pb2.FINISH_REASON_LENGTH: "length",
-                  api_pb2.FINISH_REASON_ABORT: "abort"}
 
 
 class ResponseBuilder:
@@ -132,5 +130,5 @@ class ResponseBuilder:
     def _ending(final: api_pb2.GenerateResponse | None) -> dict:
         if final is None:
             return {"finish_reason": None, "stop_reason": None}
-        return {"finish_reason": FINISH_REASONS.get(final.finish_reason),
+        return {"finish_reason": str(FinishReason(final.finish_reason)),
                 "stop_reason": final.stop_reason or None}

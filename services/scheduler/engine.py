@@ -40,11 +40,6 @@ from services.scheduler.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger(__name__)
 
-_FINISH = {None: engine_pb2.ENGINE_FINISH_REASON_UNSPECIFIED,
-           FinishReason.STOP: engine_pb2.ENGINE_FINISH_REASON_STOP,
-           FinishReason.LENGTH: engine_pb2.ENGINE_FINISH_REASON_LENGTH,
-           FinishReason.ABORT: engine_pb2.ENGINE_FINISH_REASON_ABORT}
-
 
 @dataclass(eq=False)
 class RouterSink:
@@ -70,7 +65,7 @@ def params_from_pb(p: engine_pb2.EngineSamplingParams) -> EngineSamplingParams:
 def error_output(request_id: str, code: grpc.StatusCode, message: str) -> engine_pb2.RequestOutput:
     """A final RequestOutput that ends a request with an error."""
     return engine_pb2.RequestOutput(
-        request_id=request_id, finish_reason=engine_pb2.ENGINE_FINISH_REASON_ABORT,
+        request_id=request_id, finish_reason=FinishReason.ABORT.pb,
         error_code=code.value[0], error_message=message)
 
 
@@ -316,7 +311,8 @@ class Engine:
                 continue
             out = engine_pb2.RequestOutput(
                 request_id=u.request_id, new_token_ids=u.new_token_ids,
-                finish_reason=_FINISH[u.finish_reason], num_cached_tokens=u.num_cached_tokens)
+                finish_reason=None if u.finish_reason is None else u.finish_reason.pb,
+                num_cached_tokens=u.num_cached_tokens)
             if u.logprobs is not None:
                 out.new_token_logprobs.append(u.logprobs.logprob)
                 out.top_token_ids.extend(u.logprobs.top_token_ids)
@@ -331,7 +327,7 @@ class Engine:
             if u.finish_reason is not None:
                 del self._sinks[u.request_id]
                 sink.request_ids.discard(u.request_id)
-                log.debug("request finished: %s, %d output tokens", u.finish_reason.value,
+                log.debug("request finished: %s, %d output tokens", u.finish_reason,
                           u.num_output_tokens, extra={"request_id": u.request_id})
         for sink, outs in by_sink.values():
             sink.queue.put_nowait(self._batch(outs))

@@ -140,7 +140,7 @@ class SchedulerMetrics:
                     self.itl.observe(now - t.last_token)
                 t.last_token = now
             if u.finish_reason is not None:
-                self._success.labels(self._model_name, u.finish_reason.value).inc()
+                self._success.labels(self._model_name, str(u.finish_reason)).inc()
                 self.e2e.observe(now - t.arrival)
                 del self._timings[u.request_id]
                 self._queued.discard(u.request_id)

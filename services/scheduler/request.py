@@ -34,36 +34,17 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-
-class FinishReason(enum.Enum):
-    """Why a request stopped; the values are the OpenAI/vLLM ``finish_reason`` strings."""
-
-    STOP = "stop"  # eos or one of stop_token_ids was sampled
-    LENGTH = "length"  # max_tokens or max_model_len reached
-    ABORT = "abort"  # the client (or the router, e.g. on a stop string) aborted it
+from services.common.finish_reason import FinishReason
 
 
 class RequestStatus(enum.Enum):
-    """Lifecycle: WAITING -> RUNNING (<-> PREEMPTED -> RUNNING ...) -> FINISHED_*."""
+    """Lifecycle: WAITING -> RUNNING (<-> PREEMPTED -> RUNNING ...) -> FINISHED (why: the
+    request's ``finish_reason``)."""
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # back in the waiting queue, blocks freed, must recompute
-    FINISHED_STOPPED = enum.auto()
-    FINISHED_LENGTH = enum.auto()
-    FINISHED_ABORTED = enum.auto()
-
-    def is_finished(self) -> bool:
-        """True for the three FINISHED_* states (usable as ``RequestStatus.is_finished(s)``)."""
-        return self in _STATUS_TO_REASON
-
-
-_STATUS_TO_REASON = {
-    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
-    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
-    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
-}
-_REASON_TO_STATUS = {reason: status for status, reason in _STATUS_TO_REASON.items()}
+    FINISHED = enum.auto()
 
 
 @dataclass(slots=True)
@@ -194,9 +175,9 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished()
+        return self.status is RequestStatus.FINISHED
 
     def finish(self, reason: FinishReason) -> None:
         """Set ``status`` and ``finish_reason`` together (they must always agree)."""
-        self.status = _REASON_TO_STATUS[reason]
+        self.status = RequestStatus.FINISHED
         self.finish_reason = reason

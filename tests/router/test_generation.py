@@ -20,9 +20,9 @@ from tests.router import smollm2_tokenizer
 
 RID = "req"
 PROMPT = [1, 2, 3, 4, 5]
-STOP = engine_pb2.ENGINE_FINISH_REASON_STOP
-LENGTH = engine_pb2.ENGINE_FINISH_REASON_LENGTH
-ABORT = engine_pb2.ENGINE_FINISH_REASON_ABORT
+STOP = api_pb2.FINISH_REASON_STOP
+LENGTH = api_pb2.FINISH_REASON_LENGTH
+ABORT = api_pb2.FINISH_REASON_ABORT
 
 
 class FakeEngine:

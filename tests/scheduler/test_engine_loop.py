@@ -12,7 +12,7 @@ from collections import deque
 import grpc
 import pytest
 
-from services.common.pb.pagedserve.v1 import engine_pb2, worker_pb2
+from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2, worker_pb2
 from services.scheduler.engine import Engine
 from tests.helpers import asynctest
 from tests.scheduler.factories import FakeWorker, fake_token, make_scheduler
@@ -59,7 +59,7 @@ async def _outputs(sink, rid: str, timeout: float = 10.0) -> list[engine_pb2.Req
     """Every RequestOutput for ``rid`` on ``sink`` up to its final one (other ids dropped)."""
     got = []
     async with asyncio.timeout(timeout):
-        while not got or got[-1].finish_reason == engine_pb2.ENGINE_FINISH_REASON_UNSPECIFIED:
+        while not got or got[-1].finish_reason == api_pb2.FINISH_REASON_UNSPECIFIED:
             batch = await sink.queue.get()
             got += [o for o in batch.outputs if o.request_id == rid]
     return got

@@ -89,7 +89,7 @@ def test_single_request_prefill_then_decode_with_diffs():
     assert out.scheduled_cached_reqs[0].new_block_ids == []
     (update,) = s.update_from_output(out, w.execute(out))
     assert update.finish_reason is FinishReason.LENGTH and update.num_output_tokens == 3
-    assert r.status is RequestStatus.FINISHED_LENGTH and r.block_ids == []
+    assert r.status is RequestStatus.FINISHED and r.block_ids == []
     assert s.num_running == 0 and not s.has_unfinished_requests()
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks
     assert s.get_request("req-0") is None
@@ -319,7 +319,7 @@ def test_abort_running_frees_blocks_and_tells_the_worker():
         "req-0", [], FinishReason.ABORT
     )
     assert update.num_prompt_tokens == 6 and update.num_output_tokens == 1
-    assert a.status is RequestStatus.FINISHED_ABORTED and a.block_ids == []
+    assert a.status is RequestStatus.FINISHED and a.block_ids == []
     assert s.block_manager.num_blocks - s.block_manager.num_free_blocks == used - 2
     assert s.abort_request("req-0") is None and s.abort_request("nope") is None
     out = s.schedule()
@@ -410,7 +410,7 @@ def _run_one(eos=(0,), max_model_len=128, prompt_len=5, **sampling):
 def test_eos_stops_and_stays_in_the_output():
     eos = fake_token("req-0", 8)  # the 4th output token
     r = _run_one(eos=(eos,), max_tokens=10)
-    assert r.finish_reason is FinishReason.STOP and r.status is RequestStatus.FINISHED_STOPPED
+    assert r.finish_reason is FinishReason.STOP and r.status is RequestStatus.FINISHED
     assert r.num_output_tokens == 4 and r.output_token_ids[-1] == eos
 
 
