@@ -53,7 +53,7 @@ async def run_engine(runner, items, on_executor: bool, with_server: bool = True,
         n, t0 = 0, time.perf_counter()
         while scheduler.has_unfinished_requests():
             out = scheduler.schedule()
-            step = step_input_from_pb(build_step_request(out))
+            step = step_input_from_pb(build_step_request(out), runner.vocab_size)
             if on_executor:
                 res = await loop.run_in_executor(pool, runner.execute_step, step)
             else:

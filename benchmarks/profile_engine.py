@@ -54,7 +54,7 @@ def main() -> None:
             t0 = time.perf_counter()
             out = scheduler.schedule()
             t1 = time.perf_counter()
-            step = step_input_from_pb(build_step_request(out))
+            step = step_input_from_pb(build_step_request(out), runner.vocab_size)
             t2 = time.perf_counter()
             res = runner.execute_step(step)
             t3 = time.perf_counter()

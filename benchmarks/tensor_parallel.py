@@ -33,9 +33,10 @@ def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
     """One rank: load, run the steps, put {step times, collective time} on ``results``."""
     import torch
 
+    from services.common.sampling_params import EngineSamplingParams
     from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
     from services.worker.model_runner import ModelRunner
-    from services.worker.step_input import CachedRequest, NewRequest, SamplingOptions, StepInput
+    from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
     torch.set_num_threads(ns["threads"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -58,7 +59,7 @@ def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
             setattr(parallel, name, timed)
     b, n, steps = ns["batch"], ns["prompt_len"], ns["steps"]
     per_req = -(-(n + steps + 1) // runner.block_size)
-    greedy = SamplingOptions(temperature=0.0)
+    greedy = EngineSamplingParams(temperature=0.0)
     new = [NewRequest(f"r{i}", [(7 * i + j) % 1000 + 5 for j in range(n)], greedy,
                       list(range(i * per_req, (i + 1) * per_req)), 0, n) for i in range(b)]
     t0 = time.perf_counter()

@@ -74,7 +74,7 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
     n, t0 = 0, time.perf_counter()
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        res = runner.execute_step(step_input_from_pb(build_step_request(out)))
+        res = runner.execute_step(step_input_from_pb(build_step_request(out), runner.vocab_size))
         updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
                                                              res.sampled_token_ids)))
         n += sum(len(u.new_token_ids) for u in updates)

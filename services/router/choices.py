@@ -16,8 +16,10 @@ the children's outputs into one stream, each message tagged with its choice ``in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.router.detokenizer import IncrementalDetokenizer
 from services.router.stop_strings import StopStringMatcher
 from services.router.validation import TextOptions
@@ -31,16 +33,12 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
-def child_params(params: engine_pb2.EngineSamplingParams, index: int
-                 ) -> engine_pb2.EngineSamplingParams:
+def child_params(params: EngineSamplingParams, index: int) -> EngineSamplingParams:
     """The sampling parameters of choice ``index``: ``params`` with the seed, if set, moved to
-    ``(seed + index) mod 2**64``. Returns ``params`` itself for choice 0 (never mutated)."""
-    if index == 0 or not params.HasField("seed"):
+    ``(seed + index) mod 2**64``. Returns ``params`` itself for choice 0."""
+    if index == 0 or params.seed is None:
         return params
-    child = engine_pb2.EngineSamplingParams()
-    child.CopyFrom(params)
-    child.seed = (params.seed + index) % SEED_MODULUS
-    return child
+    return replace(params, seed=(params.seed + index) % SEED_MODULUS)
 
 
 class Choice:

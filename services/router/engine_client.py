@@ -22,6 +22,7 @@ import grpc
 
 from services.common.grpc_utils import CHANNEL_OPTIONS
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2, engine_pb2_grpc
+from services.common.sampling_params import EngineSamplingParams
 from services.common.tls import aio_channel
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class EngineClient:
         return len(self._pending)
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
-               params: engine_pb2.EngineSamplingParams, *, priority: int = 0,
+               params: EngineSamplingParams, *, priority: int = 0,
                queue: asyncio.Queue | None = None, parent_request_id: str = ""
                ) -> asyncio.Queue:
         """Send a request; returns the queue its RequestOutputs arrive on (the last one has
@@ -122,7 +123,8 @@ class EngineClient:
         self._pending[request_id] = queue
         assert self._outgoing is not None  # connected is set only inside _run, after it
         self._outgoing.put_nowait(engine_pb2.EngineRequest(submit=engine_pb2.SubmitRequest(
-            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
+            request_id=request_id, prompt_token_ids=prompt_token_ids,
+            sampling_params=params.to_pb(),
             priority=priority, parent_request_id=parent_request_id)))
         return queue
 

@@ -27,6 +27,7 @@ import grpc
 
 from services.common.logs import log_access
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.router.choices import Choice, child_params, child_request_id
 from services.router.replicas import ReplicaSet
 from services.router.tokenizer import encode_chat, encode_prompt
@@ -59,7 +60,7 @@ class PreparedRequest:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: engine_pb2.EngineSamplingParams
+    params: EngineSamplingParams
     text: TextOptions
     n: int = 1
     priority: int = 0
@@ -122,7 +123,7 @@ class RequestLog:
         self.request_id, self.prompt_tokens = req.request_id, len(req.prompt_token_ids)
         log.info("request accepted: %d prompt tokens, n=%d, max_tokens=%s",
                  self.prompt_tokens, req.n,
-                 req.params.max_tokens if req.params.HasField("max_tokens") else "auto",
+                 "auto" if req.params.max_tokens is None else req.params.max_tokens,
                  extra={"request_id": req.request_id})
 
     def observe(self, response: api_pb2.GenerateResponse) -> None:

@@ -241,7 +241,7 @@ class OpenAIServer:
             raise from_status(e.code, e.message, parsed.prompt_param) from None
         entry.accepted(prepared)
         builder = ResponseBuilder(chat, info.model, prepared.n, self.tokenizer
-                                  if prepared.params.HasField("logprobs") else None)
+                                  if prepared.params.logprobs is not None else None)
         if not client_id:
             builder.id = prepared.request_id
         headers = {REQUEST_ID_HEADER: prepared.request_id}

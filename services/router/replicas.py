@@ -54,6 +54,7 @@ import struct
 from collections.abc import Sequence
 
 from services.common.pb.pagedserve.v1 import engine_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.router.engine_client import EngineClient, _unavailable
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,7 @@ class ReplicaSet:
         return self._reference
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
-               params: engine_pb2.EngineSamplingParams, *, priority: int = 0,
+               params: EngineSamplingParams, *, priority: int = 0,
                queue: asyncio.Queue | None = None, parent_request_id: str = ""
                ) -> asyncio.Queue:
         """``EngineClient.submit`` on the replica the policy picks (the choices of one n > 1

@@ -1,8 +1,10 @@
 """Request validation: public SamplingParams -> engine params + router-side text options.
 
-Every rule raises ``RequestError`` (gRPC INVALID_ARGUMENT) with a message that names the field,
-the allowed range and the value received, in vLLM's wording, e.g.
-``temperature must be >= 0, got -1.0`` or ``top_p must be in (0, 1], got 1.5``.
+This is where a request's parameters are checked, once: the ``EngineSamplingParams`` it makes
+(``services/common/sampling_params.py``) has every default filled in, and the scheduler and the
+workers take it as it is. Every rule raises ``RequestError`` (gRPC INVALID_ARGUMENT) with a
+message that names the field, the allowed range and the value received, in vLLM's wording,
+e.g. ``temperature must be >= 0, got -1.0`` or ``top_p must be in (0, 1], got 1.5``.
 """
 
 from __future__ import annotations
@@ -15,12 +17,12 @@ from typing import Any
 
 import grpc
 
-from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.common.pb.pagedserve.v1 import api_pb2
+from services.common.sampling_params import TOP_K_OFF, EngineSamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
-TOP_K_OFF = -1
 MAX_N = 64  # most choices (parallel samples) per request
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
 PRIORITY_POLICY = "priority"  # the scheduling policy under which priority != 0 is allowed
@@ -76,11 +78,11 @@ def _finite(name: str, x: float) -> float:
 
 
 def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
-                      ) -> tuple[engine_pb2.EngineSamplingParams, TextOptions]:
+                      ) -> tuple[EngineSamplingParams, TextOptions]:
     """Check ``params`` and split them into what the engine samples with and what the router
     applies to the text. Unset fields take the defaults documented in api.proto.
 
-    top_k 0, -1 and values >= vocab_size all mean "off" and become -1.
+    top_k 0, -1 and values >= vocab_size all mean "off" and become -1 (``TOP_K_OFF``).
 
     Raises:
         RequestError(INVALID_ARGUMENT): a field is out of range (the message names it).
@@ -107,11 +109,11 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
             raise invalid(f"stop[{i}] must have 1 to {MAX_STOP_STRING_CHARS} characters, "
                                f"got {len(s)}")
     _check_ids("stop_token_ids", params.stop_token_ids, vocab_size)
-    engine = engine_pb2.EngineSamplingParams(
+    engine = EngineSamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k,
         seed=params.seed if params.HasField("seed") else None,
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
-        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos,
+        stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
         logprobs=_logprobs(params, "logprobs"),
         prompt_logprobs=_logprobs(params, "prompt_logprobs"), **_penalties(params))
     text = TextOptions(

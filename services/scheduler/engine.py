@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.common.pb.pagedserve.v1 import engine_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import SHUTTING_DOWN
 from services.scheduler.logprobs import logprobs_from_pb, prompt_logprobs_from_pb
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.request import EngineSamplingParams, FinishReason, Request
+from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
@@ -47,19 +48,6 @@ class RouterSink:
 
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_ids: set[str] = field(default_factory=set)
-
-
-def params_from_pb(p: engine_pb2.EngineSamplingParams) -> EngineSamplingParams:
-    """Decode the wire sampling parameters (the router has validated them)."""
-    return EngineSamplingParams(
-        temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
-        seed=p.seed if p.HasField("seed") else None,
-        max_tokens=p.max_tokens if p.HasField("max_tokens") else None,
-        stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos, min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty or 1.0, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
 
 
 def error_output(request_id: str, code: grpc.StatusCode, message: str) -> engine_pb2.RequestOutput:
@@ -113,7 +101,7 @@ class Engine:
             return
         try:
             req = Request(request_id=rid, prompt_token_ids=list(msg.prompt_token_ids),
-                          sampling_params=params_from_pb(msg.sampling_params),
+                          sampling_params=EngineSamplingParams.from_pb(msg.sampling_params),
                           arrival_time=time.monotonic(), priority=msg.priority,
                           parent_request_id=msg.parent_request_id)
             self.scheduler.add_request(req)

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.finish_reason import FinishReason
+from services.common.sampling_params import EngineSamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -45,60 +46,6 @@ class RequestStatus(enum.Enum):
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # back in the waiting queue, blocks freed, must recompute
     FINISHED = enum.auto()
-
-
-@dataclass(slots=True)
-class EngineSamplingParams:
-    """Sampling parameters the engine needs (names follow vLLM's SamplingParams).
-
-    Text-level options (stop strings, detokenization) live in the router; the scheduler uses
-    only ``max_tokens``, ``min_tokens``, ``stop_token_ids`` and ``ignore_eos``, the worker the
-    rest (and ``min_tokens`` / ``stop_token_ids`` / ``ignore_eos`` again, to mask stop tokens).
-
-    Raises:
-        ValueError: on an out-of-range value (see the checks in ``__post_init__``).
-    """
-
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
-    top_k: int = 0  # 0 or -1 = off
-    seed: int | None = None  # per-request RNG seed; None = engine's RNG
-    max_tokens: int | None = None  # output tokens; None = fill up to max_model_len
-    stop_token_ids: list[int] = field(default_factory=list)  # finish STOP when sampled
-    ignore_eos: bool = False  # keep generating past the model's eos token(s)
-    min_p: float = 0.0  # in [0, 1]; keep tokens with prob >= min_p * max prob; 0 = off
-    repetition_penalty: float = 1.0  # > 0, over prompt + output tokens; 1 = off
-    presence_penalty: float = 0.0  # in [-2, 2], over output tokens; 0 = off
-    frequency_penalty: float = 0.0  # in [-2, 2], per output occurrence; 0 = off
-    min_tokens: int = 0  # no EOS / stop token finishes the request before this many outputs
-    logprobs: int | None = None  # top raw logprobs per new token, in [0, 20]; None = none
-    prompt_logprobs: int | None = None  # top raw logprobs per prompt token; None = none
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.min_tokens < 0 or (self.max_tokens is not None
-                                   and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be >= 0 and <= max_tokens ({self.max_tokens}), "
-                             f"got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= 20:
-                raise ValueError(f"{name} must be in [0, 20], got {value}")
-        self.stop_token_ids = list(self.stop_token_ids)
 
 
 @dataclass(slots=True, eq=False)

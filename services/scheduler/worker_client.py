@@ -22,7 +22,6 @@ import grpc
 from services.common.grpc_utils import CHANNEL_OPTIONS
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.tls import aio_channel
-from services.scheduler.request import EngineSamplingParams
 from services.scheduler.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -30,24 +29,6 @@ log = logging.getLogger(__name__)
 
 class WorkerError(RuntimeError):
     """A worker rank failed, disconnected or answered out of order."""
-
-
-def _sampling_pb(p: EngineSamplingParams) -> worker_pb2.WorkerSamplingParams:
-    """What the worker's sampler needs; stop ids and ignore_eos only when min_tokens > 0."""
-    msg = worker_pb2.WorkerSamplingParams(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
-        repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-        frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens)
-    if p.seed is not None:
-        msg.seed = p.seed
-    if p.logprobs is not None:
-        msg.logprobs = p.logprobs
-    if p.prompt_logprobs is not None:
-        msg.prompt_logprobs = p.prompt_logprobs
-    if p.min_tokens > 0:
-        msg.stop_token_ids.extend(p.stop_token_ids)
-        msg.ignore_eos = p.ignore_eos
-    return msg
 
 
 def _cached_requests_pb(out: SchedulerOutput) -> worker_pb2.CachedRequests:
@@ -74,7 +55,7 @@ def build_step_request(out: SchedulerOutput) -> worker_pb2.StepRequest:
         new_requests=[
             worker_pb2.NewRequest(
                 request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                sampling_params=_sampling_pb(r.sampling_params), block_ids=r.block_ids,
+                sampling_params=r.sampling_params.to_pb(), block_ids=r.block_ids,
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=n[r.request_id])
             for r in out.scheduled_new_reqs],

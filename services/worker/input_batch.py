@@ -44,11 +44,12 @@ from itertools import chain
 import numpy as np
 import torch
 
+from services.common.sampling_params import EngineSamplingParams
 from services.worker.attention import AttentionMetadata
 from services.worker.logprobs import PromptChunk
 from services.worker.penalties import PenaltyTensors, TokenCounts
 from services.worker.sampler import SamplingTensors
-from services.worker.step_input import SamplingOptions, StepInput
+from services.worker.step_input import StepInput
 
 
 @dataclass(slots=True)
@@ -56,7 +57,7 @@ class RequestState:
     """What the worker remembers about a request between steps, besides its row's data."""
 
     request_id: str
-    sampling: SamplingOptions
+    sampling: EngineSamplingParams
     generator: torch.Generator | None  # seeded once from sampling.seed, advanced per sample
     num_prompt_tokens: int  # tokens [num_prompt_tokens:] of its token list are outputs
     counts: TokenCounts | None = None  # only when a penalty is on
@@ -264,10 +265,9 @@ class InputBatch:
     # ---- rows ----------------------------------------------------------------------------
 
     def _add(self, request_id: str, token_ids: list[int], block_ids: list[int],
-             sampling: SamplingOptions, step: StepInput) -> int:
-        """Store a new request in a row; returns the row."""
-        SamplingTensors.check(sampling.temperature, sampling.top_p, sampling.top_k,
-                              sampling.min_p)
+             sampling: EngineSamplingParams, step: StepInput) -> int:
+        """Store a new request in a row; returns the row. ``sampling`` is trusted (the router
+        validated it; the servicer refuses what the sampler cannot use, ``check_sampling``)."""
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"request {request_id!r}: {len(token_ids)} tokens, more than "
                              f"max_model_len={self.max_model_len}")
@@ -282,7 +282,7 @@ class InputBatch:
         stop_ids: tuple[int, ...] = ()
         if sampling.min_tokens > 0:
             eos = () if sampling.ignore_eos else self.eos_token_ids
-            stop_ids = tuple(dict.fromkeys(eos + tuple(sampling.stop_token_ids)))
+            stop_ids = tuple(dict.fromkeys(eos + sampling.stop_token_ids))
         state = RequestState(request_id, sampling, generator, len(token_ids), counts, stop_ids)
         self.requests[request_id] = state
         row = self._bind(state, step)

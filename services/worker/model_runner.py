@@ -15,6 +15,7 @@ from typing import cast
 
 import torch
 
+from services.common.sampling_params import EngineSamplingParams
 from services.worker.attention import select_backend
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.distributed import ParallelState
@@ -24,18 +25,14 @@ from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
 from services.worker.models.llama import DecoderLayer, LlamaForCausalLM
 from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
-from services.worker.step_input import (
-    CachedRequest,
-    NewRequest,
-    SamplingOptions,
-    StepInput,
-    StepOutput,
-)
+from services.worker.step_input import CachedRequest, NewRequest, StepInput, StepOutput
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # bytes
+# The dummy requests sample with top-k and top-p, so the sort those take is in the profile.
+_WARMUP_SAMPLING = EngineSamplingParams(temperature=1.0, top_p=0.9, top_k=50)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -221,8 +218,7 @@ class ModelRunner:
         for i, n in enumerate(lens):
             blocks = list(range(next_block, next_block + n // self.block_size + 1))
             next_block += len(blocks)
-            requests.append(NewRequest(f"__warmup_{i}", [0] * n, SamplingOptions(1.0, 0.9, 50),
-                                       blocks, 0, n))
+            requests.append(NewRequest(f"__warmup_{i}", [0] * n, _WARMUP_SAMPLING, blocks, 0, n))
         out = self.execute_step(StepInput(-2, requests, [], []))
         self.execute_step(StepInput(-1, [], [
             CachedRequest(r.request_id, [t], [], False, len(r.prompt_token_ids), 1)

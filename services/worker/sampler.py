@@ -47,24 +47,9 @@ class SamplingTensors:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
-    def check(temperature: float, top_p: float, top_k: int, min_p: float = 0.0) -> None:
-        """Validate one row's parameters (vLLM conventions: top_k 0 or -1 = off, k >= V = off;
-        min_p 0 = off).
-
-        Raises:
-            ValueError: a negative temperature, top_p outside (0, 1], top_k < -1 or min_p
-                outside [0, 1].
-        """
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"bad sampling parameters: temperature {temperature}, top_p {top_p}")
-        if top_k < -1:
-            raise ValueError(f"bad top_k {top_k}: use 0 or -1 for off, else k >= 1")
-        if not 0 <= min_p <= 1:
-            raise ValueError(f"bad min_p {min_p}: must be in [0, 1]")
-
-    @staticmethod
     def effective_top_k(top_k: int, vocab_size: int) -> int:
-        """``top_k`` in [1, V]: V when it is off (0, -1 or >= V)."""
+        """``top_k`` in [1, V]: V when it is off (-1, the router's; any k outside [1, V) reads
+        as off, so no int can index outside the vocabulary)."""
         return vocab_size if top_k <= 0 or top_k >= vocab_size else top_k
 
     @classmethod
@@ -73,14 +58,9 @@ class SamplingTensors:
               device: torch.device, *, min_p: list[float] | None = None,
               penalties: PenaltyTensors | None = None,
               min_tokens_mask: tuple[list[int], list[int]] | None = None) -> SamplingTensors:
-        """From per-row Python lists (checked by ``check``). ``min_tokens_mask`` lists
-        (row, token id) pairs to mask.
-
-        Raises:
-            ValueError: a row's parameters are out of range (see ``check``).
+        """From per-row Python lists (the tests' and benchmarks' way in; a worker gathers its
+        rows' arrays, ``from_arrays``). ``min_tokens_mask`` lists (row, token id) pairs to mask.
         """
-        for i, (t, p, k) in enumerate(zip(temperature, top_p, top_k, strict=True)):
-            cls.check(t, p, k, min_p[i] if min_p else 0.0)
         return cls.from_arrays(
             np.asarray(temperature, dtype=np.float32), np.asarray(top_p, dtype=np.float32),
             np.asarray([cls.effective_top_k(k, vocab_size) for k in top_k], dtype=np.int64),
@@ -95,8 +75,8 @@ class SamplingTensors:
                     penalties: PenaltyTensors | None = None,
                     min_tokens_mask: tuple[list[int], list[int]] | None = None
                     ) -> SamplingTensors:
-        """From per-row numpy arrays ``[B]`` already checked: temperature, top_p, min_p
-        float32, top_k int64 in [1, V] (``effective_top_k``). Not copied on CPU: pass arrays
+        """From per-row numpy arrays ``[B]``: temperature, top_p, min_p float32, top_k int64
+        in [1, V] (``effective_top_k``). Not copied on CPU: pass arrays
         the caller will not modify (e.g. the result of fancy indexing).
         """
         def tensor(values: np.ndarray) -> torch.Tensor:

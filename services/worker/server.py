@@ -28,33 +28,37 @@ from services.common.grpc_utils import new_server, set_serving, stop_event_on_si
 from services.common.logs import add_log_flags
 from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import InFlight, add_shutdown_flags, drain
 from services.common.tls import add_tls_flags, tls_from_args
 from services.worker.metrics import WorkerMetrics
-from services.worker.step_input import CachedRequest, NewRequest, SamplingOptions, StepInput
+from services.worker.step_input import CachedRequest, NewRequest, StepInput, check_sampling
 
 log = logging.getLogger(__name__)
 SERVICE = "pagedserve.v1.WorkerService"
 
 
-def step_input_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
-    """Decode a StepRequest into the ModelRunner's plain dataclasses."""
-    def sampling(p):
-        return SamplingOptions(
-            temperature=p.temperature, top_p=p.top_p or 1.0, top_k=p.top_k,
-            seed=p.seed if p.HasField("seed") else None, min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty or 1.0, presence_penalty=p.presence_penalty,
-            frequency_penalty=p.frequency_penalty, min_tokens=p.min_tokens,
-            stop_token_ids=tuple(p.stop_token_ids), ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs if p.HasField("logprobs") else None,
-            prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
-    return StepInput(
-        step_id=msg.step_id,
-        new_requests=[NewRequest(
+def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
+    """Decode a StepRequest into the ModelRunner's plain dataclasses.
+
+    Raises:
+        ValueError: a malformed message: a new request's sampling parameters the sampler cannot
+            use (``check_sampling``; ``vocab_size``: the model's), or CachedRequests columns
+            that disagree.
+    """
+    new_requests = []
+    for r in msg.new_requests:
+        sampling = EngineSamplingParams.from_pb(r.sampling_params)
+        try:
+            check_sampling(sampling, vocab_size)
+        except ValueError as e:
+            raise ValueError(f"new request {r.request_id!r}: {e}") from None
+        new_requests.append(NewRequest(
             request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
-            sampling=sampling(r.sampling_params), block_ids=list(r.block_ids),
-            num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens)
-            for r in msg.new_requests],
+            sampling=sampling, block_ids=list(r.block_ids),
+            num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens))
+    return StepInput(
+        step_id=msg.step_id, new_requests=new_requests,
         cached_requests=cached_requests_from_pb(msg.cached_requests),
         finished_request_ids=list(msg.finished_request_ids))
 
@@ -124,7 +128,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         loop = asyncio.get_running_loop()
         async for msg in request_iterator:
             try:
-                step = step_input_from_pb(msg)
+                step = step_input_from_pb(msg, self.info.vocab_size)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {e}")
             if step.new_requests and log.isEnabledFor(logging.DEBUG):

@@ -3,38 +3,40 @@
 The gRPC servicer converts the StepRequest protobuf into a ``StepInput`` and a ``StepOutput``
 back into a StepResult. vLLM V1 style: a request is sent in full once (``NewRequest``), then
 only as diffs (``CachedRequest``); the worker keeps the rest (token ids, block table, sampling
-options, RNG) in its per-request state. The scheduler is the only source of tokens: a sampled
+parameters, RNG) in its per-request state. The scheduler is the only source of tokens: a sampled
 token comes back to the worker as ``new_token_ids`` of the next step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from services.common.sampling_params import EngineSamplingParams
 
-@dataclass(slots=True)
-class SamplingOptions:
-    """The sampling parameters the worker applies (vLLM SamplingParams names)."""
 
-    temperature: float = 1.0  # 0 = greedy (argmax)
-    top_p: float = 1.0  # nucleus mass in (0, 1]; 1 = off
-    top_k: int = 0  # keep the k most likely tokens; 0 or -1 = off
-    seed: int | None = None  # per-request RNG seed: output independent of the batch
-    min_p: float = 0.0  # keep tokens with prob >= min_p * max prob; 0 = off
-    repetition_penalty: float = 1.0  # over prompt + output tokens (transformers'); 1 = off
-    presence_penalty: float = 0.0  # over output tokens (OpenAI's); 0 = off
-    frequency_penalty: float = 0.0  # per output occurrence (OpenAI's); 0 = off
-    min_tokens: int = 0  # stop ids get -inf while fewer outputs than this; 0 = off
-    stop_token_ids: tuple[int, ...] = ()  # masked under min_tokens (with EOS unless ignore_eos)
-    ignore_eos: bool = False  # min_tokens then masks stop_token_ids only
-    logprobs: int | None = None  # top raw logprobs to return per sampled token; None = none
-    prompt_logprobs: int | None = None  # top raw logprobs per prompt token; None = none
+def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
+    """Refuse parameters the sampler cannot use: a temperature, top_p, min_p or penalty that is
+    not a finite number in its domain, or a stop token id or logprobs count outside the
+    vocabulary.
 
-    @property
-    def uses_penalties(self) -> bool:
-        """True when a repetition, presence or frequency penalty is on."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+    Not a second validation: the router's (``services/router/validation.py``) names fields and
+    limits, and all it accepts passes here. This is the worker's guard against a malformed
+    internal message, which would otherwise sample garbage (a NaN temperature, a top_p of 0)
+    or fail inside the step (an index outside the vocabulary). Called once per new request.
+
+    Raises:
+        ValueError: naming the parameters.
+    """
+    p = params
+    floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+              p.frequency_penalty)
+    if not (all(map(math.isfinite, floats)) and p.temperature >= 0 and 0 < p.top_p <= 1
+            and 0 <= p.min_p <= 1 and p.repetition_penalty > 0
+            and all(0 <= t < vocab_size for t in p.stop_token_ids)
+            and all(k is None or 0 <= k <= vocab_size for k in (p.logprobs, p.prompt_logprobs))):
+        raise ValueError(f"sampling parameters the sampler cannot use (vocab_size {vocab_size}; "
+                         f"the router never sends these): {p}")
 
 
 @dataclass(slots=True)
@@ -43,7 +45,7 @@ class NewRequest:
 
     request_id: str
     prompt_token_ids: list[int]  # every token the worker must hold (prompt + any output so far)
-    sampling: SamplingOptions
+    sampling: EngineSamplingParams  # as the router validated them
     block_ids: list[int]  # the block table, in logical order
     num_computed_tokens: int  # tokens whose K/V are already in the cache (e.g. a prefix hit)
     num_scheduled_tokens: int  # tokens to compute this step

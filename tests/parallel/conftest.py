@@ -91,12 +91,13 @@ class ParallelStack(_BackgroundStack):
 def reference_greedy(model: str | None, prompts: list[list[int]],
                      max_tokens: int) -> list[list[int]]:
     """Greedy tokens of one single-rank float32 ``ModelRunner``, all prompts in one batch."""
+    from services.common.sampling_params import EngineSamplingParams
     from services.worker.model_runner import ModelRunner
-    from services.worker.step_input import CachedRequest, NewRequest, SamplingOptions, StepInput
+    from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
     runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=16 << 20)
     bs, per_request = runner.block_size, 8
-    greedy = SamplingOptions(temperature=0.0)
+    greedy = EngineSamplingParams(temperature=0.0)
     new = [NewRequest(str(i), p, greedy, list(range(i * per_request, (i + 1) * per_request)), 0,
                       len(p)) for i, p in enumerate(prompts)]
     assert all(len(p) + max_tokens <= per_request * bs for p in prompts)

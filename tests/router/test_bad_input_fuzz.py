@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai_requests import OpenAIError, parse_chat, parse_completion
+from services.common.sampling_params import EngineSamplingParams
 from services.router.validation import RequestError, validate_n, validate_sampling
+from services.worker.step_input import check_sampling
 from tests.stack.test_fuzz import JSON_VALUES, OPENAI_KEYS, SAMPLING, TYPED_VALUES, _sampling_pb
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,
@@ -38,6 +40,9 @@ def test_validate_sampling_accepts_or_names_the_field(fields):
     assert engine.temperature >= 0 and 0 < engine.top_p <= 1 and 0 <= engine.min_p <= 1
     assert engine.repetition_penalty > 0
     assert -1 <= engine.top_k < VOCAB
+    # ... it crosses the wire unchanged, and the worker's guard lets it through
+    assert EngineSamplingParams.from_pb(engine.to_pb()) == engine
+    check_sampling(engine, VOCAB)
 
 
 @FUZZ

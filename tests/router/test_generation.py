@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.router.choices import child_params, child_request_id
 from services.router.generation import EngineError, PreparedRequest, stream_responses
 from services.router.validation import TextOptions
@@ -31,7 +32,7 @@ class FakeEngine:
     def __init__(self, outputs: list[engine_pb2.RequestOutput], running: tuple[str, ...] = ()):
         self.outputs = outputs
         self.running = set(running)  # ids of other callers' requests
-        self.submitted: dict[str, tuple[engine_pb2.EngineSamplingParams, int]] = {}
+        self.submitted: dict[str, tuple[EngineSamplingParams, int]] = {}
         self.parents: dict[str, str] = {}  # request id -> parent_request_id it was sent with
         self.aborted: list[str] = []
         self.released: list[str] = []
@@ -63,7 +64,7 @@ def out(rid, ids=(), finish=0, cached=0, error=0, message=""):
 
 
 def prepared(n=1, seed=None, stop=(), priority=0) -> PreparedRequest:
-    params = engine_pb2.EngineSamplingParams(temperature=1.0, top_p=1.0, top_k=-1, seed=seed)
+    params = EngineSamplingParams(temperature=1.0, top_p=1.0, top_k=-1, seed=seed)
     return PreparedRequest(RID, PROMPT, params, TextOptions(stop=tuple(stop)), n=n,
                            priority=priority)
 
@@ -100,12 +101,13 @@ def by_index(msgs):
 def test_child_ids_and_seeds():
     assert child_request_id(RID, 0, 1) == RID
     assert [child_request_id(RID, i, 3) for i in range(3)] == ["0_req", "1_req", "2_req"]
-    base = engine_pb2.EngineSamplingParams(temperature=0.7, seed=2**64 - 2, max_tokens=9)
+    base = EngineSamplingParams(temperature=0.7, seed=2**64 - 2, max_tokens=9)
     seeds = [child_params(base, i).seed for i in range(4)]
     assert seeds == [2**64 - 2, 2**64 - 1, 0, 1]  # (seed + i) mod 2**64
     assert child_params(base, 3).max_tokens == 9 and base.seed == 2**64 - 2  # a copy
-    unseeded = engine_pb2.EngineSamplingParams(temperature=0.7)
-    assert not child_params(unseeded, 2).HasField("seed")
+    assert child_params(base, 0) is base
+    unseeded = EngineSamplingParams(temperature=0.7)
+    assert child_params(unseeded, 2).seed is None
 
 
 def test_n1_keeps_the_request_id_and_reports_cached_tokens():

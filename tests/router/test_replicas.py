@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from services.common.pb.pagedserve.v1 import engine_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.router.replicas import (AFFINITY_MARGIN, ReplicaSet, parse_targets,
                                       pick_rendezvous, prefix_key)
 from tests.helpers import asynctest
@@ -18,7 +19,7 @@ from tests.helpers import asynctest
 BLOCK = 4
 INFO = engine_pb2.GetEngineInfoResponse(model="m", max_model_len=64, vocab_size=100,
                                         block_size=BLOCK)
-PARAMS = engine_pb2.EngineSamplingParams()
+PARAMS = EngineSamplingParams()
 
 
 class FakeReplica:

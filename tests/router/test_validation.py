@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.router.validation import (
     CHAT_ROLES,
     RequestError,
@@ -40,8 +41,9 @@ def error(fn, *args, **kwargs) -> str:
 def test_defaults():
     engine, text = check()
     assert (engine.temperature, engine.top_p, engine.top_k) == (1.0, 1.0, -1)
-    assert not engine.HasField("seed") and not engine.HasField("max_tokens")
+    assert engine.seed is None and engine.max_tokens is None
     assert list(engine.stop_token_ids) == [] and not engine.ignore_eos
+    assert engine == EngineSamplingParams()  # every default filled in, once, here
     assert text == TextOptions(stop=(), include_stop_str_in_output=False,
                                skip_special_tokens=True)
 
@@ -110,9 +112,9 @@ def test_limits_are_inclusive():
     check(min_tokens=7, max_tokens=7)
     check(repetition_penalty=1e-3)
     assert check(logprobs=0)[0].logprobs == 0 and check(logprobs=20)[0].logprobs == 20
-    assert not check()[0].HasField("logprobs")
+    assert check()[0].logprobs is None
     assert check(prompt_logprobs=0)[0].prompt_logprobs == 0
-    assert not check()[0].HasField("prompt_logprobs")
+    assert check()[0].prompt_logprobs is None
 
 
 def test_penalty_defaults_and_values():

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2, worker_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.scheduler.engine import Engine
 from tests.helpers import asynctest
 from tests.scheduler.factories import FakeWorker, fake_token, make_scheduler
@@ -50,8 +51,7 @@ def _submit(engine: Engine, sink, index: int, prompt_len: int, max_tokens: int) 
     rid = f"req-{index}"
     engine.submit(sink, engine_pb2.SubmitRequest(
         request_id=rid, prompt_token_ids=[1000 * index + j for j in range(prompt_len)],
-        sampling_params=engine_pb2.EngineSamplingParams(max_tokens=max_tokens,
-                                                        ignore_eos=True)))
+        sampling_params=EngineSamplingParams(max_tokens=max_tokens, ignore_eos=True).to_pb()))
     return rid
 
 

@@ -1,48 +1,52 @@
-"""The sampling parameters survive router -> scheduler -> worker encoding."""
+"""The sampling parameters cross router -> scheduler -> worker as one type, unchanged; the
+workers' logprobs come back cut per request."""
 
 from __future__ import annotations
 
-from services.common.pb.pagedserve.v1 import engine_pb2
-from services.scheduler.engine import params_from_pb
-from services.scheduler.request import EngineSamplingParams
-from services.scheduler.worker_client import _sampling_pb
+from dataclasses import fields
+
+from services.common.pb.pagedserve.v1 import engine_pb2, worker_pb2
+from services.common.sampling_params import EngineSamplingParams
+from services.scheduler.request import Request
+from services.scheduler.worker_client import build_step_request
+from tests.scheduler.factories import make_scheduler
+
+FULL = EngineSamplingParams(
+    temperature=0.5, top_p=0.75, top_k=7, seed=2**64 - 1, max_tokens=20, stop_token_ids=(4, 5),
+    ignore_eos=True, min_p=0.25, repetition_penalty=1.5, presence_penalty=-0.5,
+    frequency_penalty=0.75, min_tokens=6, logprobs=0, prompt_logprobs=20)
 
 
-def test_defaults_decode_to_off():
-    p = params_from_pb(engine_pb2.EngineSamplingParams(temperature=1.0))
-    assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-            p.min_tokens) == (0.0, 1.0, 0.0, 0.0, 0)  # repetition_penalty 0 on the wire = off
+def test_the_message_is_the_type_field_for_field():
+    """Same names; the message's optional fields are the type's None-able ones."""
+    message = engine_pb2.EngineSamplingParams.DESCRIPTOR.fields
+    assert [f.name for f in message] == [f.name for f in fields(EngineSamplingParams)]
+    assert {f.name for f in message if f.has_presence} == {
+        "seed", "max_tokens", "logprobs", "prompt_logprobs"}
+    for params in (FULL, EngineSamplingParams()):
+        assert EngineSamplingParams.from_pb(params.to_pb()) == params
 
 
-def test_penalties_and_min_tokens_pass_through():
-    wire = engine_pb2.EngineSamplingParams(
-        temperature=0.5, top_p=0.9, top_k=7, seed=3, max_tokens=20, stop_token_ids=[4, 5],
-        ignore_eos=True, min_p=0.25, repetition_penalty=1.5, presence_penalty=-0.5,
-        frequency_penalty=0.75, min_tokens=6)
-    p = params_from_pb(wire)
-    assert (p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-            p.min_tokens, p.stop_token_ids, p.ignore_eos) == (0.25, 1.5, -0.5, 0.75, 6, [4, 5],
-                                                              True)
-    w = _sampling_pb(p)
-    assert (w.min_p, w.repetition_penalty, w.presence_penalty, w.frequency_penalty,
-            w.min_tokens, list(w.stop_token_ids), w.ignore_eos, w.seed) == (
-        0.25, 1.5, -0.5, 0.75, 6, [4, 5], True, 3)
+def test_unset_stays_unset_and_zero_stays_zero():
+    wire = EngineSamplingParams().to_pb()
+    assert not any(wire.HasField(n) for n in ("seed", "max_tokens", "logprobs", "prompt_logprobs"))
+    assert (wire.top_p, wire.repetition_penalty, wire.top_k) == (1.0, 1.0, -1)  # sent, not implied
+    assert FULL.to_pb().HasField("logprobs") and FULL.to_pb().logprobs == 0
 
 
-def test_stop_ids_go_to_the_worker_only_with_min_tokens():
-    w = _sampling_pb(EngineSamplingParams(stop_token_ids=[4], ignore_eos=True))
-    assert list(w.stop_token_ids) == [] and not w.ignore_eos and w.min_tokens == 0
-
-
-def test_logprobs_pass_through_and_unset_stays_unset():
-    assert params_from_pb(engine_pb2.EngineSamplingParams()).logprobs is None
-    assert not _sampling_pb(EngineSamplingParams()).HasField("logprobs")
-    p = params_from_pb(engine_pb2.EngineSamplingParams(logprobs=0, prompt_logprobs=2))
-    assert p.logprobs == 0 and p.prompt_logprobs == 2
-    assert _sampling_pb(p).prompt_logprobs == 2
-    w = _sampling_pb(p)
-    assert w.HasField("logprobs") and w.logprobs == 0
-    assert _sampling_pb(EngineSamplingParams(logprobs=20)).logprobs == 20
+def test_the_scheduler_forwards_the_submitted_message_unchanged():
+    """What a router submits is what every worker rank gets in the request's NewRequest (stop
+    ids and ignore_eos too, which the worker uses only under min_tokens)."""
+    for params in (FULL, EngineSamplingParams(stop_token_ids=(4,), ignore_eos=True)):
+        submitted = params.to_pb()
+        s = make_scheduler()
+        s.add_request(Request("req-0", [1, 2, 3],
+                              EngineSamplingParams.from_pb(submitted)))
+        (new,) = build_step_request(s.schedule()).new_requests
+        assert new.sampling_params == submitted
+        assert isinstance(new.sampling_params, engine_pb2.EngineSamplingParams)
+        assert worker_pb2.NewRequest.DESCRIPTOR.fields_by_name["sampling_params"].message_type \
+            is engine_pb2.EngineSamplingParams.DESCRIPTOR
 
 
 def test_step_result_logprobs_are_cut_per_request():

@@ -440,15 +440,14 @@ def test_min_tokens_holds_a_stop_token_back(stop_kind):
     assert r.finish_reason is FinishReason.STOP and r.num_output_tokens == 4
 
 
-def test_min_tokens_bounds():
-    with pytest.raises(ValueError, match="min_tokens"):
-        EngineSamplingParams(min_tokens=-1)
-    with pytest.raises(ValueError, match="min_tokens"):
-        EngineSamplingParams(min_tokens=5, max_tokens=4)
-    for bad in ({"min_p": 1.5}, {"repetition_penalty": 0.0}, {"presence_penalty": 2.5},
-                {"frequency_penalty": -3.0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            EngineSamplingParams(**bad)
+def test_sampling_params_are_trusted_and_a_malformed_one_still_ends():
+    """The router checks them once (tests/router/test_validation.py: min_tokens > max_tokens,
+    min_p 1.5, ... are INVALID_ARGUMENT there); the scheduler takes them as they are. A
+    malformed one (a router bug) cannot wedge a request: max_tokens still ends it."""
+    r = _run_one(max_tokens=4, min_tokens=9, eos=(fake_token("req-0", 6),))  # EOS at output 2
+    assert r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 4
+    r = _run_one(max_tokens=3, min_tokens=-1, min_p=1.5, repetition_penalty=0.0)
+    assert r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 3
 
 
 def test_stop_wins_over_length_on_the_same_token():

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import EngineError, PreparedRequest
 from services.router.openai_http import OpenAIServer
 from services.router.openai_requests import (OpenAIError, from_status, parse_chat,
@@ -158,7 +159,7 @@ def _fake_generation(monkeypatch, fail_after: int, closed: list):
             closed.append(True)
 
     monkeypatch.setattr(openai_http, "prepare", lambda req, tok, info: PreparedRequest(
-        "r", [1, 2], engine_pb2.EngineSamplingParams(), TextOptions()))
+        "r", [1, 2], EngineSamplingParams(), TextOptions()))
     monkeypatch.setattr(openai_http, "stream_responses", stream_responses)
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.common.sampling_params import EngineSamplingParams
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.model_runner import ModelRunner
-from services.worker.step_input import CachedRequest, NewRequest, SamplingOptions, StepInput
+from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
-GREEDY = SamplingOptions(temperature=0.0)
+GREEDY = EngineSamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")

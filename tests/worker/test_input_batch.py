@@ -10,11 +10,12 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from services.common.sampling_params import EngineSamplingParams
 from services.worker.input_batch import InputBatch
-from services.worker.step_input import CachedRequest, NewRequest, SamplingOptions, StepInput
+from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
 BS, V = 4, 50
-GREEDY = SamplingOptions(temperature=0.0)
+GREEDY = EngineSamplingParams(temperature=0.0)
 
 
 def make_batch(max_num_seqs=4, max_model_len=32, max_num_batched_tokens=16,
@@ -39,7 +40,7 @@ class Held:
     tokens: list[int]
     blocks: list[int]
     num_prompt_tokens: int
-    sampling: SamplingOptions
+    sampling: EngineSamplingParams
 
 
 def apply_step(held: dict[str, Held], s: StepInput) -> list[tuple[str, int, int]]:
@@ -128,7 +129,8 @@ def test_mixed_step_equals_reference():
     """New + cached in one step: a prefix hit (computed 8 > 0), a chunked prefill's second
     chunk, decodes, and a prompt_logprobs request; then decodes that cross a block boundary."""
     batch, held = make_batch(max_num_seqs=5, max_num_batched_tokens=24), {}
-    scored = SamplingOptions(temperature=0.5, top_k=3, seed=1, prompt_logprobs=2, logprobs=1)
+    scored = EngineSamplingParams(temperature=0.5, top_k=3, seed=1, prompt_logprobs=2,
+                                  logprobs=1)
     first = StepInput(0, [NewRequest("long", list(range(10, 20)), scored, [7, 3], 0, 6),
                           NewRequest("d1", [1, 2, 3], GREEDY, [9], 0, 3),
                           NewRequest("d2", [4, 5, 6, 7], GREEDY, [11], 0, 4)], [], [])
@@ -224,14 +226,6 @@ def test_limits_raise_naming_them():
         step(batch, 3, cached=[CachedRequest("a", [], [3], False, 12, 0)])
 
 
-def test_bad_sampling_parameters_raise_when_the_request_arrives():
-    batch = make_batch()
-    with pytest.raises(ValueError, match="top_p"):
-        batch.update(StepInput(0, [NewRequest("a", [1], SamplingOptions(top_p=0.0), [0], 0, 1)],
-                               [], []))
-    assert not batch.requests and len(batch.free_rows) == batch.max_num_seqs
-
-
 # ---- random steps -----------------------------------------------------------------------------
 
 @dataclass
@@ -240,7 +234,7 @@ class SimRequest:
 
     request_id: str
     tokens: list[int]
-    sampling: SamplingOptions
+    sampling: EngineSamplingParams
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
     sent: int = 0  # tokens the worker holds; 0 = never sent
@@ -248,9 +242,10 @@ class SimRequest:
 
 
 OPTIONS = st.sampled_from([
-    GREEDY, SamplingOptions(temperature=0.7, top_p=0.9), SamplingOptions(top_k=5, seed=3),
-    SamplingOptions(temperature=0.0, logprobs=2), SamplingOptions(prompt_logprobs=1),
-    SamplingOptions(top_k=V + 5, min_p=0.1, logprobs=0, prompt_logprobs=0)])
+    GREEDY, EngineSamplingParams(temperature=0.7, top_p=0.9),
+    EngineSamplingParams(top_k=5, seed=3), EngineSamplingParams(temperature=0.0, logprobs=2),
+    EngineSamplingParams(prompt_logprobs=1),
+    EngineSamplingParams(top_k=V + 5, min_p=0.1, logprobs=0, prompt_logprobs=0)])
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -14,15 +14,16 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from services.common.sampling_params import EngineSamplingParams
 from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner, resolve_dtype
 from services.worker.models.llama import LlamaConfig
-from services.worker.step_input import (CachedRequest, NewRequest, SamplingOptions, StepInput)
+from services.worker.step_input import CachedRequest, NewRequest, StepInput
 from tests.helpers import make_tiny_llama
 
 NEW_TOKENS = 16
-GREEDY = SamplingOptions(temperature=0.0)
+GREEDY = EngineSamplingParams(temperature=0.0)
 
 
 def run_ours(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
@@ -219,7 +220,7 @@ def test_greedy_batch_equals_transformers_generate(tiny_llama):
 
 def test_runner_rejects_inconsistent_steps(tiny_llama):
     runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
-    greedy = SamplingOptions(temperature=0.0)
+    greedy = EngineSamplingParams(temperature=0.0)
     with pytest.raises(KeyError, match="nope"):
         runner.execute_step(StepInput(0, [], [CachedRequest("nope", [1], [], False, 0, 1)], []))
     with pytest.raises(ValueError, match="blocks"):  # 20 tokens need 2 blocks

@@ -45,12 +45,8 @@ def test_mixed_greedy_and_random_rows():
 
 def test_top_k_off_values():
     logits = random_logits(3)
-    for k in (0, -1, V, V + 10):
+    for k in (0, -1, V, V + 10, -2):  # -1 is the router's; no int indexes outside [1, V]
         assert params(3, top_k=k).no_top_k
-    with pytest.raises(ValueError):
-        params(3, top_k=-2)
-    with pytest.raises(ValueError):
-        params(3, top_p=0.0)
     masked = apply_top_k_top_p(logits, torch.tensor([1, 3, V]), None)
     assert (masked.isfinite().sum(-1)).tolist() == [1, 3, V]
 
@@ -217,8 +213,6 @@ def test_min_p_distribution():
     freq = torch.bincount(out, minlength=5).float() / n
     expected = torch.tensor([0.4, 0.3, 0.15, 0.0, 0.0]) / 0.85
     torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
-    with pytest.raises(ValueError):
-        SamplingTensors.build([1.0], [1.0], [0], {}, 5, torch.device("cpu"), min_p=[1.5])
 
 
 # ---- tiny temperatures, top_k=1, logprobs ---------------------------------------------------
