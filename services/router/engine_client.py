@@ -97,8 +97,9 @@ class EngineClient:
                ) -> asyncio.Queue:
         """Send a request; returns the queue its RequestOutputs arrive on (the last one has
         finish_reason set or an error_code). A request that cannot be sent gets its error output
-        in the queue at once: UNAVAILABLE with the scheduler unreachable, INVALID_ARGUMENT when
-        a request with the same id is still running.
+        in the queue at once: UNAVAILABLE with the scheduler unreachable. The caller refuses an
+        id that is still running (``generation.stream_responses``, over every replica): two
+        requests of one id here would share one output stream.
 
         Args:
             priority: scheduling priority (lower runs sooner; 0 under the fcfs policy).
@@ -112,14 +113,7 @@ class EngineClient:
         if not self.connected.is_set():
             self._end(queue, _unavailable(request_id, f"scheduler {self.address} unavailable"))
             return queue
-        if request_id in self._pending:
-            # NOTE: refused here, not only by the scheduler: its rejection would carry the same
-            # id and so end the running request's stream instead of this one.
-            self._end(queue, engine_pb2.RequestOutput(
-                request_id=request_id, finish_reason=api_pb2.FINISH_REASON_ABORT,
-                error_code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                error_message=f"request_id {request_id!r} is already running"))
-            return queue
+        assert request_id not in self._pending, f"request_id {request_id!r} is already running"
         self._pending[request_id] = queue
         assert self._outgoing is not None  # connected is set only inside _run, after it
         self._outgoing.put_nowait(engine_pb2.EngineRequest(submit=engine_pb2.SubmitRequest(

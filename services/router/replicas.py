@@ -200,14 +200,11 @@ class ReplicaSet:
                ) -> asyncio.Queue:
         """``EngineClient.submit`` on the replica the policy picks (the choices of one n > 1
         request, i.e. one ``parent_request_id``, all on the first one's replica). With no
-        replica available the request gets its UNAVAILABLE output in the queue at once; a
-        request id still running on any replica gets INVALID_ARGUMENT (as ``EngineClient``).
+        replica available the request gets its UNAVAILABLE output in the queue at once. The
+        caller refuses a request id still running on any replica (``is_running``; see
+        ``generation.stream_responses``).
         """
         queue = asyncio.Queue() if queue is None else queue
-        owner = self._owner(request_id)
-        if owner is not None:  # its own check answers INVALID_ARGUMENT
-            return owner.submit(request_id, prompt_token_ids, params, priority=priority,
-                                queue=queue, parent_request_id=parent_request_id)
         client = None
         if parent_request_id:
             self._prune_parents()

@@ -95,11 +95,7 @@ class Engine:
             sink.queue.put_nowait(self._batch([error_output(
                 rid, grpc.StatusCode.UNAVAILABLE, "engine has no worker; retry later")]))
             return
-        if rid in self._sinks:
-            sink.queue.put_nowait(self._batch([error_output(
-                rid, grpc.StatusCode.INVALID_ARGUMENT, f"request_id {rid!r} is already running")]))
-            return
-        try:
+        try:  # NOTE: add_request refuses an id still running (two routers' clients may collide)
             req = Request(request_id=rid, prompt_token_ids=list(msg.prompt_token_ids),
                           sampling_params=EngineSamplingParams.from_pb(msg.sampling_params),
                           arrival_time=time.monotonic(), priority=msg.priority,

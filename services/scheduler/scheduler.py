@@ -223,7 +223,7 @@ class Scheduler:
                 f"max_model_len={max_len} leaves no room for output"
             )
         if request.request_id in self.requests:
-            raise ValueError(f"request {request.request_id} already exists")
+            raise ValueError(f"request_id {request.request_id!r} is already running")
         if request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id} is {request.status.name}")
         if request.priority != 0 and config.scheduling_policy != "priority":

@@ -231,13 +231,35 @@ async def test_abort_release_and_is_running_reach_the_owner():
 
 
 @asynctest
-async def test_a_running_id_is_refused_by_its_owner_not_sent_elsewhere():
-    h = Harness(policy="round_robin")
+async def test_a_running_id_is_refused_in_the_router_before_any_replica(monkeypatch):
+    """The one router-side check (``stream_responses``) sees the ids of every replica, also
+    of one draining after a DNS change: a client reusing a running id gets INVALID_ARGUMENT
+    and no replica gets anything."""
+    from services.router.generation import EngineError, PreparedRequest, stream_responses
+    from services.router.validation import TextOptions
+    from tests.router import tiny_bos_tokenizer
+
+    answers = [["10.0.0.1:7", "10.0.0.2:7"], ["10.0.0.2:7"]]
+    h = Harness(addresses=(), dns_target="svc:7", dns_refresh=3600, policy="round_robin")
+
+    async def resolve():
+        return answers[0]
+    monkeypatch.setattr(h.rs, "_resolve", resolve)
     await h.start()
     h.rs.submit("x", prompt(0), PARAMS)
-    owner = h.where("x")
-    h.rs.submit("x", prompt(0), PARAMS)
-    assert h.fakes[owner].submitted == ["x", "x"]  # the real client answers INVALID_ARGUMENT
+    h.rs.submit("y", prompt(1), PARAMS)
+    draining = h.fakes[h.where("x")]
+    answers[0] = [a for a in answers[0] if a != draining.address]
+    await h.rs.refresh()
+    assert draining.address not in h.rs.replicas and h.rs.is_running("x")
+    for rid in ("x", "y"):
+        req = PreparedRequest(rid, prompt(2), PARAMS, TextOptions())
+        with pytest.raises(EngineError) as err:
+            await anext(stream_responses(h.rs, tiny_bos_tokenizer(), req))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.message == f"request_id {rid!r} is already running"
+    assert sorted(r for f in h.fakes.values() for r in f.submitted) == ["x", "y"]
+    await h.rs.close()
 
 
 @asynctest

@@ -162,3 +162,23 @@ async def test_a_loop_that_cannot_recover_raises(monkeypatch):
         async with asyncio.timeout(10):
             await loop
     assert health[0] is False
+
+
+@asynctest
+async def test_an_id_running_from_another_router_is_refused_on_the_second_stream_only():
+    """Request ids are the clients' own, so two routers may submit the same one: the scheduler
+    (its one check, ``Scheduler.add_request``) refuses the second on the stream it came from,
+    and the first request runs to the end."""
+    engine, ranks, health = _engine()
+    loop = asyncio.create_task(engine.run())
+    first, second = engine.attach(), engine.attach()
+    for sink in (first, second):
+        sink.queue.get_nowait()  # the handshake batches
+    rid = _submit(engine, first, 0, 4, 6)
+    _submit(engine, second, 0, 4, 6)
+    (refused,) = await _outputs(second, rid)
+    assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert refused.error_message == f"request_id {rid!r} is already running"
+    tokens = [t for o in await _outputs(first, rid) for t in o.new_token_ids]
+    assert tokens == [fake_token(rid, 4 + k) for k in range(6)]
+    loop.cancel()

@@ -52,7 +52,7 @@ def test_add_request_validation():
     with pytest.raises(ValueError, match="no room for output"):
         s.add_request(make_request(1, 16))
     s.add_request(make_request(2, 15))
-    with pytest.raises(ValueError, match="already exists"):
+    with pytest.raises(ValueError, match="request_id 'req-2' is already running"):
         s.add_request(make_request(2, 3))
     assert s.num_waiting == 1 and s.has_unfinished_requests()
 
