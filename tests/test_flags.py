@@ -66,6 +66,34 @@ def test_serve_passes_the_shutdown_timeout_to_every_service(monkeypatch):
     assert serve_parser().parse_args([]).shutdown_timeout == 0.0
 
 
+ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched-tokens": "128",
+                 "--max-model-len": "512"}
+
+
+def test_serve_passes_the_engine_limits_to_worker_and_scheduler():
+    """One flag each on serve; the worker sizes itself by the same values the scheduler pushes
+    to it when it connects (a mismatch would be refused)."""
+    from services.cli import forwarded_argv
+
+    ns = serve_parser().parse_args([a for kv in ENGINE_LIMITS.items() for a in kv])
+    for name in ("worker", "scheduler"):
+        argv = forwarded_argv(name, ns)
+        assert {flag: argv[argv.index(flag) + 1] for flag in ENGINE_LIMITS} == ENGINE_LIMITS
+    assert "--max-num-seqs" not in forwarded_argv("router", ns)
+
+
+def test_flags_of_both_worker_and_scheduler_have_one_default():
+    from services.cli import _WIRING, _service_parser
+
+    def defaults(name):
+        return {a.dest: a.default for a in _service_parser(name)._actions if a.option_strings}
+
+    worker, scheduler = defaults("worker"), defaults("scheduler")
+    shared = (worker.keys() & scheduler.keys()) - _WIRING  # serve sets ports and addresses
+    assert {"block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"} <= shared
+    assert {d: worker[d] for d in shared} == {d: scheduler[d] for d in shared}
+
+
 REPLICA_ROUTING_FLAGS = ("--routing-policy", "--scheduler-dns-refresh", "--prefix-affinity-blocks")
 
 

@@ -260,8 +260,9 @@ class Engine:
             try:
                 await self.workers.connect(timeout=self._reconnect_timeout)
                 break
-            except WorkerError as e:
+            except WorkerError as e:  # e.g. a rank restarted with other flags refuses us
                 log.warning("reconnecting to workers: %s", e)
+                await asyncio.sleep(1.0)
         log.info("workers back; serving again")
         await self._set_healthy(True)
 

@@ -1,8 +1,10 @@
 """The scheduler service: EngineService servicer (thin) and its start-up.
 
-Start-up: connect to every worker rank, check they agree (model, dtype, block_size), take the
-minimum KV block count, build the core ``Scheduler`` (which refuses to start when one request of
-max_model_len cannot fit), then serve routers.
+Start-up: connect to every worker rank, pushing this scheduler's limits (block_size,
+max_model_len, max_num_seqs, max_num_batched_tokens), which a rank started for other ones
+refuses, check the ranks agree (model, dtype), take the minimum KV block count, build the core
+``Scheduler`` (which refuses to start when one request of max_model_len cannot fit), then serve
+routers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from services.common.config import PORT, add_flag, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
 from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
-from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
+from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2
 from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain, wait_until
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.scheduler.engine import Engine
@@ -100,12 +102,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="comma-separated worker rank addresses, rank 0 first")
     add_flag(p, "--worker-connect-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for the workers at start-up")
-    add_flag(p, "--block-size", type=int_in(1, 1024), default=16, help="tokens per KV block")
-    add_flag(p, "--max-num-seqs", type=int_in(1), default=256, help="most requests in one step")
+    add_flag(p, "--block-size", type=int_in(1, 1024), default=16,
+             help="tokens per KV block (the workers' must be equal)")
+    add_flag(p, "--max-num-seqs", type=int_in(1), default=256,
+             help="most requests in one step (at most the workers' --max-num-seqs)")
     add_flag(p, "--max-num-batched-tokens", type=int_in(1), default=2048,
-             help="most tokens computed in one step (the chunked-prefill budget)")
+             help="most tokens computed in one step (the chunked-prefill budget; at most the "
+                  "workers')")
     add_flag(p, "--max-model-len", type=int_in(1), default=None,
-             help="longest prompt+output in tokens (default: the model's context length)")
+             help="longest prompt+output in tokens (default: the workers' max_model_len, the "
+                  "model's context length unless capped; at most theirs)")
     add_flag(p, "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
              help="reuse the KV blocks of identical prompt prefixes across requests")
     add_flag(p, "--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
@@ -155,24 +161,24 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     """Connect to the workers and build the Engine.
 
     Raises:
-        ValueError: workers disagree, block sizes differ, or max_model_len cannot fit.
-        WorkerError: workers not reachable within --worker-connect-timeout.
+        ValueError: workers disagree, or max_model_len cannot fit.
+        WorkerError: workers not reachable within --worker-connect-timeout, or one refused this
+            scheduler's limits (a flag the worker was started with another value of).
     """
+    limits = worker_pb2.GetWorkerInfoRequest(
+        block_size=args.block_size, max_model_len=args.max_model_len or 0,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     workers = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()],
-                          credentials=client_credentials(tls_from_args(args)))
+                          credentials=client_credentials(tls_from_args(args)), limits=limits)
     infos = await workers.connect(timeout=args.worker_connect_timeout)
     first = infos[0]
     for addr, info in zip(workers.addresses, infos, strict=True):
-        if ((info.model, info.dtype, info.block_size)
-                != (first.model, first.dtype, first.block_size)):
-            raise ValueError(
-                f"worker {addr} serves {info.model}/{info.dtype}/block {info.block_size}"
-                f" but rank 0 serves {first.model}/{first.dtype}/block {first.block_size}")
-        if info.block_size != args.block_size:
-            raise ValueError(f"worker {addr} has block_size {info.block_size} but the scheduler's "
-                             f"--block-size is {args.block_size}; start both with the same value")
+        if (info.model, info.dtype) != (first.model, first.dtype):
+            raise ValueError(f"worker {addr} serves {info.model}/{info.dtype} but rank 0 serves "
+                             f"{first.model}/{first.dtype}")
     num_blocks = min(i.num_kv_blocks for i in infos)
-    max_model_len = min(first.max_model_len, args.max_model_len or first.max_model_len)
+    # (every rank accepted --max-model-len, so it is at most theirs)
+    max_model_len = args.max_model_len or min(i.max_model_len for i in infos)
     # NOTE: one step in flight per pipeline stage keeps every stage busy.
     config = scheduler_config(args, max_model_len, workers.pipeline_parallel_size)
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids))

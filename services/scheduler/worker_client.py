@@ -4,6 +4,9 @@
 the rest as diffs) and sends it to every rank; ``WorkerGroup.receive`` returns the driver's
 ``StepResult`` of the oldest step sent.
 
+Connecting pushes the scheduler's limits (block_size, max_model_len, max_num_seqs,
+max_num_batched_tokens) to every rank in GetWorkerInfo; a rank started for other ones refuses
+(FAILED_PRECONDITION naming both values) and the connection fails at once with that message.
 Ranks of a tensor/pipeline-parallel group may be listed in any order: each reports its rank,
 the group's sizes and a group id in GetWorkerInfo. The driver is tp rank 0 of the last pipeline
 stage (rank ``(pp_size - 1) * tp_size``); every other rank answers an empty StepResult that
@@ -70,17 +73,21 @@ class WorkerGroup:
     Args:
         addresses: ``host:port`` of each rank of one group, in any order.
         credentials: TLS channel credentials (see ``services.common.tls``); None = plaintext.
+        limits: the scheduler's limits, sent to every rank on connecting (a field left 0 is not
+            checked by the rank).
 
     Attributes:
         driver: index into ``addresses`` of the rank whose results carry the tokens.
         pipeline_parallel_size: stages of the group (1 without pipeline parallelism).
     """
 
-    def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None,
+                 limits: worker_pb2.GetWorkerInfoRequest | None = None):
         if not addresses:
             raise ValueError("--workers must name at least one worker address")
         self.addresses = addresses
         self.credentials = credentials
+        self.limits = limits or worker_pb2.GetWorkerInfoRequest()
         self._channels: list[grpc.aio.Channel] = []
         self._calls: list[grpc.aio.StreamStreamCall] = []
         self.infos: list[worker_pb2.GetWorkerInfoResponse] = []
@@ -96,7 +103,8 @@ class WorkerGroup:
         still up, some new ones already).
 
         Raises:
-            WorkerError: a rank did not answer in time, or the ranks do not form one group.
+            WorkerError: a rank did not answer in time, refused the scheduler's limits, or the
+                ranks do not form one group.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -125,10 +133,13 @@ class WorkerGroup:
             stub = worker_pb2_grpc.WorkerServiceStub(ch)
             while True:
                 try:
-                    infos.append(await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(),
-                                                          timeout=5, wait_for_ready=True))
+                    infos.append(await stub.GetWorkerInfo(self.limits, timeout=5,
+                                                          wait_for_ready=True))
                     break
                 except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # retrying cannot help
+                        raise WorkerError(f"worker {addr} refused this scheduler: "
+                                          f"{e.details()}") from e
                     if time.monotonic() > deadline:
                         raise WorkerError(f"worker {addr} not ready after {timeout:.0f}s: "
                                           f"{e.code().name}") from e

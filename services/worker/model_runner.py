@@ -95,7 +95,8 @@ class ModelRunner:
         max_model_len: longest sequence (tokens); default and upper bound: the model's.
         attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cpu"``
             (services/worker/attention.py).
-        max_num_seqs: sequences of the largest step (the profiling step samples this many rows).
+        max_num_seqs: sequences of the largest step (``--max-num-seqs``: the input batch's rows
+            and, on CUDA, the profiling step's sequences, each sampling a token).
         parallel: this rank's place in a tensor/pipeline-parallel group (``init_distributed``);
             None = a single rank. Every rank runs every step; only the driver (tp rank 0 of the
             last stage) returns sampled tokens, the others an empty ``StepOutput``.
@@ -116,6 +117,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.block_size = block_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         backend = select_backend(attention_backend, self.device)
         self.attention_backend_name = backend.name  # "torch", "triton" or "cpu" ("auto" resolved)
         if self.device.type == "cuda":

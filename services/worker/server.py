@@ -87,6 +87,31 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
     return out
 
 
+def limits_refused(limits: worker_pb2.GetWorkerInfoRequest,
+                   info: worker_pb2.GetWorkerInfoResponse) -> str | None:
+    """Why this rank (``info``) cannot serve a scheduler with ``limits``, naming the flag and
+    both values; None when it can. A limit left 0 is not checked. ``block_size`` must be equal;
+    ``max_model_len``, ``max_num_seqs`` and ``max_num_batched_tokens`` at most the rank's (it
+    sized its input batch, and on CUDA the profiling step that sized its KV cache, for those; a
+    scheduler asking less is fine)."""
+    if limits.block_size and limits.block_size != info.block_size:
+        return (f"the scheduler has --block-size {limits.block_size} but this worker was started "
+                f"with --block-size {info.block_size}; start both with the same value")
+    if limits.max_model_len > info.max_model_len:
+        return (f"the scheduler has --max-model-len {limits.max_model_len} but this worker's "
+                f"max_model_len is {info.max_model_len} (its --max-model-len, or the model's "
+                "context length); lower the scheduler's")
+    for flag, theirs, ours in (
+            ("--max-num-seqs", limits.max_num_seqs, info.max_num_seqs),
+            ("--max-num-batched-tokens", limits.max_num_batched_tokens,
+             info.max_num_batched_tokens)):
+        if theirs > ours:
+            return (f"the scheduler has {flag} {theirs} but this worker was started with {flag} "
+                    f"{ours} (its input batch and CUDA memory profile are sized for that); start "
+                    "the worker with at least the scheduler's value")
+    return None
+
+
 def forward_thread() -> ThreadPoolExecutor:
     """The one thread that does a worker's torch work: loading, warm-up and every step.
 
@@ -116,6 +141,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._executor = executor or forward_thread()
 
     async def GetWorkerInfo(self, request, context):
+        refused = limits_refused(request, self.info)
+        if refused is not None:
+            log.error("refusing the scheduler: %s", refused)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
         return self.info
 
     async def Execute(self, request_iterator, context):
@@ -178,16 +207,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
              help="compute dtype; auto = bfloat16 on a CPU/GPU with native bf16, else float32")
     add_flag(p, "--device", default="auto", help="cpu, cuda or auto")
-    add_flag(p, "--block-size", type=int_in(1, 1024), default=16, help="tokens per KV block")
+    add_flag(p, "--block-size", type=int_in(1, 1024), default=16,
+             help="tokens per KV block (worker and scheduler must agree)")
     add_flag(p, "--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
              help="KV cache size on CPU, e.g. 4GiB")
     add_flag(p, "--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9,
              help="fraction of GPU memory for weights, activations and KV cache")
+    add_flag(p, "--max-num-seqs", type=int_in(1), default=256,
+             help="most requests in one step (the scheduler's may not be larger; the worker's "
+                  "input batch and, on CUDA, the profiling forward pass are sized for it)")
     add_flag(p, "--max-num-batched-tokens", type=int_in(1), default=2048,
-             help="most tokens computed in one step (the chunked-prefill budget; on CUDA also "
-                  "the size of the profiling forward pass)")
+             help="most tokens computed in one step (the chunked-prefill budget; the "
+                  "scheduler's may not be larger; on CUDA also the size of the profiling "
+                  "forward pass)")
     add_flag(p, "--max-model-len", type=int_in(1), default=None,
-             help="cap on the context length")
+             help="longest prompt+output in tokens (default: the model's context length; the "
+                  "scheduler's may not be larger)")
     add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
              help="auto = triton on CUDA, torch on CPU; cpu = the native C++ CPU kernels")
     add_flag(p, "--enforce-eager", action="store_true",
@@ -239,6 +274,7 @@ def build_runner(args):
     return ModelRunner(model=args.model, dtype=args.dtype, device=device,
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                        gpu_memory_utilization=args.gpu_memory_utilization,
+                       max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                        parallel=parallel, enforce_eager=args.enforce_eager)
@@ -255,7 +291,8 @@ def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
         vocab_size=runner.vocab_size, eos_token_ids=runner.eos_token_ids, rank=rank,
         world_size=tp * pp, device=str(runner.device),
         attention_backend=runner.attention_backend_name, tensor_parallel_size=tp,
-        pipeline_parallel_size=pp, group_id=ps.group_id if ps else "")
+        pipeline_parallel_size=pp, group_id=ps.group_id if ps else "",
+        max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens)
 
 
 async def serve(args, runner=None, ready: asyncio.Event | None = None,

@@ -77,6 +77,10 @@ def test_stack_shape():
         f"scheduler:{services['scheduler']['environment']['PAGEDSERVE_PORT']}")
     assert services["scheduler"]["environment"]["PAGEDSERVE_WORKERS"] == (
         f"worker:{services['worker']['environment']['PAGEDSERVE_PORT']}")
+    for limit in ("PAGEDSERVE_BLOCK_SIZE", "PAGEDSERVE_MAX_NUM_SEQS",
+                  "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS"):  # pushed to the worker, which checks
+        assert (services["worker"]["environment"][limit]
+                == services["scheduler"]["environment"][limit]), limit
     published = {p["target"] for p in services["router"]["ports"]}
     assert published == {int(services["router"]["environment"]["PAGEDSERVE_PORT"]),
                          int(services["router"]["environment"]["PAGEDSERVE_HTTP_PORT"])}

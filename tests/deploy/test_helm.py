@@ -133,6 +133,12 @@ def _by_kind(objects, kind, suffix=""):
     return found[0]
 
 
+# Flags the scheduler pushes to its workers when it connects (a worker started with another
+# block size, or with smaller limits, refuses it).
+ENGINE_LIMITS = ("PAGEDSERVE_BLOCK_SIZE", "PAGEDSERVE_MAX_NUM_SEQS",
+                 "PAGEDSERVE_MAX_NUM_BATCHED_TOKENS")
+
+
 def _env(container) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
@@ -151,6 +157,8 @@ def test_cuda_tp4_three_replicas(tmp_path):
     assert _env(worker)["PAGEDSERVE_DEVICE"] == "cuda"
     assert _env(scheduler)["PAGEDSERVE_WORKERS"] == ",".join(
         f"127.0.0.1:{50053 + r}" for r in range(4))
+    for limit in ENGINE_LIMITS:  # the scheduler pushes them; the worker must be started alike
+        assert _env(worker)[limit] == _env(scheduler)[limit], limit
     assert [p["containerPort"] for p in worker["ports"] if p["name"].startswith("grpc-rank")] == [
         50053, 50054, 50055, 50056]
     vols = {v["name"]: v for v in pod["volumes"]}

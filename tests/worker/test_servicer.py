@@ -1,15 +1,26 @@
-"""The worker servicer over gRPC with a stand-in runner: a step whose new request carries
-sampling parameters the sampler cannot use fails that step's stream with INVALID_ARGUMENT
-naming them, before the runner sees it, and the worker keeps serving the next stream."""
+"""The worker servicer over gRPC with a stand-in runner.
+
+- A step whose new request carries sampling parameters the sampler cannot use fails that
+  step's stream with INVALID_ARGUMENT naming them, before the runner sees it, and the worker
+  keeps serving the next stream.
+- The scheduler pushes its limits in GetWorkerInfo; a worker started for other ones refuses
+  with FAILED_PRECONDITION naming the flag and both values, and the scheduler stops at once
+  with that message.
+"""
 
 from __future__ import annotations
+
+import argparse
+import contextlib
 
 import grpc
 import pytest
 
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.sampling_params import EngineSamplingParams
-from services.worker.server import WorkerServicer
+from services.scheduler import server as scheduler_server
+from services.scheduler.worker_client import WorkerError, WorkerGroup
+from services.worker.server import WorkerServicer, limits_refused
 from services.worker.step_input import StepInput, StepOutput
 from tests.helpers import asynctest
 
@@ -61,3 +72,91 @@ async def test_a_malformed_new_request_fails_its_step_and_the_worker_keeps_servi
             await call.done_writing()
     finally:
         await server.stop(None)
+
+
+INFO = worker_pb2.GetWorkerInfoResponse(
+    model="m", dtype="float32", num_kv_blocks=64, block_size=16, max_model_len=1024,
+    vocab_size=32, max_num_seqs=64, max_num_batched_tokens=512)
+
+
+@pytest.mark.parametrize("limits, message", [
+    ({"block_size": 32}, "the scheduler has --block-size 32 but this worker was started with "
+                         "--block-size 16; start both with the same value"),
+    ({"block_size": 8}, "--block-size 8 but this worker was started with --block-size 16"),
+    ({"max_model_len": 2048}, "the scheduler has --max-model-len 2048 but this worker's "
+                              "max_model_len is 1024"),
+    ({"max_num_seqs": 256}, "the scheduler has --max-num-seqs 256 but this worker was started "
+                            "with --max-num-seqs 64"),
+    ({"max_num_batched_tokens": 2048}, "the scheduler has --max-num-batched-tokens 2048 but "
+                                       "this worker was started with --max-num-batched-tokens "
+                                       "512"),
+])
+def test_a_limit_the_worker_was_not_started_for_is_refused_naming_both_values(limits, message):
+    assert message in limits_refused(worker_pb2.GetWorkerInfoRequest(**limits), INFO)
+
+
+def test_equal_or_smaller_limits_and_unset_ones_are_accepted():
+    for limits in ({}, {"block_size": 16, "max_model_len": 1024, "max_num_seqs": 64,
+                        "max_num_batched_tokens": 512},
+                   {"block_size": 16, "max_model_len": 100, "max_num_seqs": 1,
+                    "max_num_batched_tokens": 16}):
+        assert limits_refused(worker_pb2.GetWorkerInfoRequest(**limits), INFO) is None
+
+
+@contextlib.asynccontextmanager
+async def _worker(info=INFO):
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServiceServicer_to_server(WorkerServicer(FakeRunner(), info),
+                                                        server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+def _scheduler_args(address: str, *argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    scheduler_server.add_args(p)
+    return p.parse_args(["--workers", address, "--worker-connect-timeout", "30", *argv])
+
+
+@asynctest
+async def test_the_scheduler_stops_at_once_when_a_worker_refuses_its_limits():
+    async with _worker() as address:
+        for argv, message in (
+                (["--block-size", "32"], "--block-size 32 but this worker was started with "
+                                         "--block-size 16"),
+                (["--max-model-len", "4096"], "--max-model-len 4096 but this worker's "
+                                              "max_model_len is 1024"),
+                (["--max-num-seqs", "256"], "--max-num-seqs 256 but this worker was started "
+                                            "with --max-num-seqs 64")):
+            with pytest.raises(WorkerError) as e:
+                await scheduler_server.build_engine(_scheduler_args(address, *argv))
+            assert str(e.value).startswith(f"worker {address} refused this scheduler: ")
+            assert message in str(e.value)
+
+
+@asynctest
+async def test_a_worker_serves_a_scheduler_within_its_limits():
+    async with _worker() as address:
+        args = _scheduler_args(address, "--max-num-seqs", "8", "--max-num-batched-tokens",
+                               "128", "--max-model-len", "512")
+        engine, info = await scheduler_server.build_engine(args)
+        try:
+            assert (info.max_model_len, info.block_size, info.max_num_seqs,
+                    info.max_num_batched_tokens) == (512, 16, 8, 128)
+        finally:
+            await engine.workers.close()
+        engine, info = await scheduler_server.build_engine(_scheduler_args(
+            address, "--max-num-seqs", "64", "--max-num-batched-tokens", "512"))
+        try:
+            assert info.max_model_len == 1024  # unset: the workers'
+        finally:
+            await engine.workers.close()
+        group = WorkerGroup([address])  # no limits (e.g. an old scheduler): nothing checked
+        try:
+            assert (await group.connect(timeout=5))[0].block_size == 16
+        finally:
+            await group.close()
