@@ -76,8 +76,8 @@ class SamplingTensors:
                     min_tokens_mask: tuple[list[int], list[int]] | None = None
                     ) -> SamplingTensors:
         """From per-row numpy arrays ``[B]``: temperature, top_p, min_p float32, top_k int64
-        in [1, V] (``effective_top_k``). Not copied on CPU: pass arrays
-        the caller will not modify (e.g. the result of fancy indexing).
+        in [1, V] (``effective_top_k``). Not copied on CPU: pass arrays the caller will not
+        modify (e.g. the result of fancy indexing).
         """
         def tensor(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(device, non_blocking=True)
