@@ -115,7 +115,7 @@ class CachedRequestData:
     # async scheduling); when resumed, the whole token list (replaces the worker's)
     new_token_ids: list[int]
     new_block_ids: list[int]  # appended to the table this step; whole table if resumed
-    resumed_from_preemption: bool  # the worker must replace (not extend) the block table
+    resumed_from_preemption: bool  # the worker must replace (not extend) table and tokens
     num_computed_tokens: int  # tokens whose K/V are cached; this step computes from here
 
 
