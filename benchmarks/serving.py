@@ -2,6 +2,9 @@
 
     # against a running stack (gRPC), 4 requests/s Poisson, 200 requests
     .venv/bin/python benchmarks/serving.py --address 127.0.0.1:50051 --request-rate 4
+    # inter-token latency at batch 1 and 8, async scheduling off (it is on by default)
+    .venv/bin/python benchmarks/serving.py --launch --max-concurrency 1 --num-prompts 8 \
+        --serve-args=--no-async-scheduling
     # start the stack itself, sweep rates, write JSON and the latency-vs-load plot
     .venv/bin/python benchmarks/serving.py --launch --request-rate 1 2 4 inf \\
         --num-prompts 100 --json serving.json --plot serving.png
@@ -280,6 +283,9 @@ def main() -> None:
                    help="start `pagedserve serve` on free ports for the run (--model, --dtype)")
     p.add_argument("--model", default=None, help="model (default: packaged SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", help="with --launch")
+    p.add_argument("--serve-args", default="",
+                   help="with --launch: extra flags for pagedserve serve, e.g. "
+                        "'--no-async-scheduling'")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests/s of the Poisson arrivals; several = a sweep; inf = at once")
@@ -304,7 +310,8 @@ def main() -> None:
     if a.launch:
         from throughput import running_stack
 
-        extra = ["--http-port", a.http_url.rsplit(":", 1)[1] if a.backend == "http" else "-1"]
+        extra = ["--http-port", a.http_url.rsplit(":", 1)[1] if a.backend == "http" else "-1",
+                 *a.serve_args.split()]
         with running_stack(a.model, a.dtype, extra) as address:
             rows = asyncio.run(bench(a, address, items, model))
     else:

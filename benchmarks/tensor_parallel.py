@@ -68,7 +68,7 @@ def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
     comm_prefill, comm[0], comm[1] = comm[0], 0.0, 0
     times = []
     for s in range(steps):
-        cached = [CachedRequest(f"r{i}", [11], [], False, n + s, 1) for i in range(b)]
+        cached = [CachedRequest(f"r{i}", [], [], False, n + s, 1) for i in range(b)]  # (own tokens)
         t0 = time.perf_counter()
         runner.execute_step(StepInput(2 + s, [], cached, []))
         times.append(time.perf_counter() - t0)

@@ -202,10 +202,10 @@ class Engine:
             try:
                 while len(pending) < limit and self.scheduler.has_unfinished_requests():
                     out = self.scheduler.schedule()
-                    if self.metrics is not None:
-                        self.metrics.observe_scheduled(out, time.monotonic())
                     if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
                         break  # everything runnable is in flight (or nothing fits)
+                    if self.metrics is not None and out.total_num_scheduled_tokens:
+                        self.metrics.observe_scheduled(out, time.monotonic())
                     await self.workers.send(out)
                     pending.append(out)
                 if not pending:

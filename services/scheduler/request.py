@@ -64,8 +64,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_ids: list[int] = field(default_factory=list)  # block table, logical order
-    num_tokens_sent: int = 0  # prefix of all_token_ids the worker already holds
+    num_tokens_sent: int = 0  # prefix of all_token_ids already sent (0: never scheduled)
+    num_output_placeholders: int = 0  # async scheduling: tokens sampled in steps in flight
     num_preemptions: int = 0
+    epoch: int = 0  # unique per admission and per preemption (set by the Scheduler): a step's
+    # result for an older epoch (an earlier request with the same id, or before a preemption)
+    # is stale
     finish_reason: FinishReason | None = None
     priority: int = 0  # lower runs sooner under the priority policy (as in vLLM)
     arrival_seq: int = 0  # order of add_request (set by the Scheduler; breaks arrival ties)

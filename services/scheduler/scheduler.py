@@ -21,7 +21,21 @@ reached the end has nothing more to schedule until its token arrives; a chunked 
 chunk may go into the next step while the previous one is still in flight (workers run steps in
 order). ``update_from_output()`` applies any step, in any order relative to aborts and
 preemptions: it ignores the requests that are gone, finished, or preempted since they were
-scheduled (their epoch, ``num_preemptions``, changed).
+scheduled (their ``epoch`` changed).
+
+Async scheduling (``async_scheduling``, vLLM V1's): a request whose token is still being sampled
+by a step in flight holds an output placeholder (``num_output_placeholders``) and is scheduled
+again for the position of that token, whose id only the worker knows (the worker owns its
+tokens: it appends what it samples). So step N+1 is built while step N runs. A request that
+finishes in step N may thus have had one more token scheduled in step N+1: that result is
+ignored (the request is gone) and its blocks were freed when it finished. A request is never
+scheduled past ``max_tokens`` or ``max_model_len`` counting its placeholders.
+
+Who holds which tokens: the worker ranks of the sampling (last) pipeline stage append their own
+samples; ``CachedRequestData.new_token_ids`` carries the tokens since the request was last sent
+for the other stages (only without async scheduling: with it they are not known yet), and a
+resumed request carries its whole token list (the workers replace theirs: they may hold a token
+sampled by a step that was stale when it came back).
 """
 
 from __future__ import annotations
@@ -65,6 +79,7 @@ class SchedulerConfig:
     max_num_waiting_requests: int = 0  # refuse new requests beyond this queue length; 0 = off
     max_num_waiting_tokens: int = 0  # ... or beyond this many queued tokens; 0 = off
     max_steps_in_flight: int = 1  # steps scheduled before the oldest result (pipeline stages)
+    async_scheduling: bool = False  # schedule requests whose token is still in flight
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -96,9 +111,11 @@ class CachedRequestData:
     """A request the worker already holds: only what changed since it last saw it."""
 
     request_id: str
-    new_token_ids: list[int]  # appended since last sent: the last sampled token; [] mid-prefill
+    # since last sent (for the pipeline stages that do not sample; [] mid-prefill and with
+    # async scheduling); when resumed, the whole token list (replaces the worker's)
+    new_token_ids: list[int]
     new_block_ids: list[int]  # appended to the table this step; whole table if resumed
-    resumed_from_preemption: bool  # the worker must replace (not extend) the block table
+    resumed_from_preemption: bool  # the worker must replace (not extend) table and tokens
     num_computed_tokens: int  # tokens whose K/V are cached; this step computes from here
 
 
@@ -113,9 +130,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int  # sum of num_scheduled_tokens, <= max_num_batched_tokens
     finished_req_ids: set[str]  # finished/aborted since the last step: worker drops their state
     preempted_req_ids: set[str]  # preempted this step: worker drops blocks, keeps token ids
-    # NOTE: the two below stay in the scheduler (update_from_output reads them); not sent.
-    # request_id -> its num_preemptions when scheduled: a result from before a preemption is
-    # stale (the request recomputes from scratch).
+    # NOTE: the ones below stay in the scheduler (update_from_output reads them); not sent.
+    # request_id -> its epoch when scheduled: a result from before a preemption (or for an
+    # earlier request of the same id) is stale.
     epochs: dict[str, int] = field(default_factory=dict)
     sampled_req_ids: set[str] = field(default_factory=set)  # chunks that reach the end: a token
     applied: bool = False  # update_from_output has consumed it
@@ -148,9 +165,10 @@ class Scheduler:
     comes back (a worker failure) blocks nothing. Outputs with nothing scheduled still carry
     ``finished_req_ids``: forward them.
 
-    NOTE: with several steps in flight (pipeline parallelism) a request waiting for its token
-    is not scheduled again until the token arrives; a preempted in-flight request drops out of
-    its step: its result is ignored.
+    NOTE: with several steps in flight and no async scheduling (pipeline parallelism) a
+    request waiting for its token is not scheduled again until the token arrives; with async
+    scheduling it is, for that token's position (see the module docstring). A preempted
+    in-flight request drops out of its step: its result is ignored.
 
     Args:
         config: scheduling limits and policies.
@@ -183,6 +201,7 @@ class Scheduler:
         self.prefix_cache_queries_total = 0  # tokens looked up at admission
         self.prefix_cache_hits_total = 0  # of those, tokens found
         self._num_arrivals = 0
+        self._num_epochs = 0
         self._step_id = 0
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self._preempted_req_ids: set[str] = set()  # for the next SchedulerOutput
@@ -244,6 +263,8 @@ class Scheduler:
                 f"{config.max_num_waiting_tokens}); retry later")
         self._num_arrivals += 1
         request.arrival_seq = self._num_arrivals
+        self._num_epochs += 1
+        request.epoch = self._num_epochs
         self.requests[request.request_id] = request
         waiting.add(request)
 
@@ -289,14 +310,24 @@ class Scheduler:
         # was already scheduled this step is never preempted (its blocks may be cached).
         running = self.running
         bs = config.block_size
+        max_len = config.max_model_len
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
             num_computed = request.num_computed_tokens
-            num_new = len(request.prompt_token_ids) + len(request.output_token_ids) - num_computed
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            placeholders = request.num_output_placeholders
+            num_new = num_tokens + placeholders - num_computed
             if num_new <= 0:
                 i += 1  # its token is still to come (a step in flight)
                 continue
+            if placeholders:  # (async scheduling) the next position's token is in flight
+                max_tokens = request.sampling_params.max_tokens
+                if num_tokens + placeholders >= max_len or (
+                        max_tokens is not None
+                        and len(request.output_token_ids) + placeholders >= max_tokens):
+                    i += 1  # it ends with the tokens in flight: nothing more to compute
+                    continue
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
@@ -360,6 +391,7 @@ class Scheduler:
         requests = self.requests
         epochs: dict[str, int] = {}
         sampled: set[str] = set()
+        send_tokens = not config.async_scheduling  # (with it, the new tokens are not known yet)
         for request_id, num_new in num_scheduled.items():
             request = requests[request_id]
             sent = request.num_tokens_sent
@@ -369,20 +401,24 @@ class Scheduler:
                     request_id, request.all_token_ids, request.sampling_params,
                     list(request.block_ids), request.num_computed_tokens,
                 ))
+            elif request_id in resumed:
+                cached_reqs.append(CachedRequestData(
+                    request_id, request.all_token_ids, list(request.block_ids), True,
+                    request.num_computed_tokens))
             else:
-                is_resumed = request_id in resumed
                 cached_reqs.append(CachedRequestData(
                     request_id,
-                    request.output_token_ids[sent - num_prompt:] if sent >= num_prompt
-                    else request.token_ids_from(sent),
-                    list(request.block_ids) if is_resumed else new_blocks[request_id],
-                    is_resumed, request.num_computed_tokens,
+                    [] if not send_tokens else request.output_token_ids[sent - num_prompt:]
+                    if sent >= num_prompt else request.token_ids_from(sent),
+                    new_blocks[request_id], False, request.num_computed_tokens,
                 ))
             request.num_tokens_sent = num_tokens = num_prompt + len(request.output_token_ids)
             request.num_computed_tokens += num_new
-            epochs[request_id] = request.num_preemptions
-            if request.num_computed_tokens == num_tokens:
+            epochs[request_id] = request.epoch
+            if request.num_computed_tokens == num_tokens + request.num_output_placeholders:
                 sampled.add(request_id)
+                if not send_tokens:
+                    request.num_output_placeholders += 1
 
         self._step_id += 1
         total = config.max_num_batched_tokens - budget
@@ -404,12 +440,13 @@ class Scheduler:
 
         ``sampled_token_ids`` maps request_id -> the token sampled for it. Tokens are used only
         for requests whose chunk reached the end when scheduled and that are still running in
-        the same epoch; others (mid-prefill, aborted, finished or preempted since) are ignored.
+        the same epoch; others (mid-prefill, aborted, finished or preempted since, a look-ahead
+        step of a request that finished meanwhile) are ignored.
         ``logprobs`` maps request_id -> its token's logprobs (requests that asked), carried
         into the RequestUpdate as is. ``prompt_logprobs`` maps request_id -> the prompt tokens
         its chunk scored; each prompt token is passed on once (a recompute after preemption
         repeats none), on an update of its own for a mid-prefill chunk.
-        A request whose chunk reached the end but got no token redoes its last position.
+        A request whose chunk reached the end but got no token is recomputed (preempted).
 
         Returns:
             One RequestUpdate per request that got a token (and maybe finished), in schedule
@@ -427,7 +464,7 @@ class Scheduler:
         epochs, sampled = output.epochs, output.sampled_req_ids
         for request_id in output.num_scheduled_tokens:
             request = requests.get(request_id)
-            if request is None or request.num_preemptions != epochs[request_id] or (
+            if request is None or request.epoch != epochs[request_id] or (
                     request.status is not RequestStatus.RUNNING):
                 continue  # aborted, finished or preempted since it was scheduled
             prompt_chunk = (self._new_prompt_logprobs(request, prompt_logprobs.get(request_id))
@@ -438,10 +475,14 @@ class Scheduler:
                 updates.append(_update(request, [], None, prompt_logprobs=prompt_chunk))
             if not reached_end:
                 continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             if token_id is None:
-                # NOTE: the worker owed a token and sent none. Recompute the last position next
-                # step (same slot, same K/V) rather than leave a request with nothing to do.
-                request.num_computed_tokens -= 1
+                # NOTE: the worker owed a token and sent none (a worker bug). Its token list
+                # may now differ from ours: recompute the request as after a preemption (the
+                # resume replaces the workers' list) rather than leave it with nothing to do.
+                self.running.remove(request)
+                self._preempt(request)
                 continue
             request.output_token_ids.append(token_id)
             reason = self._check_stop(request, token_id)
@@ -491,9 +532,11 @@ class Scheduler:
         """Recompute preemption: drop the KV (cached blocks stay cached, so the recompute may
         hit them), keep the tokens, back in line at its place."""
         self.block_manager.free(request)
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_output_placeholders = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self._num_epochs += 1
+        request.epoch = self._num_epochs
         self.num_preemptions_total += 1
         self.waiting.add(request, preempted=True)
         if request.num_tokens_sent > 0:  # the workers hold its blocks: tell them to drop them

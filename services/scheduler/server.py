@@ -121,6 +121,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="most prompt tokens one request prefills per step, so running decodes keep "
                   "moving while a long prompt is chunked in (default: max-num-batched-tokens / "
                   "4; 0 = no cap)")
+    add_flag(p, "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+             help="build step N+1 while step N runs on the workers (one step of look-ahead; "
+                  "off under pipeline parallelism, which keeps one step per stage in flight)")
     add_flag(p, "--max-num-waiting-requests", type=int_in(0), default=1024,
              help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (0 = no "
                   "limit)")
@@ -133,9 +136,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_metrics_flags(p, SCHEDULER_PORT)
 
 
-def scheduler_config(args, max_model_len: int, max_steps_in_flight: int = 1) -> SchedulerConfig:
+def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
+                     ) -> SchedulerConfig:
     """The SchedulerConfig the flags ask for (``--long-prefill-token-threshold`` unset means a
-    quarter of ``--max-num-batched-tokens``).
+    quarter of ``--max-num-batched-tokens``) for workers of ``pipeline_parallel_size`` stages:
+    one step in flight per stage keeps every stage busy; on a single stage, async scheduling
+    keeps two (the one running and the next). Async scheduling needs the tokens of step N
+    only on the sampling stage, so it is off under pipeline parallelism (as in vLLM).
 
     Raises:
         ValueError: a flag out of range, naming it.
@@ -151,7 +158,9 @@ def scheduler_config(args, max_model_len: int, max_steps_in_flight: int = 1) -> 
             scheduling_policy=args.scheduling_policy, long_prefill_token_threshold=threshold,
             max_num_waiting_requests=args.max_num_waiting_requests,
             max_num_waiting_tokens=args.max_num_waiting_tokens,
-            max_steps_in_flight=max_steps_in_flight)
+            max_steps_in_flight=(pipeline_parallel_size if pipeline_parallel_size > 1
+                                 else 2 if args.async_scheduling else 1),
+            async_scheduling=args.async_scheduling and pipeline_parallel_size == 1)
     except ValueError as e:  # name the flag, not the field
         flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
         raise ValueError(f"{flag}: {e}") from None
@@ -179,8 +188,9 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     num_blocks = min(i.num_kv_blocks for i in infos)
     # (every rank accepted --max-model-len, so it is at most theirs)
     max_model_len = args.max_model_len or min(i.max_model_len for i in infos)
-    # NOTE: one step in flight per pipeline stage keeps every stage busy.
     config = scheduler_config(args, max_model_len, workers.pipeline_parallel_size)
+    log.info("scheduling: %d steps in flight, async scheduling %s", config.max_steps_in_flight,
+             "on" if config.async_scheduling else "off")
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids))
     info = engine_pb2.GetEngineInfoResponse(
         model=first.model, max_model_len=max_model_len, block_size=args.block_size,

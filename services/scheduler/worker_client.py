@@ -34,15 +34,22 @@ class WorkerError(RuntimeError):
     """A worker rank failed, disconnected or answered out of order."""
 
 
-def _cached_requests_pb(out: SchedulerOutput) -> worker_pb2.CachedRequests:
-    """The scheduled cached requests as the columnar CachedRequests message."""
+def _cached_requests_pb(out: SchedulerOutput, samples: bool) -> worker_pb2.CachedRequests:
+    """The scheduled cached requests as the columnar CachedRequests message, for a rank that
+    ``samples`` (keeps its own tokens: it gets token ids only for resumed requests) or not."""
     cached = out.scheduled_cached_reqs
     n = out.num_scheduled_tokens
     ids = [c.request_id for c in cached]
+    tokens = [c.new_token_ids for c in cached] if not samples else [
+        c.new_token_ids for c in cached if c.resumed_from_preemption]
+    flat = list(chain.from_iterable(tokens))
     return worker_pb2.CachedRequests(
         request_ids=ids,
-        new_token_ids=list(chain.from_iterable([c.new_token_ids for c in cached])),
-        num_new_token_ids=[len(c.new_token_ids) for c in cached],
+        new_token_ids=flat,
+        # NOTE: an empty column = no tokens for anyone (most steps)
+        num_new_token_ids=[] if not flat else [
+            len(c.new_token_ids) if not samples or c.resumed_from_preemption else 0
+            for c in cached],
         new_block_ids=list(chain.from_iterable([c.new_block_ids for c in cached])),
         num_new_block_ids=[len(c.new_block_ids) for c in cached],
         resumed_from_preemption=[c.resumed_from_preemption for c in cached],
@@ -50,8 +57,9 @@ def _cached_requests_pb(out: SchedulerOutput) -> worker_pb2.CachedRequests:
         num_scheduled_tokens=[n[i] for i in ids])
 
 
-def build_step_request(out: SchedulerOutput) -> worker_pb2.StepRequest:
-    """Encode one scheduler step as the StepRequest every rank receives."""
+def build_step_request(out: SchedulerOutput, samples: bool = True) -> worker_pb2.StepRequest:
+    """Encode one scheduler step as the StepRequest of a rank of the sampling (last) pipeline
+    stage (``samples``), or of an earlier stage (which gets every new token id)."""
     n = out.num_scheduled_tokens
     return worker_pb2.StepRequest(
         step_id=out.step_id,
@@ -62,7 +70,7 @@ def build_step_request(out: SchedulerOutput) -> worker_pb2.StepRequest:
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=n[r.request_id])
             for r in out.scheduled_new_reqs],
-        cached_requests=_cached_requests_pb(out),
+        cached_requests=_cached_requests_pb(out, samples),
         finished_request_ids=sorted(out.finished_req_ids),
     )
 
@@ -93,6 +101,7 @@ class WorkerGroup:
         self.infos: list[worker_pb2.GetWorkerInfoResponse] = []
         self.driver = 0
         self.pipeline_parallel_size = 1
+        self._samples: list[bool] = []  # per rank: in the last pipeline stage (keeps tokens)
         self.broken: asyncio.Event | None = None  # set when any rank's Execute stream ends
 
     async def connect(self, timeout: float) -> list[worker_pb2.GetWorkerInfoResponse]:
@@ -114,7 +123,9 @@ class WorkerGroup:
             log.info("worker ranks report different group ids (restarting?); retrying")
             await asyncio.sleep(0.5)
         self.driver = self._check_group(infos)
-        self.pipeline_parallel_size = max(1, infos[self.driver].pipeline_parallel_size)
+        self.pipeline_parallel_size = pp = max(1, infos[self.driver].pipeline_parallel_size)
+        tp = max(1, infos[self.driver].tensor_parallel_size)
+        self._samples = [i.rank // tp == pp - 1 for i in infos]
         self._calls = [worker_pb2_grpc.WorkerServiceStub(ch).Execute() for ch in self._channels]
         broken = asyncio.Event()  # NOTE: a fresh one: close() ending the old calls sets the old
         for call in self._calls:
@@ -169,8 +180,12 @@ class WorkerGroup:
         if not self._calls:
             raise WorkerError("no worker connection")
         req = build_step_request(out)
+        # NOTE: the earlier pipeline stages cannot know the sampled tokens: theirs carries them
+        other = build_step_request(out, samples=False) if not all(self._samples) else req
         try:
-            await asyncio.gather(*(call.write(req) for call in self._calls))
+            await asyncio.gather(*(call.write(req if samples else other)
+                                   for call, samples in zip(self._calls, self._samples,
+                                                            strict=True)))
         except grpc.RpcError as e:
             raise WorkerError(f"worker stream failed: {e.code().name}: {e.details()}") from e
         except asyncio.InvalidStateError as e:

@@ -129,6 +129,14 @@ class ParallelState:
         dist.all_gather(parts, x.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
+    def broadcast_from_driver(self, x: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``x`` on every rank of this stage's tensor-parallel group with tp rank 0's
+        (e.g. the driver's sampled token ids ``[S]`` int64); returns ``x``."""
+        if self.config.tensor_parallel_size > 1:
+            n = self.config.tensor_parallel_size
+            dist.broadcast(x, src=self.config.pp_rank * n, group=self.tp_group)
+        return x
+
     def send_to_next_stage(self, hidden: torch.Tensor) -> None:
         """Send ``hidden [T, E]`` to the same tp rank of the next stage (blocking)."""
         dist.send(hidden.contiguous(), dst=self.config.rank + self.config.tensor_parallel_size)

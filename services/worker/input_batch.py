@@ -3,8 +3,10 @@ inputs gathered from them (vLLM V1's ``vllm/v1/worker/gpu_input_batch.py`` idea)
 
 A request gets a row when it arrives and gives it back when it finishes. Its row holds its token
 list, block table and sampling parameters: written once (the prompt, the whole table, the
-options), then updated from each step's diff (the new token ids, the new block ids; a request
-resumed from preemption has its block-table row replaced)::
+options), then updated from each step's diff (the new block ids, and new token ids on a
+pipeline stage that does not sample; a request resumed from preemption has its token list and
+block table replaced) and from the step's own samples (``append_sampled``: the worker owns its
+tokens)::
 
     row r   token_ids[r, :num_tokens[r]]       [max_num_seqs, max_model_len]  int32
             block_table[r, :num_blocks[r]]     [max_num_seqs, max_blocks]     int32, 0 after
@@ -19,7 +21,7 @@ scheduler's). Index
 arithmetic for scheduled request i in row r with ``c = num_computed_tokens``,
 ``n = num_scheduled_tokens``::
 
-    token_ids[r]  t0 t1 ... t(c-1) | tc ... t(c+n-1) | (nothing: the scheduler sends every token)
+    token_ids[r]  t0 t1 ... t(c-1) | tc ... t(c+n-1) | (nothing: a sample is appended after)
                   <- in KV cache -> <- this step  ->
     positions                        c ... c+n-1        (rows query_start_loc[i] .. [i+1]-1)
     slot(p)       = block_table[r, p // block_size] * block_size + p % block_size
@@ -94,6 +96,7 @@ class PreparedStep:
         attn_metadata: the attention kernels' inputs.
         logits_indices: ``[S]`` int64 rows of the hidden states to sample from.
         sampled_request_ids: the ``S`` request ids, in row order.
+        sampled_rows: ``[S]`` int64, their rows of the InputBatch (``append_sampled``).
         sampling: per-row sampling parameters of the ``S`` rows.
         num_logprobs: per row, the top logprobs it asked for (0..20), or None for none.
         prompt_chunks: the prompt positions scored this step (requests with prompt_logprobs).
@@ -104,6 +107,7 @@ class PreparedStep:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
     sampled_request_ids: list[str]
+    sampled_rows: np.ndarray
     sampling: SamplingTensors
     num_logprobs: list[int | None]
     prompt_chunks: list[PromptChunk]
@@ -241,12 +245,14 @@ class InputBatch:
                 raise KeyError(f"step {step.step_id}: worker holds no request {c.request_id!r}")
             row = state.row if state.row >= 0 else self._unpark(state, step)
             rows.append(row)
+            if c.resumed_from_preemption:
+                self._replace_tokens(state, row, c.new_token_ids)
+                self._write_blocks(c.request_id, row, 0, c.new_block_ids)
+                continue
             if c.new_token_ids:
                 append_rows.append(row)
                 append_ids.append(c.new_token_ids)
-            if c.resumed_from_preemption:
-                self._write_blocks(c.request_id, row, 0, c.new_block_ids)
-            elif c.new_block_ids:
+            if c.new_block_ids:
                 self._write_blocks(c.request_id, row, int(self.num_blocks[row]), c.new_block_ids)
         if append_rows:
             self._append_tokens(np.array(append_rows, dtype=np.int64), append_ids)
@@ -350,6 +356,41 @@ class InputBatch:
                              f"[0, {self.num_kv_blocks}), got [{min(block_ids)}, "
                              f"{max(block_ids)}]")
 
+    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """Append the token sampled for each of ``rows [S]`` (a step's ``sampled_rows``) to its
+        token list: the next step computes it (the scheduler does not send it back).
+
+        Raises:
+            ValueError: a token list would pass ``max_model_len`` (the scheduler never
+                schedules that).
+        """
+        if not len(rows):
+            return
+        starts = self.num_tokens[rows]  # [S]
+        full = np.flatnonzero(starts >= self.max_model_len)
+        if len(full):
+            raise ValueError(f"request {self.row_states[rows[full[0]]].request_id!r}: a token "
+                             f"past max_model_len={self.max_model_len} was sampled")
+        self.token_ids[rows, starts] = token_ids
+        self.num_tokens[rows] = starts + 1
+
+    def _replace_tokens(self, state: RequestState, row: int, token_ids: list[int]) -> None:
+        """A resumed request's whole token list (its outputs may differ from this worker's: a
+        step whose result the scheduler dropped still appended here).
+
+        Raises:
+            ValueError: fewer tokens than its prompt, or more than ``max_model_len``.
+        """
+        if not state.num_prompt_tokens <= len(token_ids) <= self.max_model_len:
+            raise ValueError(f"request {state.request_id!r} resumed with {len(token_ids)} "
+                             f"tokens; it has {state.num_prompt_tokens} prompt tokens "
+                             f"(max_model_len={self.max_model_len})")
+        self.token_ids[row, :len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+        if state.counts is not None:  # recount the outputs from scratch
+            state.counts.output_counts.zero_()
+            state.counts.num_counted = state.num_prompt_tokens
+
     def _append_tokens(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
         """Append ``token_ids[i]`` to the token list of row ``rows[i]`` (``rows [N]`` int64)."""
         flat = list(chain.from_iterable(token_ids))
@@ -438,6 +479,7 @@ class InputBatch:
             attn_metadata=meta, logits_indices=self._to_device(logits_indices),
             sampled_request_ids=(list(ids) if len(sampled) == len(ids)
                                  else [ids[i] for i in sampled.tolist()]),
+            sampled_rows=sampled_rows,
             sampling=self._sampling_tensors(sampled_rows),
             num_logprobs=([None if k < 0 else k for k in num_logprobs.tolist()]
                           if (num_logprobs >= 0).any() else [None] * len(sampled)),

@@ -217,15 +217,16 @@ class ModelRunner:
         step of them, then drop them; their KV goes into blocks 0.. (room for ``n + 1`` tokens
         each), which the scheduler has not handed out yet."""
         requests, next_block = [], 0
+        ps = self.parallel
+        owns_tokens = ps is None or ps.config.is_last_stage  # (it appended its samples)
         for i, n in enumerate(lens):
             blocks = list(range(next_block, next_block + n // self.block_size + 1))
             next_block += len(blocks)
             requests.append(NewRequest(f"__warmup_{i}", [0] * n, _WARMUP_SAMPLING, blocks, 0, n))
-        out = self.execute_step(StepInput(-2, requests, [], []))
+        self.execute_step(StepInput(-2, requests, [], []))
         self.execute_step(StepInput(-1, [], [
-            CachedRequest(r.request_id, [t], [], False, len(r.prompt_token_ids), 1)
-            for r, t in zip(requests, out.sampled_token_ids or [0] * len(requests),
-                            strict=True)], []))  # (only the driver rank samples)
+            CachedRequest(r.request_id, [] if owns_tokens else [0], [], False,
+                          len(r.prompt_token_ids), 1) for r in requests], []))
         self.execute_step(StepInput(-1, [], [], [r.request_id for r in requests]))
 
     def _warm_up(self) -> None:
@@ -245,6 +246,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_step(self, step: StepInput) -> StepOutput:
         """Apply ``step``'s diffs, run the scheduled tokens, and sample where a chunk ends.
+
+        The ranks of the last pipeline stage append the sampled tokens to their requests (the
+        next step computes them); the other stages get them as the next step's new_token_ids.
 
         Safe to call from any (one at a time) thread. Raises KeyError / ValueError on an
         inconsistent step (unknown request, tokens or blocks missing, bad block id).
@@ -267,11 +271,18 @@ class ModelRunner:
         if not batch.sampled_request_ids:
             return StepOutput(step.step_id, [], [], None, prompt_logprobs)
         logits = self._compute_logits(hidden[batch.logits_indices])  # [S, V] float32
-        if ps and not ps.config.is_driver:
+        if ps and not ps.config.is_driver:  # a tp peer of the driver: it keeps the tokens too
+            tokens = ps.broadcast_from_driver(
+                torch.empty(len(batch.sampled_request_ids), dtype=torch.int64, device=ps.device))
+            self.input_batch.append_sampled(batch.sampled_rows, tokens.tolist())
             return StepOutput(step.step_id, [], [])
         token_ids = self.sampler(logits, batch.sampling)  # [S] int64
+        if ps:
+            ps.broadcast_from_driver(token_ids)
         logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)  # raw logits
-        return StepOutput(step.step_id, batch.sampled_request_ids, token_ids.tolist(), logprobs,
+        sampled = token_ids.tolist()
+        self.input_batch.append_sampled(batch.sampled_rows, sampled)  # (the worker owns them)
+        return StepOutput(step.step_id, batch.sampled_request_ids, sampled, logprobs,
                           prompt_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch) -> list:

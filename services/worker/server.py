@@ -70,10 +70,14 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
         ValueError: the columns disagree in length (a malformed message).
     """
     n = len(c.request_ids)
-    columns = (c.num_new_token_ids, c.num_new_block_ids, c.resumed_from_preemption,
+    # NOTE: an empty num_new_token_ids column means no tokens at all (most steps: the worker
+    # owns its tokens).
+    num_new_token_ids = c.num_new_token_ids if len(c.num_new_token_ids) or c.new_token_ids else (
+        [0] * n)
+    columns = (num_new_token_ids, c.num_new_block_ids, c.resumed_from_preemption,
                c.num_computed_tokens, c.num_scheduled_tokens)
     if any(len(col) != n for col in columns) or (
-            sum(c.num_new_token_ids) != len(c.new_token_ids)
+            sum(num_new_token_ids) != len(c.new_token_ids)
             or sum(c.num_new_block_ids) != len(c.new_block_ids)):
         raise ValueError(f"malformed CachedRequests: {n} request ids but columns of "
                          f"{[len(col) for col in columns]}")

@@ -3,8 +3,9 @@
 The gRPC servicer converts the StepRequest protobuf into a ``StepInput`` and a ``StepOutput``
 back into a StepResult. vLLM V1 style: a request is sent in full once (``NewRequest``), then
 only as diffs (``CachedRequest``); the worker keeps the rest (token ids, block table, sampling
-parameters, RNG) in its per-request state. The scheduler is the only source of tokens: a sampled
-token comes back to the worker as ``new_token_ids`` of the next step.
+parameters, RNG) in its per-request state. The worker owns its tokens: the last pipeline stage
+appends what it samples; ``new_token_ids`` carries tokens only to the earlier stages and, as
+the whole list, for a request resumed from preemption (see worker.proto's CachedRequests).
 """
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ class CachedRequest:
     """A request the worker already holds: what changed since the previous step."""
 
     request_id: str
-    new_token_ids: list[int]  # appended to the worker's token list (the last sampled token)
+    new_token_ids: list[int]  # appended to the token list (earlier pipeline stages), or the
+    # whole token list if resumed
     new_block_ids: list[int]  # appended to the block table, or the whole table if resumed
-    resumed_from_preemption: bool  # True: new_block_ids REPLACES the block table
+    resumed_from_preemption: bool  # True: new_block_ids and new_token_ids REPLACE table and list
     num_computed_tokens: int
     num_scheduled_tokens: int
 

@@ -104,7 +104,7 @@ def reference_greedy(model: str | None, prompts: list[list[int]],
     out = runner.execute_step(StepInput(1, new, [], []))
     tokens = {rid: [t] for rid, t in zip(out.request_ids, out.sampled_token_ids)}
     for step in range(2, max_tokens + 1):
-        cached = [CachedRequest(str(i), [tokens[str(i)][-1]], [], False,
+        cached = [CachedRequest(str(i), [], [], False,  # (the runner kept its samples)
                                 len(p) + len(tokens[str(i)]) - 1, 1) for i, p in enumerate(prompts)]
         out = runner.execute_step(StepInput(step, [], cached, []))
         for rid, t in zip(out.request_ids, out.sampled_token_ids):

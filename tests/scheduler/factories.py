@@ -1,8 +1,9 @@
 """Factories and a fake worker for the scheduler tests.
 
 ``FakeWorker`` plays every worker rank: it rebuilds each request's token ids and block table
-from the SchedulerOutput diffs alone (as a real worker must), checks them against the
-scheduler's own Request objects, writes a "KV cache" of (position, token ids up to and including
+from the SchedulerOutput diffs and its own samples alone (as a real worker must: the sampling
+stage appends what it samples, the other pipeline stages append ``new_token_ids``, a resumed
+request's token list is replaced), checks them against the scheduler's own Request objects, writes a "KV cache" of (position, token ids up to and including
 that position) per slot -- what a real K/V vector depends on -- and before sampling checks that
 every slot of the request holds exactly that, so a wrong block table, a wrongly shared block
 (a bad prefix-cache hit), an evicted block still in use or a missed recompute fails loudly.
@@ -14,6 +15,7 @@ it is sampled at), so a run's outputs can be predicted without any scheduling
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
@@ -99,14 +101,18 @@ def prefix_keys(token_ids: list[int]) -> list[int]:
 
 @dataclass
 class _WorkerState:
-    token_ids: list[int]
+    token_ids: list[int]  # the sampling stage's: its own samples appended
     block_ids: list[int]
     num_computed_tokens: int
+    stage_token_ids: list[int]  # an earlier pipeline stage's: new_token_ids appended
 
 
 @dataclass
 class FakeWorker:
-    """Applies SchedulerOutputs the way a worker does and samples with ``fake_token``."""
+    """Applies SchedulerOutputs the way a worker does and samples with ``fake_token``.
+
+    Call ``execute`` with each step as it is sent (steps run in order on the workers); the
+    results may be applied later (look-ahead steps: several in flight)."""
 
     scheduler: Scheduler
     sample: callable = fake_token
@@ -123,26 +129,36 @@ class FakeWorker:
         resumed = {c.request_id for c in out.scheduled_cached_reqs if c.resumed_from_preemption}
         for rid in out.preempted_req_ids:
             # NOTE: schedule() never preempts and resumes in one step; a preemption between
-            # steps (the property test's preempt rule) can be followed by a resume.
+            # steps (the property test's preempt rule) can be followed by a resume. A real
+            # worker is not told of preemptions (the engine may even drop a step that only
+            # preempted): a resumed request's block table and token list are replaced.
             assert rid not in out.num_scheduled_tokens or rid in resumed
-            state = self.states[rid]
-            state.block_ids, state.num_computed_tokens = [], 0
+            assert rid in self.states
         for new in out.scheduled_new_reqs:
             assert new.request_id not in self.states, "NewRequestData for a known request"
             self.states[new.request_id] = _WorkerState(
-                list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
-            )
+                list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens,
+                list(new.prompt_token_ids))
+        look_ahead = sched.config.async_scheduling
         for cached in out.scheduled_cached_reqs:
             state = self.states[cached.request_id]
-            state.token_ids += cached.new_token_ids
             if cached.resumed_from_preemption:
-                # NOTE: a resumed request restarts at its prefix-cache hit (whole blocks).
-                assert state.block_ids == [] and cached.num_computed_tokens % bs == 0
+                # NOTE: a resumed request restarts at its prefix-cache hit (whole blocks), with
+                # its whole token list (this worker may hold a stale sample past it).
+                assert cached.num_computed_tokens % bs == 0
+                assert cached.new_token_ids[:len(state.token_ids)] == state.token_ids[
+                    :len(cached.new_token_ids)]
+                state.token_ids = list(cached.new_token_ids)
+                state.stage_token_ids = list(cached.new_token_ids)
                 state.block_ids = list(cached.new_block_ids)
                 state.num_computed_tokens = cached.num_computed_tokens
+                continue
+            if look_ahead:
+                assert cached.new_token_ids == []  # not known when scheduled
             else:
-                assert cached.num_computed_tokens == state.num_computed_tokens
-                state.block_ids += cached.new_block_ids
+                state.stage_token_ids += cached.new_token_ids
+            assert cached.num_computed_tokens == state.num_computed_tokens
+            state.block_ids += cached.new_block_ids
         assert len(out.scheduled_new_reqs) + len(out.scheduled_cached_reqs) == len(
             out.num_scheduled_tokens
         )
@@ -152,7 +168,12 @@ class FakeWorker:
         for rid, n in out.num_scheduled_tokens.items():
             state, request = self.states[rid], sched.get_request(rid)
             assert n >= 1
-            assert state.token_ids == request.all_token_ids
+            # the scheduler's tokens, then those it has scheduled but not received
+            num_known = request.num_tokens
+            assert state.token_ids[:num_known] == request.all_token_ids
+            assert len(state.token_ids) <= num_known + request.num_output_placeholders
+            if not look_ahead:  # an earlier stage holds every token it computes
+                assert state.stage_token_ids == state.token_ids
             assert state.block_ids == request.block_ids
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             assert end <= len(state.token_ids) and end <= len(state.block_ids) * bs
@@ -167,7 +188,8 @@ class FakeWorker:
                 for pos, key in enumerate(prefix_keys(state.token_ids)):
                     slot = state.block_ids[pos // bs] * bs + pos % bs
                     assert self.kv.get(slot) == (pos, key), f"{rid} reads wrong K/V at {pos}"
-                sampled[rid] = self.sample(rid, len(state.token_ids))
+                sampled[rid] = token = self.sample(rid, len(state.token_ids))
+                state.token_ids.append(token)
         return sampled
 
     def step(self) -> list[RequestUpdate]:
@@ -176,14 +198,29 @@ class FakeWorker:
 
 
 def run_to_completion(
-    scheduler: Scheduler, worker: FakeWorker | None = None, max_steps: int = 10_000
+    scheduler: Scheduler, worker: FakeWorker | None = None, max_steps: int = 10_000,
+    pending: deque | None = None,
 ) -> list[RequestUpdate]:
-    """Step until nothing is unfinished; returns all updates. Fails after ``max_steps``."""
+    """Step until nothing is unfinished; returns all updates. Fails after ``max_steps``.
+
+    Keeps up to ``config.max_steps_in_flight`` steps sent (executed by ``worker``) before the
+    oldest result is applied, as the engine loop does; ``pending`` holds the (output, sampled)
+    pairs already in flight (drained too)."""
     worker = worker or FakeWorker(scheduler)
+    pending = deque() if pending is None else pending
+    limit = scheduler.config.max_steps_in_flight
     updates: list[RequestUpdate] = []
     for _ in range(max_steps):
-        if not scheduler.has_unfinished_requests():
+        while len(pending) < limit and scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
+                break
+            pending.append((out, worker.execute(out)))
+        if not pending:
+            if scheduler.has_unfinished_requests():
+                continue  # a step that only preempted: the next one resumes (the engine's retry)
             return updates
-        updates += worker.step()
+        out, sampled = pending.popleft()
+        updates += scheduler.update_from_output(out, sampled)
         scheduler.block_manager.check_invariants(scheduler.requests.values())
     raise AssertionError(f"requests still unfinished after {max_steps} steps")

@@ -3,6 +3,12 @@ caching on or off, the fcfs or priority policy, a long-prefill cap and load shed
 Prompts often share prefixes (a few "system prompts"), so prefix hits, shared blocks and
 evictions are common.
 
+Steps run in one of three modes, drawn: one at a time; two in flight without async scheduling
+(pipeline parallelism: a request awaiting its token is not scheduled); two in flight with async
+scheduling (look-ahead: a request is scheduled again for the position of its token in flight).
+Steps are sent (the fake worker runs them at once, in order) and their results applied by
+separate rules, so aborts, preemptions and arrivals fall between a step and its result.
+
 Properties: no block is leaked or freed twice and no ref count goes below zero (exact
 accounting, ref count == number of block tables listing the block, after every operation); no
 step exceeds max_num_batched_tokens or max_num_seqs; running stays in policy order (so the
@@ -10,6 +16,8 @@ preemption victim is the worst key); every block a request reads holds exactly i
 FakeWorker's check); and every request finishes with exactly the tokens the fake model gives it
 without any scheduling, however often it was preempted or hit the cache.
 """
+
+from collections import deque
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -44,10 +52,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         policy=st.sampled_from(["fcfs", "priority"]),
         threshold=st.sampled_from([0, 0, 1, 3, 8]),
         max_waiting=st.sampled_from([0, 0, 2, 5]),
+        mode=st.sampled_from(["serial", "pipelined", "async", "async"]),
         data=st.data(),
     )
     def setup(self, block_size, max_model_len, max_num_seqs, max_num_batched_tokens, eos,
-              prefix_caching, policy, threshold, max_waiting, data):
+              prefix_caching, policy, threshold, max_waiting, mode, data):
         # NOTE: as few blocks as one max_model_len request allows, plus a little: preemption
         # should be common, not a corner case.
         min_blocks = -(-max_model_len // block_size)
@@ -64,7 +73,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduling_policy=policy,
             long_prefill_token_threshold=threshold,
             max_num_waiting_requests=max_waiting,
+            max_steps_in_flight=1 if mode == "serial" else 2,
+            async_scheduling=mode == "async",
         )
+        event(f"mode: {mode}")
+        self.pending: deque = deque()  # (SchedulerOutput, sampled) sent, oldest first
         self.worker = FakeWorker(self.scheduler)
         self.requests = []
         self.num_added = 0
@@ -105,12 +118,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.requests.append(request)
 
     @rule()
-    def step(self):
+    def send(self):
+        """Schedule a step and run it on the fake worker (its result comes back later); with
+        every slot in flight taken, apply the oldest result instead."""
         s, config = self.scheduler, self.scheduler.config
+        if len(self.pending) >= config.max_steps_in_flight:
+            return self.receive()
         out = s.schedule()
         assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(out.num_scheduled_tokens) <= config.max_num_seqs
-        s.update_from_output(out, self.worker.execute(out))
+        if not config.async_scheduling:  # a request awaiting its token is not scheduled
+            owing = {rid for o, _ in self.pending for rid in o.sampled_req_ids
+                     if getattr(s.get_request(rid), "epoch", None) == o.epochs[rid]}
+            assert not owing & out.num_scheduled_tokens.keys()
+        elif self.pending and out.scheduled_cached_reqs:
+            event("look-ahead step")
+        self.pending.append((out, self.worker.execute(out)))
+
+    @rule()
+    def receive(self):
+        """Apply the oldest step in flight."""
+        if self.pending:
+            out, sampled = self.pending.popleft()
+            self.scheduler.update_from_output(out, sampled)
 
     @rule()
     def preempt(self):
@@ -148,7 +178,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = getattr(self, "scheduler", None)
         if s is None:
             return
-        run_to_completion(s, self.worker)
+        run_to_completion(s, self.worker, pending=self.pending)
         self.worker.execute(s.schedule())  # deliver the last finished ids
         assert self.worker.states == {}
         assert s.block_manager.num_free_blocks == s.block_manager.num_blocks

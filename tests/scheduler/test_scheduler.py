@@ -160,19 +160,27 @@ def test_mid_prefill_sampled_token_is_ignored():
     assert s.get_request("req-0").output_token_ids == []
 
 
-def test_missing_sampled_token_recomputes_the_last_position():
-    s = make_scheduler()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_missing_sampled_token_recomputes_the_request(async_scheduling):
+    """A token the worker owed and did not send (a worker bug): the request is recomputed from
+    its whole token list, as after a preemption, and still ends with the right tokens."""
+    s = make_scheduler(async_scheduling=async_scheduling, max_steps_in_flight=2)
     w = FakeWorker(s)
-    r = make_request(0, 6, max_tokens=2)
+    r = make_request(0, 6, max_tokens=3)
     s.add_request(r)
     out = s.schedule()
-    w.execute(out)
+    w.execute(out)  # the worker samples (and keeps) a token the scheduler never gets
+    ahead = s.schedule()
+    w.execute(ahead)
     assert s.update_from_output(out, {}) == []
-    assert r.num_computed_tokens == 5
-    w.states["req-0"].num_computed_tokens = 5  # a real worker follows num_computed_tokens
-    out = s.schedule()
-    assert out.num_scheduled_tokens == {"req-0": 1}
-    s.update_from_output(out, w.execute(out))
+    assert r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0
+    assert s.update_from_output(ahead, {"req-0": 99}) == []  # stale: a new epoch
+    resumed = s.schedule()
+    assert resumed.scheduled_cached_reqs[0].resumed_from_preemption
+    assert resumed.scheduled_cached_reqs[0].new_token_ids == r.all_token_ids
+    s.update_from_output(resumed, w.execute(resumed))
+    run_to_completion(s, w)
+    assert r.output_token_ids == expected_output(r, 128)[0]
     run_to_completion(s, w)
     assert r.output_token_ids == expected_output(r, 128)[0]
 
@@ -258,7 +266,8 @@ def test_preemption_victim_is_latest_arrival_and_everyone_finishes():
         s.block_manager.check_invariants(s.requests.values())
     data, table, num_scheduled, num_tokens = resumed
     assert data.new_block_ids == table and data.num_computed_tokens == 0
-    assert data.new_token_ids == [victim.output_token_ids[num_tokens - 4 - 1]]  # last sampled
+    # the whole token list when it resumed (the workers replace theirs)
+    assert data.new_token_ids == victim.all_token_ids[:num_tokens]
     assert num_scheduled == num_tokens  # recomputes prompt + all outputs so far in one go
     assert all(r.num_output_tokens == 12 and r.finish_reason is FinishReason.LENGTH for r in reqs)
     assert outputs_by_id(reqs) == {r.request_id: expected_output(r, 32) for r in reqs}

@@ -39,7 +39,8 @@ def _steps() -> list[StepInput]:
                   [CachedRequest("one", [12], [], False, 3, 1),
                    CachedRequest("forty", [13], [], False, 40, 1),
                    CachedRequest("hit", [14], [], False, 70, 1)], ["five"]),
-        StepInput(5, [], [CachedRequest("forty", [15], [11, 12, 13], True, 0, 42)], []),
+        StepInput(5, [], [CachedRequest("forty", toks[2] + [13, 15], [11, 12, 13], True, 0,
+                                        42)], []),  # (resumed: its whole token list)
     ]
 
 

@@ -54,7 +54,8 @@ def apply_step(held: dict[str, Held], s: StepInput) -> list[tuple[str, int, int]
         order.append((r.request_id, r.num_computed_tokens, r.num_scheduled_tokens))
     for r in s.cached_requests:
         h = held[r.request_id]
-        h.tokens += r.new_token_ids
+        h.tokens = list(r.new_token_ids) if r.resumed_from_preemption else h.tokens + list(
+            r.new_token_ids)
         h.blocks = list(r.new_block_ids) if r.resumed_from_preemption else h.blocks + list(
             r.new_block_ids)
         order.append((r.request_id, r.num_computed_tokens, r.num_scheduled_tokens))
@@ -164,8 +165,10 @@ def test_resumed_request_replaces_its_block_table_row():
     batch = make_batch()
     step(batch, 0, new=[NewRequest("a", list(range(1, 11)), GREEDY, [1, 2, 3], 0, 10)])
     row = batch.requests["a"].row
-    # Preempted (the worker is not told), then resumed with a new, shorter table and token 99.
-    out = step(batch, 1, cached=[CachedRequest("a", [99], [8, 9], True, 0, 8)])
+    # Preempted (the worker is not told), then resumed with a new, shorter table and its whole
+    # token list (here: the prompt and token 99).
+    out = step(batch, 1, cached=[CachedRequest("a", list(range(1, 11)) + [99], [8, 9], True, 0,
+                                               8)])
     assert batch.block_table[row, :4].tolist() == [8, 9, 0, 0]
     assert out.attn_metadata.block_tables.tolist() == [[8, 9]]
     assert out.attn_metadata.slot_mapping.tolist() == [32, 33, 34, 35, 36, 37, 38, 39]
@@ -249,10 +252,13 @@ OPTIONS = st.sampled_from([
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), max_num_seqs=st.integers(1, 4), budget=st.integers(1, 12))
-def test_random_steps_equal_reference(data, max_num_seqs, budget):
+@given(data=st.data(), max_num_seqs=st.integers(1, 4), budget=st.integers(1, 12),
+       owns_tokens=st.booleans())
+def test_random_steps_equal_reference(data, max_num_seqs, budget, owns_tokens):
     """Arrivals (some with a prefix hit), chunked prefills, decodes, preemptions (resumed with a
-    new table), aborts and requests left out of a step; more requests than rows."""
+    new table and the whole token list), aborts and requests left out of a step; more requests
+    than rows. ``owns_tokens``: the batch appends each step's samples itself (the sampling
+    stage), else they come as the next step's new_token_ids (an earlier pipeline stage)."""
     max_model_len, num_kv_blocks = 20, 48
     batch = make_batch(max_num_seqs, max_model_len, budget, num_kv_blocks)
     held: dict[str, Held] = {}
@@ -283,7 +289,8 @@ def test_random_steps_equal_reference(data, max_num_seqs, budget):
                 new.append(NewRequest(r.request_id, list(r.tokens), r.sampling, list(r.blocks),
                                       r.computed, n))
             else:
-                cached.append(CachedRequest(r.request_id, r.tokens[r.sent:],
+                cached.append(CachedRequest(r.request_id,
+                                            list(r.tokens) if r.resumed else r.tokens[r.sent:],
                                             list(r.blocks) if r.resumed else added, r.resumed,
                                             r.computed, n))
             r.sent, r.resumed, r.computed = len(r.tokens), False, r.computed + n
@@ -296,16 +303,33 @@ def test_random_steps_equal_reference(data, max_num_seqs, budget):
                 event(name)
         order = apply_step(held, s)
         scheduled = batch.update(s)
-        if order:
-            check_prepared(batch.prepare(scheduled), held, order)
+        prepared = batch.prepare(scheduled) if order else None
+        if prepared is not None:
+            check_prepared(prepared, held, order)
         check_rows(batch)
         assert set(batch.requests) == set(held)
         if any(r.parked is not None for r in batch.requests.values()):
             event("parked")
+        samples = {}
         for rid, c, n in order:  # "sample" where a chunk reached the end of the token list
             r = next(r for r in sims if r.request_id == rid)
             if c + n == len(r.tokens):
-                r.tokens.append(data.draw(st.integers(3, V - 1), "sampled"))
-                if len(r.tokens) == max_model_len:
-                    sims.remove(r)
-                    finished.append(rid)
+                samples[rid] = data.draw(st.integers(3, V - 1), "sampled")
+                r.tokens.append(samples[rid])
+                if owns_tokens:
+                    held[rid].tokens.append(samples[rid])
+                    r.sent = len(r.tokens)
+        if owns_tokens and prepared is not None:
+            assert sorted(prepared.sampled_request_ids) == sorted(samples)
+            batch.append_sampled(prepared.sampled_rows,
+                                 [samples[rid] for rid in prepared.sampled_request_ids])
+            check_rows(batch)
+            for rid in samples:
+                row, n = batch.requests[rid].row, len(held[rid].tokens)
+                assert batch.token_ids[row, :batch.num_tokens[row]].tolist() == held[rid].tokens
+                assert batch.num_tokens[row] == n
+        for rid in samples:
+            r = next(r for r in sims if r.request_id == rid)
+            if len(r.tokens) == max_model_len:
+                sims.remove(r)
+                finished.append(rid)

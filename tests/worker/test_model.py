@@ -137,7 +137,8 @@ class _Req:
 def drive_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int,
                  token_budget: int = 64, arrivals: list[int] | None = None,
                  preempt: tuple[int, int] | None = None, seed: int = 0) -> list[list[int]]:
-    """Generate greedily through ``runner.execute_step`` like a vLLM-V1 scheduler would.
+    """Generate greedily through ``runner.execute_step`` like a vLLM-V1 scheduler would (the
+    runner keeps the tokens it samples; a resumed request is sent its whole token list).
 
     ``arrivals[i]``: step at which prompt i joins; ``preempt = (step, i)``: at that step request
     i loses its blocks and is recomputed from token 0 (resumed_from_preemption).
@@ -167,7 +168,8 @@ def drive_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: 
                 new.append(NewRequest(r.request_id, list(r.tokens), GREEDY, list(r.blocks),
                                       r.computed, n))
             else:
-                cached.append(CachedRequest(r.request_id, r.tokens[r.sent:],
+                cached.append(CachedRequest(r.request_id,
+                                            list(r.tokens) if r.resumed else r.tokens[r.sent:],
                                             list(r.blocks) if r.resumed else added, r.resumed,
                                             r.computed, n))
             r.seen, r.resumed, r.sent = True, False, len(r.tokens)
@@ -182,6 +184,7 @@ def drive_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: 
         for request_id, token in zip(out.request_ids, out.sampled_token_ids, strict=True):
             r = by_id[request_id]
             r.tokens.append(token)
+            r.sent = len(r.tokens)  # (the runner appended it)
             r.output.append(token)
             if len(r.output) == max_new_tokens:
                 r.done = True

@@ -1,0 +1,103 @@
+"""Async scheduling (the scheduler builds step N+1 while step N runs; the worker keeps its own
+sampled tokens) gives exactly the tokens of scheduling one step at a time, through the whole
+stack, at float32: greedy output equals transformers' with preemption, stop token ids, stop
+strings, max_tokens, n > 1, prefix-cache hits and aborts, with ``--async-scheduling`` (the
+default) and ``--no-async-scheduling``. PP=2 runs async-off by design (tests/parallel)."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pagedserve_client import Client
+from tests.stack.conftest import _leak_check, hf_greedy
+from tests.stack.test_equivalence import kv_bytes_per_block
+from tests.stack_harness import InProcessStack
+
+MAX_NEW = 24
+LENGTHS = [5, 9, 40, 300]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
+    return prompts, hf_greedy(tiny_model_dir, prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module", params=["async", "no-async"])
+def stack(request, tiny_model_dir):
+    # 24 blocks of 16 tokens: the four prompts cannot all run at once (preemption).
+    stack = InProcessStack(tiny_model_dir, worker_argv=[
+        "--dtype", "float32", "--kv-cache-memory", str(24 * kv_bytes_per_block(tiny_model_dir))],
+        scheduler_argv=["--max-num-batched-tokens", "512", "--max-model-len", "384",
+                        f"--{request.param}-scheduling"]).start()
+    yield stack
+    stack.stop()
+
+
+@pytest.fixture
+def tiny(stack):
+    yield stack
+    _leak_check(stack)
+
+
+def _greedy(address: str, ids: list[int], **kw):
+    with Client(address) as c:
+        return c.generate(prompt_token_ids=ids, temperature=0,
+                          **{"max_tokens": MAX_NEW, "ignore_eos": True, **kw})
+
+
+def test_greedy_with_preemption_equals_transformers(tiny, expected):
+    prompts, want = expected
+    before = tiny.stats().num_preemptions_total
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: _greedy(tiny.address, p).token_ids, prompts))
+    assert got == want
+    assert tiny.stats().num_preemptions_total > before
+
+
+def test_stop_token_ids_and_max_tokens_end_where_they_should(tiny, expected):
+    prompts, want = expected
+    ids, full = prompts[1], want[1]
+    stop = full[6]
+    cut = full.index(stop) + 1
+    r = _greedy(tiny.address, ids, stop_token_ids=[stop])
+    assert (r.token_ids, r.finish_reason) == (full[:cut], "stop")
+    r = _greedy(tiny.address, ids, max_tokens=3)
+    assert (r.token_ids, r.finish_reason) == (full[:3], "length")
+    r = _greedy(tiny.address, ids, max_tokens=1)
+    assert (r.token_ids, r.finish_reason) == (full[:1], "length")
+
+
+def test_a_stop_string_cuts_the_text(tiny, expected):
+    prompts, _ = expected
+    full = _greedy(tiny.address, prompts[2])
+    text = full.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert stop.strip(), text
+    r = _greedy(tiny.address, prompts[2], stop=[stop])
+    assert r.finish_reason == "stop" and r.text == text[:text.index(stop)]
+    assert r.token_ids == full.token_ids[:len(r.token_ids)]
+
+
+def test_greedy_choices_and_prefix_hits_repeat_the_tokens(tiny, expected):
+    prompts, want = expected
+    r = _greedy(tiny.address, prompts[2], n=3)
+    assert [c.token_ids for c in r.choices] == [want[2]] * 3
+    hits = tiny.stats().prefix_cache_hits_total
+    assert _greedy(tiny.address, prompts[2]).token_ids == want[2]
+    assert tiny.stats().prefix_cache_hits_total > hits
+
+
+def test_aborted_streams_leave_the_rest_exact(tiny, expected):
+    prompts, want = expected
+    with Client(tiny.address) as c:
+        for k in (1, 2, 5):
+            for i, _delta in enumerate(c.stream(prompt_token_ids=prompts[3], temperature=0,
+                                                max_tokens=MAX_NEW, ignore_eos=True)):
+                if i + 1 == k:
+                    break  # cancels the request
+    assert _greedy(tiny.address, prompts[0]).token_ids == want[0]
