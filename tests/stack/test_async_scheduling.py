@@ -6,6 +6,7 @@ default) and ``--no-async-scheduling``. PP=2 runs async-off by design (tests/par
 
 from __future__ import annotations
 
+import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,13 +28,35 @@ def expected(tiny_model_dir):
     return prompts, hf_greedy(tiny_model_dir, prompts, MAX_NEW)
 
 
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 @pytest.fixture(scope="module", params=["async", "no-async"])
 def stack(request, tiny_model_dir):
     # 24 blocks of 16 tokens: the four prompts cannot all run at once (preemption).
-    stack = InProcessStack(tiny_model_dir, worker_argv=[
-        "--dtype", "float32", "--kv-cache-memory", str(24 * kv_bytes_per_block(tiny_model_dir))],
-        scheduler_argv=["--max-num-batched-tokens", "512", "--max-model-len", "384",
-                        f"--{request.param}-scheduling"]).start()
+    logger, seen = logging.getLogger("services.scheduler.server"), _Messages()
+    level = logger.level
+    logger.addHandler(seen)
+    logger.setLevel(logging.INFO)
+    try:
+        stack = InProcessStack(tiny_model_dir, worker_argv=[
+            "--dtype", "float32", "--kv-cache-memory",
+            str(24 * kv_bytes_per_block(tiny_model_dir))],
+            scheduler_argv=["--max-num-batched-tokens", "512", "--max-model-len", "384",
+                            f"--{request.param}-scheduling"]).start()
+    finally:
+        logger.removeHandler(seen)
+        logger.setLevel(level)
+    # the scheduler runs the mode asked for (2 steps in flight with look-ahead, or 1 without)
+    want = ("scheduling: 2 steps in flight, async scheduling on" if request.param == "async"
+            else "scheduling: 1 steps in flight, async scheduling off")
+    assert want in seen.messages, seen.messages
     yield stack
     stack.stop()
 
