@@ -130,12 +130,12 @@ class CompiledForward:
         self.model = model
         self.key = artifact_key(model, backend.name, block_size)
         self.path = Path(inductor_cache_dir()) / "aot" / f"{self.key}.bin"
-        self._fn: Any = None  # (model, input_ids, positions, kv_caches, meta, hidden) -> [T, E]
+        self._fn: Any = None  # (model, input_ids, positions, kv_caches, metas, hidden) -> [T, E]
         self.compile_seconds: float | None = None
         self.source: str | None = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: list[Any],
                  hidden_states: torch.Tensor | None = None) -> torch.Tensor:
         """Run the compiled forward on ``T`` tokens (``input_ids``/``positions`` ``[T]``
         int64, ``hidden_states`` ``[T, E]`` or None); returns ``[T, E]``."""
@@ -215,23 +215,27 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> 
 def _mark_dynamic(args: tuple) -> None:
     """Mark the sizes that vary between steps dynamic on the example ``args`` (model,
     input_ids, positions, kv_caches, meta, hidden_states) before tracing."""
-    _, input_ids, positions, kv_caches, meta, hidden_states = args
-    for t in (input_ids, positions, meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
+    _, input_ids, positions, kv_caches, metas, hidden_states = args
+    for t in (input_ids, positions):
         torch._dynamo.mark_dynamic(t, 0)
-    torch._dynamo.mark_dynamic(meta.block_tables, [0, 1])
+    for meta in {id(m): m for m in metas}.values():  # one per KV cache group
+        for t in (meta.slot_mapping, meta.seq_lens, meta.query_start_loc):
+            torch._dynamo.mark_dynamic(t, 0)
+        torch._dynamo.mark_dynamic(meta.block_tables, [0, 1])
     if hidden_states is not None:
         torch._dynamo.mark_dynamic(hidden_states, 0)
     for cache in (c for layer in kv_caches for c in layer):  # any --kv-cache-memory
         torch._dynamo.mark_dynamic(cache, 0)
 
 
-def _pad(extra: int, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+def _pad(extra: int, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[Any],
          hidden_states: torch.Tensor | None) -> tuple:
     """Append ``extra`` padding tokens: id 0 at position 0, KV slot -1 (skipped), past the last
     sequence's query rows (so attention leaves their rows zero)."""
     def cat(t: torch.Tensor, value: int) -> torch.Tensor:
         return torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
 
-    meta = dataclasses.replace(meta, slot_mapping=cat(meta.slot_mapping, -1))
-    return (cat(input_ids, 0), cat(positions, 0), meta,
+    padded = {id(m): dataclasses.replace(m, slot_mapping=cat(m.slot_mapping, -1))
+              for m in metas}  # (layers of one KV cache group share one metadata object)
+    return (cat(input_ids, 0), cat(positions, 0), [padded[id(m)] for m in metas],
             None if hidden_states is None else cat(hidden_states, 0))

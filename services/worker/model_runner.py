@@ -263,7 +263,7 @@ class ModelRunner:
             received = ps.recv_from_prev_stage(
                 (batch.input_ids.shape[0], self.model.config.hidden_size), self.dtype)
         hidden = self.forward(batch.input_ids, batch.positions, self.kv_caches,
-                              batch.attn_metadata, received)  # [T, E]
+                              [batch.attn_metadata] * self.num_layers, received)  # [T, E]
         if ps and not ps.config.is_last_stage:
             ps.send_to_next_stage(hidden)
             return StepOutput(step.step_id, [], [])

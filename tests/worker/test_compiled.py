@@ -58,7 +58,7 @@ def test_compiled_forward_equals_eager_with_one_graph_for_every_step(tiny_llama,
         for step in _steps():
             prepared = batch.prepare(batch.update(step))
             args = (prepared.input_ids, prepared.positions, runner.kv_caches,
-                    prepared.attn_metadata)
+                    [prepared.attn_metadata] * runner.num_layers)
             compiled = runner.forward(*args)
             eager = runner.model(*args)
             assert compiled.shape == eager.shape == (prepared.input_ids.shape[0], 64)
@@ -112,7 +112,7 @@ from tests.worker.test_compiled import _steps
 with torch.inference_mode():
     for step in _steps():
         p = batch.prepare(batch.update(step))
-        args = (p.input_ids, p.positions, r.kv_caches, p.attn_metadata)
+        args = (p.input_ids, p.positions, r.kv_caches, [p.attn_metadata] * r.num_layers)
         torch.testing.assert_close(r.forward(*args), r.model(*args), rtol=1e-5, atol=1e-5)
 """
 

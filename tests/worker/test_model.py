@@ -45,7 +45,7 @@ def run_ours(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
         query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
         max_query_len=num_tokens, max_seq_len=num_tokens)
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(token_ids), positions, caches, meta))
+        return model.compute_logits(model(torch.tensor(token_ids), positions, caches, [meta] * len(caches)))
 
 
 VARIANTS = {

@@ -53,6 +53,12 @@ class LlamaConfig:
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
 
+    @property
+    def sliding_windows(self) -> list[int]:
+        """Per layer (global index), the tokens its queries attend back over, themselves
+        included; 0 = full attention. What the worker groups its KV cache by."""
+        return [0] * self.num_hidden_layers
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
         """Build from a ``config.json`` dict (transformers 4 ``rope_theta``/``rope_scaling`` or
@@ -213,7 +219,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                attn_metadata: Any, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+                attn_metadata: list[Any], hidden_states: torch.Tensor | None = None,
+                ) -> torch.Tensor:
         """Run ``T`` tokens through the decoder, writing their K/V into ``kv_caches``.
 
         Args:
@@ -221,7 +228,9 @@ class LlamaForCausalLM(nn.Module):
             positions: ``[T]`` int64 position of each token in its sequence.
             kv_caches: per layer ``(k_cache, v_cache)``, each
                 ``[num_blocks, block_size, K, D]`` in the model dtype.
-            attn_metadata: ``AttentionMetadata`` of this step (slot mapping, block tables, ...).
+            attn_metadata: per layer, the ``AttentionMetadata`` of this step (slot mapping,
+                block tables, ...) of the layer's KV cache group; layers of one group share
+                one object.
             hidden_states: ``[T, E]`` the previous pipeline stage's output, used instead of
                 embedding ``input_ids`` (``services/worker/parallel.py`` splits the layers).
         Returns:
@@ -229,8 +238,8 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # [T, E]
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.inv_freq, kv_cache, attn_metadata)
+        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
+            x, residual = layer(x, residual, positions, self.inv_freq, kv_cache, meta)
         # NOTE: the final add is not fused into the norm, so that a pipeline stage before the
         # last (norm = Identity) hands on the plain residual stream; one [T, E] add per step.
         return self.norm(x if residual is None else x + residual)
