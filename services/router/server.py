@@ -271,6 +271,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file whose tokenizer to use "
                   "(default: packaged SmolLM2-135M-Instruct)")
+    add_flag(p, "--chat-template", default=None,
+             help="Jinja chat template file (or the template text itself) used for chat "
+                  "requests instead of the model's own, e.g. for a base model that has none")
     add_flag(p, "--max-stream-buffer", type=int_in(1), default=DEFAULT_MAX_STREAM_BUFFER,
              help="responses buffered per streaming call while its client does not read; "
                   "past it the call fails with RESOURCE_EXHAUSTED and its engine requests are "
@@ -290,7 +293,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
     """Load the tokenizer, connect to the scheduler, and serve until stopped."""
-    tokenizer = await asyncio.to_thread(load_tokenizer, args.model)
+    tokenizer = await asyncio.to_thread(load_tokenizer, args.model, args.chat_template)
     tls = tls_from_args(args)
     api_keys = getattr(args, "api_key", None)
     server, port, health = await new_server(

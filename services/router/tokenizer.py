@@ -48,8 +48,14 @@ _CONVERT_SCRIPT = (
 )
 
 
-def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
+def load_tokenizer(model: str | None, chat_template: str | None = None,
+                   ) -> PreTrainedTokenizerFast:
     """Load the tokenizer of ``--model`` (None or "" is the packaged default, SmolLM2).
+
+    Args:
+        chat_template: ``--chat-template``: a Jinja template file, or the template text itself
+            (vLLM's rule: a value that is not a file but has a ``{`` or a newline is the
+            template), used instead of the model's own (e.g. for a base model that has none).
 
     Raises:
         FileNotFoundError: no such model (see ``resolve_model``), or a model without a
@@ -60,6 +66,7 @@ def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
         ValueError: the folder only has a slow (pure-Python) tokenizer, or one that needs
             sentencepiece / tiktoken to be converted.
     """
+    template = read_chat_template(chat_template) if chat_template else None
     source = resolve_model(model)
     if source.is_gguf:
         cache = source.cache_dir("tokenizer")
@@ -84,7 +91,24 @@ def load_tokenizer(model: str | None) -> PreTrainedTokenizerFast:
     if not isinstance(tokenizer, PreTrainedTokenizerFast):
         raise ValueError(f"{source.path}: no fast tokenizer (tokenizer.json) found, got "
                          f"{type(tokenizer).__name__}")
+    if template is not None:
+        tokenizer.chat_template = template
     return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """The text of a ``--chat-template`` value: the file's contents, or ``value`` itself when it
+    is not a file but looks like a template (has ``{`` or a newline), as vLLM reads it.
+
+    Raises:
+        FileNotFoundError: neither a file nor template text (naming ``--chat-template``).
+    """
+    if os.path.isfile(value):
+        return Path(value).read_text()
+    if "{" in value or "\n" in value:
+        return value
+    raise FileNotFoundError(f"--chat-template {value!r}: no such file (pass a Jinja template "
+                            "file, or the template text itself)")
 
 
 def install_atomically(target: Path, fill: Callable[[Path], None]) -> None:
@@ -163,7 +187,8 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict], *,
         raise invalid("chat.messages is empty")
     messages = validate_messages(messages)
     if not tokenizer.chat_template:
-        raise invalid("this model has no chat template: send a plain prompt instead")
+        raise invalid("this model has no chat template (a base model?): send a plain prompt "
+                      "(/v1/completions), or start the router with --chat-template FILE")
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)

@@ -191,7 +191,8 @@ def test_encode_chat_does_not_double_the_bos():
     (tiny_bos_tokenizer, [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "x"}],
      r"messages\[1\]\.role must be one of system, developer, user, assistant, tool, "
      r"function, got 'wizard'"),
-    (tiny_sentencepiece_tokenizer, [{"role": "user", "content": "hi"}], "no chat template"),
+    (tiny_sentencepiece_tokenizer, [{"role": "user", "content": "hi"}],
+     "no chat template .*--chat-template FILE"),
 ])
 def test_encode_chat_errors(tok, messages, match):
     with pytest.raises(RequestError, match=match) as e:
@@ -206,3 +207,27 @@ def test_encode_chat_template_exception_is_invalid_argument():
                       "{{ raise_exception('conversation must start with user') }}{% endif %}x")
     with pytest.raises(RequestError, match="must start with user"):
         encode_chat(tok, [{"role": "assistant", "content": "hi"}])
+
+
+@pytest.mark.parametrize("as_file", [True, False])
+def test_chat_template_flag_gives_a_base_model_a_template(tmp_path, as_file):
+    """``--chat-template`` (a file, or the template text itself, as vLLM reads it) renders chat
+    for a model without a template of its own."""
+    model = tmp_path / "model"
+    tiny_sentencepiece_tokenizer().save_pretrained(str(model))
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}a:"
+    value = template
+    if as_file:
+        (tmp_path / "chat.jinja").write_text(template)
+        value = str(tmp_path / "chat.jinja")
+    with pytest.raises(RequestError, match="--chat-template"):
+        encode_chat(load_tokenizer(str(model)), [{"role": "user", "content": "hi"}])
+    tok = load_tokenizer(str(model), chat_template=value)
+    ids = encode_chat(tok, [{"role": "user", "content": "hello"}])
+    assert tok.decode(ids) == "user: hello\na:"
+
+
+def test_chat_template_flag_naming_no_file_is_refused(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--chat-template 'nope.jinja': no such file"):
+        load_tokenizer(None, chat_template="nope.jinja")
