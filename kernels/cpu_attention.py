@@ -11,9 +11,11 @@ through the block table (no gather of the context, no padding), holds the G quer
 head together (GQA: one K/V load for all of them), and keeps a float32 online softmax
 (FlashAttention-2, Dao 2023). Decode-sized tiles read the blocks in place with vectorized
 loops; prefill tiles (>= 16 rows per KV head) copy 256 keys at a time into a float32 buffer and
-run Q K^T and P V as GEMMs. Long contexts at small batch are split over KV ranges and merged
-(flash-decoding, Dao et al. 2023). The block-table cache is PagedAttention (Kwon et al., SOSP
-2023). ``kernels/csrc/cpu_paged_attention.cpp`` has the details.
+run Q K^T and P V as GEMMs. With a sliding window an item's keys start at the block of its
+first row's window, so out-of-window blocks are skipped (never read). Long contexts at small
+batch are split over KV ranges and merged (flash-decoding, Dao et al. 2023). The block-table
+cache is PagedAttention (Kwon et al., SOSP 2023). ``kernels/csrc/cpu_paged_attention.cpp`` has
+the details.
 
 Instruction sets: the hot loop is compiled for AVX-512, AVX2+FMA and the baseline, and the best
 the CPU has runs; ``PAGEDSERVE_CPU_ISA=scalar|avx2|avx512|auto`` forces a lower one (read at
@@ -82,11 +84,14 @@ def cpu_paged_attention(
     scale: float,
     plan: object = None,
     num_splits: int = 0,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal paged attention of each sequence's query tokens over its whole context.
+    """Causal paged attention of each sequence's query tokens over its context.
 
-    Query token ``j`` of sequence ``i`` sits at position ``seq_lens[i] - query_len_i + j`` and
-    attends to key positions ``0 ..`` that position, read through ``block_tables[i]``.
+    Query token ``j`` of sequence ``i`` sits at position ``p = seq_lens[i] - query_len_i + j``
+    and attends to key positions ``0 .. p`` (``sliding_window`` 0), or ``max(0, p - W + 1) ..
+    p`` for a sliding window ``W > 0`` (Beltagy et al. 2020, "Longformer"; Jiang et al. 2023,
+    "Mistral 7B"; transformers' ``kv_idx > q_idx - W``), read through ``block_tables[i]``.
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype`` (float32, bfloat16 or
     float16; the caches must have the same dtype; softmax and accumulation in float32). Rows of
@@ -100,13 +105,17 @@ def cpu_paged_attention(
             (never more than the range has blocks).
         max_query_len, max_seq_len: accepted for the common signature; the kernel reads the
             lengths themselves.
+        sliding_window: 0 = full causal attention; ``W > 0`` = each query sees its last W
+            positions (itself included), and only the blocks holding them are read.
 
     Requires every ``seq_len >= query_len >= 0`` and ``block_tables.shape[1] * block_size >=
-    seq_len``; table entries past a sequence's last block may hold anything (never read).
+    seq_len``; table entries past a sequence's last block, and (with a sliding window) those of
+    blocks wholly before every query's window (block ``j`` with ``(j + 1) * block_size <=
+    context_len - W + 1``), may hold anything: -1, an id past the cache (never read).
 
     Raises:
         ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, mismatched shapes or
-            dtypes, ``query_len > seq_len``.
+            dtypes, ``query_len > seq_len``, ``sliding_window < 0``.
         IndexError: a used block-table entry outside ``[0, num_blocks)``, or a table too short
             for ``seq_len``.
     """
@@ -118,7 +127,7 @@ def cpu_paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ops().paged_attention(
         out, query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens),
-        _int32(query_start_loc), float(scale), int(num_splits))
+        _int32(query_start_loc), float(scale), int(num_splits), int(sliding_window))
     return out
 
 

@@ -2,7 +2,8 @@
 //
 // Ops (namespace `pagedserve`, see TORCH_LIBRARY at the bottom for the schemas):
 //   paged_attention(out!, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-//                   scale, num_splits=0)   one varlen kernel: decode, chunked prefill and
+//                   scale, num_splits=0, sliding_window=0)
+//                                          one varlen kernel: decode, chunked prefill and
 //                                          prefix-hit tails in one call
 //   reshape_and_cache(key, value, k_cache!, v_cache!, slot_mapping)
 //   cpu_isa() -> str                       the instruction-set path the kernels run now
@@ -22,7 +23,12 @@
 // range THROUGH THE BLOCK TABLE (no gather, no padded copy) with the online softmax of
 // FlashAttention-2 (Dao 2023): per row a running max m, sum l and float32 accumulator acc,
 // rescaled by exp(m_old - m_new). Keys past a row's causal limit (position context_len + j)
-// add nothing; keys past the tile's last row are never read. Two inner paths:
+// add nothing; keys past the tile's last row are never read.
+// Sliding window W > 0 (Beltagy et al. 2020, "Longformer"; Jiang et al. 2023, "Mistral 7B"):
+// the row at position q sees keys max(0, q - W + 1) .. q only. An item's key range then starts
+// at the block holding its first row's window start, so blocks wholly before every window of
+// the tile are never read (their block-table entries may be -1 or any id) and the work is
+// O(W) per row, not O(position). Two inner paths:
 //   - decode-sized tiles (query tokens * G < 16 rows per KV head): one item covers every KV
 //     head, walks block by block (one sequential pass over each block, the next block
 //     prefetched), dot products and axpys vectorized over head_dim;
@@ -211,13 +217,15 @@ struct AttnParams {
   int64_t bt_stride;
   int64_t block_size, head_dim, group;  // group = num_heads / num_kv_heads
   float scale;
+  int64_t window;   // sliding window in keys, 0 = full causal attention
   float* partials;  // split workspace, (m, l, acc[head_dim]) per row and split
 };
 
 // One (sequence, query tile, KV heads kv_head .. kv_head + num_kv - 1, KV split). With
 // hg = num_kv * group query heads per token, row m of the item is query token m / hg of the
 // tile and query head kv_head * group + m % hg (KV head kv_head + (m % hg) / group); it sees
-// key positions [key_begin, min(key_end, first_pos + m / hg + 1)). Prefill tiles (GEMM path)
+// key positions [max(key_begin, q - W + 1), min(key_end, q + 1)), q = first_pos + m / hg (no
+// lower limit but key_begin without a sliding window W). Prefill tiles (GEMM path)
 // take one KV head per item; decode-sized tiles take every KV head, so an item reads each
 // cache block (all heads of a token are adjacent) in one sequential pass.
 struct WorkItem {
@@ -324,12 +332,17 @@ PS_INLINE void attend_chunks_gemm(const AttnParams& p, const WorkItem& it, Scrat
     float* scores = s.scores.data();
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = scores + r * n;
-      const int64_t valid = std::min(n, it.first_pos + r / g - start + 1);  // causal
-      if (valid <= 0) {
+      const int64_t q_pos = it.first_pos + r / g;
+      const int64_t valid = std::min(n, q_pos - start + 1);  // causal
+      // sliding window: keys before q_pos - W + 1 weigh nothing
+      const int64_t skip = p.window > 0 ? std::max<int64_t>(0, q_pos - p.window + 1 - start) : 0;
+      if (valid <= skip) {
         std::fill(sr, sr + n, 0.0f);
         continue;
       }
-      softmax_update(sr, valid, n, s.m.data() + r, s.l.data() + r, s.acc.data() + r * d, d);
+      std::fill(sr, sr + skip, 0.0f);
+      softmax_update(sr + skip, valid - skip, n - skip, s.m.data() + r, s.l.data() + r,
+                     s.acc.data() + r * d, d);
     }
     acct.addmm_(st, vt);
   }
@@ -390,11 +403,16 @@ PS_INLINE void attend_blocks_loop(const AttnParams& p, const WorkItem& it, Scrat
                                   p.v_stride_tok, n, d, s.vbuf.data(), &vs);
       for (int64_t r = h * g; r < rows; r += (r % g == g - 1) ? hg - g + 1 : 1) {
         // rows of KV head h: h*g .. h*g+g-1 of every token; this row's token is r / hg and it
-        // may see positions start .. first_pos + r / hg of the block (causal)
-        const int64_t valid = std::min(n, it.first_pos + r / hg - start + 1);
-        if (valid <= 0) continue;
-        attend_row_block(s.q.data() + r * d, k, ks, v, vs, valid, d, s.scores.data() + r * bs,
-                         s.m.data() + r, s.l.data() + r, s.acc.data() + r * d);
+        // may see block offsets skip .. valid - 1: positions up to q_pos (causal) and, with a
+        // sliding window W, from q_pos - W + 1
+        const int64_t q_pos = it.first_pos + r / hg;
+        const int64_t valid = std::min(n, q_pos - start + 1);
+        const int64_t skip =
+            p.window > 0 ? std::max<int64_t>(0, q_pos - p.window + 1 - start) : 0;
+        if (valid <= skip) continue;
+        attend_row_block(s.q.data() + r * d, k + skip * ks, ks, v + skip * vs, vs, valid - skip,
+                         d, s.scores.data() + r * bs, s.m.data() + r, s.l.data() + r,
+                         s.acc.data() + r * d);
       }
     }
   }
@@ -457,7 +475,7 @@ void merge_group(const AttnParams& p, const MergeGroup& mg) {
     std::fill(acc.begin(), acc.end(), 0.0f);
     for (int32_t sp = 0; sp < mg.num_splits; ++sp) {
       const float* pr = first + sp * split_stride;
-      if (pr[1] == 0.0f) continue;  // a split this row sees no key of (causal)
+      if (pr[1] == 0.0f) continue;  // a split this row sees no key of (causal, window)
       const float w = std::exp(pr[0] - m);
       l += w * pr[1];
       for (int64_t i = 0; i < d; ++i) acc[i] += w * pr[2 + i];
@@ -517,7 +535,7 @@ void check_cache(const at::Tensor& c, const char* name) {
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     int64_t num_splits) {
+                     int64_t num_splits, int64_t sliding_window) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache ", k_cache.sizes(),
@@ -551,6 +569,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                     "seq_lens [num_seqs], query_start_loc [num_seqs + 1] and block_tables "
                     "[num_seqs, max_blocks] disagree");
   TORCH_CHECK_VALUE(num_splits >= 0, "num_splits must be >= 0 (0 = auto), got ", num_splits);
+  TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = full), got ",
+                    sliding_window);
+  const int64_t window = sliding_window;
+  // First key position the tile starting at position first_pos reads (its first row's window
+  // start, 0 without a window); the keys of every later row start at or after it.
+  const auto window_start = [window](int64_t first_pos) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, first_pos - window + 1) : 0;
+  };
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -572,7 +598,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     const int64_t nb = (sl + bs - 1) / bs;
     TORCH_CHECK_INDEX(nb <= max_blocks, "sequence ", i, ": seq_len ", sl, " needs ", nb,
                       " blocks, block_tables has ", max_blocks);
-    for (int64_t b = 0; b < nb; ++b) {
+    // blocks wholly before every window of the sequence are never read: any entry is fine
+    for (int64_t b = window_start(sl - ql) / bs; b < nb; ++b) {
       const int32_t id = tables[i * bt_stride + b];
       TORCH_CHECK_INDEX(id >= 0 && id < num_blocks, "sequence ", i, ": block_tables[", i, ", ",
                         b, "] = ", id, " is not a block id in [0, ", num_blocks, ")");
@@ -603,9 +630,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       const int32_t count = static_cast<int32_t>(std::min(tile, ql - j0));
       const int64_t first_pos = sl - ql + j0;
       const int64_t key_end = first_pos + count;  // the tile's last row sees up to here
-      const int64_t nblocks = (key_end + bs - 1) / bs;
+      const int64_t block0 = window_start(first_pos) / bs;  // the tile's first block read
+      const int64_t nblocks = (key_end + bs - 1) / bs - block0;
       int64_t splits = std::min(want, nblocks);
-      if (num_splits == 0) splits = std::min(splits, std::max<int64_t>(1, key_end / kMinSplitKeys));
+      if (num_splits == 0) {
+        splits = std::min(splits, std::max<int64_t>(1, (key_end - block0 * bs) / kMinSplitKeys));
+      }
       const int64_t per_split = (nblocks + splits - 1) / splits;  // blocks
       splits = (nblocks + per_split - 1) / per_split;             // no empty split
       // KV heads per item: one for the GEMM path, all of them for the vector loops
@@ -618,8 +648,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
           WorkItem it;
           it.q_row = qsl[i] + j0;
           it.first_pos = first_pos;
-          it.key_begin = sp * per_split * bs;
-          it.key_end = std::min(key_end, (sp + 1) * per_split * bs);
+          it.key_begin = (block0 + sp * per_split) * bs;
+          it.key_end = std::min(key_end, (block0 + (sp + 1) * per_split) * bs);
           it.partial = splits > 1 ? group_partial + sp * rows_floats : -1;
           it.seq = static_cast<int32_t>(i);
           it.kv_head = static_cast<int32_t>(h);
@@ -657,6 +687,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.head_dim = d;
   p.group = g;
   p.scale = static_cast<float>(scale);
+  p.window = window;
   at::Tensor workspace;
   if (partial_floats > 0) {
     workspace = at::empty({partial_floats}, query.options().dtype(at::kFloat));
@@ -752,7 +783,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-      "int num_splits=0) -> ()");
+      "int num_splits=0, int sliding_window=0) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");
@@ -769,7 +800,8 @@ TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
 TORCH_LIBRARY_IMPL(pagedserve, Meta, m) {
   m.impl("paged_attention",
          [](at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t) {});
+            const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+            int64_t) {});
   m.impl("reshape_and_cache", [](const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
                                  const at::Tensor&) {});
 }

@@ -16,7 +16,13 @@ import torch
 
 from kernels import reference_paged_attention, reference_reshape_and_cache
 from kernels.cpu_attention import ISA_ENV, cpu_isa, cpu_paged_attention, cpu_reshape_and_cache
-from tests.kernels.test_paged_attention import CASES, TOLERANCES
+from tests.kernels.test_paged_attention import (
+    CASES,
+    TOLERANCES,
+    WINDOW_CASES,
+    WINDOWS,
+    poison_out_of_window,
+)
 from tests.kernels.test_paged_attention import make_batch as _make_batch
 
 ISA_ORDER = ["scalar", "avx2", "avx512"]
@@ -181,12 +187,76 @@ def test_cache_past_2_31_elements_uses_64_bit_offsets(isa):
         cpu_reshape_and_cache(key, value, k_cache, v_cache, blocks * block_size + pos % block_size)
         assert torch.equal(k_cache[blocks, pos % block_size], key)
         assert torch.equal(v_cache[blocks, pos % block_size], value)
-    batch = dict(query=torch.randn(6, 3, head_dim, dtype=torch.bfloat16), k_cache=k_cache,
-                 v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
-                 query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32),
-                 max_query_len=5, max_seq_len=40, scale=head_dim**-0.5)
+    batch = {"query": torch.randn(6, 3, head_dim, dtype=torch.bfloat16), "k_cache": k_cache,
+             "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens,
+             "query_start_loc": torch.tensor([0, 5, 6], dtype=torch.int32),
+             "max_query_len": 5, "max_seq_len": 40, "scale": head_dim**-0.5}
     for num_splits in (1, 2):
         check(cpu_paged_attention(**batch, num_splits=num_splits), batch)
+
+
+# --- sliding window: query p sees keys p - W + 1 .. p; blocks before every window unread ---
+
+
+@pytest.mark.parametrize("entry", [-1, 2**30, None], ids=["minus1", "huge", "nan_blocks"])
+@pytest.mark.parametrize("splits", list(SPLITS))
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_sliding_window_matches_reference_and_skips_out_of_window_blocks(
+        isa, case, sliding_window, splits, entry):
+    """Blocks wholly before every window hold NaN K/V and (minus1, huge) a table entry that is
+    no block id (the kernel validates the entries it reads, so reading one would raise)."""
+    batch = make_batch(WINDOW_CASES[case], num_heads=6, num_kv_heads=2)
+    garble_unused(batch)
+    poison_out_of_window(batch, sliding_window, entry)
+    out = cpu_paged_attention(**batch, num_splits=SPLITS[splits], sliding_window=sliding_window)
+    assert torch.isfinite(out).all()
+    check(out, {**batch, "sliding_window": sliding_window})
+
+
+@pytest.mark.parametrize("sliding_window", [1, 7, 16, 40, 100])
+@pytest.mark.parametrize(("num_queries_per_kv", "block_size"), GQA_BLOCK_SIZES)
+def test_sliding_window_gqa_and_block_sizes(isa, num_queries_per_kv, block_size,
+                                            sliding_window):
+    """Both inner paths (vector loops for decode-sized tiles, GEMMs for >= 16 rows) with windows
+    inside a block, across a block boundary and over several blocks."""
+    batch = make_batch(WINDOW_CASES["mixed"] + [(70, 150), (2, 130)],
+                       num_heads=2 * num_queries_per_kv, num_kv_heads=2, block_size=block_size)
+    poison_out_of_window(batch, sliding_window, -1)
+    out = cpu_paged_attention(**batch, sliding_window=sliding_window)
+    check(out, {**batch, "sliding_window": sliding_window})
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 32])
+@pytest.mark.parametrize("sliding_window", [100, 256, 600, 5000])
+def test_sliding_window_split_kv(isa, sliding_window, num_splits):
+    """Long contexts split over KV ranges of the window only (the splits start at the window's
+    first block), beside a 130-row prefill tile whose rows' windows start in different splits."""
+    batch = make_batch([(1, 1328), (1, 17), (130, 900), (4, 700)], num_heads=9, num_kv_heads=3)
+    assert poison_out_of_window(batch, sliding_window, 2**30) or sliding_window == 5000
+    out = cpu_paged_attention(**batch, num_splits=num_splits, sliding_window=sliding_window)
+    check(out, {**batch, "sliding_window": sliding_window})
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("sliding_window", [5, 40])
+def test_sliding_window_low_precision(isa, sliding_window, dtype):
+    batch = make_batch(WINDOW_CASES["mixed"] + [(40, 100)], num_heads=6, num_kv_heads=2,
+                       dtype=dtype)
+    poison_out_of_window(batch, sliding_window, -1)
+    out = cpu_paged_attention(**batch, sliding_window=sliding_window)
+    check(out, {**batch, "sliding_window": sliding_window})
+
+
+def test_sliding_window_still_checks_in_window_blocks_and_rejects_negative():
+    batch = make_batch([(1, 37)])
+    batch["block_tables"][0, 0] = -1  # out of a 5-token window: fine
+    cpu_paged_attention(**batch, sliding_window=5)
+    batch["block_tables"][0, 2] = -1  # the block holding position 36: read, so checked
+    with pytest.raises(IndexError, match="block_tables"):
+        cpu_paged_attention(**batch, sliding_window=5)
+    with pytest.raises(ValueError, match="sliding_window"):
+        cpu_paged_attention(**make_batch([(1, 37)]), sliding_window=-1)
 
 
 # --- reshape_and_cache -----------------------------------------------------------------------
@@ -278,6 +348,7 @@ def test_ops_are_registered_with_mutation_schemas():
             batch["v_cache"], batch["block_tables"], batch["seq_lens"],
             batch["query_start_loc"], batch["scale"], 0)
     torch.library.opcheck(attn, args, test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(attn, (*args, 5), test_utils=("test_schema", "test_faketensor"))
     slots = torch.tensor([3, -1, 40])
     write_args = (torch.randn(3, 2, 64), torch.randn(3, 2, 64), batch["k_cache"],
                   batch["v_cache"], slots)
