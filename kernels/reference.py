@@ -2,8 +2,9 @@
 
 The spec the production paths (``torch_attention``, ``triton_attention``) are tested against; never
 used to serve. One Python loop per sequence: gather that sequence's K/V through its block table,
-build the causal mask, repeat K/V heads for GQA, softmax in float64, cast back. The index
-arithmetic (context_len / query_len / seq_len) is drawn in ``kernels/__init__.py``.
+build the causal (optionally sliding-window) mask, repeat K/V heads for GQA, softmax in float64,
+cast back. The index arithmetic (context_len / query_len / seq_len) is drawn in
+``kernels/__init__.py``.
 """
 
 import torch
@@ -38,14 +39,24 @@ def reference_paged_attention(
     max_query_len: int,
     max_seq_len: int,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal paged attention of each sequence's query tokens over its whole context.
+    """Causal paged attention of each sequence's query tokens over its context.
+
+    ``sliding_window`` ``W``: 0 = full causal attention (the query at position ``p`` attends
+    keys ``0 .. p``); ``W > 0`` = sliding-window attention (Beltagy et al. 2020, "Longformer";
+    Jiang et al. 2023, "Mistral 7B"): keys ``max(0, p - W + 1) .. p``, W keys with itself
+    included (transformers' sliding mask ``kv_idx > q_idx - W``). Only the positions from the
+    first query's window start ``max(0, context_len - W + 1)`` on are gathered, so block-table
+    entries of blocks wholly before it are never read (they may hold -1 or any id).
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype``; rows of tokens past
     ``query_start_loc[-1]`` (padding) are zero. ``max_query_len``/``max_seq_len`` are only
     checked, as bounds. Raises ``ValueError`` if ``num_heads`` is not a multiple of
-    ``num_kv_heads`` or a sequence has ``query_len > seq_len``.
+    ``num_kv_heads``, a sequence has ``query_len > seq_len`` or ``sliding_window < 0``.
     """
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window {sliding_window} < 0")
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -60,16 +71,19 @@ def reference_paged_attention(
                 f"sequence {i}: query_len {query_len}, seq_len {seq_len} out of bounds")
         if query_len == 0:
             continue
-        pos = torch.arange(seq_len, device=query.device)
+        first = max(0, seq_len - query_len - sliding_window + 1) if sliding_window else 0
+        pos = torch.arange(first, seq_len, device=query.device)  # the key positions read
         blocks = block_tables[i, pos // block_size].long()
-        k = k_cache[blocks, pos % block_size].double()  # [seq_len, num_kv_heads, head_dim]
+        k = k_cache[blocks, pos % block_size].double()  # [num_keys, num_kv_heads, head_dim]
         v = v_cache[blocks, pos % block_size].double()
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, num_heads, head_dim]
-        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [num_keys, ...]
         q = query[start:end].double()  # [query_len, num_heads, head_dim]
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, query_len, seq_len]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, query_len, num_keys]
         q_pos = seq_len - query_len + torch.arange(query_len, device=query.device)
-        causal = pos[None, :] <= q_pos[:, None]  # [query_len, seq_len]
+        causal = pos[None, :] <= q_pos[:, None]  # [query_len, num_keys]
+        if sliding_window:
+            causal &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~causal, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)

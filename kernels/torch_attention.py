@@ -1,20 +1,22 @@
 """Paged attention and KV-cache write in batched torch: the CPU production path.
 
-No Python loop over requests. A step's attention is planned once (``plan_paged_attention``, all
-the index arithmetic) and every layer reuses the plan:
+No Python loop over requests. A step's attention is planned once per sliding window
+(``plan_paged_attention``, all the index arithmetic) and every layer with that window reuses
+the plan:
 
 1. split the sequences into decode (``query_len == 1``) and prefill (``query_len > 1``: prompts,
    chunked-prefill chunks, prefix-cache hits), and bucket each so that padding stays bounded:
-   decode by ``seq_len`` (at most ``DECODE_PADDING_FACTOR`` times the real keys), prefill by
+   decode by number of keys (at most ``DECODE_PADDING_FACTOR`` times the real keys), prefill by
    ``query_len`` (at most ``MAX_PADDING_FACTOR`` times the real query rows);
 2. per layer and bucket, gather the K/V through the block tables into padded
-   ``[b, S, Hkv, D]`` tensors with one ``index_select`` each, into a reused workspace (positions
-   past ``seq_len`` read the sequence's own token 0, which is always written, so padding is
-   finite and masked);
+   ``[b, S, Hkv, D]`` tensors with one ``index_select`` each, into a reused workspace (keys
+   past ``seq_len`` read the sequence's first gathered key, which is always written, so
+   padding is finite and masked); with a sliding window only the keys some query's window
+   holds are gathered;
 3. run ONE ``scaled_dot_product_attention`` call per bucket: decode with a key-padding mask,
-   prefill with key padding plus causal with per-row offset ``context_len``; GQA by
-   ``enable_gqa`` (or, for 16-bit decode, by packing the G query heads of a KV head as G query
-   rows);
+   prefill with key padding plus causal with per-row offset ``context_len`` (and the sliding
+   window, if any); GQA by ``enable_gqa`` (or, for 16-bit decode, by packing the G query heads
+   of a KV head as G query rows);
 4. write the rows back into the flat ``[num_tokens, num_heads, head_dim]`` output.
 
 The index arithmetic (context_len / query_len / seq_len) is drawn in ``kernels/__init__.py``.
@@ -119,19 +121,30 @@ def torch_paged_attention(
     max_seq_len: int,
     scale: float,
     plan: "AttentionPlan | None" = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal paged attention of each sequence's query tokens over its whole context.
+    """Causal paged attention of each sequence's query tokens over its context.
+
+    ``sliding_window`` ``W``: 0 = full causal attention (the query at position ``p`` attends
+    keys ``0 .. p``); ``W > 0`` = sliding-window attention (Beltagy et al. 2020, "Longformer";
+    Jiang et al. 2023, "Mistral 7B"): keys ``max(0, p - W + 1) .. p`` (W keys, itself
+    included; transformers' ``kv_idx > q_idx - W``). Only keys from ``max(0, context_len - W +
+    1)`` on are gathered, so block-table entries of blocks wholly before every query's window
+    (block ``j`` with ``(j + 1) * block_size <= context_len - W + 1``) are never read: they may
+    hold -1 or any id.
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype`` (SDPA accumulates in
     fp32 for bf16/fp16 inputs). Rows of tokens past ``query_start_loc[-1]`` (padding) are zero.
 
-    ``plan`` is ``plan_paged_attention``'s result for these same metadata tensors; the model
-    builds it once per step and every layer reuses it (built here when None).
+    ``plan`` is ``plan_paged_attention``'s result for these same metadata tensors and this
+    ``sliding_window``; the model builds it once per step and window, and every layer with that
+    window reuses it (built here when None).
 
     Requires ``max_query_len >= max(query_len)``, ``max_seq_len >= max(seq_len)``,
     ``block_tables.shape[1] * block_size >= max_seq_len``, every ``seq_len >= query_len >= 1``
     for sequences in the batch; unused block-table entries may hold anything. Raises
-    ``ValueError`` if ``num_heads`` is not a multiple of ``num_kv_heads``.
+    ``ValueError`` if ``num_heads`` is not a multiple of ``num_kv_heads``, ``sliding_window <
+    0`` or ``plan`` was made for another window.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -139,7 +152,10 @@ def torch_paged_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if plan is None:
         plan = plan_paged_attention(block_tables, seq_lens, query_start_loc, max_query_len,
-                                    max_seq_len, k_cache.shape[1])
+                                    max_seq_len, k_cache.shape[1], sliding_window)
+    elif plan.sliding_window != sliding_window:
+        raise ValueError(f"plan made for sliding_window {plan.sliding_window}, "
+                         f"called with {sliding_window}")
     gqa = num_heads != num_kv_heads
     # NOTE: rows of padding tokens (past query_start_loc[-1]) are zeroed; a pure-decode step
     # without padding writes every row and skips the fill.
@@ -181,10 +197,13 @@ class AttentionGroup:
     Attributes:
         rows: decode ``[b]`` int64, the token row of each sequence's query; prefill ``[b, Lq]``
             int64, the token row of each padded query row (padding repeats the first row).
-        slots: ``[b, S]`` int64, the KV-cache slot of each key position; positions past a
-            sequence's ``seq_len`` read its token 0 (always written, so finite, and masked).
+        slots: ``[b, S]`` int64, the KV-cache slot of each gathered key: key ``k`` of a
+            sequence is position ``first + k`` (``first`` = its first query's window start, 0
+            without a sliding window); keys past its ``seq_len`` read position ``first``
+            (always written, so finite, and masked).
         mask: ``[b, 1, 1, S]`` (decode: key padding) or ``[b, 1, Lq, S]`` (prefill: causal with
-            the row's ``context_len`` offset, plus key padding) bool, True = attend.
+            the row's ``context_len`` offset, the sliding window if any, plus key padding)
+            bool, True = attend.
         q_valid: prefill ``[b, Lq]`` bool, the real query rows; None for decode.
     """
 
@@ -200,12 +219,15 @@ class AttentionPlan:
     index arithmetic; only the K/V gathers and SDPA calls are left per layer).
 
     Attributes:
-        decode: groups of sequences with ``query_len == 1``, bucketed by ``seq_len``.
+        decode: groups of sequences with ``query_len == 1``, bucketed by their number of keys.
         prefill: groups of sequences with ``query_len > 1``, bucketed by ``query_len``.
+        sliding_window: the window the plan was made for (0 = full causal attention); the
+            plan's key ranges and masks hold for that window only.
     """
 
     decode: list[AttentionGroup]
     prefill: list[AttentionGroup]
+    sliding_window: int = 0
 
 
 # A bucket of decode sequences gathers and attends at most this many times its real keys.
@@ -221,54 +243,79 @@ def plan_paged_attention(
     max_query_len: int,
     max_seq_len: int,
     block_size: int,
+    sliding_window: int = 0,
 ) -> AttentionPlan:
     """Split a step's sequences into SDPA groups and compute their rows, key slots and masks.
 
-    Decode sequences (``query_len == 1``) are bucketed by ``seq_len``: one padded call over a
-    batch whose contexts run from 32 to 800 tokens would gather and attend ~1.8x the real keys
-    (the K/V gather and SDPA are memory-bound on CPU, so time follows the padded size). Prefill
-    sequences are bucketed by ``query_len`` (``_buckets`` with ``MAX_PADDING_FACTOR``). Each
-    group's keys are cut to its longest sequence.
+    Each sequence gathers only the keys some query of it attends: positions ``first ..
+    seq_len - 1`` with ``first = max(0, context_len - sliding_window + 1)`` for a sliding
+    window (``0`` = full causal attention, ``first = 0``); see ``torch_paged_attention``.
+    Block-table entries of blocks wholly before ``first`` are never read.
+
+    Decode sequences (``query_len == 1``) are bucketed by their number of keys: one padded call
+    over a batch whose contexts run from 32 to 800 tokens would gather and attend ~1.8x the real
+    keys (the K/V gather and SDPA are memory-bound on CPU, so time follows the padded size).
+    Prefill sequences are bucketed by ``query_len`` (``_buckets`` with ``MAX_PADDING_FACTOR``).
+    Each group's keys are cut to its member with the most keys.
 
     NOTE: the lengths are read on the host (``tolist``), a sync on CUDA and free on CPU; this is
     the CPU path.
+
+    Raises:
+        ValueError: ``sliding_window < 0``.
     """
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window {sliding_window} < 0")
     device = block_tables.device
     seq_lens = seq_lens.long()
     qsl = query_start_loc.long()
     query_lens = qsl[1:] - qsl[:-1]  # [num_seqs]
-    # Key position p of sequence i has slot block_tables[i, p // block_size] * block_size +
-    # p % block_size. Positions past seq_len read the sequence's token 0 (always written, so
-    # finite) instead of whatever an unused table entry or an unwritten slot holds.
-    key_pos = torch.arange(max_seq_len, device=device)  # [S]
-    key_valid = key_pos[None, :] < seq_lens[:, None]  # [num_seqs, S]
-    key_slots = block_tables[:, key_pos // block_size].long() * block_size + key_pos % block_size
-    key_slots = torch.where(key_valid, key_slots, key_slots[:, :1])  # [num_seqs, S]
+    context_lens = seq_lens - query_lens
+    if sliding_window:
+        first = (context_lens - sliding_window + 1).clamp(min=0)  # [num_seqs]
+    else:
+        first = torch.zeros_like(seq_lens)
+    num_keys = seq_lens - first  # [num_seqs]
+    # Key k of sequence i sits at position first[i] + k, slot block_tables[i, pos // block_size]
+    # * block_size + pos % block_size. Keys k >= num_keys (padding) read the sequence's position
+    # first[i] (always written, in its window, so finite) instead of whatever an unused or
+    # out-of-window table entry or an unwritten slot holds.
+    max_keys = min(max_seq_len, max_query_len + sliding_window - 1) if sliding_window \
+        else max_seq_len
+    k = torch.arange(max(max_keys, 1), device=device)  # [S]
+    key_valid = k[None, :] < num_keys[:, None]  # [num_seqs, S]
+    key_pos = first[:, None] + torch.where(key_valid, k[None, :], 0)  # [num_seqs, S]
+    key_slots = (block_tables.gather(1, key_pos // block_size).long() * block_size
+                 + key_pos % block_size)  # [num_seqs, S]
 
-    s_lens, q_lens = seq_lens.tolist(), query_lens.tolist()
+    n_keys, q_lens = num_keys.tolist(), query_lens.tolist()
     decode_idx = [i for i, q in enumerate(q_lens) if q == 1]
     prefill_idx = [i for i, q in enumerate(q_lens) if q > 1]
     starts = qsl[:-1]
     decode = []
-    for members in _buckets(decode_idx, s_lens, DECODE_PADDING_FACTOR):
+    for members in _buckets(decode_idx, n_keys, DECODE_PADDING_FACTOR):
+        # a decode query at position seq_len - 1 attends every gathered key: mask = key padding
         idx = torch.tensor(members, device=device)
-        s = max(s_lens[i] for i in members)
+        s = max(n_keys[i] for i in members)
         decode.append(AttentionGroup(rows=starts[idx], slots=key_slots[idx, :s],
                                      mask=key_valid[idx, None, None, :s]))
     prefill = []
     for members in _buckets(prefill_idx, q_lens, MAX_PADDING_FACTOR):
         idx = torch.tensor(members, device=device)
-        lq, s = max(q_lens[i] for i in members), max(s_lens[i] for i in members)
+        lq, s = max(q_lens[i] for i in members), max(n_keys[i] for i in members)
         j = torch.arange(lq, device=device)  # [Lq]
         q_valid = j[None, :] < query_lens[idx, None]  # [b, Lq]
-        # Padded query rows j >= query_len read the row's first token and sit at a position
-        # past the row's keys, so they see every valid key (no all-masked row, no NaN).
+        # Padded query rows j >= query_len read the row's first token and sit at the row's last
+        # position, so they see valid keys (no all-masked row, no NaN); their output is dropped.
         rows = starts[idx, None] + torch.where(q_valid, j, 0)  # [b, Lq]
-        q_pos = (seq_lens[idx] - query_lens[idx])[:, None] + j  # [b, Lq] position of each row
-        mask = (key_pos[None, None, :s] <= q_pos[:, :, None]) & key_valid[idx, None, :s]
+        q_pos = context_lens[idx, None] + torch.minimum(j[None, :], query_lens[idx, None] - 1)
+        kp = key_pos[idx, None, :s]  # [b, 1, S] position of each key
+        mask = (kp <= q_pos[:, :, None]) & key_valid[idx, None, :s]  # [b, Lq, S]
+        if sliding_window:
+            mask &= kp > q_pos[:, :, None] - sliding_window
         prefill.append(AttentionGroup(rows=rows, slots=key_slots[idx, :s], mask=mask[:, None],
                                       q_valid=q_valid))
-    return AttentionPlan(decode, prefill)
+    return AttentionPlan(decode, prefill, sliding_window)
 
 
 def _buckets(indices: list[int], lengths: list[int], factor: float) -> list[list[int]]:

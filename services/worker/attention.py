@@ -2,8 +2,8 @@
 
 The model only calls ``backend.write_kv`` and ``backend.attend``, plus the per-layer ops
 ``rms_norm``, ``fused_add_rms_norm`` and ``rotary_embedding``; the model runner builds one
-``AttentionMetadata`` per step and every layer reuses it. Three backends share one contract
-(``kernels/__init__.py`` draws the index arithmetic):
+``AttentionMetadata`` per step and KV cache group, and every layer of the group reuses it. Three
+backends share one contract (``kernels/__init__.py`` draws the index arithmetic):
 
 - ``"torch"``:  ``kernels.torch_attention`` + ``kernels.torch_ops`` (batched torch; the readable
   reference path, the model's reference math, and the CPU fallback),
@@ -49,9 +49,10 @@ class AttentionMetadata:
         query_start_loc: ``[B + 1]`` int32, offsets of each sequence's query rows in the flat batch.
         max_query_len: largest ``query_len_i`` (tokens).
         max_seq_len: largest ``seq_lens[i]`` (tokens).
-        plan: the backend's per-step precomputation, made by the first layer's ``attend`` and
-            reused by the others (torch: ``kernels.torch_attention.AttentionPlan``; None until
-            then, and always None for triton and cpu, whose kernels plan per call).
+        plan: the backend's per-step precomputation, made by the first layer's ``attend`` of
+            each sliding window and reused by the others (torch: a dict ``sliding_window ->
+            kernels.torch_attention.AttentionPlan``; None until then, and always None for triton
+            and cpu, whose kernels plan per call).
     """
 
     slot_mapping: torch.Tensor
@@ -118,17 +119,29 @@ class AttentionBackend:
         self._op("reshape_and_cache")(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
         """Causal attention of ``query [T, H, D]`` over each sequence's cached K/V (which must
-        already hold this step's tokens). Returns ``[T, H, D]`` in ``query.dtype``."""
+        already hold this step's tokens). Returns ``[T, H, D]`` in ``query.dtype``.
+
+        ``sliding_window``: 0 = full causal attention; ``W > 0`` = the query at position ``p``
+        attends keys ``max(0, p - W + 1) .. p`` only, and block-table entries of blocks wholly
+        before every query's window are not read (``kernels/__init__.py``)."""
         args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                 meta.max_seq_len)
         if self.name != "torch":
-            return self._op("paged_attention")(query, k_cache, v_cache, *args, scale)
-        if meta.plan is None:  # the step's first layer: plan once, every layer reuses it
+            return self._op("paged_attention")(query, k_cache, v_cache, *args, scale,
+                                               sliding_window=sliding_window)
+        # the step's first layer with this window plans it; every layer with that window reuses
+        # the plan (layers of different windows may share one metadata object)
+        if meta.plan is None:
+            meta.plan = {}
+        plan = meta.plan.get(sliding_window)
+        if plan is None:
             from kernels.torch_attention import plan_paged_attention
-            meta.plan = plan_paged_attention(*args, k_cache.shape[1])
-        return self._op("paged_attention")(query, k_cache, v_cache, *args, scale, plan=meta.plan)
+            plan = meta.plan[sliding_window] = plan_paged_attention(
+                *args, k_cache.shape[1], sliding_window)
+        return self._op("paged_attention")(query, k_cache, v_cache, *args, scale, plan=plan,
+                                           sliding_window=sliding_window)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of ``x [T, E]`` (float32 inside), a new ``[T, E]`` tensor."""

@@ -181,10 +181,10 @@ def test_cache_past_2_31_elements_uses_64_bit_offsets(isa):
         cpu_reshape_and_cache(key, value, k_cache, v_cache, blocks * block_size + pos % block_size)
         assert torch.equal(k_cache[blocks, pos % block_size], key)
         assert torch.equal(v_cache[blocks, pos % block_size], value)
-    batch = dict(query=torch.randn(6, 3, head_dim, dtype=torch.bfloat16), k_cache=k_cache,
-                 v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
-                 query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32),
-                 max_query_len=5, max_seq_len=40, scale=head_dim**-0.5)
+    batch = {"query": torch.randn(6, 3, head_dim, dtype=torch.bfloat16), "k_cache": k_cache,
+             "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens,
+             "query_start_loc": torch.tensor([0, 5, 6], dtype=torch.int32),
+             "max_query_len": 5, "max_seq_len": 40, "scale": head_dim**-0.5}
     for num_splits in (1, 2):
         check(cpu_paged_attention(**batch, num_splits=num_splits), batch)
 

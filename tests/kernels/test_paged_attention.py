@@ -102,17 +102,18 @@ def make_batch(
     query_lens = torch.tensor([q for q, _ in pairs], dtype=torch.int32)
     query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32)
     query_start_loc[1:] = torch.cumsum(query_lens, 0)
-    return dict(
-        query=torch.randn(int(query_start_loc[-1]), num_heads, head_dim, dtype=dtype, device=DEVICE),
-        k_cache=k_cache,
-        v_cache=v_cache,
-        block_tables=block_tables,
-        seq_lens=torch.tensor([s for _, s in pairs], dtype=torch.int32, device=DEVICE),
-        query_start_loc=query_start_loc.to(DEVICE),
-        max_query_len=max(q for q, _ in pairs),
-        max_seq_len=max(s for _, s in pairs),
-        scale=head_dim**-0.5,
-    )
+    num_tokens = int(query_start_loc[-1])
+    return {
+        "query": torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=DEVICE),
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "block_tables": block_tables,
+        "seq_lens": torch.tensor([s for _, s in pairs], dtype=torch.int32, device=DEVICE),
+        "query_start_loc": query_start_loc.to(DEVICE),
+        "max_query_len": max(q for q, _ in pairs),
+        "max_seq_len": max(s for _, s in pairs),
+        "scale": head_dim**-0.5,
+    }
 
 
 def assert_matches_reference(out: torch.Tensor, batch: dict) -> None:
@@ -140,7 +141,8 @@ FP32_PARAMS = [
 
 @pytest.mark.parametrize(("backend", "case", "num_queries_per_kv", "block_size"), FP32_PARAMS)
 def test_matches_reference_fp32(backend, case, num_queries_per_kv, block_size):
-    batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2, block_size=block_size)
+    batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2,
+                       block_size=block_size)
     assert_matches_reference(BACKENDS[backend](**batch), batch)
 
 
@@ -310,14 +312,16 @@ def test_large_num_blocks_do_not_overflow_int32_offsets(backend):
         value = torch.randn_like(key)
         write = torch_reshape_and_cache if backend == "torch" else triton_reshape_and_cache
         write(key, value, k_cache, v_cache, slots)
-        assert torch.equal(k_cache[block_tables[i, pos // block_size].long(), pos % block_size], key)
-        assert torch.equal(v_cache[block_tables[i, pos // block_size].long(), pos % block_size], value)
-    batch = dict(
-        query=torch.randn(6, 3, head_dim, dtype=torch.float16, device=DEVICE),
-        k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
-        query_start_loc=torch.tensor([0, 5, 6], dtype=torch.int32, device=DEVICE),
-        max_query_len=5, max_seq_len=40, scale=head_dim**-0.5,
-    )
+        at = block_tables[i, pos // block_size].long(), pos % block_size
+        assert torch.equal(k_cache[at], key)
+        assert torch.equal(v_cache[at], value)
+    batch = {
+        "query": torch.randn(6, 3, head_dim, dtype=torch.float16, device=DEVICE),
+        "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables,
+        "seq_lens": seq_lens,
+        "query_start_loc": torch.tensor([0, 5, 6], dtype=torch.int32, device=DEVICE),
+        "max_query_len": 5, "max_seq_len": 40, "scale": head_dim**-0.5,
+    }
     assert_matches_reference(BACKENDS[backend](**batch), batch)
 
 
@@ -362,3 +366,215 @@ def test_plan_buckets_decode_by_seq_len_and_prefill_by_query_len():
     assert sorted(g.slots.shape[1] for g in plan.decode) == [25, 700]
     assert sorted(g.rows.shape[1] for g in plan.prefill) == [2, 64]  # 64 + 3, then 2
     assert_matches_reference(torch_paged_attention(**batch, plan=plan), batch)
+
+
+# --- sliding-window attention (Longformer / Mistral 7B): query p attends keys p - W + 1 .. p ---
+
+# block_size 16: windows of 1 and 5 tokens (inside a block), one block, several blocks, and
+# one longer than every sequence (= full causal attention)
+WINDOWS = [1, 5, 16, 40, 1000]
+WINDOW_CASES = {
+    "decode": [(1, 37), (1, 16), (1, 17), (1, 5), (1, 64), (1, 65)],
+    "chunked_prefill": [(5, 18), (17, 40), (3, 67), (16, 48)],
+    "mixed": [(1, 37), (5, 18), (17, 40), (1, 1), (9, 9), (1, 33), (2, 70)],
+}
+
+
+def out_of_window_blocks(batch: dict, sliding_window: int) -> list[list[int]]:
+    """Per sequence, the logical blocks wholly before every query's window (the contract's
+    ``(j + 1) * block_size <= context_len - W + 1``): their table entries may be anything."""
+    block_size = batch["k_cache"].shape[1]
+    qsl, lens = batch["query_start_loc"].tolist(), batch["seq_lens"].tolist()
+    out = []
+    for i, seq_len in enumerate(lens):
+        first = seq_len - (qsl[i + 1] - qsl[i]) - sliding_window + 1
+        out.append([j for j in range(math.ceil(seq_len / block_size))
+                    if (j + 1) * block_size <= first])
+    return out
+
+
+def poison_out_of_window(batch: dict, sliding_window: int, entry: int | None) -> int:
+    """NaN the K/V of every block wholly before its sequence's windows and, unless ``entry`` is
+    None, overwrite their block-table entries with ``entry`` (-1, or an id past the cache).
+    Returns how many blocks were poisoned (the case must have some)."""
+    n = 0
+    for i, blocks in enumerate(out_of_window_blocks(batch, sliding_window)):
+        for j in blocks:
+            physical = int(batch["block_tables"][i, j])
+            batch["k_cache"][physical] = float("nan")
+            batch["v_cache"][physical] = float("nan")
+            if entry is not None:
+                batch["block_tables"][i, j] = entry
+            n += 1
+    return n
+
+
+def dense_sliding_window_attention(batch: dict, sliding_window: int) -> torch.Tensor:
+    """The spec written out a second way, independent of the reference: per query row, a plain
+    float64 softmax over exactly the keys ``max(0, p - W + 1) .. p`` (all keys ``0 .. p`` for
+    W = 0), read through the block table one position at a time."""
+    q_all, k_cache, v_cache = batch["query"].double(), batch["k_cache"], batch["v_cache"]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q_all.shape[1] // num_kv_heads
+    out = torch.zeros_like(q_all)
+    qsl, lens = batch["query_start_loc"].tolist(), batch["seq_lens"].tolist()
+    for i, seq_len in enumerate(lens):
+        context_len = seq_len - (qsl[i + 1] - qsl[i])
+        for row in range(qsl[i], qsl[i + 1]):
+            p = context_len + row - qsl[i]
+            keys = range(max(0, p - sliding_window + 1) if sliding_window else 0, p + 1)
+            at = [(int(batch["block_tables"][i, t // block_size]), t % block_size) for t in keys]
+            k = torch.stack([k_cache[b, o] for b, o in at]).double()  # [len(keys), Hkv, D]
+            v = torch.stack([v_cache[b, o] for b, o in at]).double()
+            for h in range(q_all.shape[1]):
+                scores = k[:, h // group] @ q_all[row, h] * batch["scale"]  # [len(keys)]
+                out[row, h] = torch.softmax(scores, 0) @ v[:, h // group]
+    return out
+
+
+@pytest.mark.parametrize("sliding_window", [0, *WINDOWS])
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_reference_sliding_window_is_dense_masked_softmax(case, sliding_window):
+    batch = make_batch(WINDOW_CASES[case], num_heads=4, num_kv_heads=2, head_dim=16)
+    out = reference_paged_attention(**batch, sliding_window=sliding_window)
+    expected = dense_sliding_window_attention(batch, sliding_window).to(out.dtype)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_sliding_window_bounds():
+    batch = make_batch(WINDOW_CASES["mixed"])
+    full = reference_paged_attention(**batch)
+    # a window covering every sequence is full causal attention; W = 1 attends only itself
+    assert torch.equal(reference_paged_attention(**batch, sliding_window=70), full)
+    own = reference_paged_attention(**batch, sliding_window=1)
+    block_size = batch["k_cache"].shape[1]
+    qsl, lens = batch["query_start_loc"].tolist(), batch["seq_lens"].tolist()
+    for i, seq_len in enumerate(lens):
+        for row in range(qsl[i], qsl[i + 1]):
+            p = seq_len - qsl[i + 1] + row
+            physical = int(batch["block_tables"][i, p // block_size])
+            v = batch["v_cache"][physical, p % block_size]  # [Hkv, D]
+            expected = v.repeat_interleave(3, dim=0)  # 6 heads over 2 KV heads
+            torch.testing.assert_close(own[row], expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(ValueError, match="sliding_window"):
+        reference_paged_attention(**batch, sliding_window=-1)
+
+
+WINDOW_BACKENDS = ["torch"]
+
+
+@pytest.mark.parametrize("entry", [-1, 2**30, None], ids=["minus1", "huge", "nan_blocks"])
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+def test_sliding_window_matches_reference_and_skips_out_of_window_blocks(
+        backend, case, sliding_window, entry):
+    """Blocks wholly before every window hold NaN K/V and (minus1, huge) a table entry that is
+    no block: the kernels must not read them. The reference reads none either."""
+    if backend == "triton" and (entry is None or case == "mixed") and not CUDA:
+        pytest.skip("interpreter: one poisoning per window and case is enough")
+    batch = make_batch(WINDOW_CASES[case], num_heads=6, num_kv_heads=2, head_dim=32)
+    poisoned = poison_out_of_window(batch, sliding_window, entry)
+    assert poisoned or sliding_window >= 16 or (case == "mixed" and sliding_window > 5)
+    if poisoned and entry is None:  # the poison is seen by whatever reads those blocks
+        assert not torch.isfinite(reference_paged_attention(**batch)).all()
+    out = BACKENDS[backend](**batch, sliding_window=sliding_window)
+    assert torch.isfinite(out).all()
+    assert_matches_reference(out, {**batch, "sliding_window": sliding_window})
+
+
+@pytest.mark.parametrize(("backend", "dtype"), [p for p in DTYPE_PARAMS
+                                                 if p.values[0] in WINDOW_BACKENDS])
+def test_sliding_window_low_precision(backend, dtype):
+    batch = make_batch(WINDOW_CASES["mixed"], num_heads=6, num_kv_heads=2, dtype=dtype)
+    poison_out_of_window(batch, 5, -1)
+    out = BACKENDS[backend](**batch, sliding_window=5)
+    assert_matches_reference(out, {**batch, "sliding_window": 5})
+
+
+@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+def test_chunked_prefill_then_decode_equals_dense_sliding_window_attention(backend):
+    """The engine's use with a window of 6 over 16-token blocks: chunks + decodes = one dense
+    SDPA pass with transformers' sliding mask; blocks that fall out of every window are
+    released (table entry -1) as the scheduler does."""
+    if backend == "cpu" and CUDA:
+        pytest.skip("the native kernels run on the CPU only")
+    attention = {**BACKENDS, "cpu": cpu_paged_attention}[backend]
+    reshape_and_cache = {"torch": torch_reshape_and_cache, "triton": triton_reshape_and_cache,
+                         "cpu": cpu_reshape_and_cache}[backend]
+    num_heads, num_kv_heads, head_dim, block_size, total, window = 4, 2, 32, 16, 41, 6
+    q = torch.randn(total, num_heads, head_dim, device=DEVICE)
+    k = torch.randn(total, num_kv_heads, head_dim, device=DEVICE)
+    v = torch.randn(total, num_kv_heads, head_dim, device=DEVICE)
+    k_cache = torch.zeros(8, block_size, num_kv_heads, head_dim, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    table = [5, 2, 7]
+    pos = torch.arange(total, device=DEVICE)
+    slots = torch.tensor(table, device=DEVICE)[pos // block_size] * block_size + pos % block_size
+
+    outs, start = [], 0
+    for chunk in [8, 12, 13, 3, 1, 1, 1, 1, 1]:  # chunked prefill of 36 tokens, 5 decodes
+        end = start + chunk
+        freed = [-1 if (j + 1) * block_size <= start - window + 1 else b
+                 for j, b in enumerate(table)]
+        reshape_and_cache(k[start:end], v[start:end], k_cache, v_cache, slots[start:end])
+        outs.append(attention(
+            q[start:end], k_cache, v_cache,
+            torch.tensor([freed], dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
+            query_start_loc=torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE),
+            max_query_len=chunk, max_seq_len=end, scale=head_dim**-0.5, sliding_window=window,
+        ))
+        start = end
+    assert freed[:2] == [-1, -1]
+
+    sliding = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    dense = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=sliding,
+        enable_gqa=True,
+    ).transpose(0, 1)
+    atol, rtol = TOLERANCES[torch.float32]
+    torch.testing.assert_close(torch.cat(outs), dense, atol=atol, rtol=rtol)
+
+
+def test_torch_plan_gathers_only_window_keys_and_checks_its_window():
+    from kernels.torch_attention import plan_paged_attention
+
+    pairs = [(1, 700), (1, 20), (3, 300), (2, 40)]
+    batch = make_batch(pairs, num_heads=4, num_kv_heads=2)
+    args = (batch["block_tables"], batch["seq_lens"], batch["query_start_loc"],
+            batch["max_query_len"], batch["max_seq_len"], batch["k_cache"].shape[1])
+    plan = plan_paged_attention(*args, sliding_window=16)
+    assert plan.sliding_window == 16
+    # decode: W keys (or the whole sequence); prefill: query_len + W - 1
+    assert sorted(g.slots.shape[1] for g in plan.decode) == [16]
+    assert max(g.slots.shape[1] for g in plan.prefill) == 3 + 16 - 1
+    assert_matches_reference(torch_paged_attention(**batch, plan=plan, sliding_window=16),
+                             {**batch, "sliding_window": 16})
+    with pytest.raises(ValueError, match="sliding_window"):
+        torch_paged_attention(**batch, plan=plan)  # a plan is for its own window only
+    with pytest.raises(ValueError, match="sliding_window"):
+        plan_paged_attention(*args, sliding_window=-2)
+
+
+@pytest.mark.parametrize("name", WINDOW_BACKENDS)
+def test_backend_attend_layers_of_different_windows_share_one_metadata(name):
+    """``AttentionBackend.attend`` passes the window on; on torch the per-step plan is kept per
+    window, so layers alternating full and sliding attention over one metadata stay right."""
+    if name == "cpu" and CUDA:
+        pytest.skip("the native kernels run on the CPU only")
+    from services.worker.attention import AttentionBackend, AttentionMetadata
+
+    batch = make_batch(WINDOW_CASES["mixed"], num_heads=4, num_kv_heads=2, head_dim=32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64, device=DEVICE),
+        block_tables=batch["block_tables"], seq_lens=batch["seq_lens"],
+        query_start_loc=batch["query_start_loc"], max_query_len=batch["max_query_len"],
+        max_seq_len=batch["max_seq_len"])
+    backend = AttentionBackend(name)
+    for window in [0, 5, 0, 16, 5]:
+        out = backend.attend(batch["query"], batch["k_cache"], batch["v_cache"], meta,
+                             batch["scale"], sliding_window=window)
+        assert_matches_reference(out, {**batch, "sliding_window": window})
+    if name == "torch":
+        assert sorted(meta.plan) == [0, 5, 16]

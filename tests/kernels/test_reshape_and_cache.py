@@ -48,7 +48,8 @@ def test_writes_slots_and_skips_padding(backend, dtype, num_kv_heads, block_size
 
 # NOTE: the Triton interpreter truncates float32 -> bfloat16 instead of rounding to nearest even
 # as compiled Triton and torch do, so under it the cast is checked into a float16 cache.
-CAST_DTYPE = {"torch": torch.bfloat16, "triton": torch.bfloat16 if DEVICE == "cuda" else torch.float16}
+CAST_DTYPE = {"torch": torch.bfloat16,
+              "triton": torch.bfloat16 if DEVICE == "cuda" else torch.float16}
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -56,7 +57,8 @@ def test_strided_key_value_views_and_cast_to_cache_dtype(backend):
     """K and V as column slices of a fused QKV projection output, written into a 16-bit cache."""
     num_tokens, num_heads, num_kv_heads, head_dim, block_size = 9, 6, 2, 64, 16
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE)
-    _, key, value = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    _, key, value = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
     key = key.view(num_tokens, num_kv_heads, head_dim)
     value = value.view(num_tokens, num_kv_heads, head_dim)
     assert not key.is_contiguous()
