@@ -8,19 +8,19 @@ from pathlib import Path
 
 import torch
 
-TINY_LLAMA_CONFIG = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
+TINY_LLAMA_CONFIG = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
     # Large enough that the logits are well separated: greedy ties would make exact token
     # comparisons against transformers flaky.
-    initializer_range=0.15,
-)
+    "initializer_range": 0.15,
+}
 
 
 def asynctest(fn):
@@ -45,6 +45,73 @@ def make_tiny_llama(path: str | Path, seed: int = 0, **overrides) -> Path:
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def _save_tiny(config, model_cls: type, path: str | Path, seed: int) -> Path:
+    """Build ``model_cls(config)`` with seeded random weights, including random norm weights
+    and biases (transformers initialises those to constants), and save it as safetensors."""
+    path = Path(path)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(0.2 * torch.randn_like(param))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_tiny_qwen2(path: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight transformers ``Qwen2ForCausalLM`` (bias on q/k/v, none on o_proj);
+    ``overrides`` are ``Qwen2Config`` fields (e.g. ``use_sliding_window=True,
+    sliding_window=16, max_window_layers=1``: layers 1.. slide). Returns ``path``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save_tiny(Qwen2Config(**{**TINY_LLAMA_CONFIG, **overrides}), Qwen2ForCausalLM,
+                      path, seed)
+
+
+def make_tiny_qwen3(path: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight transformers ``Qwen3ForCausalLM`` (q/k RMSNorm per head; head_dim 32,
+    not hidden / heads, as Qwen3's are). Returns ``path``."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{**TINY_LLAMA_CONFIG, "head_dim": 32, **overrides})
+    return _save_tiny(config, Qwen3ForCausalLM, path, seed)
+
+
+def make_tiny_mistral(path: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight transformers ``MistralForCausalLM``, sliding window 16 on every layer.
+    Returns ``path``."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(**{**TINY_LLAMA_CONFIG, "sliding_window": 16, **overrides})
+    return _save_tiny(config, MistralForCausalLM, path, seed)
+
+
+TINY_GEMMA3_CONFIG = {
+    **TINY_LLAMA_CONFIG,
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "sliding_window": 16,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}},
+    "query_pre_attn_scalar": 24,  # not head_dim: the scale must come from it
+    "final_logit_softcapping": 30.0,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+}
+
+
+def make_tiny_gemma3(path: str | Path, seed: int = 0, **overrides) -> Path:
+    """A random-weight transformers ``Gemma3ForCausalLM`` (``Gemma3TextConfig``): 4 layers,
+    sliding (window 16, RoPE base 1e4) and full (RoPE base 1e6) alternating, tied
+    embeddings, logits soft-capped at 30, random (1 + w) norm weights. Returns ``path``."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(**{**TINY_GEMMA3_CONFIG, **overrides})
+    return _save_tiny(config, Gemma3ForCausalLM, path, seed)
 
 
 def make_servable_tiny_llama(path: str | Path, **overrides) -> str:

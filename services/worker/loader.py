@@ -1,4 +1,4 @@
-"""Load a Llama-family model's weights into ``LlamaForCausalLM``.
+"""Load a model's weights into our decoder of its family (``MODEL_TYPES``, by model_type).
 
 ``--model`` is a transformers folder (``config.json`` + ``*.safetensors``) or one ``.gguf`` file
 (``services/common/model_files.py`` resolves it). A GGUF file is dequantised once with
@@ -19,6 +19,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -26,12 +27,45 @@ from safetensors import safe_open
 from services.common.model_files import ModelSource, resolve_model
 from services.worker.attention import AttentionBackend, select_backend
 from services.worker.distributed import ParallelState
+from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
 from services.worker.parallel import ShardPlan, shard_model
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+ModelConfig = LlamaConfig | Gemma3Config
+Model = LlamaForCausalLM | Gemma3ForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """How one transformers ``model_type`` loads: our config and model classes, and the
+    weight mapping's family-specific part (the rest, fused q/k/v and gate/up, is shared).
+
+    Attributes:
+        config: has ``from_hf(config.json dict)``.
+        model: built as ``model(config, backend)``.
+        layer_norms: the per-layer norm weights (transformers' names, after ``layers.N.``).
+        norm_offset: added to every norm weight at load (Gemma's ``(1 + w)`` norms: 1.0).
+    """
+
+    config: Any
+    model: Any
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    norm_offset: float = 0.0
+
+
+_GEMMA3 = Family(Gemma3Config, Gemma3ForCausalLM, (
+    "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+    "post_feedforward_layernorm"), norm_offset=1.0)
+MODEL_TYPES: dict[str, Family] = {
+    "llama": Family(LlamaConfig, LlamaForCausalLM),
+    "mistral": Family(LlamaConfig, LlamaForCausalLM),
+    "qwen2": Family(LlamaConfig, LlamaForCausalLM),
+    "qwen3": Family(LlamaConfig, LlamaForCausalLM),
+    "gemma3_text": _GEMMA3,
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +88,7 @@ class ModelInfo:
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str,
                attn_backend: AttentionBackend | None = None,
                parallel: ParallelState | None = None,
-               ) -> tuple[LlamaForCausalLM, dict, ModelInfo]:
+               ) -> tuple[Model, dict, ModelInfo]:
     """Build the model on ``device`` with weights cast to ``dtype``.
 
     Args:
@@ -68,24 +102,23 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         ``(model in eval mode, config.json dict, ModelInfo)``.
     Raises:
         FileNotFoundError: no such model, or a folder without ``*.safetensors``.
-        ValueError: not a Llama-family checkpoint, or a weight is missing / has the wrong shape.
+        ValueError: a model_type not in ``MODEL_TYPES``, a config the family cannot run, a
+            size the parallel split does not divide, or a weight missing / of the wrong shape.
     """
     start = time.perf_counter()
     device = torch.device(device)
     source = resolve_model(model)
     folder = convert_gguf(source) if source.is_gguf else Path(source.path)
     config = json.loads((folder / "config.json").read_text())
-    if config.get("model_type") not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{source.path}: model_type {config.get('model_type')!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    cfg = LlamaConfig.from_hf(config)
+    family = family_of(config, source.path)
+    cfg = family.config.from_hf(config)
     plan = ShardPlan(cfg, parallel.config) if parallel and parallel.config.world_size > 1 else None
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg, attn_backend or select_backend("auto", device))
+        net = family.model(cfg, attn_backend or select_backend("auto", device))
         if plan:
             assert parallel is not None  # a plan is made only for a parallel state
             shard_model(net, plan, parallel)
-    state = _read_state_dict(folder, cfg, dtype, device, plan)
+    state = _read_state_dict(folder, cfg, family, dtype, device, plan)
     try:
         net.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # missing/unexpected keys or shape mismatch
@@ -97,6 +130,17 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
              len(net.layers), sum(p.numel() for p in net.parameters()) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return net, config, info
+
+
+def family_of(config: dict, where: str | Path) -> Family:
+    """The ``Family`` of a ``config.json`` dict; ValueError naming the model_type (and the
+    architectures) and the supported list when there is none."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
+        raise ValueError(f"{where}: model_type {model_type!r} ({arch}) is not supported "
+                         f"(supported model_types: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return MODEL_TYPES[model_type]
 
 
 def convert_gguf(source: ModelSource) -> Path:
@@ -135,8 +179,9 @@ def convert_gguf(source: ModelSource) -> Path:
     return target
 
 
-def _read_state_dict(folder: Path, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device,
-                     plan: ShardPlan | None = None) -> dict[str, torch.Tensor]:
+def _read_state_dict(folder: Path, cfg: ModelConfig, family: Family, dtype: torch.dtype,
+                     device: torch.device, plan: ShardPlan | None = None,
+                     ) -> dict[str, torch.Tensor]:
     """Read transformers-named safetensors into our names, fusing q/k/v and gate/up.
 
     With a ``plan`` only this rank's layers and slices are read (``safe_open.get_slice``), so a
@@ -152,11 +197,12 @@ def _read_state_dict(folder: Path, cfg: LlamaConfig, dtype: torch.dtype, device:
             f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             for name in f.keys():  # noqa: SIM118 - a safetensors file, not a dict
                 handles[name.removeprefix("model.")] = (f, name)
-        return _build_state(folder, cfg, handles, plan, dtype, device)
+        return _build_state(folder, cfg, family, handles, plan, dtype, device)
 
 
-def _build_state(folder: Path, cfg: LlamaConfig, handles: dict, plan: ShardPlan | None,
-                 dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def _build_state(folder: Path, cfg: ModelConfig, family: Family, handles: dict,
+                 plan: ShardPlan | None, dtype: torch.dtype, device: torch.device,
+                 ) -> dict[str, torch.Tensor]:
     def take(name: str) -> torch.Tensor:
         if name not in handles:
             raise ValueError(f"{folder}: weight {name!r} is missing")
@@ -170,26 +216,33 @@ def _build_state(folder: Path, cfg: LlamaConfig, handles: dict, plan: ShardPlan 
         tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         return plan.pad(name, tensor)
 
+    def norm(name: str) -> torch.Tensor:  # Gemma: (1 + w) folded in, in float32
+        w = take(name)
+        return w.float() + family.norm_offset if family.norm_offset else w
+
     layers = plan.layers if plan else range(cfg.num_hidden_layers)
     state: dict[str, torch.Tensor] = {}
-    suffixes = ["weight"] + (["bias"] if cfg.attention_bias else [])
     for j, i in enumerate(layers):
         p, q, ours = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{j}."
-        for s in suffixes:
+        for s in ["weight"] + (["bias"] if cfg.qkv_proj_bias else []):
             state[ours + f"attn.qkv_proj.{s}"] = torch.cat(
                 [take(q + f"q_proj.{s}"), take(q + f"k_proj.{s}"), take(q + f"v_proj.{s}")])
+        for s in ["weight"] + (["bias"] if cfg.attention_bias else []):
             state[ours + f"attn.o_proj.{s}"] = take(q + f"o_proj.{s}")
+        if cfg.qk_norm:
+            for n in ("q_norm", "k_norm"):
+                state[ours + f"attn.{n}.weight"] = norm(q + f"{n}.weight")
         for s in ["weight"] + (["bias"] if cfg.mlp_bias else []):
             state[ours + f"mlp.gate_up_proj.{s}"] = torch.cat(
                 [take(p + f"mlp.gate_proj.{s}"), take(p + f"mlp.up_proj.{s}")])
             state[ours + f"mlp.down_proj.{s}"] = take(p + f"mlp.down_proj.{s}")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            state[ours + f"{norm}.weight"] = take(p + f"{norm}.weight")
+        for n in family.layer_norms:
+            state[ours + f"{n}.weight"] = norm(p + f"{n}.weight")
     last = plan is None or plan.pc.is_last_stage
     if plan is None or plan.keeps_embedding:
         state["embed_tokens.weight"] = take("embed_tokens.weight")
     if last:
-        state["norm.weight"] = take("norm.weight")
+        state["norm.weight"] = norm("norm.weight")
     if last and not cfg.tie_word_embeddings:
         state["lm_head.weight"] = take("lm_head.weight")
     # NOTE: left over and expected: old checkpoints' rotary inv_freq, a tied checkpoint's

@@ -1,11 +1,14 @@
-"""Tensor and pipeline parallelism as a transform of the single-device ``LlamaForCausalLM``.
+"""Tensor and pipeline parallelism as a transform of a single-device decoder
+(``LlamaForCausalLM``, and ``Gemma3ForCausalLM``, whose modules carry Llama's names).
 
-In the style of gpt-fast's ``tp.py``: ``models/llama.py`` stays single-device; ``shard_model``
+In the style of gpt-fast's ``tp.py``: ``models/*.py`` stay single-device; ``shard_model``
 swaps its modules (on the meta device, before any weight is read) for per-rank ones, and
 ``ShardPlan`` tells the loader which slice of each checkpoint tensor this rank reads.
 Megatron-LM's split (Shoeybi et al. 2019)::
 
     qkv_proj      column-parallel  rows: this rank's q heads, then its k heads, then its v heads
+                                   (q/k/v biases sliced like their rows)
+    q_norm/k_norm replicated       per-head norms over D (Qwen3, Gemma 3): every rank all of it
     o_proj        row-parallel     columns: this rank's q heads; all-reduce, then the bias
     gate_up_proj  column-parallel  rows: gate[I/N slice] then up[I/N slice]
     down_proj     row-parallel     columns: the I/N slice; all-reduce, then the bias
@@ -31,10 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import ParallelConfig, ParallelState
+from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
 
 
-def check_parallel_config(cfg: LlamaConfig, pc: ParallelConfig) -> None:
+def check_parallel_config(cfg: LlamaConfig | Gemma3Config, pc: ParallelConfig) -> None:
     """Raises ValueError, naming the flag, when the model cannot be split this way."""
     n, h, k = pc.tensor_parallel_size, cfg.num_attention_heads, cfg.num_key_value_heads
     if h % n:
@@ -52,7 +56,7 @@ class ShardPlan:
     """Which part of each checkpoint tensor rank ``pc.rank`` holds (transformers names without
     the ``model.`` prefix). Attributes are per-rank counts: heads, kv heads, I/N, padded Vp."""
 
-    def __init__(self, cfg: LlamaConfig, pc: ParallelConfig) -> None:
+    def __init__(self, cfg: LlamaConfig | Gemma3Config, pc: ParallelConfig) -> None:
         check_parallel_config(cfg, pc)
         self.cfg, self.pc = cfg, pc
         n, r = pc.tensor_parallel_size, pc.tp_rank
@@ -86,7 +90,8 @@ class ShardPlan:
         if name in ("embed_tokens.weight", "lm_head.weight"):
             stop = min(self.cfg.vocab_size, self.vocab_start + self.vocab_per_rank)
             return 0, self.vocab_start, stop
-        return None  # norms, o_proj / down_proj biases (added once, after the all-reduce)
+        return None  # norms (q/k norms too), o_proj / down_proj biases (added once, after the
+        # all-reduce)
 
     def pad(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """Zero-pad the last vocab shard to ``Vp`` rows (no-op elsewhere)."""
@@ -124,14 +129,19 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                          ps: ParallelState) -> torch.Tensor:
+                          ps: ParallelState, softcap: float | None = None) -> torch.Tensor:
     """``hidden [S, E]`` x this rank's LM-head rows ``[Vp, E]`` -> full logits ``[S, V]``
-    float32 on every rank of the tp group (all-gather, then cut the padding)."""
+    float32 on every rank of the tp group (all-gather, then cut the padding); soft-capped,
+    ``softcap * tanh(logits / softcap)`` in the model dtype, when given (Gemma)."""
     local = F.linear(hidden, weight)  # [S, Vp]
-    return ps.all_gather_last_dim(local)[:, :vocab_size].float()
+    logits = ps.all_gather_last_dim(local)[:, :vocab_size]
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits.float()
 
 
-def shard_model(model: LlamaForCausalLM, plan: ShardPlan, ps: ParallelState) -> None:
+def shard_model(model: LlamaForCausalLM | Gemma3ForCausalLM, plan: ShardPlan,
+                ps: ParallelState) -> None:
     """Turn a single-device model (built on the meta device) into rank ``plan.pc.rank``'s part,
     in place: keep this stage's layers, swap in parallel linears and set per-rank head counts."""
     cfg, pc = plan.cfg, plan.pc
@@ -149,7 +159,7 @@ def shard_model(model: LlamaForCausalLM, plan: ShardPlan, ps: ParallelState) -> 
         attn, mlp = layer.attn, layer.mlp
         attn.n_heads, attn.n_kv_heads = plan.num_heads, plan.num_kv_heads
         attn.q_size, attn.kv_size = plan.num_heads * d, plan.num_kv_heads * d
-        attn.qkv_proj = nn.Linear(e, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
+        attn.qkv_proj = nn.Linear(e, attn.q_size + 2 * attn.kv_size, bias=cfg.qkv_proj_bias)
         attn.o_proj = RowParallelLinear(attn.q_size, e, cfg.attention_bias, ps)
         mlp.intermediate_size = plan.intermediate_size
         mlp.gate_up_proj = nn.Linear(e, 2 * plan.intermediate_size, bias=cfg.mlp_bias)

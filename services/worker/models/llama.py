@@ -1,10 +1,22 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, ...) over a flat token batch.
+"""Llama-family decoder over a flat token batch: Llama 2/3, SmolLM2, TinyLlama, and the families
+whose math differs from Llama's only by flags of ``LlamaConfig`` (so they share this file):
+
+- Mistral (``MistralForCausalLM``): ``sliding_window`` on every layer when the config sets one.
+- Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``): ``qkv_bias`` (bias on q/k/v, none on o_proj); optional
+  sliding window on the layers ``layer_types`` marks ``"sliding_attention"``.
+- Qwen3 (``Qwen3ForCausalLM``): ``qk_norm``, an RMSNorm over each head's ``D`` features of q and
+  k, after the projection and before RoPE (weights ``[D]``, shared by all heads).
+
+Gemma 3 differs in more than flags (four norms per layer, (1 + w) norms, GeGLU, two RoPE bases)
+and lives in ``models/gemma3.py``.
 
 Written as readable math in the gpt-fast style; numerics follow transformers'
-``LlamaForCausalLM`` (RMSNorm in float32, rotate-half RoPE, SiLU-gated MLP) so float32 outputs
-match it closely. The batch has no padding and no batch dimension: ``T`` tokens of any number of
-sequences, concatenated. Attention goes through an ``AttentionBackend`` (``services/worker/
-attention.py``), which writes this step's K/V into the paged cache and attends over it.
+``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` (RMSNorm
+in float32, rotate-half RoPE, SiLU-gated MLP) so float32 outputs match them closely. The batch has
+no padding and no batch dimension: ``T`` tokens of any number of sequences, concatenated.
+Attention goes through an ``AttentionBackend`` (``services/worker/attention.py``), which writes
+this step's K/V into the paged cache and attends over it (over the last ``W`` positions only on
+a sliding-window layer).
 
 Weights are named like ours (``layers.N.attn.qkv_proj.weight``); ``services/worker/loader.py``
 maps transformers' checkpoint names onto them (q/k/v and gate/up are fused into one matmul each).
@@ -42,8 +54,13 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None  # None = default RoPE; else {"rope_type": ...}
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # bias on q/k/v and o_proj (Llama, Qwen3 configs)
     mlp_bias: bool = False
+    qkv_bias: bool = False  # bias on q/k/v only (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    sliding_window: int = 0  # W of the sliding layers; 0 = none
+    # per layer "sliding_attention" / "full_attention"; None = every layer slides when W > 0
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -57,7 +74,12 @@ class LlamaConfig:
     def sliding_windows(self) -> list[int]:
         """Per layer (global index), the tokens its queries attend back over, themselves
         included; 0 = full attention. What the worker groups its KV cache by."""
-        return [0] * self.num_hidden_layers
+        types = self.layer_types or ("sliding_attention",) * self.num_hidden_layers
+        return [self.sliding_window if t == "sliding_attention" else 0 for t in types]
+
+    @property
+    def qkv_proj_bias(self) -> bool:
+        return self.attention_bias or self.qkv_bias
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -67,11 +89,26 @@ class LlamaConfig:
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
+        model_type = cfg.get("model_type", "llama")
+        layers = cfg["num_hidden_layers"]
+        window = cfg.get("sliding_window") or 0
+        layer_types = cfg.get("layer_types")
+        if model_type in ("qwen2", "qwen3"):  # transformers' Qwen2Config.__post_init__
+            if not cfg.get("use_sliding_window", False):
+                window = 0
+            if layer_types is None:
+                first = cfg.get("max_window_layers", layers)
+                layer_types = ["sliding_attention" if window and i >= first
+                               else "full_attention" for i in range(layers)]
+        elif model_type == "mistral":
+            layer_types = None  # transformers' Mistral slides on every layer
+        elif model_type == "llama":
+            window, layer_types = 0, None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
@@ -82,17 +119,25 @@ class LlamaConfig:
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", False),
             mlp_bias=cfg.get("mlp_bias", False),
+            qkv_bias=model_type == "qwen2",
+            qk_norm=model_type == "qwen3",
+            sliding_window=int(window),
+            layer_types=None if layer_types is None else tuple(layer_types),
         )
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies ``[D/2]`` float32 (Su et al. 2021, "RoFormer"), with the "linear"
-    (position interpolation) and "llama3" (Meta's Llama 3.1 frequency smoothing) scalings,
-    computed as transformers' ``modeling_rope_utils`` does."""
-    d = cfg.head_dim
+    """``rope_frequencies`` of ``cfg``'s head dim, base and scaling: ``[D/2]`` float32."""
+    return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def rope_frequencies(d: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse RoPE frequencies ``[d/2]`` float32 (Su et al. 2021, "RoFormer") of base ``theta``,
+    with the "linear" (position interpolation) and "llama3" (Meta's Llama 3.1 frequency
+    smoothing) scalings, computed as transformers' ``modeling_rope_utils`` does."""
     exponents = torch.arange(0, d, 2, dtype=torch.int64, device="cpu").float() / d  # [D/2]
-    inv_freq = 1.0 / (cfg.rope_theta ** exponents)
-    scaling = cfg.rope_scaling or {}
+    inv_freq = 1.0 / (theta ** exponents)
+    scaling = scaling or {}
     if scaling.get("rope_type") == "linear":
         return inv_freq / scaling["factor"]
     if scaling.get("rope_type") == "llama3":
@@ -128,17 +173,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
+    """GQA self-attention of global layer ``layer_id`` (its sliding window, if any, is
+    ``cfg.sliding_windows[layer_id]``)."""
+
+    def __init__(self, cfg: LlamaConfig, backend: Any, layer_id: int) -> None:
         super().__init__()
         self.backend = backend
+        self.sliding_window = cfg.sliding_windows[layer_id]
         self.n_heads, self.n_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
+                                  bias=cfg.qkv_proj_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
@@ -147,10 +198,14 @@ class Attention(nn.Module):
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
         k = k.view(T, self.n_kv_heads, self.head_dim)  # [T, K, D]
         v = v.view(T, self.n_kv_heads, self.head_dim)  # [T, K, D]
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, over D
+            q = self.q_norm(q.reshape(T * self.n_heads, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(T * self.n_kv_heads, self.head_dim)).view(k.shape)
         self.backend.rotary_embedding(positions, q, k, inv_freq)  # in place: q*cos + rot(q)*sin
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale,
+                                  sliding_window=self.sliding_window)  # [T, H, D]
         return self.o_proj(out.reshape(T, self.q_size))  # [T, E]
 
 
@@ -169,10 +224,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: Any, layer_id: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.attn = Attention(cfg, backend)
+        self.attn = Attention(cfg, backend, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.mlp = MLP(cfg)
 
@@ -208,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
         # (an Identity on a pipeline stage before the last: services/worker/parallel.py)
         self.norm: nn.Module = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = (None if cfg.tie_word_embeddings
