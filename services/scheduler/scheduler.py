@@ -9,8 +9,9 @@ out of it. See ``request.py`` for the index diagram.
 On top of the rule (all vLLM V1 behaviour): automatic prefix caching (a newly admitted request
 starts at its longest cached prefix, see ``block_manager.py``), a ``fcfs`` or ``priority``
 policy (which request is admitted first and which is preempted), a per-request cap on prefill
-tokens per step (``long_prefill_token_threshold``) and load shedding (a full waiting queue
-refuses new requests with ``QueueFullError``).
+tokens per step (``long_prefill_token_threshold``), load shedding (a full waiting queue
+refuses new requests with ``QueueFullError``) and KV cache groups (one block table per group;
+a sliding-window group's blocks behind the window are released, see ``block_manager.py``).
 
 Per step: ``schedule()`` -> SchedulerOutput -> every worker rank -> sampled token ids ->
 ``update_from_output()`` -> RequestUpdates for the routers.

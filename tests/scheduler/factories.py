@@ -204,14 +204,15 @@ class FakeWorker:
                 assert state.stage_token_ids == state.token_ids
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             tables = state.block_ids
-            assert len(tables) == len(request.block_ids) == num_groups
+            assert len(tables) == len(request.block_ids) == num_groups, "other group layout"
             assert len({len(t) for t in tables}) == 1, "tables of different lengths"
             assert end <= len(state.token_ids) and end <= len(tables[0]) * bs
             firsts = [max(0, start - w + 1) // bs if w else 0 for w in windows]
             for table, theirs, first in zip(tables, request.block_ids, firsts, strict=True):
                 # the scheduler's table, but where it released a block this step cannot read
                 assert all(mine == b or (b == -1 and j < first)
-                           for j, (mine, b) in enumerate(zip(table, theirs, strict=True)))
+                           for j, (mine, b) in enumerate(zip(table, theirs, strict=True))), (
+                    f"{rid}: table differs from the scheduler's in the window")
                 assert min(table[first:]) >= 0, f"{rid}: no block where its window reads"
             prefixes = prefix_keys(state.token_ids[:end])
             for g, table in enumerate(tables):

@@ -36,7 +36,7 @@ def test_hit_shares_full_blocks_and_counts_refs():
     a = request("a", list(range(10)))  # 2 full blocks + 2 tokens
     assert allocate_all(bm, a) == 0
     assert bm.num_cached_blocks == 2
-    b = request("b", list(range(8)) + [99, 98, 97])
+    b = request("b", [*range(8), 99, 98, 97])
     assert allocate_all(bm, b) == 8
     (ta,), (tb,) = a.block_ids, b.block_ids
     assert tb[:2] == ta[:2] and tb[2] != ta[2]
@@ -78,7 +78,7 @@ def test_freed_blocks_stay_cached_until_evicted_in_lru_order():
     bm.free(filler)
     bm.check_invariants([])
     third = request("third", list(range(13)))
-    hits, num_hit = bm.get_computed_blocks(third)
+    _, num_hit = bm.get_computed_blocks(third)
     assert num_hit == 8  # block 2 of the prefix was evicted, blocks 0-1 survive
     bm.check_invariants([])
 
