@@ -19,9 +19,11 @@ Index arithmetic (positions are token indices into ``all_token_ids``)::
                           min(num_tokens - num_computed_tokens, token budget left).
     sampling              the worker samples a next token only when the step's chunk reaches
                           the end: num_computed_tokens + num_scheduled_tokens == num_tokens.
-    blocks                the block table must cover num_computed_tokens + num_scheduled_tokens
-                          slots: ceil(that / block_size) blocks; slot of token i is
-                          block_ids[i // block_size] * block_size + i % block_size.
+    blocks                every block table (one per KV cache group, ``block_ids[g]``) must
+                          cover num_computed_tokens + num_scheduled_tokens slots:
+                          ceil(that / block_size) blocks; slot of token i in group g is
+                          block_ids[g][i // block_size] * block_size + i % block_size
+                          (-1 = a sliding window's released block, see block_manager.py).
 
 In steady-state decode num_computed_tokens == num_tokens - 1 (the last sampled token is the one
 to feed) before a step, and == num_tokens while that step is in flight (nothing more to schedule
@@ -63,7 +65,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_ids: list[int] = field(default_factory=list)  # block table, logical order
+    # one block table per KV cache group, logical order, all of one length; [] = no blocks
+    block_ids: list[list[int]] = field(default_factory=list)
     num_tokens_sent: int = 0  # prefix of all_token_ids already sent (0: never scheduled)
     num_output_placeholders: int = 0  # async scheduling: tokens sampled in steps in flight
     num_preemptions: int = 0

@@ -9,8 +9,9 @@ out of it. See ``request.py`` for the index diagram.
 On top of the rule (all vLLM V1 behaviour): automatic prefix caching (a newly admitted request
 starts at its longest cached prefix, see ``block_manager.py``), a ``fcfs`` or ``priority``
 policy (which request is admitted first and which is preempted), a per-request cap on prefill
-tokens per step (``long_prefill_token_threshold``) and load shedding (a full waiting queue
-refuses new requests with ``QueueFullError``).
+tokens per step (``long_prefill_token_threshold``), load shedding (a full waiting queue
+refuses new requests with ``QueueFullError``) and KV cache groups (one block table per group;
+a sliding-window group's blocks behind the window are released, see ``block_manager.py``).
 
 Per step: ``schedule()`` -> SchedulerOutput -> every worker rank -> sampled token ids ->
 ``update_from_output()`` -> RequestUpdates for the routers.
@@ -41,7 +42,9 @@ sampled by a step that was stale when it came back).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
@@ -102,7 +105,7 @@ class NewRequestData:
     request_id: str
     prompt_token_ids: list[int]  # all_token_ids at first schedule (what the worker must hold)
     sampling_params: EngineSamplingParams
-    block_ids: list[int]  # the whole block table, logical order
+    block_ids: list[int]  # the whole block tables, concatenated group by group (-1 = none)
     num_computed_tokens: int  # tokens already cached (0 until prefix caching); compute from here
 
 
@@ -114,7 +117,9 @@ class CachedRequestData:
     # since last sent (for the pipeline stages that do not sample; [] mid-prefill and with
     # async scheduling); when resumed, the whole token list (replaces the worker's)
     new_token_ids: list[int]
-    new_block_ids: list[int]  # appended to the table this step; whole table if resumed
+    # appended to each table this step (the same count per group), concatenated group by
+    # group; the whole tables if resumed
+    new_block_ids: list[int]
     resumed_from_preemption: bool  # the worker must replace (not extend) table and tokens
     num_computed_tokens: int  # tokens whose K/V are cached; this step computes from here
 
@@ -174,22 +179,29 @@ class Scheduler:
         config: scheduling limits and policies.
         num_kv_blocks: KV blocks per worker rank (the minimum over ranks).
         eos_token_ids: the model's end-of-sequence ids (finish STOP unless ignore_eos).
+        sliding_windows: per KV cache group, its sliding window (0 = full attention; the
+            workers' ``kv_cache_groups``); default one full-attention group.
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens cannot fit in the KV cache.
     """
 
-    def __init__(self, config: SchedulerConfig, num_kv_blocks: int, eos_token_ids: list[int]):
+    def __init__(self, config: SchedulerConfig, num_kv_blocks: int, eos_token_ids: list[int],
+                 sliding_windows: Sequence[int] = (0,)):
         bs, max_len = config.block_size, config.max_model_len
-        needed = -(-max_len // bs)
+        bm = BlockManager(num_kv_blocks, bs, config.enable_prefix_caching, sliding_windows)
+        max_chunk = min(config.long_prefill_token_threshold or max_len,
+                        config.max_num_batched_tokens)
+        needed = bm.blocks_for_one_request(max_len, max_chunk)
         if needed > num_kv_blocks:
+            groups = f" in {bm.num_groups} KV cache groups" if bm.num_groups > 1 else ""
             raise ValueError(
                 f"KV cache has {num_kv_blocks} blocks ({num_kv_blocks * bs} tokens) but "
-                f"max_model_len={max_len} needs {needed} blocks; raise --kv-cache-memory "
-                f"or lower --max-model-len"
+                f"max_model_len={max_len} needs {needed} blocks{groups}; raise "
+                f"--kv-cache-memory or lower --max-model-len"
             )
         self.config = config
-        self.block_manager = BlockManager(num_kv_blocks, bs, config.enable_prefix_caching)
+        self.block_manager = bm
         self.eos_token_ids = frozenset(eos_token_ids)
         self.requests: dict[str, Request] = {}  # unfinished (waiting + running) by id
         self.waiting = WaitingQueue(config.scheduling_policy)
@@ -334,8 +346,9 @@ class Scheduler:
                 num_new = budget
             end = num_computed + num_new
             # NOTE: the decode fast path (most requests, most steps): the last block has room
-            # and no block fills up, so there is nothing to allocate or register.
-            if (end <= len(request.block_ids) * bs
+            # and no block fills up, so there is nothing to allocate or register (and a sliding
+            # window's blocks are released only when a new block is needed: that is enough).
+            if (end <= len(request.block_ids[0]) * bs
                     and end // bs <= request.num_cached_blocks):
                 new_blocks[request.request_id] = []
             else:
@@ -399,11 +412,12 @@ class Scheduler:
             if sent == 0:
                 new_reqs.append(NewRequestData(
                     request_id, request.all_token_ids, request.sampling_params,
-                    list(request.block_ids), request.num_computed_tokens,
+                    list(chain.from_iterable(request.block_ids)), request.num_computed_tokens,
                 ))
             elif request_id in resumed:
                 cached_reqs.append(CachedRequestData(
-                    request_id, request.all_token_ids, list(request.block_ids), True,
+                    request_id, request.all_token_ids,
+                    list(chain.from_iterable(request.block_ids)), True,
                     request.num_computed_tokens))
             else:
                 cached_reqs.append(CachedRequestData(

@@ -25,7 +25,7 @@ from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.scheduler.engine import Engine
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
-from services.scheduler.worker_client import WorkerGroup
+from services.scheduler.worker_client import WorkerGroup, describe_kv_cache_groups
 
 log = logging.getLogger(__name__)
 SERVICE = "pagedserve.v1.EngineService"
@@ -171,8 +171,9 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
 
     Raises:
         ValueError: workers disagree, or max_model_len cannot fit.
-        WorkerError: workers not reachable within --worker-connect-timeout, or one refused this
-            scheduler's limits (a flag the worker was started with another value of).
+        WorkerError: workers not reachable within --worker-connect-timeout, one refused this
+            scheduler's limits (a flag the worker was started with another value of), or they
+            report different KV cache groups.
     """
     limits = worker_pb2.GetWorkerInfoRequest(
         block_size=args.block_size, max_model_len=args.max_model_len or 0,
@@ -191,7 +192,9 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     config = scheduler_config(args, max_model_len, workers.pipeline_parallel_size)
     log.info("scheduling: %d steps in flight, async scheduling %s", config.max_steps_in_flight,
              "on" if config.async_scheduling else "off")
-    scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids))
+    log.info("KV cache groups: %s", describe_kv_cache_groups(workers.kv_cache_groups))
+    scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids),
+                          sliding_windows=workers.sliding_windows)
     info = engine_pb2.GetEngineInfoResponse(
         model=first.model, max_model_len=max_model_len, block_size=args.block_size,
         num_kv_blocks=num_blocks, vocab_size=first.vocab_size,

@@ -11,6 +11,10 @@ Ranks of a tensor/pipeline-parallel group may be listed in any order: each repor
 the group's sizes and a group id in GetWorkerInfo. The driver is tp rank 0 of the last pipeline
 stage (rank ``(pp_size - 1) * tp_size``); every other rank answers an empty StepResult that
 only acknowledges the step, so a dead rank is noticed at the step it misses.
+
+KV cache groups: every rank reports the model's groups (``kv_cache_groups``: sliding window and
+global layer ids of each; none = one full-attention group) and all must report the same; the
+block tables of a step are sent concatenated group by group (see ``block_manager.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,34 @@ log = logging.getLogger(__name__)
 
 class WorkerError(RuntimeError):
     """A worker rank failed, disconnected or answered out of order."""
+
+
+KVGroup = tuple[int, tuple[int, ...]]  # (sliding window, 0 = full; global layer ids)
+
+
+def describe_kv_cache_groups(groups: list[KVGroup]) -> str:
+    """E.g. ``[window 512: layers 0,1,2; full: layers 5,11,17]``."""
+    return "[" + "; ".join(
+        f"{f'window {w}' if w else 'full'}: layers {','.join(map(str, ids)) or 'all'}"
+        for w, ids in groups) + "]"
+
+
+def check_kv_cache_groups(infos: list[worker_pb2.GetWorkerInfoResponse],
+                          addresses: list[str]) -> list[KVGroup]:
+    """The KV cache groups every rank reports (none reported = one full-attention group).
+
+    Raises:
+        WorkerError: two ranks report different groups (naming both ranks and their groups).
+    """
+    reported = [[(g.sliding_window, tuple(g.layer_ids)) for g in i.kv_cache_groups] or [(0, ())]
+                for i in infos]
+    for addr, groups in zip(addresses, reported, strict=True):
+        if groups != reported[0]:
+            raise WorkerError(
+                f"worker {addresses[0]} reports KV cache groups "
+                f"{describe_kv_cache_groups(reported[0])} but worker {addr} reports "
+                f"{describe_kv_cache_groups(groups)}; every rank must serve the same model")
+    return reported[0]
 
 
 def _cached_requests_pb(out: SchedulerOutput, samples: bool) -> worker_pb2.CachedRequests:
@@ -87,6 +119,8 @@ class WorkerGroup:
     Attributes:
         driver: index into ``addresses`` of the rank whose results carry the tokens.
         pipeline_parallel_size: stages of the group (1 without pipeline parallelism).
+        kv_cache_groups: the model's KV cache groups, as every rank reported them (set by the
+            first ``connect``; a later one must find the same).
     """
 
     def __init__(self, addresses: list[str], credentials: grpc.ChannelCredentials | None = None,
@@ -101,6 +135,7 @@ class WorkerGroup:
         self.infos: list[worker_pb2.GetWorkerInfoResponse] = []
         self.driver = 0
         self.pipeline_parallel_size = 1
+        self.kv_cache_groups: list[KVGroup] = []
         self._samples: list[bool] = []  # per rank: in the last pipeline stage (keeps tokens)
         self.broken: asyncio.Event | None = None  # set when any rank's Execute stream ends
 
@@ -112,8 +147,9 @@ class WorkerGroup:
         still up, some new ones already).
 
         Raises:
-            WorkerError: a rank did not answer in time, refused the scheduler's limits, or the
-                ranks do not form one group.
+            WorkerError: a rank did not answer in time, refused the scheduler's limits, the
+                ranks do not form one group, or they report different KV cache groups (from
+                each other, or from the first connect: the block tables would not fit).
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -123,6 +159,13 @@ class WorkerGroup:
             log.info("worker ranks report different group ids (restarting?); retrying")
             await asyncio.sleep(0.5)
         self.driver = self._check_group(infos)
+        groups = check_kv_cache_groups(infos, self.addresses)
+        if self.kv_cache_groups and groups != self.kv_cache_groups:
+            raise WorkerError(
+                f"the workers now report KV cache groups {describe_kv_cache_groups(groups)} but "
+                f"this scheduler runs {describe_kv_cache_groups(self.kv_cache_groups)}; "
+                f"restart the scheduler")
+        self.kv_cache_groups = groups
         self.pipeline_parallel_size = pp = max(1, infos[self.driver].pipeline_parallel_size)
         tp = max(1, infos[self.driver].tensor_parallel_size)
         self._samples = [i.rank // tp == pp - 1 for i in infos]
@@ -133,6 +176,11 @@ class WorkerGroup:
         self.broken = broken
         self.infos = infos
         return infos
+
+    @property
+    def sliding_windows(self) -> list[int]:
+        """Per KV cache group, its sliding window (0 = full attention)."""
+        return [w for w, _ in self.kv_cache_groups]
 
     async def _get_infos(self, deadline: float, timeout: float
                          ) -> list[worker_pb2.GetWorkerInfoResponse]:

@@ -3,10 +3,19 @@
 ``FakeWorker`` plays every worker rank: it rebuilds each request's token ids and block table
 from the SchedulerOutput diffs and its own samples alone (as a real worker must: the sampling
 stage appends what it samples, the other pipeline stages append ``new_token_ids``, a resumed
-request's token list is replaced), checks them against the scheduler's own Request objects, writes a "KV cache" of (position, token ids up to and including
-that position) per slot -- what a real K/V vector depends on -- and before sampling checks that
-every slot of the request holds exactly that, so a wrong block table, a wrongly shared block
-(a bad prefix-cache hit), an evicted block still in use or a missed recompute fails loudly.
+request's token list is replaced), checks them against the scheduler's own Request objects,
+writes a "KV cache" of (KV cache group, position, token ids up to and including that position)
+per slot -- what a real K/V vector depends on -- and after each step's writes checks that every
+slot the step reads holds exactly that, so a wrong block table, a wrongly shared block (a bad
+prefix-cache hit), an evicted block still in use or a missed recompute fails loudly.
+
+KV cache groups: the fake worker has a group layout (``sliding_windows``, one window per group,
+0 = full; by default the scheduler's, as a real one reports it in GetWorkerInfo). It splits the
+flat block ids of each message group by group (a count that does not divide fails), keeps one
+table per group, and checks that a -1 entry ("no block") lies wholly before the window of the
+step's first query (so never in a full group), that it reads a sliding group only within the
+window (positions p - W + 1 .. p), and that its tables equal the scheduler's except where the
+scheduler has released a block out of the window (the worker is not told; it never reads it).
 
 The fake model: the token sampled for a request depends only on (its id's number, the position
 it is sampled at), so a run's outputs can be predicted without any scheduling
@@ -42,6 +51,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     max_model_len: int = 128,
     eos_token_ids: tuple[int, ...] = (EOS,),
+    sliding_windows: tuple[int, ...] = (0,),
     **config_kwargs,
 ) -> Scheduler:
     config = SchedulerConfig(
@@ -51,7 +61,7 @@ def make_scheduler(
         block_size=block_size,
         **config_kwargs,
     )
-    return Scheduler(config, num_kv_blocks, list(eos_token_ids))
+    return Scheduler(config, num_kv_blocks, list(eos_token_ids), sliding_windows)
 
 
 def make_request(
@@ -99,10 +109,17 @@ def prefix_keys(token_ids: list[int]) -> list[int]:
     return keys
 
 
+def split_tables(flat: list[int], num_groups: int) -> list[list[int]]:
+    """A message's block ids, concatenated group by group, as one table per group."""
+    assert len(flat) % num_groups == 0, f"{len(flat)} block ids for {num_groups} groups"
+    n = len(flat) // num_groups
+    return [list(flat[g * n:(g + 1) * n]) for g in range(num_groups)]
+
+
 @dataclass
 class _WorkerState:
     token_ids: list[int]  # the sampling stage's: its own samples appended
-    block_ids: list[int]
+    block_ids: list[list[int]]  # one table per KV cache group
     num_computed_tokens: int
     stage_token_ids: list[int]  # an earlier pipeline stage's: new_token_ids appended
 
@@ -117,11 +134,19 @@ class FakeWorker:
     scheduler: Scheduler
     sample: callable = fake_token
     states: dict[str, _WorkerState] = field(default_factory=dict)
-    kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (pos, prefix key)
+    # slot -> (group, pos, prefix key)
+    kv: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     outputs: list[SchedulerOutput] = field(default_factory=list)
+    sliding_windows: list[int] | None = None  # the group layout; None = the scheduler's
+
+    def __post_init__(self) -> None:
+        if self.sliding_windows is None:
+            self.sliding_windows = list(self.scheduler.block_manager.sliding_windows)
 
     def execute(self, out: SchedulerOutput) -> dict[str, int]:
         sched, bs = self.scheduler, self.scheduler.config.block_size
+        windows = self.sliding_windows
+        num_groups = len(windows)
         self.outputs.append(out)
         for rid in out.finished_req_ids:
             assert rid not in out.num_scheduled_tokens
@@ -137,8 +162,8 @@ class FakeWorker:
         for new in out.scheduled_new_reqs:
             assert new.request_id not in self.states, "NewRequestData for a known request"
             self.states[new.request_id] = _WorkerState(
-                list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens,
-                list(new.prompt_token_ids))
+                list(new.prompt_token_ids), split_tables(new.block_ids, num_groups),
+                new.num_computed_tokens, list(new.prompt_token_ids))
         look_ahead = sched.config.async_scheduling
         for cached in out.scheduled_cached_reqs:
             state = self.states[cached.request_id]
@@ -150,7 +175,7 @@ class FakeWorker:
                     :len(cached.new_token_ids)]
                 state.token_ids = list(cached.new_token_ids)
                 state.stage_token_ids = list(cached.new_token_ids)
-                state.block_ids = list(cached.new_block_ids)
+                state.block_ids = split_tables(cached.new_block_ids, num_groups)
                 state.num_computed_tokens = cached.num_computed_tokens
                 continue
             if look_ahead:
@@ -158,13 +183,16 @@ class FakeWorker:
             else:
                 state.stage_token_ids += cached.new_token_ids
             assert cached.num_computed_tokens == state.num_computed_tokens
-            state.block_ids += cached.new_block_ids
+            for table, new_ids in zip(state.block_ids,
+                                      split_tables(cached.new_block_ids, num_groups), strict=True):
+                table += new_ids
         assert len(out.scheduled_new_reqs) + len(out.scheduled_cached_reqs) == len(
             out.num_scheduled_tokens
         )
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
 
         sampled: dict[str, int] = {}
+        reads = []  # (request id, first and end position computed, prefix keys)
         for rid, n in out.num_scheduled_tokens.items():
             state, request = self.states[rid], sched.get_request(rid)
             assert n >= 1
@@ -174,20 +202,32 @@ class FakeWorker:
             assert len(state.token_ids) <= num_known + request.num_output_placeholders
             if not look_ahead:  # an earlier stage holds every token it computes
                 assert state.stage_token_ids == state.token_ids
-            assert state.block_ids == request.block_ids
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
-            assert end <= len(state.token_ids) and end <= len(state.block_ids) * bs
+            tables = state.block_ids
+            assert len(tables) == len(request.block_ids) == num_groups, "other group layout"
+            assert len({len(t) for t in tables}) == 1, "tables of different lengths"
+            assert end <= len(state.token_ids) and end <= len(tables[0]) * bs
+            firsts = [max(0, start - w + 1) // bs if w else 0 for w in windows]
+            for table, theirs, first in zip(tables, request.block_ids, firsts, strict=True):
+                # the scheduler's table, but where it released a block this step cannot read
+                assert all(mine == b or (b == -1 and j < first)
+                           for j, (mine, b) in enumerate(zip(table, theirs, strict=True))), (
+                    f"{rid}: table differs from the scheduler's in the window")
+                assert min(table[first:]) >= 0, f"{rid}: no block where its window reads"
             prefixes = prefix_keys(state.token_ids[:end])
-            for pos in range(start, end):
-                slot = state.block_ids[pos // bs] * bs + pos % bs
-                self.kv[slot] = (pos, prefixes[pos])
+            for g, table in enumerate(tables):
+                for pos in range(start, end):
+                    self.kv[table[pos // bs] * bs + pos % bs] = (g, pos, prefixes[pos])
             state.num_computed_tokens = end
-        for rid in out.num_scheduled_tokens:  # after every write of the step
+            reads.append((rid, start, end, prefixes))
+        for rid, start, end, prefixes in reads:  # after every write of the step
             state = self.states[rid]
-            if state.num_computed_tokens == len(state.token_ids):
-                for pos, key in enumerate(prefix_keys(state.token_ids)):
-                    slot = state.block_ids[pos // bs] * bs + pos % bs
-                    assert self.kv.get(slot) == (pos, key), f"{rid} reads wrong K/V at {pos}"
+            for g, (w, table) in enumerate(zip(windows, state.block_ids, strict=True)):
+                for pos in range(max(0, start - w + 1) if w else 0, end):
+                    slot = table[pos // bs] * bs + pos % bs
+                    assert self.kv.get(slot) == (g, pos, prefixes[pos]), (
+                        f"{rid} reads wrong K/V at {pos} in group {g}")
+            if end == len(state.token_ids):
                 sampled[rid] = token = self.sample(rid, len(state.token_ids))
                 state.token_ids.append(token)
         return sampled

@@ -30,11 +30,11 @@ def test_allocate_appends_and_returns_new_ids():
     bm = BlockManager(8, 4)
     r = req()
     assert bm.allocate(r, 5) == [0, 1]
-    assert r.block_ids == [0, 1] and bm.num_free_blocks == 6
+    assert r.block_ids == [[0, 1]] and bm.num_free_blocks == 6
     r.num_computed_tokens = 5
     assert bm.allocate(r, 3) == []  # slots 5..7 are in block 1 already
     assert bm.allocate(r, 4) == [2]  # slot 8 needs a third block
-    assert r.block_ids == [0, 1, 2]
+    assert r.block_ids == [[0, 1, 2]]
     assert bm.usage == pytest.approx(3 / 8)
     bm.check_invariants([r])
 
@@ -70,7 +70,7 @@ def test_free_returns_blocks_and_clears_table():
     bm.allocate(b, 2)
     table = a.block_ids
     bm.free(a)
-    assert a.block_ids == [] and table == [0, 1, 2]  # the old list object is left intact
+    assert a.block_ids == [] and table == [[0, 1, 2]]  # the old list object is left intact
     assert bm.num_free_blocks == 5
     bm.check_invariants([a, b])
     # Freed blocks go to the back of the free list, tail block first.
@@ -86,7 +86,7 @@ def test_double_free_of_a_block_asserts():
     a = req()
     bm.allocate(a, 2)
     stale = req("req-1")
-    stale.block_ids = list(a.block_ids)  # a forged second owner without a ref count
+    stale.block_ids = [list(t) for t in a.block_ids]  # a forged second owner without a ref count
     bm.free(a)
     with pytest.raises(AssertionError, match="double free of block 0"):
         bm.free(stale)
@@ -109,7 +109,7 @@ def test_full_cycle_keeps_accounting_exact():
     reqs = [req(f"req-{i}") for i in range(5)]
     for i, r in enumerate(reqs):
         bm.allocate(r, i + 1)
-        assert bm.num_free_blocks + sum(len(x.block_ids) for x in reqs) == 10
+        assert bm.num_free_blocks + sum(bm.num_blocks_held(x) for x in reqs) == 10
     for r in reqs[::2]:
         bm.free(r)
         bm.check_invariants(reqs)

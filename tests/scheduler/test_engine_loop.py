@@ -85,7 +85,7 @@ async def test_aborts_while_steps_are_in_flight_never_stop_the_loop(stages):
     request of a step in flight: the old in-flight bookkeeping raised on that step's result
     and the loop died), then a normal request, which gets exactly the tokens it would get
     alone; the loop never failed and no block is leaked."""
-    engine, ranks, health = _engine(stages, max_model_len=256)
+    engine, _ranks, health = _engine(stages, max_model_len=256)
     loop = asyncio.create_task(engine.run())
     sink = engine.attach()
     rng = random.Random(stages)
@@ -146,7 +146,7 @@ async def test_an_unexpected_exception_fails_the_requests_and_the_loop_restarts(
 async def test_a_loop_that_cannot_recover_raises(monkeypatch):
     """Recovery that leaves a request in the scheduler (here: one no router owns) gives up:
     ``run`` raises, and the server exits non-zero on that."""
-    engine, ranks, health = _engine()
+    engine, _ranks, health = _engine()
     sink = engine.attach()
 
     def boom(*args, **kwargs):
@@ -169,7 +169,7 @@ async def test_an_id_running_from_another_router_is_refused_on_the_second_stream
     """Request ids are the clients' own, so two routers may submit the same one: the scheduler
     (its one check, ``Scheduler.add_request``) refuses the second on the stream it came from,
     and the first request runs to the end."""
-    engine, ranks, health = _engine()
+    engine, _ranks, _health = _engine()
     loop = asyncio.create_task(engine.run())
     first, second = engine.attach(), engine.attach()
     for sink in (first, second):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from services.scheduler.request import EngineSamplingParams, Request
+from services.scheduler.request import Request
 from services.scheduler.scheduler import QueueFullError, SchedulerConfig
 from tests.scheduler.factories import (
     FakeWorker,
@@ -31,7 +31,7 @@ def test_config_rejects_unknown_policy_and_negative_limits():
 
 def test_fcfs_refuses_a_priority():
     s = make_scheduler()
-    with pytest.raises(ValueError, match="priority must be 0 unless .* got 2"):
+    with pytest.raises(ValueError, match=r"priority must be 0 unless .* got 2"):
         s.add_request(prioritized(0, 4, 2))
 
 

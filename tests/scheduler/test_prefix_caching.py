@@ -36,10 +36,11 @@ def test_hit_shares_full_blocks_and_counts_refs():
     a = request("a", list(range(10)))  # 2 full blocks + 2 tokens
     assert allocate_all(bm, a) == 0
     assert bm.num_cached_blocks == 2
-    b = request("b", list(range(8)) + [99, 98, 97])
+    b = request("b", [*range(8), 99, 98, 97])
     assert allocate_all(bm, b) == 8
-    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
-    assert [bm.blocks[i].ref_count for i in a.block_ids[:2]] == [2, 2]
+    (ta,), (tb,) = a.block_ids, b.block_ids
+    assert tb[:2] == ta[:2] and tb[2] != ta[2]
+    assert [bm.blocks[i].ref_count for i in ta[:2]] == [2, 2]
     bm.check_invariants([a, b])
     assert bm.num_used_blocks == 3 + 1  # a: 3 blocks, b: 1 private block
 
@@ -49,7 +50,7 @@ def test_hit_leaves_at_least_one_token_to_compute():
     a = request("a", list(range(8)))
     allocate_all(bm, a)
     same = request("same", list(range(8)))  # exactly 2 full blocks: only the first may hit
-    assert bm.get_computed_blocks(same) == ([a.block_ids[0]], 4)
+    assert bm.get_computed_blocks(same) == ([a.block_ids[0][:1]], 4)
 
 
 def test_miss_on_different_first_block_even_with_same_later_tokens():
@@ -77,7 +78,7 @@ def test_freed_blocks_stay_cached_until_evicted_in_lru_order():
     bm.free(filler)
     bm.check_invariants([])
     third = request("third", list(range(13)))
-    hits, num_hit = bm.get_computed_blocks(third)
+    _, num_hit = bm.get_computed_blocks(third)
     assert num_hit == 8  # block 2 of the prefix was evicted, blocks 0-1 survive
     bm.check_invariants([])
 
@@ -87,7 +88,7 @@ def test_hit_rechecks_stored_tokens():
     a = request("a", list(range(9)))
     allocate_all(bm, a)
     # Forge a collision: make the cached first block claim other tokens under the same key.
-    first = bm.blocks[a.block_ids[0]]
+    first = bm.blocks[a.block_ids[0][0]]
     first.token_ids = (9, 9, 9, 9)
     assert bm.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
 
@@ -97,7 +98,7 @@ def test_reset_prefix_cache_forgets_keys_but_not_owners():
     a = request("a", list(range(9)))
     allocate_all(bm, a)
     bm.reset_prefix_cache()
-    assert bm.num_cached_blocks == 0 and len(a.block_ids) == 3
+    assert bm.num_cached_blocks == 0 and a.block_ids == [[0, 1, 2]]
     assert bm.get_computed_blocks(request("b", list(range(9)))) == ([], 0)
     bm.check_invariants([a])
 
@@ -188,8 +189,8 @@ def test_requests_admitted_in_one_step_share_the_prefix():
     w = FakeWorker(s)
     out = s.schedule()
     assert out.num_scheduled_tokens == {"req-0": 15, "req-1": 3, "req-2": 3, "req-3": 3}
-    shared = reqs[0].block_ids[:3]
-    assert all(r.block_ids[:3] == shared for r in reqs)
+    shared = reqs[0].block_ids[0][:3]
+    assert all(r.block_ids[0][:3] == shared for r in reqs)
     assert s.block_manager.num_used_blocks == 3 + 4  # the prefix once, one tail block each
     s.update_from_output(out, w.execute(out))  # FakeWorker checks every slot it reads
     run_to_completion(s, w)

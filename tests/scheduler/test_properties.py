@@ -1,7 +1,7 @@
 """Hypothesis: random add / step / abort / preempt sequences over a small KV cache, with prefix
-caching on or off, the fcfs or priority policy, a long-prefill cap and load shedding drawn too.
-Prompts often share prefixes (a few "system prompts"), so prefix hits, shared blocks and
-evictions are common.
+caching on or off, the fcfs or priority policy, a long-prefill cap, load shedding and the KV
+cache groups (one full group, or full and sliding-window groups) drawn too. Prompts often share
+prefixes (a few "system prompts"), so prefix hits, shared blocks and evictions are common.
 
 Steps run in one of three modes, drawn: one at a time; two in flight without async scheduling
 (pipeline parallelism: a request awaiting its token is not scheduled); two in flight with async
@@ -28,6 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.request import FinishReason, RequestStatus
 from services.scheduler.scheduler import QueueFullError
 from tests.scheduler.factories import (
@@ -53,13 +54,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold=st.sampled_from([0, 0, 1, 3, 8]),
         max_waiting=st.sampled_from([0, 0, 2, 5]),
         mode=st.sampled_from(["serial", "pipelined", "async", "async"]),
+        groups=st.sampled_from(["full", "full", "full+sliding", "sliding+full+sliding"]),
         data=st.data(),
     )
     def setup(self, block_size, max_model_len, max_num_seqs, max_num_batched_tokens, eos,
-              prefix_caching, policy, threshold, max_waiting, mode, data):
+              prefix_caching, policy, threshold, max_waiting, mode, groups, data):
+        window = data.draw(st.integers(1, 3 * block_size), "window")  # < = > a block
+        windows = {"full": (0,), "full+sliding": (0, window),
+                   "sliding+full+sliding": (window, 0, window)}[groups]
+        event(f"groups: {groups}")
         # NOTE: as few blocks as one max_model_len request allows, plus a little: preemption
         # should be common, not a corner case.
-        min_blocks = -(-max_model_len // block_size)
+        min_blocks = BlockManager(1, block_size, sliding_windows=windows).blocks_for_one_request(
+            max_model_len, min(threshold or max_model_len, max_num_batched_tokens))
         num_blocks = data.draw(st.integers(max(8, min_blocks), max(8, min_blocks) + 8), "blocks")
         self.eos = tuple(eos)
         self.scheduler = make_scheduler(
@@ -75,6 +82,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_waiting_requests=max_waiting,
             max_steps_in_flight=1 if mode == "serial" else 2,
             async_scheduling=mode == "async",
+            sliding_windows=windows,
         )
         event(f"mode: {mode}")
         self.pending: deque = deque()  # (SchedulerOutput, sampled) sent, oldest first
@@ -102,8 +110,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                                                       "copied").prompt_token_ids)
         elif system in (0, 1):
             shared = [9000 + 100 * system + j for j in range(request.num_prompt_tokens)]
-            cut = data.draw(st.sampled_from([request.num_prompt_tokens, request.num_prompt_tokens // 2,
-                                             1]), "shared_len")
+            n = request.num_prompt_tokens
+            cut = data.draw(st.sampled_from([n, n // 2, 1]), "shared_len")
             request.prompt_token_ids[:cut] = shared[:cut]
         if s.config.scheduling_policy == "priority":
             request.priority = data.draw(st.integers(-2, 2), "priority")

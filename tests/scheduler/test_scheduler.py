@@ -147,7 +147,7 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
             assert data.new_token_ids == []  # nothing new to tell mid-prefill
             assert len(data.new_block_ids) == 4 or data.num_computed_tokens == 96
     assert seen == [(32, 0), (32, 32), (32, 64), (4, 96)]
-    assert len(r.block_ids) == 13 and r.num_output_tokens == 1
+    assert len(r.block_ids[0]) == 13 and r.num_output_tokens == 1
     run_to_completion(s, w)
     assert r.output_token_ids == expected_output(r, 256)[0]
 
@@ -261,7 +261,7 @@ def test_preemption_victim_is_latest_arrival_and_everyone_finishes():
             if c.resumed_from_preemption and c.request_id == "req-3":
                 req3 = s.get_request("req-3")
                 num_scheduled = out.num_scheduled_tokens["req-3"]
-                resumed = (c, list(req3.block_ids), num_scheduled, req3.num_tokens)
+                resumed = (c, list(req3.block_ids[0]), num_scheduled, req3.num_tokens)
         s.update_from_output(out, w.execute(out))
         s.block_manager.check_invariants(s.requests.values())
     data, table, num_scheduled, num_tokens = resumed
