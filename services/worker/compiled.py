@@ -190,18 +190,22 @@ class CompiledForward:
 _LOADED: dict[str, Any] = {}
 
 # The sources whose text the graph depends on (the model's math, the ops' schemas, this file).
-_SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py")
+_SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py",
+            "services/worker/kv_cache_groups.py")
 
 
 def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> str:
     """A 24-hex-digit hash of everything a compiled forward was specialised on: torch, Python,
-    the CPU's vector ISA, the model class and config, its dtype and device, the attention
-    backend, the block size, and the text of the model, kernel and compile modules."""
+    the CPU's vector ISA, the model class and config (its layers' sliding windows too, which
+    fix the KV cache groups: how many metadata objects the graph takes and which layers share a
+    K/V tensor pair), its dtype and device, the attention backend, the block size, and the text
+    of the model, kernel, compile and grouping modules."""
     root = Path(__file__).resolve().parents[2]
     param = next(model.parameters())
     h = hashlib.sha256()
     for part in (torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
                  type(model).__qualname__, repr(getattr(model, "config", None)),
+                 repr(getattr(getattr(model, "config", None), "sliding_windows", None)),
                  str(param.dtype), param.device.type, backend_name, str(block_size),
                  str(len(getattr(model, "layers", ())))):
         h.update(part.encode() + b"\0")
