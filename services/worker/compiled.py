@@ -15,6 +15,11 @@ step of any size reuses the graph compiled at warm-up. Two torch settings make t
 - ``use_duck_shape = False``: sizes that happen to be equal at warm-up (say 2 sequences and 2 KV
   heads) are not assumed equal forever.
 
+KV cache groups (``services/worker/kv_cache_groups.py``): the forward takes one metadata object
+per layer, one per group shared by its layers, and layers of different groups share K/V
+tensors; the graph is traced with that aliasing, which the model's sliding windows fix (they
+are in the artifact key).
+
 One place still asks for ``T >= 2`` (``copy_``'s broadcast check in RoPE), so a one-token step
 (one request decoding alone) is padded to two tokens: the padding token's KV slot is -1 (not
 written) and its query row lies past ``query_start_loc[-1]`` (the kernel leaves it zero).

@@ -169,3 +169,26 @@ def test_the_model_config_must_give_one_window_per_layer(tiny_llama4, monkeypatc
     with pytest.raises(ValueError, match="2 sliding windows for 4 layers"):
         ModelRunner(str(tiny_llama4), dtype="float32", device="cpu", kv_cache_memory=1 << 20,
                     attention_backend="torch")
+
+
+def test_a_pipeline_stage_plans_the_pairs_of_its_own_layers():
+    """The runner's planning under PP=2 (the second stage: layers 9..17 of Gemma 3 270M's
+    layout, 2..3 of a 4-layer Llama), on stand-ins for the loaded model and the rank group."""
+    from types import SimpleNamespace
+
+    from services.worker.distributed import ParallelConfig
+
+    def plan(windows, stage_layers):
+        runner = SimpleNamespace(
+            model=SimpleNamespace(config=SimpleNamespace(num_hidden_layers=len(windows))),
+            parallel=SimpleNamespace(config=ParallelConfig(1, 2, 1)), num_layers=stage_layers)
+        ModelRunner._plan_kv_cache_groups(runner, windows)  # type: ignore[arg-type]
+        return runner
+
+    gemma = plan(GEMMA3_270M, 9)
+    assert len(gemma.kv_cache_groups) == 6 and gemma.num_kv_pairs == 3
+    assert gemma.layer_groups == (3, 4, 2, 4, 4, 5, 5, 5, 2)  # layers 9..17
+    assert gemma._layer_pairs == (2, 0, 1, 1, 2, 0, 1, 2, 2)
+    llama = plan([0] * 4, 2)
+    assert llama.layer_groups == (0, 0) and llama._layer_pairs == (0, 1)
+    assert llama.num_kv_pairs == 2
