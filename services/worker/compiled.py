@@ -15,6 +15,11 @@ step of any size reuses the graph compiled at warm-up. Two torch settings make t
 - ``use_duck_shape = False``: sizes that happen to be equal at warm-up (say 2 sequences and 2 KV
   heads) are not assumed equal forever.
 
+KV cache groups (``services/worker/kv_cache_groups.py``): the forward takes one metadata object
+per layer, one per group shared by its layers, and layers of different groups share K/V
+tensors; the graph is traced with that aliasing, which the model's sliding windows fix (they
+are in the artifact key).
+
 One place still asks for ``T >= 2`` (``copy_``'s broadcast check in RoPE), so a one-token step
 (one request decoding alone) is padded to two tokens: the padding token's KV slot is -1 (not
 written) and its query row lies past ``query_start_loc[-1]`` (the kernel leaves it zero).
@@ -190,18 +195,22 @@ class CompiledForward:
 _LOADED: dict[str, Any] = {}
 
 # The sources whose text the graph depends on (the model's math, the ops' schemas, this file).
-_SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py")
+_SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py",
+            "services/worker/kv_cache_groups.py")
 
 
 def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> str:
     """A 24-hex-digit hash of everything a compiled forward was specialised on: torch, Python,
-    the CPU's vector ISA, the model class and config, its dtype and device, the attention
-    backend, the block size, and the text of the model, kernel and compile modules."""
+    the CPU's vector ISA, the model class and config (its layers' sliding windows too, which
+    fix the KV cache groups: how many metadata objects the graph takes and which layers share a
+    K/V tensor pair), its dtype and device, the attention backend, the block size, and the text
+    of the model, kernel, compile and grouping modules."""
     root = Path(__file__).resolve().parents[2]
     param = next(model.parameters())
     h = hashlib.sha256()
     for part in (torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
                  type(model).__qualname__, repr(getattr(model, "config", None)),
+                 repr(getattr(getattr(model, "config", None), "sliding_windows", None)),
                  str(param.dtype), param.device.type, backend_name, str(block_size),
                  str(len(getattr(model, "layers", ())))):
         h.update(part.encode() + b"\0")

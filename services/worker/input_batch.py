@@ -9,9 +9,16 @@ block table replaced) and from the step's own samples (``append_sampled``: the w
 tokens)::
 
     row r   token_ids[r, :num_tokens[r]]       [max_num_seqs, max_model_len]  int32
-            block_table[r, :num_blocks[r]]     [max_num_seqs, max_blocks]     int32, 0 after
+            block_table[g, r, :num_blocks[r]]  [groups, max_num_seqs, max_blocks]  int32, 0 after
             temperature / top_p / min_p[r]     float32        top_k[r]  int64
             max_blocks = ceil(max_model_len / block_size)
+
+Block tables, one per KV cache group (``services/worker/kv_cache_groups.py``), all of one
+logical length ``num_blocks[r]``: block j of every group covers tokens
+``j * block_size .. (j + 1) * block_size - 1``. On the wire a request's tables come
+concatenated group by group (``[g0 b0, g0 b1, g1 b0, g1 b1]`` for 2 groups of 2 blocks), a
+step's appended blocks too; -1 (a sliding-window group's block wholly before its window, which
+no kernel reads) is stored as 0.
 
 ``InputBatch.update`` applies a ``StepInput`` (drop finished, store new, apply diffs) and
 ``InputBatch.prepare`` gathers the scheduled rows with numpy fancy indexing into preallocated
@@ -24,7 +31,7 @@ arithmetic for scheduled request i in row r with ``c = num_computed_tokens``,
     token_ids[r]  t0 t1 ... t(c-1) | tc ... t(c+n-1) | (nothing: a sample is appended after)
                   <- in KV cache -> <- this step  ->
     positions                        c ... c+n-1        (rows query_start_loc[i] .. [i+1]-1)
-    slot(p)       = block_table[r, p // block_size] * block_size + p % block_size
+    slot_g(p)     = block_table[g, r, p // block_size] * block_size + p % block_size
     seq_len       = c + n           (context including this step's tokens)
     sampled iff   c + n == num_tokens[r]: logits row = query_start_loc[i + 1] - 1
 
@@ -65,7 +72,8 @@ class RequestState:
     counts: TokenCounts | None = None  # only when a penalty is on
     min_tokens_stop_ids: tuple[int, ...] = ()  # masked while outputs < min_tokens
     row: int = -1  # its row of the InputBatch; -1 while parked
-    parked: tuple[np.ndarray, np.ndarray] | None = None  # (token ids, block ids) while rowless
+    parked: tuple[np.ndarray, np.ndarray] | None = None  # (token ids [n], block ids
+    # [groups, num_blocks]) while rowless
 
 
 @dataclass(slots=True)
@@ -93,7 +101,8 @@ class PreparedStep:
 
     Attributes:
         input_ids / positions: ``[T]`` int64.
-        attn_metadata: the attention kernels' inputs.
+        attn_metadata: the attention kernels' inputs, one per KV cache group (each its own
+            ``slot_mapping`` and ``block_tables``; ``seq_lens`` / ``query_start_loc`` shared).
         logits_indices: ``[S]`` int64 rows of the hidden states to sample from.
         sampled_request_ids: the ``S`` request ids, in row order.
         sampled_rows: ``[S]`` int64, their rows of the InputBatch (``append_sampled``).
@@ -104,7 +113,7 @@ class PreparedStep:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata
+    attn_metadata: list[AttentionMetadata]
     logits_indices: torch.Tensor
     sampled_request_ids: list[str]
     sampled_rows: np.ndarray
@@ -125,6 +134,8 @@ class InputBatch:
         max_num_seqs: rows at start (requests of one step; grows if a step has more).
         max_model_len: tokens of one request (a hard limit).
         max_num_batched_tokens: step buffer tokens at start (grows if a step has more).
+        num_kv_cache_groups: block tables per request (the wire's block ids are cut into this
+            many equal parts).
     """
 
     # The persistent rows and per-request step buffers (set by _grow_rows, see _row_arrays)
@@ -148,8 +159,12 @@ class InputBatch:
 
     def __init__(self, device: torch.device, block_size: int, num_kv_blocks: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] | list[int] = (), *,
-                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int) -> None:
+                 max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
+                 num_kv_cache_groups: int = 1) -> None:
+        if num_kv_cache_groups < 1:
+            raise ValueError(f"num_kv_cache_groups must be >= 1, got {num_kv_cache_groups}")
         self.device, self.block_size = device, block_size
+        self.num_groups = num_kv_cache_groups
         self.num_kv_blocks, self.vocab_size = num_kv_blocks, vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_model_len = max_model_len
@@ -158,15 +173,17 @@ class InputBatch:
         self.free_rows: list[int] = []  # pop() gives the lowest free row first
         self.row_states: list[RequestState | None] = []
         self.max_num_seqs = self.max_num_batched_tokens = 0
+        self.block_table = np.zeros((self.num_groups, 0, self.max_blocks), dtype=np.int32)
         self._grow_rows(max_num_seqs)
         self._grow_tokens(max_num_batched_tokens)
         self._step_ids: set[str] | None = None  # the current step's request ids (evictions)
 
-    # Persistent rows (see the module docstring): name -> (per-row shape, dtype). A free row has
-    # num_tokens = num_blocks = 0 and an all-zero block table.
+    # Persistent rows (see the module docstring): name -> (per-row shape, dtype), rows first
+    # (block_table, rows second, is grown beside them). A free row has num_tokens =
+    # num_blocks = 0 and all-zero block tables.
     def _row_arrays(self) -> dict[str, tuple[tuple[int, ...], type]]:
         return {"token_ids": ((self.max_model_len,), np.int32), "num_tokens": ((), np.int64),
-                "block_table": ((self.max_blocks,), np.int32), "num_blocks": ((), np.int64),
+                "num_blocks": ((), np.int64),
                 "temperature": ((), np.float32), "top_p": ((), np.float32),
                 "top_k": ((), np.int64), "min_p": ((), np.float32), "seeded": ((), bool),
                 "penalized": ((), bool), "num_prompt_tokens": ((), np.int64),
@@ -191,6 +208,9 @@ class InputBatch:
             if old:
                 grown[:old + extra] = getattr(self, name)
             setattr(self, name, grown)
+        table = np.zeros((self.num_groups, rows, self.max_blocks), dtype=np.int32)
+        table[:, :old] = self.block_table
+        self.block_table = table
         self.row_states.extend([None] * (rows - old))
         self.free_rows = list(range(rows - 1, old - 1, -1)) + self.free_rows
         self.max_num_seqs = rows
@@ -205,8 +225,8 @@ class InputBatch:
         """
         if tokens <= self.max_num_batched_tokens:
             return
-        self._input_ids, self._positions, self._slot_mapping = (
-            np.zeros(tokens, dtype=np.int64) for _ in range(3))
+        self._input_ids, self._positions = (np.zeros(tokens, dtype=np.int64) for _ in range(2))
+        self._slot_mapping = np.zeros((self.num_groups, tokens), dtype=np.int64)  # [groups, T]
         self.max_num_batched_tokens = tokens
 
     @property
@@ -220,9 +240,9 @@ class InputBatch:
 
         Raises:
             KeyError: a cached request the worker does not hold.
-            ValueError: a token list longer
-                than ``max_model_len``, a block table longer than ``max_blocks``, or a block id
-                outside ``[0, num_kv_blocks)``.
+            ValueError: a token list longer than ``max_model_len``, a block table longer than
+                ``max_blocks``, a block id outside ``[-1, num_kv_blocks)``, or a count of block
+                ids that the number of KV cache groups does not divide.
         """
         self._grow_rows(len(step.new_requests) + len(step.cached_requests))
         self._step_ids = None
@@ -308,7 +328,7 @@ class InputBatch:
                           if s.row >= 0 and s.request_id not in self._step_ids)
             row = victim.row
             victim.parked = (self.token_ids[row, :self.num_tokens[row]].copy(),
-                             self.block_table[row, :self.num_blocks[row]].copy())
+                             self.block_table[:, row, :self.num_blocks[row]].copy())
             self._free(victim)
         row = state.row = self.free_rows.pop()
         self.row_states[row] = state
@@ -331,8 +351,8 @@ class InputBatch:
         state.parked = None
         self.token_ids[row, :len(token_ids)] = token_ids
         self.num_tokens[row] = len(token_ids)
-        self.block_table[row, :len(block_ids)] = block_ids
-        self.num_blocks[row] = len(block_ids)
+        self.block_table[:, row, :block_ids.shape[1]] = block_ids
+        self.num_blocks[row] = block_ids.shape[1]
         return row
 
     def _free(self, state: RequestState) -> None:
@@ -340,21 +360,32 @@ class InputBatch:
         row, state.row = state.row, -1
         if row < 0:
             return
-        self.block_table[row, :self.num_blocks[row]] = 0
+        self.block_table[:, row, :self.num_blocks[row]] = 0
         self.num_blocks[row] = self.num_tokens[row] = 0
         self.row_states[row] = None
         self.free_rows.append(row)
 
-    def _check_blocks(self, request_id: str, start: int, block_ids: list[int]) -> None:
-        if start + len(block_ids) > self.max_blocks:
+    def _check_blocks(self, request_id: str, start: int, block_ids: list[int]
+                      ) -> tuple[int, bool]:
+        """Blocks per group in ``block_ids`` (the wire's group-by-group layout), checked, and
+        whether any is -1."""
+        n, rest = divmod(len(block_ids), self.num_groups)
+        if rest:
+            raise ValueError(f"request {request_id!r}: {len(block_ids)} block ids for "
+                             f"{self.num_groups} KV cache groups (the same number per group, "
+                             "group by group, is expected)")
+        if start + n > self.max_blocks:
             raise ValueError(
-                f"request {request_id!r}: {start + len(block_ids)} blocks, more than "
+                f"request {request_id!r}: {start + n} blocks, more than "
                 f"ceil(max_model_len / block_size) = {self.max_blocks} (max_model_len="
                 f"{self.max_model_len})")
-        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_kv_blocks):
+        if not block_ids:
+            return 0, False
+        lo, hi = min(block_ids), max(block_ids)
+        if lo < -1 or hi >= self.num_kv_blocks:
             raise ValueError(f"request {request_id!r}: block ids must be in "
-                             f"[0, {self.num_kv_blocks}), got [{min(block_ids)}, "
-                             f"{max(block_ids)}]")
+                             f"[0, {self.num_kv_blocks}) or -1 (no block), got [{lo}, {hi}]")
+        return n, lo < 0
 
     def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Append the token sampled for each of ``rows [S]`` (a step's ``sampled_rows``) to its
@@ -412,12 +443,19 @@ class InputBatch:
         self.num_tokens[rows] = ends
 
     def _write_blocks(self, request_id: str, row: int, start: int, block_ids: list[int]) -> None:
-        """Write ``block_ids`` at ``start`` of the row's block table, which ends after them
-        (``start = 0`` replaces the table; what lay beyond is zeroed)."""
-        self._check_blocks(request_id, start, block_ids)
-        end = start + len(block_ids)
-        self.block_table[row, start:end] = block_ids
-        self.block_table[row, end:self.num_blocks[row]] = 0
+        """Write ``block_ids`` (``n`` per group, group by group) at ``start`` of the row's
+        block tables, which end after them (``start = 0`` replaces the tables; what lay beyond
+        is zeroed). -1 is stored as 0."""
+        n, has_none = self._check_blocks(request_id, start, block_ids)
+        end = start + n
+        if self.num_groups == 1:
+            self.block_table[0, row, start:end] = block_ids
+        else:
+            self.block_table[:, row, start:end] = np.reshape(block_ids, (self.num_groups, n))
+        if has_none:
+            tables = self.block_table[:, row, start:end]  # (a view)
+            tables[tables < 0] = 0
+        self.block_table[:, row, end:self.num_blocks[row]] = 0
         self.num_blocks[row] = end
 
     # ---- the step --------------------------------------------------------------------------
@@ -454,29 +492,32 @@ class InputBatch:
         token_rows = np.repeat(rows, num_sched)  # [T] the row of each token
         input_ids = self._input_ids[:total]  # [T]
         input_ids[:] = self.token_ids[token_rows, positions]
-        slot_mapping = self._slot_mapping[:total]  # [T]
-        np.multiply(self.block_table[token_rows, positions // bs], bs, out=slot_mapping)
-        slot_mapping += positions % bs
         seq_lens = self._seq_lens[:batch_size]  # [B]
         seq_lens[:] = ends
         sampled = np.flatnonzero(ends == num_tokens)  # [S] indices of the sampled requests
         logits_indices = self._logits_indices[:len(sampled)]  # [S]
         np.subtract(cu[sampled], 1, out=logits_indices)
-        block_tables = self.block_table[rows, :int(num_blocks.max())]  # [B, max_blocks]
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(slot_mapping),
-            block_tables=self._to_device(block_tables),
-            seq_lens=self._to_device(seq_lens),
-            query_start_loc=self._to_device(query_start_loc),
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(ends.max()),
-        )
+        seq_lens_t, query_start_loc_t = self._to_device(seq_lens), self._to_device(query_start_loc)
+        max_query_len, max_seq_len = int(num_sched.max()), int(ends.max())
+        width = int(num_blocks.max())
+        block_index, offset = positions // bs, positions % bs  # [T] each
+        metas = []
+        for g in range(self.num_groups):  # (one group: the whole model's one table)
+            table = self.block_table[g]  # [max_num_seqs, max_blocks]
+            slot_mapping = self._slot_mapping[g, :total]  # [T]
+            np.multiply(table[token_rows, block_index], bs, out=slot_mapping)
+            slot_mapping += offset
+            metas.append(AttentionMetadata(
+                slot_mapping=self._to_device(slot_mapping),
+                block_tables=self._to_device(table[rows, :width]),  # [B, width]
+                seq_lens=seq_lens_t, query_start_loc=query_start_loc_t,
+                max_query_len=max_query_len, max_seq_len=max_seq_len))
         sampled_rows = rows[sampled]  # [S]
         ids = scheduled.request_ids
         num_logprobs = self.num_logprobs[sampled_rows]  # [S]
         return PreparedStep(
             input_ids=self._to_device(input_ids), positions=self._to_device(positions),
-            attn_metadata=meta, logits_indices=self._to_device(logits_indices),
+            attn_metadata=metas, logits_indices=self._to_device(logits_indices),
             sampled_request_ids=(list(ids) if len(sampled) == len(ids)
                                  else [ids[i] for i in sampled.tolist()]),
             sampled_rows=sampled_rows,

@@ -1,9 +1,15 @@
 """ModelRunner: one worker's model, KV cache and step execution (no gRPC; usable in-process).
 
-KV cache layout (DESIGN.md §3): per layer one K and one V tensor, each
-``[num_kv_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, zero-initialised.
-Token position ``p`` of a request lives at block ``block_table[p // block_size]``, offset
-``p % block_size``; the flat slot is ``block * block_size + offset``.
+KV cache layout (DESIGN.md §3): the layers are grouped by attention type into KV cache groups
+(``services/worker/kv_cache_groups.py``), each with its own block table per request. Per
+position ``j`` in a group one K and one V tensor, each
+``[num_kv_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, zero-initialised;
+the layer at position ``j`` of its group uses pair ``j`` (so layers of different groups share a
+pair, in the blocks their groups were given). Token position ``p`` of a request lives, for a
+layer of group ``g``, at block ``block_table[g][p // block_size]``, offset ``p % block_size``;
+the flat slot is ``block * block_size + offset``. A model of one attention type has one group of
+all its layers: one pair per layer. Under pipeline parallelism a rank allocates only the pairs
+its layers use.
 """
 
 from __future__ import annotations
@@ -16,10 +22,11 @@ from typing import cast
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
-from services.worker.attention import select_backend
+from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.distributed import ParallelState
-from services.worker.input_batch import InputBatch
+from services.worker.input_batch import InputBatch, PreparedStep
+from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.loader import load_model
 from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
 from services.worker.models.llama import DecoderLayer, LlamaForCausalLM
@@ -138,13 +145,15 @@ class ModelRunner:
         # NOTE: this rank's layers and KV heads only (a pipeline stage, a tensor-parallel shard).
         self.num_layers = len(self.model.layers)
         self.num_kv_heads: int = cast(DecoderLayer, self.model.layers[0]).attn.n_kv_heads
-        self.bytes_per_block = (2 * self.num_layers * block_size * self.num_kv_heads
+        self._plan_kv_cache_groups(list(cfg.sliding_windows))
+        self.bytes_per_block = (2 * self.num_kv_pairs * block_size * self.num_kv_heads
                                 * cfg.head_dim * self.dtype.itemsize)
         self.sampler = Sampler()
         self.input_batch = InputBatch(self.device, block_size, 0, self.vocab_size,
                                       self.eos_token_ids, max_num_seqs=max_num_seqs,
                                       max_model_len=self.max_model_len,
-                                      max_num_batched_tokens=max_num_batched_tokens)
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      num_kv_cache_groups=len(self.kv_cache_groups))
         if self.device.type == "cuda":
             kv_bytes = self._profile_cuda(max_num_batched_tokens, max_num_seqs,
                                           gpu_memory_utilization, total, non_torch_before)
@@ -160,8 +169,12 @@ class ModelRunner:
         self.num_kv_blocks = num_blocks
         self.kv_caches = self._allocate_kv_cache(num_blocks)
         self.input_batch.num_kv_blocks = num_blocks
-        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s) on %s", num_blocks, block_size,
-                 num_blocks * self.bytes_per_block / 2**30, self.dtype_name, self.device)
+        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s) on %s; %d KV cache groups "
+                 "(windows %s, 0 = full), %d K/V tensor pairs for %d layers", num_blocks,
+                 block_size, num_blocks * self.bytes_per_block / 2**30, self.dtype_name,
+                 self.device, len(self.kv_cache_groups),
+                 [g.sliding_window for g in self.kv_cache_groups], self.num_kv_pairs,
+                 self.num_layers)
         world = parallel.config.world_size if parallel else 1
         self.eager_reason = why_eager(enforce_eager, self.device, backend.name, world)
         self.forward: LlamaForCausalLM | CompiledForward = self.model
@@ -171,14 +184,45 @@ class ModelRunner:
         else:
             log.info("forward runs eagerly: %s", self.eager_reason)
 
+    def _plan_kv_cache_groups(self, sliding_windows: list[int]) -> None:
+        """Group the model's (global) layers and lay this rank's layers out over K/V tensor
+        pairs: sets ``kv_cache_groups``, ``layer_groups`` (per local layer, its group's index),
+        ``_layer_pairs`` (per local layer, its pair's index) and ``num_kv_pairs``.
+
+        Raises:
+            ValueError: ``sliding_windows`` is not one entry per layer of the model.
+        """
+        cfg = self.model.config
+        if len(sliding_windows) != cfg.num_hidden_layers:
+            raise ValueError(f"the model config gives {len(sliding_windows)} sliding windows for "
+                             f"{cfg.num_hidden_layers} layers")
+        self.kv_cache_groups: list[KVGroup] = kv_cache_groups(sliding_windows)
+        ps = self.parallel
+        local = (ps.config.layer_range(cfg.num_hidden_layers) if ps
+                 else range(cfg.num_hidden_layers))
+        assert len(local) == self.num_layers  # (the loader kept exactly this stage's layers)
+        layout = local_kv_layout(self.kv_cache_groups, local)
+        self.layer_groups, self._layer_pairs = layout.layer_groups, layout.layer_pairs
+        self.num_kv_pairs = layout.num_pairs
+
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per local layer, its ``(k, v)`` pair (one object for every layer that shares it)."""
         cfg = self.model.config
         shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
         # NOTE: zeros, not empty: kernels that load whole blocks and mask afterwards would turn
         # garbage NaNs in unused slots into NaN outputs (0 * NaN).
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
-                for _ in range(self.num_layers)]
+        pairs = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                  torch.zeros(shape, dtype=self.dtype, device=self.device))
+                 for _ in range(self.num_kv_pairs)]
+        return [pairs[i] for i in self._layer_pairs]
+
+    def layer_metadata(self, batch: PreparedStep) -> list[AttentionMetadata]:
+        """Per local layer, the attention metadata of its KV cache group (the model's
+        ``attn_metadata`` argument; one object for every layer of a group)."""
+        metas = batch.attn_metadata
+        if len(metas) == 1:
+            return metas * self.num_layers
+        return [metas[g] for g in self.layer_groups]
 
     def _profile_cuda(self, max_num_batched_tokens: int, max_num_seqs: int, utilization: float,
                       total: int, non_torch_before: int) -> int:
@@ -222,7 +266,10 @@ class ModelRunner:
         for i, n in enumerate(lens):
             blocks = list(range(next_block, next_block + n // self.block_size + 1))
             next_block += len(blocks)
-            requests.append(NewRequest(f"__warmup_{i}", [0] * n, _WARMUP_SAMPLING, blocks, 0, n))
+            # (every group the same blocks: the layers sharing a pair overwrite each other's
+            # dummy K/V, which nothing reads back as real)
+            requests.append(NewRequest(f"__warmup_{i}", [0] * n, _WARMUP_SAMPLING,
+                                       blocks * len(self.kv_cache_groups), 0, n))
         self.execute_step(StepInput(-2, requests, [], []))
         self.execute_step(StepInput(-1, [], [
             CachedRequest(r.request_id, [] if owns_tokens else [0], [], False,
@@ -263,7 +310,7 @@ class ModelRunner:
             received = ps.recv_from_prev_stage(
                 (batch.input_ids.shape[0], self.model.config.hidden_size), self.dtype)
         hidden = self.forward(batch.input_ids, batch.positions, self.kv_caches,
-                              [batch.attn_metadata] * self.num_layers, received)  # [T, E]
+                              self.layer_metadata(batch), received)  # [T, E]
         if ps and not ps.config.is_last_stage:
             ps.send_to_next_stage(hidden)
             return StepOutput(step.step_id, [], [])

@@ -285,7 +285,8 @@ def build_runner(args):
 
 
 def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
-    """What this rank tells the scheduler at start-up."""
+    """What this rank tells the scheduler at start-up (the KV cache groups: the whole model's,
+    the same on every rank)."""
     ps = getattr(runner, "parallel", None)
     tp, pp, rank = ((ps.config.tensor_parallel_size, ps.config.pipeline_parallel_size,
                      ps.config.rank) if ps else (1, 1, 0))
@@ -296,7 +297,10 @@ def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
         world_size=tp * pp, device=str(runner.device),
         attention_backend=runner.attention_backend_name, tensor_parallel_size=tp,
         pipeline_parallel_size=pp, group_id=ps.group_id if ps else "",
-        max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens)
+        max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
+        kv_cache_groups=[worker_pb2.KVCacheGroup(sliding_window=g.sliding_window,
+                                                 layer_ids=g.layer_ids)
+                         for g in runner.kv_cache_groups])
 
 
 async def serve(args, runner=None, ready: asyncio.Event | None = None,

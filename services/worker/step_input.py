@@ -47,7 +47,8 @@ class NewRequest:
     request_id: str
     prompt_token_ids: list[int]  # every token the worker must hold (prompt + any output so far)
     sampling: EngineSamplingParams  # as the router validated them
-    block_ids: list[int]  # the block table, in logical order
+    block_ids: list[int]  # the block tables, one per KV cache group, concatenated group by
+    # group (n each), in logical order; -1 = no block (before a sliding window)
     num_computed_tokens: int  # tokens whose K/V are already in the cache (e.g. a prefix hit)
     num_scheduled_tokens: int  # tokens to compute this step
 
@@ -59,7 +60,8 @@ class CachedRequest:
     request_id: str
     new_token_ids: list[int]  # appended to the token list (earlier pipeline stages), or the
     # whole token list if resumed
-    new_block_ids: list[int]  # appended to the block table, or the whole table if resumed
+    new_block_ids: list[int]  # appended to the block tables (k per KV cache group, group by
+    # group), or the whole tables if resumed; -1 = no block
     resumed_from_preemption: bool  # True: new_block_ids and new_token_ids REPLACE table and list
     num_computed_tokens: int
     num_scheduled_tokens: int

@@ -21,12 +21,13 @@ def tiny_llama(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-compiled"))
 
 
-def _steps() -> list[StepInput]:
+def _steps(groups: int = 1) -> list[StepInput]:
     """Steps of every shape that could ask for a graph of its own: one token alone, one
     sequence with a one-block table, a chunked prefill beside decodes, a prefix-hit tail, many
-    sequences, a request resumed from preemption."""
+    sequences, a request resumed from preemption. With ``groups`` KV cache groups, each group
+    gets its own blocks (``b + 20 * g`` for block ``b``)."""
     toks = [list(range(3 + i, 3 + i + n)) for i, n in enumerate((1, 5, 40, 70, 3))]
-    return [
+    steps = [
         StepInput(0, [NewRequest("one", toks[0], GREEDY, [0], 0, 1)], [], []),  # T = 1, B = 1
         StepInput(1, [], [CachedRequest("one", [7], [], False, 1, 1)], []),  # decode alone
         StepInput(2, [NewRequest("five", toks[1], GREEDY, [1], 0, 5),
@@ -42,9 +43,14 @@ def _steps() -> list[StepInput]:
         StepInput(5, [], [CachedRequest("forty", toks[2] + [13, 15], [11, 12, 13], True, 0,
                                         42)], []),  # (resumed: its whole token list)
     ]
+    for s in steps:
+        for r in (*s.new_requests, *s.cached_requests):
+            blocks = r.block_ids if isinstance(r, NewRequest) else r.new_block_ids
+            blocks[:] = [b + 20 * g for g in range(groups) for b in blocks]
+    return steps
 
 
-def test_compiled_forward_equals_eager_with_one_graph_for_every_step(tiny_llama, monkeypatch):
+def test_compiled_forward_equals_eager_with_one_graph_for_every_step(tiny_llama):
     """After the warm-up compile, no step recompiles (torch raises if one would), and each
     step's hidden states equal the eager model's at float32 (same ops, fused: only the
     float rounding of reordered reductions may differ)."""
@@ -52,16 +58,41 @@ def test_compiled_forward_equals_eager_with_one_graph_for_every_step(tiny_llama,
                          kv_cache_memory=4 << 20, attention_backend="cpu")
     assert isinstance(runner.forward, CompiledForward) and runner.eager_reason is None
     assert runner.forward.compile_seconds is not None  # compiled at start, by the warm-up
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     batch = runner.input_batch
-    with torch.inference_mode():
+    # NOTE: config.patch, not monkeypatch (see test_why_eager_names_each_reason)
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
         for step in _steps():
             prepared = batch.prepare(batch.update(step))
             args = (prepared.input_ids, prepared.positions, runner.kv_caches,
-                    [prepared.attn_metadata] * runner.num_layers)
+                    runner.layer_metadata(prepared))
             compiled = runner.forward(*args)
             eager = runner.model(*args)
             assert compiled.shape == eager.shape == (prepared.input_ids.shape[0], 64)
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_several_kv_cache_groups_compile_to_one_graph_equal_to_eager(tiny_llama, monkeypatch):
+    """Windows [W, 0, W] (W longer than any sequence): three groups of one layer, all sharing
+    one K/V pair, so the graph takes three metadata objects and one cache three times; still
+    no step recompiles and every step equals the eager model."""
+    from services.worker.models.llama import LlamaConfig
+
+    monkeypatch.setattr(LlamaConfig, "sliding_windows", property(lambda self: [4096, 0, 4096]))
+    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
+                         kv_cache_memory=4 << 20, attention_backend="cpu")
+    assert isinstance(runner.forward, CompiledForward) and runner.eager_reason is None
+    assert len(runner.kv_cache_groups) == 3 and runner.num_kv_pairs == 1
+    assert runner.kv_caches[0] is runner.kv_caches[1] is runner.kv_caches[2]
+    batch = runner.input_batch
+    # NOTE: config.patch, not monkeypatch (see test_why_eager_names_each_reason)
+    with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
+        for step in _steps(groups=3):
+            prepared = batch.prepare(batch.update(step))
+            metas = runner.layer_metadata(prepared)
+            assert len({id(m) for m in metas}) == 3
+            args = (prepared.input_ids, prepared.positions, runner.kv_caches, metas)
+            compiled = runner.forward(*args)
+            eager = runner.model(*args)
             torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
@@ -112,7 +143,7 @@ from tests.worker.test_compiled import _steps
 with torch.inference_mode():
     for step in _steps():
         p = batch.prepare(batch.update(step))
-        args = (p.input_ids, p.positions, r.kv_caches, [p.attn_metadata] * r.num_layers)
+        args = (p.input_ids, p.positions, r.kv_caches, r.layer_metadata(p))
         torch.testing.assert_close(r.forward(*args), r.model(*args), rtol=1e-5, atol=1e-5)
 """
 

@@ -90,7 +90,7 @@ def reference(held: dict[str, Held], order: list[tuple[str, int, int]]) -> dict:
 
 def check_prepared(prepared, held: dict[str, Held], order) -> None:
     ref = reference(held, order)
-    meta = prepared.attn_metadata
+    (meta,) = prepared.attn_metadata  # one KV cache group
     got = {"input_ids": prepared.input_ids, "positions": prepared.positions,
            "slot_mapping": meta.slot_mapping, "seq_lens": meta.seq_lens,
            "query_start_loc": meta.query_start_loc, "logits_indices": prepared.logits_indices,
@@ -115,13 +115,13 @@ def check_prepared(prepared, held: dict[str, Held], order) -> None:
 
 def check_rows(batch: InputBatch) -> None:
     """Free rows are clean; every block table is zero past its end; no row is shared."""
-    assert not batch.block_table[batch.free_rows].any()
+    assert not batch.block_table[:, batch.free_rows].any()
     assert not batch.num_tokens[batch.free_rows].any()
     rows = [s.row for s in batch.requests.values() if s.row >= 0]
     assert len(rows) == len(set(rows)) and not set(rows) & set(batch.free_rows)
     assert len(rows) + len(batch.free_rows) == batch.max_num_seqs
     for r in rows:
-        assert not batch.block_table[r, batch.num_blocks[r]:].any()
+        assert not batch.block_table[:, r, batch.num_blocks[r]:].any()
 
 
 # ---- examples ---------------------------------------------------------------------------------
@@ -154,8 +154,9 @@ def test_rows_are_reused_after_finish():
     assert [batch.requests[r].row for r in "abc"] == [0, 1, 2] and not batch.free_rows
     out = step(batch, 1, new=[NewRequest("d", [7, 8], GREEDY, [6], 0, 2)], finished=["b"])
     assert batch.requests["d"].row == 1 and "b" not in batch.requests
-    assert batch.block_table[1].tolist()[:4] == [6, 0, 0, 0]  # b's longer table is gone
-    assert out.input_ids.tolist() == [7, 8] and out.attn_metadata.slot_mapping.tolist() == [24, 25]
+    assert batch.block_table[0, 1].tolist()[:4] == [6, 0, 0, 0]  # b's longer table is gone
+    assert out.input_ids.tolist() == [7, 8]
+    assert out.attn_metadata[0].slot_mapping.tolist() == [24, 25]
     step(batch, 2, finished=["a", "c", "d"])
     assert not batch.requests and sorted(batch.free_rows) == [0, 1, 2]
     check_rows(batch)
@@ -167,15 +168,14 @@ def test_resumed_request_replaces_its_block_table_row():
     row = batch.requests["a"].row
     # Preempted (the worker is not told), then resumed with a new, shorter table and its whole
     # token list (here: the prompt and token 99).
-    out = step(batch, 1, cached=[CachedRequest("a", list(range(1, 11)) + [99], [8, 9], True, 0,
-                                               8)])
-    assert batch.block_table[row, :4].tolist() == [8, 9, 0, 0]
-    assert out.attn_metadata.block_tables.tolist() == [[8, 9]]
-    assert out.attn_metadata.slot_mapping.tolist() == [32, 33, 34, 35, 36, 37, 38, 39]
+    out = step(batch, 1, cached=[CachedRequest("a", [*range(1, 11), 99], [8, 9], True, 0, 8)])
+    assert batch.block_table[0, row, :4].tolist() == [8, 9, 0, 0]
+    assert out.attn_metadata[0].block_tables.tolist() == [[8, 9]]
+    assert out.attn_metadata[0].slot_mapping.tolist() == [32, 33, 34, 35, 36, 37, 38, 39]
     assert out.sampled_request_ids == []  # 8 of 11 tokens: not the end of the chunk
     out = step(batch, 2, cached=[CachedRequest("a", [], [4], False, 8, 3)])
     assert out.input_ids.tolist() == [9, 10, 99] and out.sampled_request_ids == ["a"]
-    assert out.attn_metadata.slot_mapping.tolist() == [16, 17, 18]
+    assert out.attn_metadata[0].slot_mapping.tolist() == [16, 17, 18]
     check_rows(batch)
 
 
@@ -203,7 +203,8 @@ def test_a_step_larger_than_the_buffers_grows_them_keeping_every_row():
     a larger step grows the rows and step buffers once, and held rows keep their data."""
     batch, held = make_batch(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=8), {}
     steps = [StepInput(0, [NewRequest("a", [1, 2, 3], GREEDY, [5], 0, 3)], [], []),
-             StepInput(1, [NewRequest(r, list(range(10, 19)), GREEDY, [3 * i, 3 * i + 1, 3 * i + 2], 0, 9)
+             StepInput(1, [NewRequest(r, list(range(10, 19)), GREEDY,
+                                      [3 * i, 3 * i + 1, 3 * i + 2], 0, 9)
                            for i, r in enumerate("bcd")],  # 3 rows, 27 tokens
                        [CachedRequest("a", [4], [], False, 3, 1)], [])]
     for s in steps:

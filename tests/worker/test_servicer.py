@@ -160,3 +160,32 @@ async def test_a_worker_serves_a_scheduler_within_its_limits():
             assert (await group.connect(timeout=5))[0].block_size == 16
         finally:
             await group.close()
+
+
+@asynctest
+async def test_the_worker_reports_its_kv_cache_groups():
+    """GetWorkerInfo carries the runner's groups in their order (the scheduler's block tables
+    are concatenated in it); a one-group model reports its one full group."""
+    from types import SimpleNamespace
+
+    from services.worker.kv_cache_groups import kv_cache_groups
+    from services.worker.server import worker_info
+
+    def runner(windows):
+        return SimpleNamespace(
+            model_name="m", dtype_name="float32", num_kv_blocks=64, block_size=16,
+            max_model_len=1024, vocab_size=32, eos_token_ids=[2], device="cpu",
+            attention_backend_name="torch", max_num_seqs=64, max_num_batched_tokens=512,
+            kv_cache_groups=kv_cache_groups(windows))
+
+    info = worker_info(runner([0 if i in (5, 11, 17) else 512 for i in range(18)]))
+    assert [(g.sliding_window, list(g.layer_ids)) for g in info.kv_cache_groups] == [
+        (512, [0, 1, 2]), (512, [3, 4, 6]), (0, [5, 11, 17]), (512, [7, 8, 9]),
+        (512, [10, 12, 13]), (512, [14, 15, 16])]
+    async with _worker(info) as address, grpc.aio.insecure_channel(address) as channel:
+        got = await worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerInfo(
+            worker_pb2.GetWorkerInfoRequest())
+        assert got.kv_cache_groups == info.kv_cache_groups and got.num_kv_blocks == 64
+    info = worker_info(runner([0] * 3))
+    assert [(g.sliding_window, list(g.layer_ids)) for g in info.kv_cache_groups] == [
+        (0, [0, 1, 2])]
