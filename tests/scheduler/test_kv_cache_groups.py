@@ -193,9 +193,10 @@ def test_hit_after_a_long_prompt_needs_only_the_window():
 
 def test_hit_survives_the_eviction_of_the_sliding_groups_early_blocks():
     bm, a, _ = prefilled()
-    released = [bm.blocks[b] for b in range(40) if b not in {b for t in a.block_ids for b in t}
-                and bm.blocks[b].block_hash is not None]
-    assert len(released) == 8
+    held = {block_id for table in a.block_ids for block_id in table}
+    released = [block for block in bm.blocks
+                if block.block_id not in held and block.block_hash is not None]
+    assert len(released) == 8  # the sliding group's blocks 0..7, on the free list
     # a filler takes every free block: the released early blocks lose their keys
     filler = Request("filler", [9000 + i for i in range(2 * bm.num_free_blocks)])
     admit(bm, filler)
@@ -229,6 +230,20 @@ def test_a_full_group_miss_bounds_the_hit():
     # 3 blocks: blocks 1, 2 of the sliding group (released early, still cached)
     assert bm.get_computed_blocks(Request("b", list(range(41)))) == (
         [full[:3], [-1, *sliding[1:3]]], 12)
+
+
+def test_without_prefix_caching_released_blocks_lose_their_keys_but_choices_still_share():
+    bm = BlockManager(40, BS, enable_prefix_caching=False, sliding_windows=[0, W])
+    a = Request("0_p", list(range(41)), parent_request_id="p")
+    run_chunks(bm, a, BS, [])
+    assert bm.num_cached_blocks == 10 + 2  # the sliding group's released blocks 0..7 forgot
+    b = Request("1_p", list(range(41)), parent_request_id="p")  # a choice of the same request
+    assert admit(bm, b) == 40
+    (full, sliding), (b_full, b_sliding) = a.block_ids, b.block_ids
+    assert b_full[:10] == full[:10] and b_sliding[:10] == [-1] * 8 + sliding[8:10]
+    stranger = Request("stranger", list(range(41)))
+    assert admit(bm, stranger) == 0
+    bm.check_invariants([a, b, stranger])
 
 
 # --- through the scheduler ----------------------------------------------------------------------
