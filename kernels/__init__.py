@@ -40,8 +40,22 @@ The batch (one model step) and its index arithmetic::
         seq_len_i     = seq_lens[i]                                  (includes the query tokens)
         context_len_i = seq_len_i - query_len_i                      (0 = first prefill chunk)
 
-    query token j (0-based in its chunk) sits at position context_len_i + j and attends to the
-    key positions 0 .. context_len_i + j inclusive (causal).
+    query token j (0-based in its chunk) sits at position p = context_len_i + j and attends to
+    the key positions 0 .. p inclusive (causal).
+
+    sliding window (every paged attention's trailing ``sliding_window: int = 0``; 0 = the full
+    causal attention above): with W > 0 the query at position p attends only the W positions
+    max(0, p - W + 1) .. p (itself included; transformers' sliding mask ``kv_idx > q_idx - W``):
+
+        position  0               first        context_len_i              seq_len_i
+                  |<-- unneeded -->|<-- W - 1 -->|<-------- query_len -------->|
+                  first = max(0, context_len_i - W + 1): query j sees p - W + 1 .. p,
+                  so no query sees a key before first; blocks wholly there are skipped
+
+    logical block j of sequence i lies wholly before EVERY query's window when
+    (j + 1) * block_size <= context_len_i - W + 1; its block-table entry may hold any int32
+    (-1 after the scheduler freed it, or an id >= num_blocks): no kernel reads it, which is
+    also the speed-up (O(W) keys per query, not O(p)).
 
     flat query rows, sequences concatenated in batch order:
 
@@ -53,7 +67,9 @@ et al., "RoFormer", 2021; Meta's Llama 3.1 frequency scaling is folded into ``in
 model); PagedAttention (Kwon et al., "Efficient Memory Management for Large Language Model
 Serving with PagedAttention", SOSP 2023) for the block-table KV cache; FlashAttention-2 (Dao,
 "FlashAttention-2: Faster Attention with Better Parallelism and Work Partitioning", 2023) for
-the online softmax of the Triton kernel.
+the online softmax of the Triton kernel; sliding-window attention as in Longformer (Beltagy,
+Peters and Cohan, "Longformer: The Long-Document Transformer", 2020) and Mistral 7B (Jiang et
+al., "Mistral 7B", 2023).
 """
 
 from kernels.cpu_attention import cpu_paged_attention, cpu_reshape_and_cache

@@ -32,6 +32,14 @@ Work split of ``_paged_attention_kernel``, grid ``(num_q_tiles, num_kv_heads, nu
         block of key k_pos = block_table[k_pos // BLOCK_SIZE], slot offset k_pos % BLOCK_SIZE
         score of (row at q_pos, key at k_pos) kept iff k_pos <= q_pos (causal) and k_pos < seq_len
 
+    sliding window W > 0 (Longformer, Beltagy et al. 2020; Mistral 7B, Jiang et al. 2023): a
+    row also needs k_pos > q_pos - W, and the tiles start at the one holding
+    first_key = max(0, context_len + q_tile * BLOCK_Q - W + 1), the window start of the tile's
+    first row; keys before first_key are masked out of the loads, so the block-table entries of
+    blocks wholly before every window are never read (they may be -1 or any id):
+
+                 ... skipped ... [tile f]...[tile n-1]    f = first_key // TILE_N
+
     split-KV (flash-decoding), when num_splits > 1: program (tile, head, s) covers only the
     key tiles [s * tiles_per_split, (s + 1) * tiles_per_split) and stores its unnormalised
     (acc, m, l) as partials; ``_reduce_splits_kernel`` merges them. A small decode batch then
@@ -163,6 +171,7 @@ def _paged_attention_kernel(
     num_tokens,
     tiles_per_split,  # key tiles of one split (NUM_SPLITS > 1)
     scale,  # float: softmax scale, usually head_dim ** -0.5
+    sliding_window,  # int: 0 = full causal; W > 0 = the row at q_pos sees q_pos - W + 1 .. q_pos
     stride_q_tok, stride_q_head,
     stride_o_tok, stride_o_head,
     stride_kc_block, stride_kc_tok, stride_kc_head,
@@ -209,10 +218,16 @@ def _paged_attention_kernel(
     qk_scale = scale * 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 
     last_pos = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, query_len) - 1
-    tile_lo = 0
+    # Sliding window: the tile's first row sees keys from first_key on, every later row from
+    # later on; keys (and the table entries of blocks) before first_key are never read.
+    windowed = sliding_window > 0
+    first_key = tl.where(
+        windowed, tl.maximum(context_len + q_tile * BLOCK_Q - sliding_window + 1, 0), 0)
+    q_lo = tl.where(windowed, q_pos - sliding_window + 1, 0)  # [BLOCK_M] first key a row sees
+    tile_lo = first_key // TILE_N
     tile_hi = last_pos // TILE_N + 1
     if NUM_SPLITS > 1:
-        tile_lo = split * tiles_per_split
+        tile_lo = tile_lo + split * tiles_per_split
         tile_hi = tl.minimum(tile_hi, tile_lo + tiles_per_split)
     offs_n = tl.arange(0, TILE_N)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
@@ -220,8 +235,9 @@ def _paged_attention_kernel(
     vc_head = v_cache_ptr + kv_head * stride_vc_head
     for j in range(tile_lo, tile_hi):
         k_pos = j * TILE_N + offs_n  # [TILE_N]
-        k_valid = k_pos < seq_len
-        # int64: block_id * stride may pass 2**31; table entries past seq_len are never read.
+        k_valid = (k_pos < seq_len) & (k_pos >= first_key)
+        # int64: block_id * stride may pass 2**31; table entries past seq_len (or of blocks
+        # before the window) are never read.
         block_id = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         k_off = block_id * stride_kc_block + (k_pos % BLOCK_SIZE) * stride_kc_tok  # [TILE_N]
         v_off = block_id * stride_vc_block + (k_pos % BLOCK_SIZE) * stride_vc_tok
@@ -229,7 +245,8 @@ def _paged_attention_kernel(
         v = tl.load(vc_head + v_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-        keep = (k_pos[None, :] <= q_pos[:, None]) & k_valid[None, :]
+        keep = ((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
+                & k_valid[None, :])
         s = tl.where(keep, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no key yet (a split that starts past its position) keeps m = -inf; shift
@@ -272,7 +289,8 @@ def _reduce_splits_kernel(
 
     With m_s, l_s, acc_s the running max, sum and weighted value sum of split s, and
     M = max_s m_s: out = sum_s exp2(m_s - M) acc_s / sum_s exp2(m_s - M) l_s. A split that
-    saw no key has m_s = -inf and weighs 0; split 0 always holds key 0, so M is finite.
+    saw no key has m_s = -inf and weighs 0; the splits together cover every key a row sees
+    (its own position included), so M is finite.
     """
     tok = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -337,8 +355,17 @@ def triton_paged_attention(
     max_seq_len: int,
     scale: float,
     num_splits: int | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Causal paged attention of each sequence's query tokens over its whole context.
+    """Causal paged attention of each sequence's query tokens over its context.
+
+    ``sliding_window`` ``W``: 0 = full causal attention (the query at position ``p`` attends
+    keys ``0 .. p``); ``W > 0`` = sliding-window attention (Beltagy et al. 2020, "Longformer";
+    Jiang et al. 2023, "Mistral 7B"): keys ``max(0, p - W + 1) .. p`` (W keys, itself included;
+    transformers' ``kv_idx > q_idx - W``). A program's key loop then starts at its first row's
+    window, so block-table entries of blocks wholly before every query's window (block ``j``
+    with ``(j + 1) * block_size <= context_len - W + 1``) are never read: they may hold -1 or
+    any id, and the work per row is O(W).
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype``, accumulated in fp32
     (fp32 inputs use IEEE fp32 dots, not TF32). Rows of tokens past ``query_start_loc[-1]``
@@ -350,8 +377,8 @@ def triton_paged_attention(
     contexts at small batch split; no split on CPU); else a power of 2.
 
     Raises ``ValueError`` if ``num_heads`` is not a multiple of ``num_kv_heads``, ``head_dim``
-    or ``block_size`` is not a power of 2 >= 16, ``num_splits`` is not a power of 2, or
-    ``head_dim`` is not contiguous.
+    or ``block_size`` is not a power of 2 >= 16, ``num_splits`` is not a power of 2,
+    ``head_dim`` is not contiguous, or ``sliding_window < 0``.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -368,6 +395,7 @@ def triton_paged_attention(
     _check(block_tables.stride(1) == 1, "block_tables rows must be contiguous")
     _check(num_splits is None or _is_pow2(num_splits),
            f"num_splits {num_splits} must be a power of 2")
+    _check(sliding_window >= 0, f"sliding_window {sliding_window} must be >= 0")
 
     full_decode = max_query_len == 1 and num_tokens == num_seqs
     if num_tokens == 0 or num_seqs == 0:
@@ -378,11 +406,16 @@ def triton_paged_attention(
     block_q = block_m // group
     tile_n = 64 if head_dim <= 128 else 32  # keys per iteration: 4 blocks of 16 at head_dim 128
     grid0 = num_tokens // block_q + num_seqs
+    # key tiles one program walks at most: the whole context, or with a sliding window the
+    # tiles from its first row's window start to its last row (block_q + W - 1 positions)
+    span_tiles = triton.cdiv(max(max_seq_len, 1), tile_n)
+    if sliding_window:
+        span_tiles = min(span_tiles, (block_q + sliding_window - 2) // tile_n + 2)
     if num_splits is None:
         busy = max(num_seqs, triton.cdiv(num_tokens, block_q)) * num_kv_heads
         sms = _num_sms(query.device.index or 0) if query.is_cuda else 0
-        num_splits = choose_num_splits(busy, max_seq_len, tile_n, sms)
-    tiles_per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), tile_n), num_splits)
+        num_splits = choose_num_splits(busy, span_tiles * tile_n, tile_n, sms)
+    tiles_per_split = triton.cdiv(span_tiles, num_splits)
     split = num_splits > 1
     out = torch.empty_like(query) if (full_decode or split) else torch.zeros_like(query)
     if split:
@@ -394,7 +427,7 @@ def triton_paged_attention(
         part_out = part_ml = out  # unused
     _paged_attention_kernel[(grid0, num_kv_heads, num_splits)](
         out, part_out, part_ml, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        num_seqs, num_tokens, tiles_per_split, scale,
+        num_seqs, num_tokens, tiles_per_split, scale, sliding_window,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -460,7 +460,7 @@ def test_reference_sliding_window_bounds():
         reference_paged_attention(**batch, sliding_window=-1)
 
 
-WINDOW_BACKENDS = ["torch"]
+WINDOW_BACKENDS = ["torch", "triton", "triton_split4"]
 
 
 @pytest.mark.parametrize("entry", [-1, 2**30, None], ids=["minus1", "huge", "nan_blocks"])
@@ -471,8 +471,9 @@ def test_sliding_window_matches_reference_and_skips_out_of_window_blocks(
         backend, case, sliding_window, entry):
     """Blocks wholly before every window hold NaN K/V and (minus1, huge) a table entry that is
     no block: the kernels must not read them. The reference reads none either."""
-    if backend == "triton" and (entry is None or case == "mixed") and not CUDA:
-        pytest.skip("interpreter: one poisoning per window and case is enough")
+    if backend.startswith("triton") and not CUDA and (
+            entry == 2**30 or case == "mixed" or (backend == "triton_split4" and entry == -1)):
+        pytest.skip("interpreter: one or two poisonings per window and case are enough")
     batch = make_batch(WINDOW_CASES[case], num_heads=6, num_kv_heads=2, head_dim=32)
     poisoned = poison_out_of_window(batch, sliding_window, entry)
     assert poisoned or sliding_window >= 16 or (case == "mixed" and sliding_window > 5)
@@ -481,6 +482,22 @@ def test_sliding_window_matches_reference_and_skips_out_of_window_blocks(
     out = BACKENDS[backend](**batch, sliding_window=sliding_window)
     assert torch.isfinite(out).all()
     assert_matches_reference(out, {**batch, "sliding_window": sliding_window})
+
+
+@pytest.mark.parametrize("num_splits", [2, 8])
+@pytest.mark.parametrize("sliding_window", [40, 100])
+def test_triton_split_kv_sliding_window(sliding_window, num_splits):
+    """Split-KV over the window only: the splits start at each program's first window tile
+    (a long decode, and a 20-row chunk whose rows' windows start in different splits)."""
+    batch = make_batch([(1, 300), (1, 17), (20, 200)], num_heads=4, num_kv_heads=2)
+    assert poison_out_of_window(batch, sliding_window, -1)
+    out = triton_paged_attention(**batch, num_splits=num_splits, sliding_window=sliding_window)
+    assert_matches_reference(out, {**batch, "sliding_window": sliding_window})
+
+
+def test_triton_rejects_negative_sliding_window():
+    with pytest.raises(ValueError, match="sliding_window"):
+        triton_paged_attention(**make_batch([(1, 5)]), sliding_window=-1)
 
 
 @pytest.mark.parametrize(("backend", "dtype"), [p for p in DTYPE_PARAMS
@@ -492,7 +509,7 @@ def test_sliding_window_low_precision(backend, dtype):
     assert_matches_reference(out, {**batch, "sliding_window": 5})
 
 
-@pytest.mark.parametrize("backend", WINDOW_BACKENDS)
+@pytest.mark.parametrize("backend", [*WINDOW_BACKENDS, "cpu"])
 def test_chunked_prefill_then_decode_equals_dense_sliding_window_attention(backend):
     """The engine's use with a window of 6 over 16-token blocks: chunks + decodes = one dense
     SDPA pass with transformers' sliding mask; blocks that fall out of every window are
@@ -501,6 +518,7 @@ def test_chunked_prefill_then_decode_equals_dense_sliding_window_attention(backe
         pytest.skip("the native kernels run on the CPU only")
     attention = {**BACKENDS, "cpu": cpu_paged_attention}[backend]
     reshape_and_cache = {"torch": torch_reshape_and_cache, "triton": triton_reshape_and_cache,
+                         "triton_split4": triton_reshape_and_cache,
                          "cpu": cpu_reshape_and_cache}[backend]
     num_heads, num_kv_heads, head_dim, block_size, total, window = 4, 2, 32, 16, 41, 6
     q = torch.randn(total, num_heads, head_dim, device=DEVICE)
@@ -557,7 +575,7 @@ def test_torch_plan_gathers_only_window_keys_and_checks_its_window():
         plan_paged_attention(*args, sliding_window=-2)
 
 
-@pytest.mark.parametrize("name", WINDOW_BACKENDS)
+@pytest.mark.parametrize("name", ["torch", "triton", "cpu"])
 def test_backend_attend_layers_of_different_windows_share_one_metadata(name):
     """``AttentionBackend.attend`` passes the window on; on torch the per-step plan is kept per
     window, so layers alternating full and sliding attention over one metadata stay right."""
