@@ -1,8 +1,12 @@
-"""Load a model's weights into our decoder of its family (``MODEL_TYPES``, by model_type).
+"""Load a model's weights into our decoder of its family (``MODEL_TYPES``, by model_type):
+``llama``, ``mistral``, ``qwen2``, ``qwen3`` -> ``models/llama.py``; ``gemma3_text`` ->
+``models/gemma3.py`` (transformers' name for ``Gemma3ForCausalLM``, also what its GGUF reader
+makes of a Gemma 3 GGUF). Any other model_type is refused, naming the supported ones.
 
 ``--model`` is a transformers folder (``config.json`` + ``*.safetensors``) or one ``.gguf`` file
 (``services/common/model_files.py`` resolves it). A GGUF file is dequantised once with
-transformers (which also un-permutes GGUF's Q/K rows) and cached as a float32 safetensors
+transformers (which also un-permutes GGUF's Q/K rows, and takes llama.cpp's ``+1`` off Gemma's
+norm weights) and cached as a float32 safetensors
 folder under ``ModelSource.cache_dir("weights")``; every later start reads that folder.
 
 The hot path never uses transformers' modeling code: only the one-off GGUF conversion does.

@@ -25,8 +25,9 @@ V vocab.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -258,7 +259,8 @@ class Gemma3ForCausalLM(nn.Module):
         else:
             x = hidden_states
         residual = None
-        for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
+        layers = cast(Iterable[DecoderLayer], self.layers)  # (typed as Iterable[Module])
+        for layer, kv_cache, meta in zip(layers, kv_caches, attn_metadata, strict=True):
             inv_freq = self.inv_freq_sliding if layer.attn.is_sliding else self.inv_freq_full
             x, residual = layer(x, residual, positions, inv_freq, kv_cache, meta)
         return self.norm(x if residual is None else x + residual)
