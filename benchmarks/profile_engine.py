@@ -42,7 +42,8 @@ def main() -> None:
     items = workload(load_tokenizer(a.model), a.num_requests, a.seed)
     runner = ModelRunner(a.model, dtype=a.dtype)
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
-                          runner.num_kv_blocks, runner.eos_token_ids)
+                          runner.num_kv_blocks, runner.eos_token_ids,
+                          sliding_windows=[g.sliding_window for g in runner.kv_cache_groups])
     for i, it in enumerate(items):
         scheduler.add_request(Request(f"r{i}", list(it.prompt_token_ids), EngineSamplingParams(
             temperature=0, max_tokens=it.output_len, ignore_eos=True)))

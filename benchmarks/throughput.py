@@ -89,7 +89,8 @@ def loaded_scheduler(runner, prompts, output_lens: list[int]):
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
 
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
-                          runner.num_kv_blocks, runner.eos_token_ids)
+                          runner.num_kv_blocks, runner.eos_token_ids,
+                          sliding_windows=[g.sliding_window for g in runner.kv_cache_groups])
     for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True)):
         scheduler.add_request(Request(f"r{i}", list(p), EngineSamplingParams(
             temperature=0, max_tokens=n, ignore_eos=True)))

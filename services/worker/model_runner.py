@@ -27,9 +27,9 @@ from services.worker.compiled import CompiledForward, why_eager
 from services.worker.distributed import ParallelState
 from services.worker.input_batch import InputBatch, PreparedStep
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
-from services.worker.loader import load_model
+from services.worker.loader import Model, load_model
 from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
-from services.worker.models.llama import DecoderLayer, LlamaForCausalLM
+from services.worker.models.llama import DecoderLayer
 from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
 from services.worker.step_input import CachedRequest, NewRequest, StepInput, StepOutput
@@ -177,7 +177,7 @@ class ModelRunner:
                  self.num_layers)
         world = parallel.config.world_size if parallel else 1
         self.eager_reason = why_eager(enforce_eager, self.device, backend.name, world)
-        self.forward: LlamaForCausalLM | CompiledForward = self.model
+        self.forward: Model | CompiledForward = self.model
         if self.eager_reason is None:
             self.forward = CompiledForward(self.model, backend, self.block_size)
             self._warm_up()
@@ -349,4 +349,5 @@ class ModelRunner:
         if self.parallel is None or self.parallel.config.tensor_parallel_size == 1:
             return self.model.compute_logits(hidden)
         head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
-        return vocab_parallel_logits(hidden, head.weight, self.vocab_size, self.parallel)
+        return vocab_parallel_logits(hidden, head.weight, self.vocab_size, self.parallel,
+                                     getattr(self.model.config, "final_logit_softcapping", None))
