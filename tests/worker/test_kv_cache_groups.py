@@ -165,8 +165,8 @@ def test_a_runner_with_sliding_groups_shares_pairs_and_matches_the_one_group_run
 
 
 def test_the_model_config_must_give_one_window_per_layer(tiny_llama4, monkeypatch):
-    monkeypatch.setattr(LlamaConfig, "sliding_windows", property(lambda self: [0, 0]))
-    with pytest.raises(ValueError, match="2 sliding windows for 4 layers"):
+    monkeypatch.setattr(LlamaConfig, "sliding_windows", property(lambda self: [0] * 5))
+    with pytest.raises(ValueError, match="5 sliding windows for 4 layers"):
         ModelRunner(str(tiny_llama4), dtype="float32", device="cpu", kv_cache_memory=1 << 20,
                     attention_backend="torch")
 

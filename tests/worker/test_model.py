@@ -141,9 +141,16 @@ def drive_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: 
     runner keeps the tokens it samples; a resumed request is sent its whole token list).
 
     ``arrivals[i]``: step at which prompt i joins; ``preempt = (step, i)``: at that step request
-    i loses its blocks and is recomputed from token 0 (resumed_from_preemption).
+    i loses its blocks and is recomputed from token 0 (resumed_from_preemption). Each logical
+    block takes one physical block per KV cache group, sent group by group; no block is
+    released behind a sliding window (the kernels skip those blocks anyway).
     """
     rng = random.Random(seed)
+    groups = len(runner.kv_cache_groups)
+
+    def wire(blocks: list[list[int]]) -> list[int]:  # logical blocks -> group-by-group ids
+        return [b[g] for g in range(groups) for b in blocks]
+
     free = list(range(runner.num_kv_blocks))
     rng.shuffle(free)
     arrivals = arrivals or [0] * len(prompts)
@@ -155,22 +162,23 @@ def drive_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: 
         if preempt is not None and step_id == preempt[0]:
             victim = reqs[preempt[1]]
             assert victim.seen and not victim.done
-            free.extend(victim.blocks)
+            free.extend(wire(victim.blocks))
             victim.blocks, victim.computed, victim.resumed = [], 0, True
         budget, new, cached, expect_sampled = token_budget, [], [], []
         for r in sorted(reqs, key=lambda r: r.seen):  # like the worker: new ones first
             if r.done or r.arrival_step > step_id or budget == 0:
                 continue
             n = min(len(r.tokens) - r.computed, budget)
-            added = [free.pop() for _ in range(-(-(r.computed + n) // bs) - len(r.blocks))]
+            added = [[free.pop() for _ in range(groups)]
+                     for _ in range(-(-(r.computed + n) // bs) - len(r.blocks))]
             r.blocks += added
             if not r.seen:
-                new.append(NewRequest(r.request_id, list(r.tokens), GREEDY, list(r.blocks),
+                new.append(NewRequest(r.request_id, list(r.tokens), GREEDY, wire(r.blocks),
                                       r.computed, n))
             else:
                 cached.append(CachedRequest(r.request_id,
                                             list(r.tokens) if r.resumed else r.tokens[r.sent:],
-                                            list(r.blocks) if r.resumed else added, r.resumed,
+                                            wire(r.blocks if r.resumed else added), r.resumed,
                                             r.computed, n))
             r.seen, r.resumed, r.sent = True, False, len(r.tokens)
             r.computed += n
@@ -188,7 +196,7 @@ def drive_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: 
             r.output.append(token)
             if len(r.output) == max_new_tokens:
                 r.done = True
-                free.extend(r.blocks)
+                free.extend(wire(r.blocks))
                 finished.append(request_id)
         step_id += 1
     runner.execute_step(StepInput(step_id, [], [], finished))
