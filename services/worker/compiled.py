@@ -177,7 +177,13 @@ class CompiledForward:
         try:
             # torch.compile's result has aot_compile, which its return type does not show
             compiled: Any = torch.compile(type(self.model).forward, fullgraph=True)
-            fn = compiled.aot_compile((args, {}))
+            # NOTE: floats (norm eps, softmax scale) are constants of the graph (the artifact
+            # key hashes the config). Without this, a second model class sharing this
+            # forward's code in one process (Llama after Qwen3, say) had Dynamo mark the float
+            # that differed "automatic dynamic", which ahead-of-time compilation cannot trace
+            # (TensorifyScalarRestartAnalysis), and the worker fell back to jit.
+            with torch._dynamo.config.patch(specialize_float=True):
+                fn = compiled.aot_compile((args, {}))
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fn.save_compiled_function(str(self.path))  # atomic: a temp file, then a rename
         except Exception as e:  # noqa: BLE001 - e.g. Inductor caches disabled: compile in place

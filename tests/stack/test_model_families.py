@@ -22,12 +22,14 @@ MAX_NEW = 20
 LENGTHS = [5, 40, 300, 280]
 WINDOW = 16
 BLOCK = 16
-# family -> (tiny-model writer, KV blocks: too few for all prompts at once)
+# family -> (tiny-model writer, KV blocks: too few for all prompts at once, worker flags).
+# NOTE: Gemma 3 runs the compiled forward (the CPU default); the others run eagerly to keep
+# the suite short (tests/worker/test_compiled.py compiles the shared Llama forward).
 FAMILIES = {
-    "qwen2": (helpers.make_tiny_qwen2, 24),
-    "qwen3": (helpers.make_tiny_qwen3, 24),
-    "mistral": (helpers.make_tiny_mistral, 6),
-    "gemma3": (helpers.make_tiny_gemma3, 32),
+    "qwen2": (helpers.make_tiny_qwen2, 24, ["--enforce-eager"]),
+    "qwen3": (helpers.make_tiny_qwen3, 24, ["--enforce-eager"]),
+    "mistral": (helpers.make_tiny_mistral, 6, ["--enforce-eager"]),
+    "gemma3": (helpers.make_tiny_gemma3, 32, []),
 }
 
 
@@ -58,14 +60,15 @@ def family(request, tmp_path_factory):
     """(name, model dir, prompts, transformers' greedy ids, stack)."""
     from services.router.tokenizer import load_tokenizer
 
-    make, num_blocks = FAMILIES[request.param]
+    make, num_blocks, flags = FAMILIES[request.param]
     model_dir = str(make(tmp_path_factory.mktemp(request.param)))
     load_tokenizer(None).save_pretrained(model_dir)  # SmolLM2's tokenizer, for the router
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
     expected = hf_greedy(model_dir, prompts, MAX_NEW)
     stack = InProcessStack(model_dir, worker_argv=[
-        "--dtype", "float32", "--kv-cache-memory", str(num_blocks * _bytes_per_block(model_dir))],
+        "--dtype", "float32", "--kv-cache-memory", str(num_blocks * _bytes_per_block(model_dir)),
+        *flags],
         scheduler_argv=["--max-num-batched-tokens", "64", "--long-prefill-token-threshold", "0",
                         "--max-model-len", "384",
                         "--block-size", str(BLOCK)]).start()

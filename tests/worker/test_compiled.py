@@ -202,3 +202,21 @@ def test_the_artifact_key_changes_with_what_the_graph_depends_on(tiny_llama):
         assert artifact_key(model, "cpu", 16) != key
     finally:
         model.config.rms_norm_eps = eps
+
+
+def test_models_of_one_class_with_other_constants_both_compile_ahead_of_time(tmp_path,
+                                                                               monkeypatch):
+    """Two configs of one model class in one process (the forward's code is shared, the norm
+    eps and head size differ) both compile ahead of time: Dynamo treats their float constants
+    as constants, not as an "automatic dynamic" float AOT compilation cannot trace."""
+    import services.worker.compiled as compiled
+    from tests.helpers import make_tiny_llama
+
+    monkeypatch.setattr(compiled, "_LOADED", {})
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    first = make_tiny_llama(tmp_path / "a", rms_norm_eps=1e-6, head_dim=32)
+    second = make_tiny_llama(tmp_path / "b", rms_norm_eps=1e-5)
+    for path in (first, second):
+        runner = ModelRunner(str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 20,
+                             attention_backend="cpu")
+        assert runner.forward.source == "compiled", path

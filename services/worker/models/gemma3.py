@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.torch_ops import torch_wide_linear
-from services.worker.models.llama import RMSNorm, rope_frequencies
+from services.worker.models.llama import Attention, RMSNorm, rope_frequencies
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -88,6 +88,11 @@ class Gemma3Config:
     def qkv_proj_bias(self) -> bool:
         return self.attention_bias
 
+    @property
+    def attention_scale(self) -> float:
+        """Softmax scale of the attention scores: ``query_pre_attn_scalar ** -0.5``."""
+        return self.query_pre_attn_scalar ** -0.5
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> Gemma3Config:
         """Build from a ``config.json`` dict: transformers 5 (``rope_parameters`` per layer
@@ -137,41 +142,6 @@ class Gemma3Config:
             tie_word_embeddings=cfg.get("tie_word_embeddings", True),
             attention_bias=cfg.get("attention_bias", False),
         )
-
-
-class Attention(nn.Module):
-    """GQA self-attention of global layer ``layer_id``: q/k norm, RoPE of its layer type, paged
-    attention over its window (``cfg.sliding_windows[layer_id]``, 0 = all positions)."""
-
-    def __init__(self, cfg: Gemma3Config, backend: Any, layer_id: int) -> None:
-        super().__init__()
-        self.backend = backend
-        self.is_sliding = cfg.layer_types[layer_id] == SLIDING
-        self.sliding_window = cfg.sliding_windows[layer_id]
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.q_size = self.n_heads * self.head_dim
-        self.kv_size = self.n_kv_heads * self.head_dim
-        self.scale = cfg.query_pre_attn_scalar ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)  # weights: 1 + w
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(T * self.n_heads, self.head_dim)).view(T, self.n_heads, -1)
-        k = self.k_norm(k.reshape(T * self.n_kv_heads, self.head_dim)).view(T, self.n_kv_heads, -1)
-        v = v.view(T, self.n_kv_heads, self.head_dim)  # [T, K, D]
-        self.backend.rotary_embedding(positions, q, k, inv_freq)  # in place
-        k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, meta)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale,
-                                  sliding_window=self.sliding_window)  # [T, H, D]
-        return self.o_proj(out.reshape(T, self.q_size))  # [T, E]
 
 
 class MLP(nn.Module):
@@ -261,7 +231,7 @@ class Gemma3ForCausalLM(nn.Module):
         residual = None
         layers = cast(Iterable[DecoderLayer], self.layers)  # (typed as Iterable[Module])
         for layer, kv_cache, meta in zip(layers, kv_caches, attn_metadata, strict=True):
-            inv_freq = self.inv_freq_sliding if layer.attn.is_sliding else self.inv_freq_full
+            inv_freq = self.inv_freq_sliding if layer.attn.sliding_window else self.inv_freq_full
             x, residual = layer(x, residual, positions, inv_freq, kv_cache, meta)
         return self.norm(x if residual is None else x + residual)
 

@@ -71,6 +71,11 @@ class LlamaConfig:
             raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
 
     @property
+    def attention_scale(self) -> float:
+        """Softmax scale of the attention scores: ``head_dim ** -0.5``."""
+        return self.head_dim ** -0.5
+
+    @property
     def sliding_windows(self) -> list[int]:
         """Per layer (global index), the tokens its queries attend back over, themselves
         included; 0 = full attention. What the worker groups its KV cache by."""
@@ -173,10 +178,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention of global layer ``layer_id`` (its sliding window, if any, is
-    ``cfg.sliding_windows[layer_id]``)."""
+    """GQA self-attention of global layer ``layer_id``: optional per-head q/k RMSNorm before
+    RoPE (Qwen3, Gemma 3), paged attention over the layer's window
+    (``cfg.sliding_windows[layer_id]``, 0 = all positions), softmax scale
+    ``cfg.attention_scale``. Shared by every family (``cfg`` is a ``LlamaConfig`` or a
+    ``Gemma3Config``)."""
 
-    def __init__(self, cfg: LlamaConfig, backend: Any, layer_id: int) -> None:
+    def __init__(self, cfg: Any, backend: Any, layer_id: int) -> None:
         super().__init__()
         self.backend = backend
         self.sliding_window = cfg.sliding_windows[layer_id]
@@ -184,7 +192,7 @@ class Attention(nn.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.q_size = self.n_heads * self.head_dim
         self.kv_size = self.n_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = cfg.attention_scale
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=cfg.qkv_proj_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
