@@ -52,6 +52,10 @@ class EngineSamplingParams:
     min_tokens: int = 0  # in [0, max_tokens]: no EOS / stop token finishes before this many
     logprobs: int | None = None  # top raw logprobs per new token, in [0, 20]; None = none
     prompt_logprobs: int | None = None  # top raw logprobs per prompt token; None = none
+    # llguidance grammar (TopLevelGrammar JSON) the output must match; "" = unconstrained
+    structured_output: str = ""
+    # (token id, bias) pairs added to the raw logits, ids distinct in [0, V), bias in [-100, 100]
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def uses_penalties(self) -> bool:
@@ -60,20 +64,28 @@ class EngineSamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def to_pb(self) -> engine_pb2.EngineSamplingParams:
-        """The wire form: every field as it is (None leaves an optional field unset)."""
-        return engine_pb2.EngineSamplingParams(**{name: getattr(self, name) for name in _FIELDS})
+        """The wire form: every field as it is (None leaves an optional field unset);
+        ``logit_bias`` as two parallel columns."""
+        msg = engine_pb2.EngineSamplingParams(**{name: getattr(self, name) for name in _FIELDS})
+        if self.logit_bias:
+            msg.logit_bias_token_ids.extend(t for t, _ in self.logit_bias)
+            msg.logit_bias_values.extend(b for _, b in self.logit_bias)
+        return msg
 
     @classmethod
     def from_pb(cls, msg: engine_pb2.EngineSamplingParams) -> EngineSamplingParams:
         """Read the wire form back, field for field (an unset optional field is None); no
         checks, no defaults: the router sent every field."""
-        values = {name: getattr(msg, name) for name in _FIELDS}
+        values: dict = {name: getattr(msg, name) for name in _FIELDS}
         values["stop_token_ids"] = tuple(msg.stop_token_ids)
+        values["logit_bias"] = tuple(zip(msg.logit_bias_token_ids, msg.logit_bias_values,
+                                         strict=True))
         for name in _OPTIONAL:
             if not msg.HasField(name):
                 values[name] = None
         return cls(**values)
 
 
-_FIELDS = tuple(f.name for f in fields(EngineSamplingParams))  # = the message's field names
+# the fields that are message fields of the same name (logit_bias travels as two columns)
+_FIELDS = tuple(f.name for f in fields(EngineSamplingParams) if f.name != "logit_bias")
 _OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # proto3 optional: None unset
