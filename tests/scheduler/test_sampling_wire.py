@@ -14,13 +14,19 @@ from tests.scheduler.factories import make_scheduler
 FULL = EngineSamplingParams(
     temperature=0.5, top_p=0.75, top_k=7, seed=2**64 - 1, max_tokens=20, stop_token_ids=(4, 5),
     ignore_eos=True, min_p=0.25, repetition_penalty=1.5, presence_penalty=-0.5,
-    frequency_penalty=0.75, min_tokens=6, logprobs=0, prompt_logprobs=20)
+    frequency_penalty=0.75, min_tokens=6, logprobs=0, prompt_logprobs=20,
+    structured_output='{"grammars": [{"lark_grammar": "start: \\"a\\""}]}',
+    logit_bias=((3, 100.0), (0, -0.5)))
 
 
 def test_the_message_is_the_type_field_for_field():
-    """Same names; the message's optional fields are the type's None-able ones."""
+    """Same names (logit_bias as two parallel columns); the message's optional fields are the
+    type's None-able ones."""
     message = engine_pb2.EngineSamplingParams.DESCRIPTOR.fields
-    assert [f.name for f in message] == [f.name for f in fields(EngineSamplingParams)]
+    names = [f.name for f in fields(EngineSamplingParams)]
+    names[names.index("logit_bias"):names.index("logit_bias") + 1] = [
+        "logit_bias_token_ids", "logit_bias_values"]
+    assert [f.name for f in message] == names
     assert {f.name for f in message if f.has_presence} == {
         "seed", "max_tokens", "logprobs", "prompt_logprobs"}
     for params in (FULL, EngineSamplingParams()):
