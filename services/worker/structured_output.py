@@ -87,7 +87,7 @@ class GrammarMask:
     """What the grammar allows on the constrained rows of one step, on the logits' device.
 
     Attributes:
-        rows: ``[C]`` int64, the constrained rows of the step's ``[S, V]`` logits.
+        rows: ``[C]`` int64, the constrained rows of the step's ``[S, V]`` logits, ascending.
         disallowed: ``[C, V]`` bool, True = the token gets -inf.
         eos_rows / eos_ids: ``[E]`` int64 pairs (index into ``rows``, EOS id) set to 0 after
             the mask: the EOS-only rows.
@@ -102,11 +102,13 @@ class GrammarMask:
 def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     """Mask ``logits [S, V]`` float32 in place: disallowed tokens -inf, the EOS-only rows'
     EOS ids 0 (whatever penalties, bias or min_tokens did to them)."""
-    sub = logits[mask.rows]  # [C, V]
+    every_row = mask.rows.shape[0] == logits.shape[0]  # (rows ascending: then all, in order)
+    sub = logits if every_row else logits[mask.rows]  # [C, V]
     sub.masked_fill_(mask.disallowed, float("-inf"))
     if mask.eos_rows.numel():
         sub.index_put_((mask.eos_rows, mask.eos_ids), torch.tensor(0.0, device=sub.device))
-    logits[mask.rows] = sub
+    if not every_row:
+        logits[mask.rows] = sub
 
 
 @dataclass(slots=True)

@@ -3,9 +3,11 @@ test imports: the TP test's spawned ranks run it too).
 
 ``generate`` runs requests to completion through ``runner.execute_step`` the way the scheduler
 would: each step every running request gets all its remaining tokens, new ones in full once,
-then diffs; a request finishes on an EOS id (unless ignore_eos, and not before min_tokens) or
-at max_tokens; ``preempt = (step, i)`` frees request i's blocks at that step and resumes it
-with its whole token list (``resumed_from_preemption``). The tokens are read back from the
+then diffs; a request finishes on an EOS id (unless ignore_eos; an EOS at output index <
+min_tokens does not finish, as the scheduler's ``_check_stop``) or at max_tokens;
+``preempt = (step, i)`` frees request i's blocks at that step and resumes it with its whole
+token list (``resumed_from_preemption``) less its last output token, as after a step whose
+result the scheduler dropped (the worker had appended it). The tokens are read back from the
 runner's own token lists, so a tp rank that returns no tokens drives the same steps.
 """
 
@@ -47,6 +49,7 @@ def generate(runner, prompts: list[list[int]], params: list[EngineSamplingParams
             assert victim.seen and not victim.done and len(victim.tokens) > victim.num_prompt
             free.extend(victim.blocks)
             victim.blocks, victim.computed, victim.resumed = [], 0, True
+            victim.tokens.pop()
         new, cached, running = [], [], []
         for r in reqs:
             if r.done:
@@ -73,7 +76,7 @@ def generate(runner, prompts: list[list[int]], params: list[EngineSamplingParams
             r.tokens.append(token)
             outputs = len(r.tokens) - r.num_prompt
             p = r.params
-            if ((token in eos and not p.ignore_eos and outputs >= p.min_tokens)
+            if ((token in eos and not p.ignore_eos and outputs > p.min_tokens)
                     or outputs == p.max_tokens):
                 r.done = True
                 free.extend(r.blocks)
@@ -82,3 +85,28 @@ def generate(runner, prompts: list[list[int]], params: list[EngineSamplingParams
         raise AssertionError(f"not done after {max_steps} steps")
     runner.execute_step(StepInput(max_steps, [], [], finished))
     return [r.tokens[r.num_prompt:] for r in reqs]
+
+
+def tp_rank(rank: int, port: int, model: str, prompts: list[list[int]], grammars: list[str],
+            out_path: str) -> None:
+    """Rank ``rank`` of a TP=2 group (gloo; run in a spawned process): sample ``prompts``
+    under ``grammars`` (seeded, temperature 1) and write ``[holds matchers, outputs]`` as JSON
+    to ``out_path``."""
+    import json
+    import os
+
+    import torch
+
+    from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from services.worker.model_runner import ModelRunner
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ps = init_distributed(ParallelConfig(2, 1, rank), torch.device("cpu"), timeout_s=60)
+    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+                         attention_backend="torch", parallel=ps)
+    params = [EngineSamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_output=g)
+              for i, g in enumerate(grammars)]
+    outputs = generate(runner, prompts, params)
+    with open(out_path, "w") as f:
+        json.dump([runner.structured is not None, outputs], f)
+    destroy_distributed()  # (see tests/parallel/vocab_check.py: exit cleanly)

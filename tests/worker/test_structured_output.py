@@ -1,0 +1,219 @@
+"""Structured outputs in the worker: the real runner and model (a tiny random Llama with
+SmolLM2's vocabulary and tokenizer) sampling under llguidance grammars."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import jsonschema
+import llguidance
+import numpy as np
+import pytest
+import torch
+
+from services.common.sampling_params import EngineSamplingParams
+from services.common.tokenizer_loading import load_tokenizer
+from services.worker.model_runner import ModelRunner
+from services.worker.step_input import check_sampling
+from services.worker.structured_output import RequestGrammar, StructuredOutputs
+from tests.helpers import make_servable_tiny_llama
+from tests.worker.grammar_driver import generate
+
+EOS = 2  # the tiny Llama's (LlamaConfig's default) and SmolLM2's <|im_end|>
+SCHEMA = {  # bounded: every output ends within a few dozen tokens
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["name", "tags", "n"],
+    "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},  # a random model would emit blanks forever
+}
+REGEX = r"[a-z]{2,6}( [0-9]{1,3}){1,2}"
+CHOICES = ["red", "green", "blue violet"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_servable_tiny_llama(tmp_path_factory.mktemp("tiny-grammar"))
+
+
+@pytest.fixture(scope="module")
+def runner(model):
+    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+                         attention_backend="torch")
+    assert list(runner.eos_token_ids) == [EOS]
+    return runner
+
+
+@pytest.fixture(scope="module")
+def tok(model):
+    return load_tokenizer(model)
+
+
+def sampled(grammar: str, seed: int, **kw) -> EngineSamplingParams:
+    return EngineSamplingParams(temperature=1.0, seed=seed, max_tokens=kw.pop("max_tokens", 60),
+                                structured_output=grammar, **kw)
+
+
+def text(tok, output: list[int]) -> str:
+    assert output[-1] == EOS, output  # ended by the grammar, not max_tokens
+    return tok.decode(output[:-1], clean_up_tokenization_spaces=False)
+
+
+def test_sampled_outputs_match_their_grammars(runner, tok):
+    """3 seeds x (JSON schema, regex, choice) in one batch at temperature 1, next to an
+    unconstrained greedy request that must not notice them."""
+    grammars = {"json": llguidance.grammar_from("json", json.dumps(SCHEMA)),
+                "regex": llguidance.grammar_from("regex", REGEX),
+                "choice": llguidance.grammar_from("choice", json.dumps(CHOICES))}
+    prompt = tok.encode("Answer:")
+    greedy = EngineSamplingParams(temperature=0.0, max_tokens=12)
+    kinds = [k for k in grammars for _ in range(3)]
+    params = [sampled(grammars[k], seed) for seed, k in enumerate(kinds)]
+    outputs = generate(runner, [prompt] * (len(params) + 1), [*params, greedy])
+    assert outputs[-1] == generate(runner, [prompt], [greedy])[0]
+    by_kind: dict[str, list[str]] = {k: [] for k in grammars}
+    for kind, out in zip(kinds, outputs, strict=False):
+        by_kind[kind].append(text(tok, out))
+    for value in by_kind["json"]:
+        jsonschema.validate(json.loads(value), SCHEMA)
+    assert all(re.fullmatch(REGEX, value) for value in by_kind["regex"]), by_kind["regex"]
+    assert all(value in CHOICES for value in by_kind["choice"]), by_kind["choice"]
+    # the seeds sampled different outputs (the grammar constrains, it does not decide)
+    assert len(set(by_kind["json"])) > 1 and len(set(by_kind["regex"])) > 1
+
+
+def test_greedy_under_a_grammar_that_admits_it_is_unchanged(runner, tok):
+    """The mask never disturbs an allowed token: greedy under a grammar that admits the
+    unconstrained greedy text (exactly its length, in the characters it uses: most tokens are
+    masked at every step) gives the same tokens, then EOS (the grammar is complete).
+
+    NOTE: not a grammar of the literal text: llguidance then allows only the canonical
+    tokenization of the forced bytes, which a random model's greedy tokens need not be.
+    """
+    greedy = EngineSamplingParams(temperature=0.0, max_tokens=8)
+    special = set(tok.all_special_ids)
+    for word in ("Hello", "The answer is", "JSON:", "Once upon a time"):
+        free = generate(runner, [tok.encode(word)], [greedy])[0]
+        value = tok.decode(free, clean_up_tokenization_spaces=False)
+        if "\ufffd" not in value and not special & set(free):  # text a grammar can name
+            break
+    else:
+        pytest.fail("no prompt with a plain-text greedy answer")
+    chars = "".join(f"\\x{{{ord(c):x}}}" for c in sorted(set(value)))
+    grammar = llguidance.grammar_from("regex", f"[{chars}]{{{len(value)}}}")
+    constrained = EngineSamplingParams(temperature=0.0, max_tokens=20, structured_output=grammar)
+    assert generate(runner, [tok.encode(word)], [constrained])[0] == [*free, EOS]
+
+
+def test_resumed_request_replays_its_outputs(runner, tok):
+    """Preempted after 3 outputs and resumed with only 2 of them (the scheduler dropped a
+    step): the matcher is rebuilt from those 2, so exactly 6 digits come out in the end."""
+    digits = llguidance.grammar_from("regex", r"[0-9]{6}")
+    schema = llguidance.grammar_from("json", json.dumps(SCHEMA))
+    prompt = tok.encode("Digits:")
+    outputs = generate(runner, [prompt, prompt], [sampled(digits, 1), sampled(schema, 2)],
+                       preempt=(3, 0))
+    assert re.fullmatch(r"[0-9]{6}", text(tok, outputs[0])), outputs[0]
+    jsonschema.validate(json.loads(text(tok, outputs[1])), SCHEMA)
+
+
+def test_finished_grammar_allows_only_eos_despite_min_tokens_or_ignore_eos(runner, tok):
+    """A choice is complete after a token or two; min_tokens (which masks EOS) must not leave
+    an all -inf row: the grammar wins, EOS comes until min_tokens lets it finish. With
+    ignore_eos it keeps sampling EOS until max_tokens."""
+    grammar = llguidance.grammar_from("choice", json.dumps(["yes", "no"]))
+    prompt = tok.encode("Sure?")
+    min_tokens = sampled(grammar, 3, min_tokens=4)
+    ignore_eos = sampled(grammar, 4, ignore_eos=True, max_tokens=5)
+    outputs = generate(runner, [prompt, prompt], [min_tokens, ignore_eos])
+    for out in outputs:  # the answer (1 or 2 tokens: "yes" may come as "y" "es"), then EOS
+        end = out.index(EOS)
+        assert len(out) == 5 and out[end:] == [EOS] * (5 - end), out
+        assert tok.decode(out[:end]) in ("yes", "no")
+
+
+def test_broken_grammar_ends_the_request_with_a_warning(runner, caplog):
+    """A grammar the matcher refuses (here an invalid regex the router would have caught): the
+    request can only end (EOS), and the worker says why, naming the request."""
+    broken = llguidance.grammar_from("regex", "(unclosed")
+    check_sampling(sampled(broken, 0), runner.vocab_size)  # (grammar JSON: not refused)
+    with caplog.at_level(logging.WARNING, "services.worker.structured_output"):
+        assert generate(runner, [[1, 2, 3]], [sampled(broken, 0)]) == [[EOS]]
+    (record,) = [r for r in caplog.records if "grammar failed" in r.getMessage()]
+    assert record.request_id == "req-0" and "unclosed" in record.getMessage()
+
+
+def test_check_sampling_refuses_what_is_not_grammar_json():
+    for bad in ("not json", '["a list"]', '{"no": "grammars"}'):
+        with pytest.raises(ValueError, match="structured_output is not llguidance grammar JSON"):
+            check_sampling(EngineSamplingParams(structured_output=bad), 100)
+    check_sampling(EngineSamplingParams(
+        structured_output=llguidance.grammar_from("regex", "a+")), 100)
+
+
+def test_masks_of_a_vocabulary_larger_than_the_tokenizer_and_without_a_tokenizer(tok, caplog):
+    """Model rows past the tokenizer's vocabulary are never allowed; a worker without a
+    tokenizer lets constrained requests only end, with a warning."""
+    vocab = len(tok) + 40
+    so = StructuredOutputs(lambda: tok, vocab, (EOS,))
+    grammar = llguidance.grammar_from("regex", "[a-z ]+")
+    step = so.start(np.array([0, 1]), [RequestGrammar("a", grammar),
+                                       RequestGrammar("b", grammar)])
+    mask = step.mask(torch.device("cpu"))
+    disallowed = mask.disallowed.numpy()
+    assert disallowed.shape == (2, vocab) and disallowed[:, len(tok):].all()
+    assert not disallowed[:, tok.encode("hello")[0]].any() and disallowed[:, EOS].all()
+    assert mask.eos_rows.numel() == 0
+    so.close()
+
+    def no_tokenizer():
+        raise FileNotFoundError("no tokenizer here")
+
+    so = StructuredOutputs(no_tokenizer, vocab, (EOS,))
+    with caplog.at_level(logging.WARNING, "services.worker.structured_output"):
+        mask = so.start(np.array([3]), [RequestGrammar("c", grammar)]).mask(
+            torch.device("cpu"))
+    assert mask.rows.tolist() == [3] and mask.disallowed.numpy().sum() == vocab - 1
+    assert (mask.eos_rows.tolist(), mask.eos_ids.tolist()) == ([0], [EOS])
+    assert any("no tokenizer here" in r.getMessage() for r in caplog.records)
+    so.close()
+
+
+@pytest.mark.slow  # two rank processes (spawned: torch imported twice), ~15 s
+def test_tp2_only_the_driver_holds_matchers_and_both_ranks_agree(model, tok, tmp_path):
+    """Two gloo ranks: rank 0 (the driver) builds matchers and samples; rank 1 ignores the
+    grammar and keeps the broadcast tokens, which are the same and match the grammar."""
+    import multiprocessing as mp
+
+    from services.common.ports import free_port_range
+    from tests.worker.grammar_driver import tp_rank
+
+    grammars = [llguidance.grammar_from("json", json.dumps(SCHEMA)),
+                llguidance.grammar_from("regex", REGEX)]
+    prompts = [tok.encode("Answer:")] * 2
+    ctx = mp.get_context("spawn")
+    port = free_port_range(1)
+    paths = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [ctx.Process(target=tp_rank, args=(r, port, model, prompts, grammars, str(paths[r])))
+             for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:  # no rank outlives the test, even a hung one
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    (driver, out0), (peer, out1) = (json.loads(p.read_text()) for p in paths)
+    assert (driver, peer) == (True, False) and out0 == out1
+    jsonschema.validate(json.loads(text(tok, out0[0])), SCHEMA)
+    assert re.fullmatch(REGEX, text(tok, out0[1]))
