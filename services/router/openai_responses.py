@@ -120,17 +120,22 @@ class ResponseBuilder:
     def chunk(self, r: api_pb2.GenerateResponse, include_usage: bool) -> dict | None:
         """The stream chunk for one message, or None when it shows nothing (no text, not
         final). A final message is also recorded for ``usage``."""
+        prefix, prompt_logprobs = self._echoed(r)
         if r.finish_reason:
             self._finals[r.index] = r
-        elif not r.text and not (self._logprobs is not None and r.logprobs):
+        elif not (prefix or r.text or prompt_logprobs
+                  or (self._logprobs is not None and r.logprobs)):
             return None
         choice: dict[str, Any] = {"index": r.index}
         if self.chat:
             choice["delta"] = {"content": r.text} if r.text else {}
         else:
-            choice["text"] = r.text
+            choice["text"] = prefix + r.text
         choice["logprobs"] = (self._logprobs[r.index].format(r.logprobs)
                               if self._logprobs is not None and r.logprobs else None)
+        if prompt_logprobs is not None:  # the prompt's tokens first
+            choice["logprobs"] = merge([prompt_logprobs] + ([choice["logprobs"]]
+                                                            if choice["logprobs"] else []), False)
         choice |= self._ending(r if r.finish_reason else None)
         return self._chunk(choice, include_usage)
 

@@ -53,7 +53,8 @@ def test_chat_fields_map_onto_the_grpc_request():
     assert lp.HasField("logprobs") and lp.logprobs == 0
     lp = parse_chat({"messages": [], "logprobs": True, "top_logprobs": 4}).request
     assert lp.sampling_params.logprobs == 4
-    assert parse_completion({"prompt": "a", "logprobs": 3}).requests[0].sampling_params.logprobs == 3
+    (req,) = parse_completion({"prompt": "a", "logprobs": 3}).requests
+    assert req.sampling_params.logprobs == 3
 
 
 def test_completion_batch_echo_best_of_and_logit_bias_map_onto_the_grpc_requests():
