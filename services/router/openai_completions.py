@@ -50,15 +50,14 @@ class CompletionCall:
 
     Attributes:
         parsed: the parsed body.
-        id: the response's id (``cmpl-...``), the same for every prompt.
     """
 
     def __init__(self, parsed: ParsedCompletion, prompts: list[_Prompt]):
         self.parsed = parsed
         self._prompts = prompts
+        for p in prompts:  # one response: one creation time (and one id, below)
+            p.builder.created = prompts[0].builder.created
         self.id = prompts[0].builder.id
-        for p in prompts:  # one response: one id and one creation time
-            p.builder.id, p.builder.created = self.id, prompts[0].builder.created
         # candidate (global index) -> cumulative logprob of its tokens (best_of's ranking)
         self._scores: dict[int, float] = {}
 
@@ -97,6 +96,16 @@ class CompletionCall:
                                       tokenizer if parsed.logprobs else None, echo)
             prompts.append(_Prompt(prepared, builder))
         return cls(parsed, prompts)
+
+    @property
+    def id(self) -> str:
+        """The response's id (``cmpl-...``), the same in every prompt's choices and chunks."""
+        return self._prompts[0].builder.id
+
+    @id.setter
+    def id(self, value: str) -> None:
+        for p in self._prompts:
+            p.builder.id = value
 
     @property
     def prepared(self) -> list[PreparedRequest]:

@@ -176,7 +176,7 @@ def test_best_of_refusals(oai, model):
 
 
 # ---- a batch of prompts -----------------------------------------------------------------
-@pytest.mark.parametrize("prompts", [["Hello there", PROMPT, "1 2 3"], [IDS, [11, 12]]])
+@pytest.mark.parametrize("prompts", [["Hello there", PROMPT], [IDS, [11, 12]]])
 def test_batch_of_prompts(oai, model, prompts):
     kwargs = dict(model=model, n=2, extra_body=NO_EOS, **SAMPLED)
     singles = [oai.completions.create(prompt=p, **kwargs) for p in prompts]
@@ -190,6 +190,7 @@ def test_batch_of_prompts(oai, model, prompts):
     chunks = list(oai.completions.create(prompt=prompts, stream=True,
                                          stream_options={"include_usage": True}, **kwargs))
     assert chunks[-1].usage.model_dump() == r.usage.model_dump()
+    assert len({k.id for k in chunks}) == 1  # one response, whichever prompt a chunk is of
     for c in r.choices:
         assert "".join(k.choices[0].text for k in chunks[:-1] if k.choices[0].index == c.index) \
             == c.text
@@ -202,3 +203,10 @@ def test_a_bad_prompt_in_a_batch_is_400_naming_it(tiny, oai, model):
     r = requests.post(f"{tiny.http_url}/v1/completions", timeout=30,
                       json={"prompt": ["ok", ""], "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("prompt[1]")
+
+
+def test_a_batch_is_one_response_named_by_its_request_id(tiny):
+    r = requests.post(f"{tiny.http_url}/v1/completions", timeout=30,
+                      json={"prompt": ["a", "b"], "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["id"] == r.headers["X-Request-Id"]
+    assert r.json()["id"].startswith("cmpl-") and len(r.json()["choices"]) == 2
