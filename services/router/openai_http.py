@@ -29,6 +29,7 @@ import uuid
 from aiohttp import web
 
 from services.common.logs import request_id_var
+from services.common.pb.pagedserve.v1 import engine_pb2
 from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
     EngineError,
@@ -37,9 +38,9 @@ from services.router.generation import (
     stream_responses,
 )
 from services.router.metrics import RouterMetrics
+from services.router.openai_completions import CompletionCall
 from services.router.openai_requests import (
     OpenAIError,
-    ParsedRequest,
     bad_request,
     from_status,
     parse_chat,
@@ -191,12 +192,47 @@ class OpenAIServer:
             "root": info.model, "max_model_len": info.max_model_len}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        """POST /v1/completions."""
-        return await self._generate(request, chat=False)
+        """POST /v1/completions: one prompt or a batch, echo, best_of
+        (``openai_completions``)."""
+        body, info = await self._body(request)
+        parsed = parse_completion(body)
+        client_id = request.headers.get(REQUEST_ID_HEADER, "")
+        request_id = client_id or "cmpl-" + uuid.uuid4().hex
+        entry: RequestLog = request[_LOG]
+        entry.request_id = request_id
+        request_id_var.set(request_id)
+        try:
+            if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
+                call = await asyncio.to_thread(CompletionCall.prepare, parsed, request_id,
+                                               self.tokenizer, info)
+            else:
+                call = CompletionCall.prepare(parsed, request_id, self.tokenizer, info)
+        except RequestError as e:
+            raise from_status(e.code, e.message, "prompt") from None
+        for prepared in call.prepared:
+            entry.accepted(prepared)
+        entry.request_id = request_id
+        entry.prompt_tokens = sum(len(p.prompt_token_ids) for p in call.prepared)
+        if not client_id:
+            call.id = request_id
+        headers = {REQUEST_ID_HEADER: request_id}
+        async with contextlib.aclosing(call.responses(
+                self.engine, self.tokenizer, max_pending=self.max_stream_buffer)) as responses:
+            if parsed.stream:
+                return await self._stream(request, responses, call, parsed.include_usage,
+                                          "prompt", headers)
+            try:
+                async for r in responses:
+                    entry.observe(r)
+                    call.add(r)
+            except EngineError as e:
+                raise from_status(e.code, e.message, "prompt") from None
+            return web.json_response(call.response(), headers=headers,
+                                     dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
-        return await self._generate(request, chat=True)
+        return await self._generate(request)
 
     # ---- one request --------------------------------------------------------------------
     def _info(self):
@@ -208,7 +244,12 @@ class OpenAIServer:
                               code="unavailable")
         return self.engine.info
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _body(self, request: web.Request) -> tuple[dict, engine_pb2.GetEngineInfoResponse]:
+        """The request's JSON object and the engine's info, the model checked.
+
+        Raises:
+            OpenAIError: 400 not a JSON object, 404 another model, 503 no engine.
+        """
         try:
             body = await request.json()
         except ValueError:  # also a body that is not UTF-8 (UnicodeDecodeError)
@@ -222,12 +263,17 @@ class OpenAIServer:
         if model not in (None, "", info.model):
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
                               code="model_not_found")
-        parsed = parse_chat(body) if chat else parse_completion(body)
+        return body, info
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        """A chat completion."""
+        body, info = await self._body(request)
+        parsed = parse_chat(body)
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
         # NOTE: without X-Request-Id the request is named by the response's id, so a client can
         # find its request in the logs; validated by prepare (at most 128 characters).
         parsed.request.request_id = client_id or (
-            ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex)
+            "chatcmpl-" + uuid.uuid4().hex)
         entry: RequestLog = request[_LOG]
         entry.request_id = parsed.request.request_id
         request_id_var.set(entry.request_id)
@@ -240,7 +286,7 @@ class OpenAIServer:
         except RequestError as e:
             raise from_status(e.code, e.message, parsed.prompt_param) from None
         entry.accepted(prepared)
-        builder = ResponseBuilder(chat, info.model, prepared.n, self.tokenizer
+        builder = ResponseBuilder(True, info.model, prepared.n, self.tokenizer
                                   if prepared.params.logprobs is not None else None)
         if not client_id:
             builder.id = prepared.request_id
@@ -251,7 +297,8 @@ class OpenAIServer:
                 self.engine, self.tokenizer, prepared,
                 max_pending=self.max_stream_buffer)) as responses:
             if parsed.stream:
-                return await self._stream(request, responses, builder, parsed, headers)
+                return await self._stream(request, responses, builder, parsed.include_usage,
+                                          parsed.prompt_param, headers)
             try:
                 async for r in responses:
                     entry.observe(r)
@@ -261,20 +308,20 @@ class OpenAIServer:
             return web.json_response(builder.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
-    async def _stream(self, request: web.Request, responses, builder: ResponseBuilder,
-                      parsed: ParsedRequest, headers: dict) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, responses,
+                      builder: ResponseBuilder | CompletionCall, usage: bool,
+                      prompt_param: str, headers: dict) -> web.StreamResponse:
         """Server-sent events: role chunks (chat), one chunk per message with text or a
         finish_reason, the usage chunk if asked, ``data: [DONE]``. An engine error before the
         first message is a normal HTTP error (e.g. 429); after it, an ``error`` event."""
         try:
             first = await anext(responses, None)
         except EngineError as e:
-            raise from_status(e.code, e.message, parsed.prompt_param) from None
+            raise from_status(e.code, e.message, prompt_param) from None
         entry: RequestLog = request[_LOG]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
-        usage = parsed.include_usage
         for role_chunk in builder.role_chunks(usage):
             await resp.write(_sse(role_chunk))
         try:
@@ -289,7 +336,7 @@ class OpenAIServer:
                 await resp.write(_sse(builder.usage_chunk()))
         except EngineError as e:
             entry.error = e.code.name
-            await resp.write(_sse(from_status(e.code, e.message, parsed.prompt_param).body()))
+            await resp.write(_sse(from_status(e.code, e.message, prompt_param).body()))
         await resp.write(_sse("[DONE]"))
         await resp.write_eof()
         return resp

@@ -4,7 +4,8 @@
   entry per token; ``top_logprobs`` is a list of ``{token string: logprob}`` dicts (two ids
   that decode to the same string collapse into one key, as in OpenAI's and vLLM's format) and
   ``text_offset`` the character offset of each token in the choice's text, counted over the
-  decoded token strings.
+  decoded token strings. With ``echo`` the prompt's tokens come first (the first one with
+  null logprob and top_logprobs, OpenAI's shape) and the offsets run on across them.
 - Chat (``logprobs: true``, ``top_logprobs: k``): ``{content: [{token, logprob, bytes,
   top_logprobs: [{token, logprob, bytes}]}]}``; ``bytes`` are the UTF-8 bytes of ``token``.
 
@@ -45,15 +46,26 @@ class LogprobsFormatter:
         if self.chat:
             return {"content": [self._chat_entry(t.token_id, t.logprob, t.top)
                                 for t in logprobs]}
-        tokens = [self.token(t.token_id) for t in logprobs]
+        return self._completion([t.token_id for t in logprobs], [t.logprob for t in logprobs],
+                                [{self.token(x.token_id): x.logprob for x in t.top}
+                                 for t in logprobs])
+
+    def format_prompt(self, first_token_id: int, logprobs: Sequence) -> dict:
+        """(completions, ``echo``) The logprobs object of a whole prompt: its first token
+        (``first_token_id``) with logprob and top_logprobs null, as OpenAI's, then one entry
+        per ``logprobs`` (the ``GenerateResponse.prompt_logprobs`` of the later tokens)."""
+        return self._completion(
+            [first_token_id] + [t.token_id for t in logprobs],
+            [None] + [t.logprob for t in logprobs],
+            [None] + [{self.token(x.token_id): x.logprob for x in t.top} for t in logprobs])
+
+    def _completion(self, token_ids: list[int], lps: list, tops: list) -> dict:
+        tokens = [self.token(t) for t in token_ids]
         offsets = []
         for s in tokens:
             offsets.append(self._offset)
             self._offset += len(s)
-        return {"tokens": tokens,
-                "token_logprobs": [t.logprob for t in logprobs],
-                "top_logprobs": [{self.token(x.token_id): x.logprob for x in t.top}
-                                 for t in logprobs],
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
     def _chat_entry(self, token_id: int, logprob: float, top: Sequence | None) -> dict:

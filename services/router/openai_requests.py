@@ -3,8 +3,8 @@
 Only the JSON *types* are checked here (a number where a number belongs, an int32 where the
 proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
 through ``generation.prepare`` exactly as for a gRPC call. Fields this module does not know are
-ignored, as OpenAI clients send extras; fields it knows but does not implement (echo,
-prompt_logprobs, tools, ...) are refused with a 400 naming them.
+ignored, as OpenAI clients send extras; fields it knows but does not implement (suffix,
+prompt_logprobs, ...) are refused with a 400 naming them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.validation import MAX_N
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_MODULUS = 2**64  # the proto's seed is a uint64; OpenAI's may be negative
@@ -30,8 +31,12 @@ _INTS = ("top_k", "n", "min_tokens")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # Field names that validation messages start with, as the OpenAI request spells them.
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
-                                           "priority", "logprobs", "top_logprobs"}
+                                           "priority", "logprobs", "top_logprobs",
+                                           "logit_bias"}
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
+MAX_BEST_OF = MAX_N  # candidates per prompt, as many as choices
+MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
+_INT_KEY = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key: a token id in decimal
 
 
 class OpenAIError(Exception):
@@ -101,36 +106,110 @@ class ParsedRequest:
     prompt_param: str
 
 
-def parse_completion(body: dict) -> ParsedRequest:
+@dataclass(slots=True)
+class ParsedCompletion:
+    """A POST /v1/completions body mapped onto the gRPC API: one GenerateRequest per prompt
+    (``services.router.openai_completions`` runs them).
+
+    Attributes:
+        requests: one per prompt, in order, all with the same sampling parameters (the engine
+            ones: ``logprobs`` / ``prompt_logprobs`` / ``max_tokens`` as the options below
+            need them); request_id left empty.
+        stream, include_usage: as ``ParsedRequest``.
+        n: choices returned per prompt.
+        best_of: candidates generated per prompt (>= n); when larger than n, the n with the
+            highest cumulative logprob are returned.
+        echo: each choice starts with its prompt's text (and, with logprobs, the prompt
+            tokens' logprobs).
+        score_only: ``echo`` with ``max_tokens: 0``: the engine generates one token (it
+            always does), which is not returned nor counted.
+        logprobs: the client asked for logprobs (the engine may be asked even when not, for
+            best_of's ranking).
+    """
+
+    requests: list[api_pb2.GenerateRequest]
+    stream: bool
+    include_usage: bool
+    n: int
+    best_of: int
+    echo: bool
+    score_only: bool
+    logprobs: bool
+
+
+def parse_completion(body: dict) -> ParsedCompletion:
     """Map a POST /v1/completions body. ``prompt`` is a string, a list of token ids, or a
-    list holding one of those (a batch of several prompts is refused).
+    list of those (a batch of at most ``MAX_PROMPTS`` prompts; a list of ints is one prompt).
 
     Raises:
-        OpenAIError: 400 for a wrong JSON type or an unsupported field.
+        OpenAIError: 400 for a wrong JSON type, an unsupported field, ``best_of`` outside
+            [n, 64], ``best_of > n`` with ``stream``, or ``max_tokens: 0`` with
+            ``min_tokens``.
     """
-    _refuse(body, echo=False, suffix=None, best_of=1, prompt_logprobs=None, logit_bias={})
-    req = api_pb2.GenerateRequest()
+    _refuse(body, suffix=None, prompt_logprobs=None)
+    template = api_pb2.GenerateRequest()
+    sp = template.sampling_params
     logprobs = _int32(body, "logprobs")  # the range is validation's: [0, 20]
+    echo = _typed(body, "echo", bool) or False
+    max_tokens = body.get("max_tokens")
+    score_only = echo and _is_int(max_tokens) and max_tokens == 0
+    _sampling(body, template, 1 if score_only else max_tokens, "max_tokens")
+    if score_only and sp.min_tokens > 0:
+        raise bad_request(f"min_tokens must be <= max_tokens (0), got {sp.min_tokens}",
+                          "min_tokens")
+    n = sp.n if sp.HasField("n") else 1  # its range is validation's
+    best_of = _int32(body, "best_of")
+    if best_of is not None and not n <= best_of <= MAX_BEST_OF:
+        raise bad_request(f"best_of must be in [n, {MAX_BEST_OF}] (n is {n}), got {best_of}",
+                          "best_of")
+    best_of = max(best_of or n, n)
+    parsed = _parsed(body, template, "prompt")
+    if parsed.stream and best_of > n:
+        raise bad_request("best_of > n cannot be streamed: the best candidates are known only "
+                          "when all have finished", "best_of")
     if logprobs is not None:
-        req.sampling_params.logprobs = logprobs
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) > 1:
-            raise bad_request(f"prompt: a batch of {len(prompt)} prompts is not supported; "
-                              "send one prompt per request", "prompt")
-        prompt = prompt[0]
+        sp.logprobs = logprobs
+        if echo:
+            sp.prompt_logprobs = logprobs
+    elif best_of > n:
+        sp.logprobs = 0  # the ranking needs each sampled token's logprob
+    requests = []
+    for name, prompt in _prompts(body.get("prompt")):
+        req = api_pb2.GenerateRequest()
+        req.CopyFrom(template)
+        _prompt(req, prompt, name)
+        requests.append(req)
+    return ParsedCompletion(requests, parsed.stream, parsed.include_usage, n, best_of, echo,
+                            score_only, logprobs is not None)
+
+
+def _prompts(prompt) -> list[tuple[str, object]]:
+    """The prompts of a completions body with their names: ``[("prompt", p)]`` for one,
+    ``[("prompt[0]", p0), ...]`` for a batch (a list of strings or of lists)."""
+    if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))):
+        return [("prompt", prompt)]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"prompt must have at most {MAX_PROMPTS} prompts, got {len(prompt)}",
+                          "prompt")
+    if len(prompt) == 1:
+        return [("prompt", prompt[0])]
+    return [(f"prompt[{i}]", p) for i, p in enumerate(prompt)]
+
+
+def _prompt(req: api_pb2.GenerateRequest, prompt, name: str) -> None:
+    """Set ``req``'s input to ``prompt``: a string or a list of token ids (``name`` is the
+    field, e.g. "prompt[2]", for the error)."""
     if isinstance(prompt, str):
-        req.prompt = _utf8(prompt, "prompt")
+        req.prompt = _utf8(prompt, name, "prompt")
     elif isinstance(prompt, list):
         if not all(_is_int(t) and INT32_MIN <= t <= INT32_MAX for t in prompt):
-            raise bad_request("prompt must be a string or a list of token ids (ints)", "prompt")
+            raise bad_request(f"{name} must be a string or a list of token ids (ints)",
+                              "prompt")
         req.prompt_token_ids.ids.extend(prompt)
     elif prompt is None:
-        raise bad_request("prompt is required", "prompt")
+        raise bad_request(f"{name} is required", "prompt")
     else:
-        raise bad_request("prompt must be a string or a list of token ids", "prompt")
-    _sampling(body, req, body.get("max_tokens"), "max_tokens")
-    return _parsed(body, req, "prompt")
+        raise bad_request(f"{name} must be a string or a list of token ids", "prompt")
 
 
 def parse_chat(body: dict) -> ParsedRequest:
@@ -141,7 +220,7 @@ def parse_chat(body: dict) -> ParsedRequest:
     Raises:
         OpenAIError: 400 for a wrong JSON type or an unsupported field.
     """
-    _refuse(body, prompt_logprobs=None, tools=[], functions=[], logit_bias={})
+    _refuse(body, prompt_logprobs=None, tools=[], functions=[])
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise bad_request("response_format: only {\"type\": \"text\"} is supported",
@@ -247,6 +326,33 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
     priority = _int32(body, "priority")
     if priority is not None:
         req.priority = priority
+    _logit_bias(body, sp)
+
+
+def _logit_bias(body: dict, sp: api_pb2.SamplingParams) -> None:
+    """OpenAI's ``logit_bias``: an object of token ids written as decimal strings ("50256")
+    to numbers -> ``sp.logit_bias`` (the id and bias ranges are validation's).
+
+    Raises:
+        OpenAIError: 400 (param "logit_bias") for a key that is not an int32 or a value that
+            is not a number.
+    """
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise bad_request("logit_bias must be an object of token ids to biases", "logit_bias")
+    for key, value in bias.items():
+        if not (_INT_KEY.fullmatch(key) and INT32_MIN <= int(key) <= INT32_MAX):
+            raise bad_request(f"logit_bias keys must be token ids (integers), got {key!r}",
+                              "logit_bias")
+        if not (_is_int(value) or isinstance(value, float)):
+            raise bad_request(f"logit_bias[{key}] must be a number, got {value!r}",
+                              "logit_bias")
+        try:
+            sp.logit_bias[int(key)] = float(value)
+        except OverflowError:  # an int beyond float range: validation calls inf not finite
+            sp.logit_bias[int(key)] = float("inf")
 
 
 def _utf8(text: str, name: str, param: str | None = None) -> str:

@@ -1,7 +1,8 @@
 """OpenAI response bodies built from the router's ``GenerateResponse`` stream.
 
 The shapes follow OpenAI's API (as vLLM serves it): ``text_completion`` /
-``chat.completion`` objects, ``chat.completion.chunk`` / ``text_completion`` stream chunks,
+``chat.completion`` objects, ``chat.completion.chunk`` / ``text_completion`` stream chunks
+(a completion with ``echo`` has the prompt before each choice's output),
 ``usage`` with ``prompt_tokens_details.cached_tokens``. Each choice also carries vLLM's extra
 ``stop_reason`` (the stop string that matched, else null). ``logprobs`` is null unless the
 request asked for them (see ``openai_logprobs``); a stream chunk then carries the logprobs of
@@ -16,11 +17,25 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai_logprobs import LogprobsFormatter, merge
+
+
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """(completions) What ``echo`` puts before each choice's output.
+
+    Attributes:
+        text: the prompt's text (the client's string, or its token ids decoded).
+        first_token_id: the prompt's first token, the one without a prompt logprob.
+    """
+
+    text: str
+    first_token_id: int
 
 
 class ResponseBuilder:
@@ -32,10 +47,16 @@ class ResponseBuilder:
         n: number of choices.
         tokenizer: the model's tokenizer, to spell tokens in logprobs; None when the request
             did not ask for logprobs (``logprobs`` is then null everywhere).
+        echo: (completions) prepend the prompt to each choice: its text to the text of the
+            choice's first message (whole or chunk), and with logprobs the prompt's logprobs
+            (from that message's ``prompt_logprobs``) to its logprobs.
     """
 
-    def __init__(self, chat: bool, model: str, n: int, tokenizer=None):
+    def __init__(self, chat: bool, model: str, n: int, tokenizer=None,
+                 echo: Echo | None = None):
         self.chat, self.model, self.n = chat, model, n
+        self._echo = echo
+        self._echo_pending = set(range(n)) if echo is not None else set()
         self._logprobs = ([LogprobsFormatter(tokenizer, chat) for _ in range(n)]
                           if tokenizer is not None else None)
         self._logprob_parts: list[list[dict]] = [[] for _ in range(n)]
@@ -47,7 +68,10 @@ class ResponseBuilder:
     # ---- whole response -----------------------------------------------------------------
     def add(self, r: api_pb2.GenerateResponse) -> None:
         """Record one streamed message (non-streaming mode)."""
-        self._texts[r.index].append(r.text)
+        prefix, prompt_logprobs = self._echoed(r)
+        self._texts[r.index].append(prefix + r.text)
+        if prompt_logprobs is not None:
+            self._logprob_parts[r.index].append(prompt_logprobs)
         if self._logprobs is not None:
             self._logprob_parts[r.index].append(self._logprobs[r.index].format(r.logprobs))
         if r.finish_reason:
@@ -96,19 +120,35 @@ class ResponseBuilder:
     def chunk(self, r: api_pb2.GenerateResponse, include_usage: bool) -> dict | None:
         """The stream chunk for one message, or None when it shows nothing (no text, not
         final). A final message is also recorded for ``usage``."""
+        prefix, prompt_logprobs = self._echoed(r)
         if r.finish_reason:
             self._finals[r.index] = r
-        elif not r.text and not (self._logprobs is not None and r.logprobs):
+        elif not (prefix or r.text or prompt_logprobs
+                  or (self._logprobs is not None and r.logprobs)):
             return None
         choice: dict[str, Any] = {"index": r.index}
         if self.chat:
             choice["delta"] = {"content": r.text} if r.text else {}
         else:
-            choice["text"] = r.text
+            choice["text"] = prefix + r.text
         choice["logprobs"] = (self._logprobs[r.index].format(r.logprobs)
                               if self._logprobs is not None and r.logprobs else None)
+        if prompt_logprobs is not None:  # the prompt's tokens first
+            choice["logprobs"] = merge([prompt_logprobs] + ([choice["logprobs"]]
+                                                            if choice["logprobs"] else []), False)
         choice |= self._ending(r if r.finish_reason else None)
         return self._chunk(choice, include_usage)
+
+    def _echoed(self, r: api_pb2.GenerateResponse) -> tuple[str, dict | None]:
+        """(echo) The prompt's text and logprobs object (None without logprobs) to put
+        before ``r``, the first message of its choice; ``("", None)`` for any other."""
+        if self._echo is None or r.index not in self._echo_pending:
+            return "", None
+        self._echo_pending.discard(r.index)
+        logprobs = (self._logprobs[r.index].format_prompt(self._echo.first_token_id,
+                                                          r.prompt_logprobs)
+                    if self._logprobs is not None else None)
+        return self._echo.text, logprobs
 
     def usage_chunk(self) -> dict:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""

@@ -25,6 +25,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_N = 64  # most choices (parallel samples) per request
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 1024  # most logit_bias entries per request
+LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 PRIORITY_POLICY = "priority"  # the scheduling policy under which priority != 0 is allowed
 # Chat roles a message may have: OpenAI's (``function`` is its deprecated tool role). vLLM
 # passes any role to the chat template; we refuse unknown ones, as OpenAI does, so a typo is
@@ -115,7 +117,8 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
         stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
         logprobs=_logprobs(params, "logprobs"),
-        prompt_logprobs=_logprobs(params, "prompt_logprobs"), **_penalties(params))
+        prompt_logprobs=_logprobs(params, "prompt_logprobs"),
+        logit_bias=_logit_bias(params, vocab_size), **_penalties(params))
     text = TextOptions(
         stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=(params.skip_special_tokens
@@ -135,6 +138,28 @@ def _logprobs(params: api_pb2.SamplingParams, name: str) -> int | None:
     if not 0 <= value <= MAX_LOGPROBS:
         raise invalid(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
     return value
+
+
+def _logit_bias(params: api_pb2.SamplingParams, vocab_size: int
+                ) -> tuple[tuple[int, float], ...]:
+    """``params.logit_bias`` as (token id, bias) pairs sorted by id: at most
+    ``MAX_LOGIT_BIAS`` entries, ids in [0, vocab_size), biases finite and in [-100, 100].
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): e.g. ``logit_bias token id 60000 must be in
+            [0, 49152)`` or ``logit_bias[5] must be in [-100, 100], got 150.0``.
+    """
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
+                      f"got {len(params.logit_bias)}")
+    pairs = tuple(sorted(params.logit_bias.items()))
+    for token_id, bias in pairs:
+        if not 0 <= token_id < vocab_size:
+            raise invalid(f"logit_bias token id {token_id} must be in [0, {vocab_size})")
+        _finite(f"logit_bias[{token_id}]", bias)
+        if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+            raise invalid(f"logit_bias[{token_id}] must be in [-100, 100], got {_fmt(bias)}")
+    return pairs
 
 
 def _penalties(params: api_pb2.SamplingParams) -> dict[str, Any]:

@@ -97,6 +97,14 @@ def test_top_k_off_values_become_minus_one(top_k):
     ({"logprobs": 21}, "logprobs must be in [0, 20], got 21"),
     ({"logprobs": -1}, "logprobs must be in [0, 20], got -1"),
     ({"prompt_logprobs": 21}, "prompt_logprobs must be in [0, 20], got 21"),
+    ({"logit_bias": {VOCAB: 1.0}}, f"logit_bias token id {VOCAB} must be in [0, {VOCAB})"),
+    ({"logit_bias": {5: 0.0, -1: 1.0}}, f"logit_bias token id -1 must be in [0, {VOCAB})"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias[5] must be in [-100, 100], got 100.5"),
+    ({"logit_bias": {7: -101.0}}, "logit_bias[7] must be in [-100, 100], got -101.0"),
+    ({"logit_bias": {7: float("nan")}}, "logit_bias[7] must be a finite number, got nan"),
+    ({"logit_bias": {7: float("-inf")}}, "logit_bias[7] must be a finite number, got -inf"),
+    ({"logit_bias": dict.fromkeys(range(1025), 1.0)},
+     "logit_bias must have at most 1024 entries, got 1025"),
 ])
 def test_out_of_range_fields(fields, message):
     assert error(check, **fields) == message
@@ -115,6 +123,13 @@ def test_limits_are_inclusive():
     assert check()[0].logprobs is None
     assert check(prompt_logprobs=0)[0].prompt_logprobs == 0
     assert check()[0].prompt_logprobs is None
+
+
+def test_logit_bias_is_sorted_by_id_with_inclusive_limits():
+    assert check()[0].logit_bias == ()
+    engine, _ = check(logit_bias={VOCAB - 1: 100.0, 0: -100.0, 7: 0.5})
+    assert engine.logit_bias == ((0, -100.0), (7, 0.5), (VOCAB - 1, 100.0))
+    assert len(check(logit_bias=dict.fromkeys(range(1024), 1.0))[0].logit_bias) == 1024
 
 
 def test_penalty_defaults_and_values():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 
 import grpc
 import pytest
@@ -364,7 +365,9 @@ TYPED_VALUES = {
     "stop": st.one_of(TEXT_SURROGATES, STOP),
     "stop_token_ids": st.one_of(TOKEN_IDS, BIG_INTS),
     "seed": st.integers(-2**70, 2**70),
-    "logit_bias": st.dictionaries(st.integers(-5, 2**40).map(str), FLOATS, max_size=3),
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(0, VOCAB - 1), st.integers(-5, 2**40)).map(str),
+        st.one_of(st.floats(-100, 100), FLOATS), max_size=3),
     **{k: FLOATS for k in ("temperature", "top_p", "min_p", "presence_penalty",
                            "frequency_penalty", "repetition_penalty")},
     **{k: st.one_of(INT32, st.integers(-2**70, 2**70)) for k in (
@@ -449,13 +452,46 @@ def test_http_gzip_bomb_is_413(tiny):
                  {"Content-Encoding": "gzip"}) == 413
 
 
-def test_http_logit_bias_is_refused_not_ignored(tiny):
-    r = requests.post(f"{tiny.http_url}/v1/completions", timeout=TIMEOUT_S,
-                      json={"prompt": "Hi", "max_tokens": 1, "logit_bias": {"5": 100}})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
-    r = requests.post(f"{tiny.http_url}/v1/completions", timeout=TIMEOUT_S,
-                      json={"prompt": "Hi", "max_tokens": 1, "logit_bias": {}})
-    assert r.status_code == 200
+def _bias_is_valid(bias: dict) -> bool:
+    """The router's rule for a logit_bias object: at most 1024 entries, ids in [0, VOCAB),
+    biases (as float32s) finite and in [-100, 100]."""
+    def f32(x: float) -> float:
+        try:
+            return struct.unpack("f", struct.pack("f", x))[0]
+        except OverflowError:
+            return math.inf
+    return len(bias) <= 1024 and all(0 <= int(k) < VOCAB and -100 <= f32(v) <= 100
+                                     for k, v in bias.items())
+
+
+@fuzz(30)
+@given(chat=st.booleans(), bias=TYPED_VALUES["logit_bias"])
+def test_http_logit_bias_is_validated_not_ignored(tiny, chat, bias):
+    """A valid logit_bias runs (200), an invalid one is a 400 naming logit_bias; the server
+    keeps serving either way."""
+    base = ({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"})
+    url = f"{tiny.http_url}/v1/{'chat/completions' if chat else 'completions'}"
+    r = requests.post(url, data=_dumps({**base, "max_tokens": 1, "logit_bias": bias}),
+                      headers={"Content-Type": "application/json"}, timeout=TIMEOUT_S)
+    if _bias_is_valid(bias):
+        assert r.status_code == 200, (bias, r.text)
+    else:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bias, r.text)
+    _tally(f"logit_bias HTTP {r.status_code}")
+
+
+def test_http_logit_bias_steers_greedy(tiny):
+    """Not ignored: +100 on a token makes greedy emit it; an empty object is no bias."""
+    def first_token(bias: dict | None) -> str:
+        body = {"prompt": "Hi", "max_tokens": 1, "temperature": 0, "logprobs": 0}
+        r = requests.post(f"{tiny.http_url}/v1/completions", timeout=TIMEOUT_S,
+                          json=body if bias is None else {**body, "logit_bias": bias})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"][0]
+
+    assert first_token({}) == first_token(None)
+    # ignored, both would be the unbiased greedy token
+    assert first_token({"5": 100}) != first_token({"300": 100})
 
 
 def test_http_lone_surrogate_names_the_field(tiny):

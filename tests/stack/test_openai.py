@@ -120,7 +120,7 @@ def test_stop_string_and_extras(tiny, oai, model_name):
     (dict(top_p=2.0), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(logprobs=21), "logprobs"),
-    (dict(prompt=["a", "b"]), "prompt"),
+    (dict(prompt=["a", ""]), "prompt"),  # a batch whose prompt[1] is empty
     (dict(prompt=""), "prompt"),
     (dict(extra_body={"temperature": "hot"}), "temperature"),
     (dict(extra_body={"temperature": 10**400}), "temperature"),

@@ -27,7 +27,7 @@ def test_completion_fields_map_onto_the_grpc_request():
         "ignore_eos": True, "stop_token_ids": [9], "include_stop_str_in_output": True,
         "skip_special_tokens": False, "priority": -3, "stream": True,
         "stream_options": {"include_usage": True}, "user": "ignored", "logprobs": None})
-    r, sp = p.request, p.request.sampling_params
+    r, sp = p.requests[0], p.requests[0].sampling_params
     assert list(r.prompt_token_ids.ids) == [1, 2, 3] and r.priority == -3
     assert (sp.max_tokens, sp.temperature, sp.n, list(sp.stop), sp.seed) == (7, 0, 2, ["x"],
                                                                              2**64 - 1)
@@ -35,8 +35,8 @@ def test_completion_fields_map_onto_the_grpc_request():
     assert sp.min_p == pytest.approx(0.1) and sp.repetition_penalty == pytest.approx(1.2)
     assert sp.presence_penalty == 0.5 and sp.frequency_penalty == -0.5
     assert sp.ignore_eos and sp.include_stop_str_in_output and not sp.skip_special_tokens
-    assert p.stream and p.include_usage and p.prompt_param == "prompt"
-    assert not parse_completion({"prompt": "hi"}).request.sampling_params.HasField("top_p")
+    assert p.stream and p.include_usage and len(p.requests) == 1
+    assert not parse_completion({"prompt": "hi"}).requests[0].sampling_params.HasField("top_p")
 
 
 def test_chat_fields_map_onto_the_grpc_request():
@@ -53,12 +53,48 @@ def test_chat_fields_map_onto_the_grpc_request():
     assert lp.HasField("logprobs") and lp.logprobs == 0
     lp = parse_chat({"messages": [], "logprobs": True, "top_logprobs": 4}).request
     assert lp.sampling_params.logprobs == 4
-    assert parse_completion({"prompt": "a", "logprobs": 3}).request.sampling_params.logprobs == 3
+    (req,) = parse_completion({"prompt": "a", "logprobs": 3}).requests
+    assert req.sampling_params.logprobs == 3
+
+
+def test_completion_batch_echo_best_of_and_logit_bias_map_onto_the_grpc_requests():
+    p = parse_completion({"prompt": ["a", "b", "c"], "n": 2, "best_of": 3, "seed": 5,
+                          "logit_bias": {"7": -100, "-1": 2.5}})
+    assert [r.prompt for r in p.requests] == ["a", "b", "c"]
+    assert (p.n, p.best_of, p.echo, p.score_only, p.logprobs) == (2, 3, False, False, False)
+    for r in p.requests:  # best_of > n ranks by logprob: the engine is asked for them
+        sp = r.sampling_params
+        assert sp.logprobs == 0 and not sp.HasField("prompt_logprobs") and sp.seed == 5
+        assert dict(sp.logit_bias) == {7: -100.0, -1: 2.5}  # ranges are validation's
+    ids = parse_completion({"prompt": [[1, 2], [3]]}).requests
+    assert [list(r.prompt_token_ids.ids) for r in ids] == [[1, 2], [3]]
+    assert len(parse_completion({"prompt": [1, 2]}).requests) == 1  # a list of ints: 1 prompt
+    p = parse_completion({"prompt": "a", "echo": True, "logprobs": 2})
+    sp = p.requests[0].sampling_params
+    assert p.echo and p.logprobs and (sp.logprobs, sp.prompt_logprobs) == (2, 2)
+    assert p.best_of == p.n == 1 and not sp.HasField("max_tokens")
+    p = parse_completion({"prompt": "a", "echo": True, "max_tokens": 0})
+    assert p.score_only and p.requests[0].sampling_params.max_tokens == 1
+    p = parse_completion({"prompt": "a", "best_of": 2, "n": 2, "stream": True})
+    assert p.best_of == 2 and not p.requests[0].sampling_params.HasField("logprobs")
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "a", "echo": True}, "echo"),
-    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "echo": 1}, "echo"),
+    ({"prompt": "a", "best_of": 0}, "best_of"),
+    ({"prompt": "a", "best_of": 65}, "best_of"),
+    ({"prompt": "a", "n": 3, "best_of": 2}, "best_of"),
+    ({"prompt": "a", "best_of": 2, "stream": True}, "best_of"),
+    ({"prompt": "a", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
+    ({"prompt": "a", "logit_bias": [1]}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1.0": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"99999999999": 1}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": "5"}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"1": True}}, "logit_bias"),
+    ({"prompt": ["a", 5]}, "prompt"),
+    ({"prompt": ["a"] * 1025}, "prompt"),
+    ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "logprobs": 1.5}, "logprobs"),
     ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
     ({"prompt": "a", "n": 1.5}, "n"),
@@ -82,6 +118,7 @@ def test_completion_refusals_name_the_field(body, param):
     ({"messages": [], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [], "logprobs": 1}, "logprobs"),
     ({"messages": [], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [], "logit_bias": {"a": 1}}, "logit_bias"),
     ({"messages": [], "response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_chat_refusals_name_the_field(body, param):
@@ -147,8 +184,9 @@ class _FakeEngine:
 
 def _fake_generation(monkeypatch, fail_after: int, closed: list):
     """``stream_responses`` yields ``fail_after`` one-token messages, then raises 429's
-    RESOURCE_EXHAUSTED; ``closed`` records that the generator was closed."""
-    from services.router import openai_http
+    RESOURCE_EXHAUSTED; ``closed`` records that the generator was closed (/v1/completions,
+    whose calls ``openai_completions`` runs)."""
+    from services.router import openai_completions
 
     async def stream_responses(engine, tokenizer, prepared, **options):
         try:
@@ -158,9 +196,9 @@ def _fake_generation(monkeypatch, fail_after: int, closed: list):
         finally:
             closed.append(True)
 
-    monkeypatch.setattr(openai_http, "prepare", lambda req, tok, info: PreparedRequest(
+    monkeypatch.setattr(openai_completions, "prepare", lambda req, tok, info: PreparedRequest(
         "r", [1, 2], EngineSamplingParams(), TextOptions()))
-    monkeypatch.setattr(openai_http, "stream_responses", stream_responses)
+    monkeypatch.setattr(openai_completions, "stream_responses", stream_responses)
 
 
 async def _post(body: dict) -> tuple[int, str]:
@@ -218,3 +256,28 @@ def test_chat_with_an_unknown_role_is_400_naming_the_message():
     assert body["error"]["param"] == "messages"
     assert body["error"]["message"] == ("messages[1].role must be one of system, developer, "
                                         "user, assistant, tool, function, got 'wizard'")
+
+
+def test_a_failing_prompt_of_a_batch_closes_the_others(monkeypatch):
+    """Prompt 1 fails after its first message while prompt 0 is still generating: the call
+    ends with the error, and prompt 0's generator is closed (which aborts its engine
+    requests)."""
+    from services.router import openai_completions
+
+    closed = []
+
+    async def stream_responses(engine, tokenizer, prepared, **options):
+        try:
+            yield api_pb2.GenerateResponse(token_ids=[1], text=prepared.request_id)
+            if prepared.request_id.endswith("-0"):
+                await asyncio.Event().wait()  # never ends by itself
+            raise EngineError(grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full")
+        finally:
+            closed.append(prepared.request_id)
+
+    monkeypatch.setattr(openai_completions, "prepare", lambda req, tok, info: PreparedRequest(
+        "r", [1, 2], EngineSamplingParams(), TextOptions()))
+    monkeypatch.setattr(openai_completions, "stream_responses", stream_responses)
+    status, text = asyncio.run(_post({"prompt": ["a", "b"], "model": "m"}))
+    assert status == 429 and "queue is full" in text
+    assert sorted(rid[-2:] for rid in closed) == ["-0", "-1"]
