@@ -85,8 +85,7 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
     elif kind == "chat":
         if not request.chat.messages:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty")
-        ids = encode_chat(tokenizer, [{"role": m.role, "content": m.content}
-                                      for m in request.chat.messages])
+        ids = encode_chat(tokenizer, request.chat.messages, tools=request.chat.tools)
     elif kind == "prompt_token_ids":
         ids = list(request.prompt_token_ids.ids)
     else:

@@ -115,6 +115,8 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_stream_buffer = DEFAULT_MAX_STREAM_BUFFER  # router --max-stream-buffer
+        # router --tool-call-parser, when --enable-auto-tool-choice is set (tool_choice "auto")
+        self.tool_parser: str | None = None
         self.app = web.Application(middlewares=[self._count, _openai_errors],
                                    client_max_size=max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
@@ -222,7 +224,7 @@ class OpenAIServer:
         if model not in (None, "", info.model):
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
                               code="model_not_found")
-        parsed = parse_chat(body) if chat else parse_completion(body)
+        parsed = parse_chat(body, self.tool_parser) if chat else parse_completion(body)
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
         # NOTE: without X-Request-Id the request is named by the response's id, so a client can
         # find its request in the logs; validated by prepare (at most 128 characters).
@@ -241,7 +243,8 @@ class OpenAIServer:
             raise from_status(e.code, e.message, parsed.prompt_param) from None
         entry.accepted(prepared)
         builder = ResponseBuilder(chat, info.model, prepared.n, self.tokenizer
-                                  if prepared.params.logprobs is not None else None)
+                                  if prepared.params.logprobs is not None else None,
+                                  tool_calls=parsed.tool_calls)
         if not client_id:
             builder.id = prepared.request_id
         headers = {REQUEST_ID_HEADER: prepared.request_id}

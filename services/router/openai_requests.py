@@ -4,13 +4,15 @@ Only the JSON *types* are checked here (a number where a number belongs, an int3
 proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
 through ``generation.prepare`` exactly as for a gRPC call. Fields this module does not know are
 ignored, as OpenAI clients send extras; fields it knows but does not implement (echo,
-prompt_logprobs, tools, ...) are refused with a 400 naming them.
+prompt_logprobs, functions, ...) are refused with a 400 naming them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -30,7 +32,7 @@ _INTS = ("top_k", "n", "min_tokens")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # Field names that validation messages start with, as the OpenAI request spells them.
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
-                                           "priority", "logprobs", "top_logprobs"}
+                                           "priority", "logprobs", "top_logprobs", "tools"}
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 
 
@@ -93,12 +95,15 @@ class ParsedRequest:
         stream: answer as server-sent events.
         include_usage: (streaming) send a last chunk with the whole request's usage.
         prompt_param: "prompt" (completions) or "messages" (chat), for error params.
+        tool_calls: (chat with tools) makes the per-choice parser that reads tool calls out
+            of the text (``openai_tool_calls``); None: the text is the content.
     """
 
     request: api_pb2.GenerateRequest
     stream: bool
     include_usage: bool
     prompt_param: str
+    tool_calls: Callable[[], Any] | None = None
 
 
 def parse_completion(body: dict) -> ParsedRequest:
@@ -133,36 +138,39 @@ def parse_completion(body: dict) -> ParsedRequest:
     return _parsed(body, req, "prompt")
 
 
-def parse_chat(body: dict) -> ParsedRequest:
-    """Map a POST /v1/chat/completions body. Message content is a string, null, or a list of
-    ``{"type": "text", "text": ...}`` parts (joined); ``max_completion_tokens`` wins over the
-    deprecated ``max_tokens``.
+def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
+    """Map a POST /v1/chat/completions body: ``messages`` (``openai_messages``), ``tools`` and
+    ``tool_choice`` (``openai_tools``); ``max_completion_tokens`` wins over the deprecated
+    ``max_tokens``.
+
+    Args:
+        tool_parser: the router's ``--tool-call-parser`` if ``--enable-auto-tool-choice`` is
+            set, else None (``tool_choice: "auto"`` is then refused).
 
     Raises:
         OpenAIError: 400 for a wrong JSON type or an unsupported field.
     """
-    _refuse(body, prompt_logprobs=None, tools=[], functions=[], logit_bias={})
+    # NOTE: imported here: both modules build on this one's OpenAIError and helpers
+    from services.router.openai_messages import parse_messages
+    from services.router.openai_tools import parse_tools
+
+    _refuse(body, prompt_logprobs=None, functions=[], logit_bias={})
+    req = api_pb2.GenerateRequest()
+    req.chat.SetInParent()  # an empty list still selects "chat", so validation names it
+    req.chat.messages.extend(parse_messages(body.get("messages")))
+    tool_calls = parse_tools(body, req, tool_parser)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
         raise bad_request("response_format: only {\"type\": \"text\"} is supported",
                           "response_format")
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise bad_request("messages must be a list of {role, content} objects", "messages")
-    req = api_pb2.GenerateRequest()
     _chat_logprobs(body, req.sampling_params)
-    req.chat.SetInParent()  # an empty list still selects "chat", so validation names it
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
-        req.chat.messages.add(role=_utf8(m["role"], f"messages[{i}].role", "messages"),
-                              content=_utf8(_content(m.get("content"), i),
-                                            f"messages[{i}].content", "messages"))
     name, value = (("max_completion_tokens", body["max_completion_tokens"])
                    if body.get("max_completion_tokens") is not None
                    else ("max_tokens", body.get("max_tokens")))
     _sampling(body, req, value, name)
-    return _parsed(body, req, "messages")
+    parsed = _parsed(body, req, "messages")
+    parsed.tool_calls = tool_calls
+    return parsed
 
 
 def _chat_logprobs(body: dict, sp: api_pb2.SamplingParams) -> None:
@@ -177,23 +185,6 @@ def _chat_logprobs(body: dict, sp: api_pb2.SamplingParams) -> None:
                           "top_logprobs")
     if wanted:
         sp.logprobs = top or 0
-
-
-def _content(content, i: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad_request(f"messages[{i}].content[{j}]: only text parts "
-                                  "({\"type\": \"text\", \"text\": ...}) are supported",
-                                  "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
-                      "messages")
 
 
 def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> ParsedRequest:
