@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.openai_structured import error_param, parse_structured_outputs
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_MODULUS = 2**64  # the proto's seed is a uint64; OpenAI's may be negative
@@ -31,6 +32,7 @@ _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # Field names that validation messages start with, as the OpenAI request spells them.
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
                                            "priority", "logprobs", "top_logprobs"}
+STRUCTURED = "structured_outputs"  # the first word of a grammar error (structured_outputs.py)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 
 
@@ -62,8 +64,8 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
-def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt"
-                ) -> OpenAIError:
+def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt",
+                structured_param: str = STRUCTURED) -> OpenAIError:
     """The OpenAI error for a gRPC status from validation or the engine: INVALID_ARGUMENT and
     OUT_OF_RANGE -> 400 (``param`` is the field the message starts with), RESOURCE_EXHAUSTED
     -> 429, UNAVAILABLE -> 503, anything else -> 500.
@@ -71,6 +73,8 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
     Args:
         prompt_param: the request field holding the prompt ("prompt" or "messages"), named
             for errors about the prompt or its tokens.
+        structured_param: the request field that set the grammar ("structured_outputs",
+            "response_format", ...), named for ``structured_outputs.<kind>`` errors.
     """
     status, type_ = _HTTP.get(code, (500, "server_error"))
     param = None
@@ -79,6 +83,8 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
         word = m.group(1) if m else ""
         if word in ("prompt", "prompt_token_ids", "messages"):
             param = prompt_param
+        elif word == STRUCTURED:
+            param = structured_param
         elif word in _PARAMS:
             param = word
     return OpenAIError(status, message, type_, param, code.name.lower())
@@ -93,12 +99,15 @@ class ParsedRequest:
         stream: answer as server-sent events.
         include_usage: (streaming) send a last chunk with the whole request's usage.
         prompt_param: "prompt" (completions) or "messages" (chat), for error params.
+        structured_param: the field that set ``sampling_params.structured_outputs``, named by
+            the 400 of an invalid grammar (see ``from_status``).
     """
 
     request: api_pb2.GenerateRequest
     stream: bool
     include_usage: bool
     prompt_param: str
+    structured_param: str = STRUCTURED
 
 
 def parse_completion(body: dict) -> ParsedRequest:
@@ -142,10 +151,6 @@ def parse_chat(body: dict) -> ParsedRequest:
         OpenAIError: 400 for a wrong JSON type or an unsupported field.
     """
     _refuse(body, prompt_logprobs=None, tools=[], functions=[], logit_bias={})
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported",
-                          "response_format")
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise bad_request("messages must be a list of {role, content} objects", "messages")
@@ -205,7 +210,7 @@ def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> Pars
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     include_usage = bool((options or {}).get("include_usage"))
-    return ParsedRequest(req, stream, include_usage, prompt_param)
+    return ParsedRequest(req, stream, include_usage, prompt_param, error_param(body))
 
 
 def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_name: str):
@@ -247,6 +252,7 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
     priority = _int32(body, "priority")
     if priority is not None:
         req.priority = priority
+    parse_structured_outputs(body, sp)
 
 
 def _utf8(text: str, name: str, param: str | None = None) -> str:
