@@ -259,8 +259,9 @@ class OpenAIServer:
                 async for r in responses:
                     entry.observe(r)
                     builder.add(r)
-            except EngineError as e:
-                raise from_status(e.code, e.message, parsed.prompt_param) from None
+            except EngineError as e:  # e.g. an invalid grammar (before any message)
+                raise from_status(e.code, e.message, parsed.prompt_param,
+                                  parsed.structured_param) from None
             return web.json_response(builder.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
@@ -272,7 +273,8 @@ class OpenAIServer:
         try:
             first = await anext(responses, None)
         except EngineError as e:
-            raise from_status(e.code, e.message, parsed.prompt_param) from None
+            raise from_status(e.code, e.message, parsed.prompt_param,
+                              parsed.structured_param) from None
         entry: RequestLog = request[_LOG]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})

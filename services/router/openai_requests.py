@@ -17,6 +17,7 @@ from typing import Any
 import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.openai_structured import error_param, parse_structured_outputs
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_MODULUS = 2**64  # the proto's seed is a uint64; OpenAI's may be negative
@@ -33,6 +34,7 @@ _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # Field names that validation messages start with, as the OpenAI request spells them.
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
                                            "priority", "logprobs", "top_logprobs", "tools"}
+STRUCTURED = "structured_outputs"  # the first word of a grammar error (structured_outputs.py)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 
 
@@ -64,8 +66,8 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
-def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt"
-                ) -> OpenAIError:
+def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt",
+                structured_param: str = STRUCTURED) -> OpenAIError:
     """The OpenAI error for a gRPC status from validation or the engine: INVALID_ARGUMENT and
     OUT_OF_RANGE -> 400 (``param`` is the field the message starts with), RESOURCE_EXHAUSTED
     -> 429, UNAVAILABLE -> 503, anything else -> 500.
@@ -73,6 +75,8 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
     Args:
         prompt_param: the request field holding the prompt ("prompt" or "messages"), named
             for errors about the prompt or its tokens.
+        structured_param: the request field that set the grammar ("structured_outputs",
+            "response_format", ...), named for ``structured_outputs.<kind>`` errors.
     """
     status, type_ = _HTTP.get(code, (500, "server_error"))
     param = None
@@ -81,6 +85,8 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
         word = m.group(1) if m else ""
         if word in ("prompt", "prompt_token_ids", "messages"):
             param = prompt_param
+        elif word == STRUCTURED:
+            param = structured_param
         elif word in _PARAMS:
             param = word
     return OpenAIError(status, message, type_, param, code.name.lower())
@@ -97,6 +103,8 @@ class ParsedRequest:
         prompt_param: "prompt" (completions) or "messages" (chat), for error params.
         tool_calls: (chat with tools) makes the per-choice parser that reads tool calls out
             of the text (``openai_tool_calls``); None: the text is the content.
+        structured_param: the field that set ``sampling_params.structured_outputs``, named by
+            the 400 of an invalid grammar (see ``from_status``).
     """
 
     request: api_pb2.GenerateRequest
@@ -104,6 +112,7 @@ class ParsedRequest:
     include_usage: bool
     prompt_param: str
     tool_calls: Callable[[], Any] | None = None
+    structured_param: str = STRUCTURED
 
 
 def parse_completion(body: dict) -> ParsedRequest:
@@ -159,10 +168,7 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
     req.chat.SetInParent()  # an empty list still selects "chat", so validation names it
     req.chat.messages.extend(parse_messages(body.get("messages")))
     tool_calls = parse_tools(body, req, tool_parser)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported",
-                          "response_format")
+    enforced = req.sampling_params.HasField("structured_outputs")  # set by tool_choice
     _chat_logprobs(body, req.sampling_params)
     name, value = (("max_completion_tokens", body["max_completion_tokens"])
                    if body.get("max_completion_tokens") is not None
@@ -170,6 +176,8 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
     _sampling(body, req, value, name)
     parsed = _parsed(body, req, "messages")
     parsed.tool_calls = tool_calls
+    if enforced:  # a grammar error is about the tools' parameters schemas
+        parsed.structured_param = "tools"
     return parsed
 
 
@@ -196,7 +204,7 @@ def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> Pars
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     include_usage = bool((options or {}).get("include_usage"))
-    return ParsedRequest(req, stream, include_usage, prompt_param)
+    return ParsedRequest(req, stream, include_usage, prompt_param, error_param(body))
 
 
 def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_name: str):
@@ -238,6 +246,7 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
     priority = _int32(body, "priority")
     if priority is not None:
         req.priority = priority
+    parse_structured_outputs(body, sp)
 
 
 def _utf8(text: str, name: str, param: str | None = None) -> str:

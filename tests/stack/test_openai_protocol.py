@@ -88,7 +88,8 @@ def test_completion_refusals_name_the_field(body, param):
     ({"messages": [], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": [], "logprobs": 1}, "logprobs"),
     ({"messages": [], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [], "structured_outputs": {"regex": 1}}, "structured_outputs"),
 ])
 def test_chat_refusals_name_the_field(body, param):
     with pytest.raises(OpenAIError) as err:
