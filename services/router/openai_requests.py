@@ -204,7 +204,8 @@ def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> Pars
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     include_usage = bool((options or {}).get("include_usage"))
-    return ParsedRequest(req, stream, include_usage, prompt_param, error_param(body))
+    return ParsedRequest(req, stream, include_usage, prompt_param,
+                         structured_param=error_param(body))
 
 
 def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_name: str):
