@@ -15,6 +15,8 @@
     ``anyOf`` branch per tool), compiled like any structured output. Asking for another
     structured output (``response_format``, ``structured_outputs``) as well is a 400.
   - a choice other than "none" without tools, or naming a function not in ``tools``: 400.
+- ``parallel_tool_calls: false`` makes "required" ask for exactly one call (``maxItems`` 1); a
+  named function is one call anyway, and "auto" returns every call the model wrote.
 
 Errors are 400 with ``param`` "tools" or "tool_choice".
 """
@@ -85,8 +87,12 @@ def parse_tools(body: dict, req: api_pb2.GenerateRequest, tool_parser: str | Non
             raise bad_request(f"tool_choice {_spelled(choice)} is enforced with structured "
                               "outputs: response_format / structured_outputs cannot be used "
                               "with it", "tool_choice")
+        parallel = body.get("parallel_tool_calls")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
         schema = (functions[choice.name].get("parameters", _NO_PARAMETERS)
-                  if choice.mode == "function" else _required_schema(functions))
+                  if choice.mode == "function"
+                  else _required_schema(functions, one=parallel is False))
         req.sampling_params.structured_outputs.json = json.dumps(schema)
     if choice.mode == "none":
         return None
@@ -167,15 +173,17 @@ def _choice(value, functions: dict[str, dict]) -> ToolChoice:
     return ToolChoice(value)
 
 
-def _required_schema(functions: dict[str, dict]) -> dict:
-    """vLLM's schema for "required": a non-empty array of ``{"name", "parameters"}`` objects,
-    one ``anyOf`` branch per function; each parameters' ``$defs`` are lifted to the top
-    (references are ``#/$defs/...``, relative to the whole document)."""
+def _required_schema(functions: dict[str, dict], one: bool) -> dict:
+    """vLLM's schema for "required": a non-empty array (``one``: of exactly one element) of
+    ``{"name", "parameters"}`` objects, one ``anyOf`` branch per function; each parameters'
+    ``$defs`` are lifted to the top (references are ``#/$defs/...``, relative to the whole
+    document)."""
     defs: dict = {}
     branches = []
     for name, function in functions.items():
         parameters = dict(function.get("parameters", _NO_PARAMETERS))
-        for key, value in parameters.pop("$defs", {}).items():
+        lifted = parameters.pop("$defs") if isinstance(parameters.get("$defs"), dict) else {}
+        for key, value in lifted.items():
             if defs.setdefault(key, value) != value:
                 raise _bad(f"tools: functions define $defs {key!r} differently; one schema "
                            "holds them all under tool_choice \"required\"")
@@ -183,6 +191,8 @@ def _required_schema(functions: dict[str, dict]) -> dict:
             "name": {"type": "string", "enum": [name]}, "parameters": parameters},
             "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if one:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema

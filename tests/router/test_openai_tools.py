@@ -226,6 +226,15 @@ def test_required_schema_admits_calls_of_the_tools_only():
             jsonschema.validate(bad, schema)
 
 
+def test_required_without_parallel_calls_asks_for_exactly_one():
+    parsed = parse_chat({"messages": USER, "tools": TOOLS, "tool_choice": "required",
+                         "parallel_tool_calls": False})
+    schema = json.loads(parsed.request.sampling_params.structured_outputs.json)
+    jsonschema.validate([{"name": "ping", "parameters": {}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads(REQUIRED_TEXT), schema)
+
+
 def test_required_schema_lifts_defs_to_the_top():
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "$defs": {"Unit": {"enum": ["C", "F"]}}, "type": "object",
@@ -260,6 +269,8 @@ def test_required_schema_lifts_defs_to_the_top():
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "ping"}},
       "structured_outputs": {"regex": "a"}}, "tool_choice", "cannot be used with it"),
     ({"functions": [{"name": "f"}]}, "functions", "functions is not supported"),
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"},
+     "parallel_tool_calls", "parallel_tool_calls must be a boolean"),
 ])
 def test_tool_refusals_name_the_field(body, param, message):
     with pytest.raises(OpenAIError) as err:
