@@ -12,7 +12,9 @@
   - "required" and a named function are *enforced*: ``structured_outputs.json`` becomes a
     JSON schema (named: the function's parameters, the whole output being its arguments;
     required: vLLM's array, ``minItems`` 1, of ``{"name": const, "parameters": schema}``, one
-    ``anyOf`` branch per tool), compiled like any structured output. Asking for another
+    ``anyOf`` branch per tool), compiled like any structured output, written as
+    ``json.dumps`` writes JSON (``", "``, ``": "``, no other whitespace: llguidance's
+    ``x-guidance`` options, unless the parameters set their own). Asking for another
     structured output (``response_format``, ``structured_outputs``) as well is a 400.
   - a choice other than "none" without tools, or naming a function not in ``tools``: 400.
 - ``parallel_tool_calls: false`` makes "required" ask for exactly one call (``maxItems`` 1); a
@@ -36,6 +38,8 @@ from services.router.openai_tool_calls import HermesParser, NamedParser, Require
 TOOL_PARSERS = ("hermes",)  # router --tool-call-parser choices
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's function name rule
 _NO_PARAMETERS = {"type": "object", "properties": {}}
+# llguidance's JSON options for tool calls: the layout json.dumps writes, no free whitespace
+_DUMPS_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
                     "--tool-call-parser to be set")
 
@@ -93,6 +97,7 @@ def parse_tools(body: dict, req: api_pb2.GenerateRequest, tool_parser: str | Non
         schema = (functions[choice.name].get("parameters", _NO_PARAMETERS)
                   if choice.mode == "function"
                   else _required_schema(functions, one=parallel is False))
+        schema = {"x-guidance": _DUMPS_LAYOUT, **schema}
         req.sampling_params.structured_outputs.json = json.dumps(schema)
     if choice.mode == "none":
         return None

@@ -207,11 +207,13 @@ def test_named_tool_choice_is_enforced_with_the_function_parameters_schema():
     parsed = parse_chat({"messages": USER, "tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "get_weather"}}})
     so = parsed.request.sampling_params.structured_outputs
-    assert so.WhichOneof("kind") == "json" and json.loads(so.json) == WEATHER
+    assert so.WhichOneof("kind") == "json"
+    assert json.loads(so.json) == {"x-guidance": {  # written as json.dumps writes JSON
+        "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}, **WEATHER}
     assert isinstance(parsed.tool_calls(), NamedParser)
     no_params = parse_chat({"messages": USER, "tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "ping"}}}).request.sampling_params
-    assert json.loads(no_params.structured_outputs.json) == {"type": "object", "properties": {}}
+    assert json.loads(no_params.structured_outputs.json)["properties"] == {}
 
 
 def test_required_schema_admits_calls_of_the_tools_only():

@@ -109,6 +109,7 @@ def test_named_function_returns_its_call_with_valid_arguments(client):
     assert content is None and finish == "stop"  # OpenAI: a forced function ends with stop
     assert [name for name, _ in calls] == ["set_alarm"]
     assert_valid_calls(calls)
+    assert calls[0][1] == json.dumps(json.loads(calls[0][1]))  # json.dumps's layout, no blanks
     assert chat(client, stream=True, tool_choice=choice) == results
 
 
