@@ -36,8 +36,12 @@ arithmetic for scheduled request i in row r with ``c = num_computed_tokens``,
     sampled iff   c + n == num_tokens[r]: logits row = query_start_loc[i + 1] - 1
 
 Python loops run over the step's diffs (one small write per request) and over the rows that
-need special sampling work (seeded, penalised, under min_tokens, prompt logprobs); everything
-else, per token or per row, is numpy.
+need special sampling work (seeded, penalised, biased, under min_tokens, constrained by a
+grammar, prompt logprobs); everything else, per token or per row, is numpy.
+
+Structured outputs: given ``structured`` (the sampling rank only), a request with a grammar
+gets a ``RequestGrammar`` (``services/worker/structured_output.py``); a resume from preemption
+resets it to replay the resumed outputs. Elsewhere the grammar is ignored.
 
 NOTE: the worker is not told about preemptions (it only sees the resume), so it may hold more
 requests than ``max_num_seqs``. When every row is taken and a request of the step needs one, a
@@ -59,6 +63,7 @@ from services.worker.logprobs import PromptChunk
 from services.worker.penalties import PenaltyTensors, TokenCounts
 from services.worker.sampler import SamplingTensors
 from services.worker.step_input import StepInput
+from services.worker.structured_output import RequestGrammar, StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -71,6 +76,8 @@ class RequestState:
     num_prompt_tokens: int  # tokens [num_prompt_tokens:] of its token list are outputs
     counts: TokenCounts | None = None  # only when a penalty is on
     min_tokens_stop_ids: tuple[int, ...] = ()  # masked while outputs < min_tokens
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # (ids [N] int64, bias [N] float32)
+    grammar: RequestGrammar | None = None  # its matcher (the sampling rank, a grammar only)
     row: int = -1  # its row of the InputBatch; -1 while parked
     parked: tuple[np.ndarray, np.ndarray] | None = None  # (token ids [n], block ids
     # [groups, num_blocks]) while rowless
@@ -106,7 +113,9 @@ class PreparedStep:
         logits_indices: ``[S]`` int64 rows of the hidden states to sample from.
         sampled_request_ids: the ``S`` request ids, in row order.
         sampled_rows: ``[S]`` int64, their rows of the InputBatch (``append_sampled``).
-        sampling: per-row sampling parameters of the ``S`` rows.
+        sampling: per-row sampling parameters of the ``S`` rows (``grammar`` not yet set).
+        grammar_rows: ``[C]`` int64, which of the ``S`` rows a grammar constrains.
+        grammars: their ``C`` matchers' states.
         num_logprobs: per row, the top logprobs it asked for (0..20), or None for none.
         prompt_chunks: the prompt positions scored this step (requests with prompt_logprobs).
     """
@@ -120,6 +129,8 @@ class PreparedStep:
     sampling: SamplingTensors
     num_logprobs: list[int | None]
     prompt_chunks: list[PromptChunk]
+    grammar_rows: np.ndarray
+    grammars: list[RequestGrammar]
 
 
 class InputBatch:
@@ -136,6 +147,8 @@ class InputBatch:
         max_num_batched_tokens: step buffer tokens at start (grows if a step has more).
         num_kv_cache_groups: block tables per request (the wire's block ids are cut into this
             many equal parts).
+        structured: the sampling rank's structured-output state; None = grammars are ignored
+            (a rank that does not sample).
     """
 
     # The persistent rows and per-request step buffers (set by _grow_rows, see _row_arrays)
@@ -149,6 +162,8 @@ class InputBatch:
     min_p: np.ndarray
     seeded: np.ndarray
     penalized: np.ndarray
+    biased: np.ndarray
+    constrained: np.ndarray
     num_prompt_tokens: np.ndarray
     min_tokens: np.ndarray
     num_logprobs: np.ndarray
@@ -160,13 +175,15 @@ class InputBatch:
     def __init__(self, device: torch.device, block_size: int, num_kv_blocks: int,
                  vocab_size: int, eos_token_ids: tuple[int, ...] | list[int] = (), *,
                  max_num_seqs: int, max_model_len: int, max_num_batched_tokens: int,
-                 num_kv_cache_groups: int = 1) -> None:
+                 num_kv_cache_groups: int = 1,
+                 structured: StructuredOutputs | None = None) -> None:
         if num_kv_cache_groups < 1:
             raise ValueError(f"num_kv_cache_groups must be >= 1, got {num_kv_cache_groups}")
         self.device, self.block_size = device, block_size
         self.num_groups = num_kv_cache_groups
         self.num_kv_blocks, self.vocab_size = num_kv_blocks, vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.structured = structured
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
         self.requests: dict[str, RequestState] = {}
@@ -186,7 +203,8 @@ class InputBatch:
                 "num_blocks": ((), np.int64),
                 "temperature": ((), np.float32), "top_p": ((), np.float32),
                 "top_k": ((), np.int64), "min_p": ((), np.float32), "seeded": ((), bool),
-                "penalized": ((), bool), "num_prompt_tokens": ((), np.int64),
+                "penalized": ((), bool), "biased": ((), bool), "constrained": ((), bool),
+                "num_prompt_tokens": ((), np.int64),
                 "min_tokens": ((), np.int64),  # 0 unless it has stop ids to mask
                 "num_logprobs": ((), np.int64), "num_prompt_logprobs": ((), np.int64),  # -1 none
                 # step buffers per request, sliced per step ([0] of query_start_loc stays 0)
@@ -310,6 +328,11 @@ class InputBatch:
             eos = () if sampling.ignore_eos else self.eos_token_ids
             stop_ids = tuple(dict.fromkeys(eos + sampling.stop_token_ids))
         state = RequestState(request_id, sampling, generator, len(token_ids), counts, stop_ids)
+        if sampling.logit_bias:
+            state.logit_bias = (np.array([t for t, _ in sampling.logit_bias], dtype=np.int64),
+                                np.array([b for _, b in sampling.logit_bias], dtype=np.float32))
+        if self.structured is not None and sampling.structured_output:
+            state.grammar = RequestGrammar(request_id, sampling.structured_output)
         self.requests[request_id] = state
         row = self._bind(state, step)
         self.token_ids[row, :len(token_ids)] = token_ids
@@ -337,6 +360,8 @@ class InputBatch:
         self.top_k[row] = SamplingTensors.effective_top_k(o.top_k, self.vocab_size)
         self.seeded[row] = state.generator is not None
         self.penalized[row] = state.counts is not None
+        self.biased[row] = state.logit_bias is not None
+        self.constrained[row] = state.grammar is not None
         self.num_prompt_tokens[row] = state.num_prompt_tokens
         self.min_tokens[row] = o.min_tokens if state.min_tokens_stop_ids else 0
         self.num_logprobs[row] = -1 if o.logprobs is None else o.logprobs
@@ -421,6 +446,8 @@ class InputBatch:
         if state.counts is not None:  # recount the outputs from scratch
             state.counts.output_counts.zero_()
             state.counts.num_counted = state.num_prompt_tokens
+        if state.grammar is not None:  # its matcher replays the resumed outputs
+            state.grammar.reset(token_ids[state.num_prompt_tokens:])
 
     def _append_tokens(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
         """Append ``token_ids[i]`` to the token list of row ``rows[i]`` (``rows [N]`` int64)."""
@@ -515,6 +542,7 @@ class InputBatch:
         sampled_rows = rows[sampled]  # [S]
         ids = scheduled.request_ids
         num_logprobs = self.num_logprobs[sampled_rows]  # [S]
+        grammar_rows = np.flatnonzero(self.constrained[sampled_rows])  # [C]
         return PreparedStep(
             input_ids=self._to_device(input_ids), positions=self._to_device(positions),
             attn_metadata=metas, logits_indices=self._to_device(logits_indices),
@@ -524,11 +552,13 @@ class InputBatch:
             sampling=self._sampling_tensors(sampled_rows),
             num_logprobs=([None if k < 0 else k for k in num_logprobs.tolist()]
                           if (num_logprobs >= 0).any() else [None] * len(sampled)),
-            prompt_chunks=self._prompt_chunks(scheduled, query_start_loc))
+            prompt_chunks=self._prompt_chunks(scheduled, query_start_loc),
+            grammar_rows=grammar_rows,
+            grammars=[self.row_states[r].grammar for r in sampled_rows[grammar_rows].tolist()])
 
     def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
         """The sampling parameters of ``rows [S]`` by indexing; Python loops only over the rows
-        that are seeded, penalised or under min_tokens."""
+        that are seeded, penalised, biased or under min_tokens."""
         generators = {i: self.row_states[rows[i]].generator
                       for i in np.flatnonzero(self.seeded[rows]).tolist()}
         penalties, mask = None, None
@@ -542,6 +572,12 @@ class InputBatch:
                 [s.sampling.repetition_penalty for s in states],
                 [s.sampling.presence_penalty for s in states],
                 [s.sampling.frequency_penalty for s in states], self.device)
+        bias = None
+        bias_rows = np.flatnonzero(self.biased[rows]).tolist()
+        if bias_rows:
+            pairs = [self.row_states[rows[i]].logit_bias for i in bias_rows]
+            bias = (np.repeat(np.array(bias_rows, dtype=np.int64), [len(p[0]) for p in pairs]),
+                    np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs]))
         num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]  # [S]
         under_min = np.flatnonzero(num_outputs < self.min_tokens[rows]).tolist()
         if under_min:
@@ -554,7 +590,7 @@ class InputBatch:
         return SamplingTensors.from_arrays(
             self.temperature[rows], self.top_p[rows], self.top_k[rows], generators,
             self.vocab_size, self.device, min_p=self.min_p[rows], penalties=penalties,
-            min_tokens_mask=mask)
+            logit_bias=bias, min_tokens_mask=mask)
 
     def _prompt_chunks(self, scheduled: ScheduledBatch, query_start_loc: np.ndarray
                        ) -> list[PromptChunk]:

@@ -22,6 +22,7 @@ from typing import cast
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.tokenizer_loading import load_tokenizer
 from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.distributed import ParallelState
@@ -33,6 +34,7 @@ from services.worker.models.llama import DecoderLayer
 from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
 from services.worker.step_input import CachedRequest, NewRequest, StepInput, StepOutput
+from services.worker.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,10 @@ class ModelRunner:
         enforce_eager: never compile the forward (vLLM's ``--enforce-eager``). Otherwise a
             single-rank CPU worker on the native kernels runs it through ``torch.compile``
             (``services/worker/compiled.py``), compiled here, at start, by warm-up steps.
+
+    The driver also holds the structured-output state (``structured``: llguidance matchers
+    over the model's tokenizer, built in the background from here on); other ranks have None.
+
     Raises:
         ValueError: bad dtype/backend/max_model_len, or no room for a single KV block.
     """
@@ -149,11 +155,15 @@ class ModelRunner:
         self.bytes_per_block = (2 * self.num_kv_pairs * block_size * self.num_kv_heads
                                 * cfg.head_dim * self.dtype.itemsize)
         self.sampler = Sampler()
+        self.structured = (StructuredOutputs(lambda: load_tokenizer(model), self.vocab_size,
+                                             self.eos_token_ids)
+                           if parallel is None or parallel.config.is_driver else None)
         self.input_batch = InputBatch(self.device, block_size, 0, self.vocab_size,
                                       self.eos_token_ids, max_num_seqs=max_num_seqs,
                                       max_model_len=self.max_model_len,
                                       max_num_batched_tokens=max_num_batched_tokens,
-                                      num_kv_cache_groups=len(self.kv_cache_groups))
+                                      num_kv_cache_groups=len(self.kv_cache_groups),
+                                      structured=self.structured)
         if self.device.type == "cuda":
             kv_bytes = self._profile_cuda(max_num_batched_tokens, max_num_seqs,
                                           gpu_memory_utilization, total, non_torch_before)
@@ -296,6 +306,7 @@ class ModelRunner:
 
         The ranks of the last pipeline stage append the sampled tokens to their requests (the
         next step computes them); the other stages get them as the next step's new_token_ids.
+        The driver fills the grammar masks of its constrained rows during the forward.
 
         Safe to call from any (one at a time) thread. Raises KeyError / ValueError on an
         inconsistent step (unknown request, tokens or blocks missing, bad block id).
@@ -304,6 +315,8 @@ class ModelRunner:
         if not scheduled:
             return StepOutput(step.step_id, [], [])
         batch = self.input_batch.prepare(scheduled)
+        grammar_step = (self.structured.start(batch.grammar_rows, batch.grammars)
+                        if batch.grammars and self.structured is not None else None)
         ps = self.parallel
         received = None
         if ps and not ps.config.is_first_stage:
@@ -323,11 +336,15 @@ class ModelRunner:
                 torch.empty(len(batch.sampled_request_ids), dtype=torch.int64, device=ps.device))
             self.input_batch.append_sampled(batch.sampled_rows, tokens.tolist())
             return StepOutput(step.step_id, [], [])
+        if grammar_step is not None:
+            batch.sampling.grammar = grammar_step.mask(logits.device)
         token_ids = self.sampler(logits, batch.sampling)  # [S] int64
         if ps:
             ps.broadcast_from_driver(token_ids)
         logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)  # raw logits
         sampled = token_ids.tolist()
+        if grammar_step is not None:
+            grammar_step.consume([sampled[i] for i in batch.grammar_rows.tolist()])
         self.input_batch.append_sampled(batch.sampled_rows, sampled)  # (the worker owns them)
         return StepOutput(step.step_id, batch.sampled_request_ids, sampled, logprobs,
                           prompt_logprobs)

@@ -1,5 +1,5 @@
 """Logits processors that look at a request's tokens: repetition / presence / frequency
-penalties and min_tokens, plus min_p (which looks only at the logits).
+penalties and min_tokens, plus logit_bias and min_p (which look only at the logits).
 
 Semantics (all on float32 ``logits [B, V]``, the model's raw scores, before temperature):
 
@@ -8,6 +8,8 @@ Semantics (all on float32 ``logits [B, V]``, the model's raw scores, before temp
   ``logit * p``.
 - presence / frequency penalty (OpenAI's API, as vLLM's ``apply_penalties``), output tokens
   only: ``logit -= frequency * count + presence * (count > 0)``.
+- logit_bias (OpenAI's API, as vLLM's ``LogitBiasLogitsProcessor``): ``logit[id] += bias`` for
+  the request's (id, bias) pairs, after the penalties.
 - min_tokens (transformers' ``MinNewTokensLengthLogitsProcessor`` / vLLM's min_tokens):
   while fewer than min_tokens tokens were generated, the stop ids get ``-inf``.
 - min_p (transformers' ``MinPLogitsWarper``; Nguyen et al., "Turning Up the Heat: Min-p
@@ -102,6 +104,14 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> None:
     sub = torch.where(p.prompt_mask | generated, torch.where(sub < 0, sub * rep, sub / rep), sub)
     sub -= p.frequency.unsqueeze(1) * p.output_counts + p.presence.unsqueeze(1) * generated
     logits[p.rows] = sub
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                     bias: torch.Tensor) -> None:
+    """``logits[rows[i], token_ids[i]] += bias[i]`` in place, one ``index_put_`` for the whole
+    step: ``rows``, ``token_ids`` ``[N]`` int64 and ``bias`` ``[N]`` float32 list every (row, id,
+    bias) of the biased rows (ids distinct within a row)."""
+    logits.index_put_((rows, token_ids), bias, accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:

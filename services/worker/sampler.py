@@ -1,5 +1,5 @@
-"""Batched token sampling: penalties, min_tokens, greedy, temperature, top-k, top-p, min-p,
-per-request seeds.
+"""Batched token sampling: penalties, logit_bias, min_tokens, the grammar mask, greedy,
+temperature, top-k, top-p, min-p, per-request seeds.
 
 Everything is vectorised over the batch except one loop over the *seeded* rows, each of which
 draws its noise from its own ``torch.Generator`` so that a seeded request's tokens do not depend
@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.worker.penalties import PenaltyTensors, apply_min_p, apply_min_tokens, apply_penalties
+from services.worker.penalties import (
+    PenaltyTensors,
+    apply_logit_bias,
+    apply_min_p,
+    apply_min_tokens,
+    apply_penalties,
+)
+from services.worker.structured_output import GrammarMask, apply_grammar_mask
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 
@@ -31,8 +38,12 @@ class SamplingTensors:
         all_greedy / no_top_k / no_top_p: batch-wide flags that skip work.
         min_p: ``[B]`` float32 in [0, 1], or None when no row uses min-p.
         penalties: the penalised rows, or None when no row uses a penalty.
+        logit_bias: ``(rows [N], token_ids [N])`` int64 and ``bias [N]`` float32: what to add
+            to the biased rows' logits, or None.
         min_tokens_mask: ``(rows [M], token_ids [M])`` int64 pairs to set to -inf (stop ids of
             the rows still under min_tokens), or None.
+        grammar: the constrained rows' allowed tokens, or None; set by the runner once the
+            mask job is done (after the forward), not by ``build`` / ``from_arrays``.
     """
 
     temperature: torch.Tensor
@@ -44,7 +55,9 @@ class SamplingTensors:
     no_top_p: bool
     min_p: torch.Tensor | None = None
     penalties: PenaltyTensors | None = None
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    grammar: GrammarMask | None = None
 
     @staticmethod
     def effective_top_k(top_k: int, vocab_size: int) -> int:
@@ -57,27 +70,37 @@ class SamplingTensors:
               generators: dict[int, torch.Generator], vocab_size: int,
               device: torch.device, *, min_p: list[float] | None = None,
               penalties: PenaltyTensors | None = None,
+              logit_bias: dict[int, list[tuple[int, float]]] | None = None,
               min_tokens_mask: tuple[list[int], list[int]] | None = None) -> SamplingTensors:
         """From per-row Python lists (the tests' and benchmarks' way in; a worker gathers its
-        rows' arrays, ``from_arrays``). ``min_tokens_mask`` lists (row, token id) pairs to mask.
+        rows' arrays, ``from_arrays``). ``logit_bias`` maps a row to its (token id, bias)
+        pairs; ``min_tokens_mask`` lists (row, token id) pairs to mask.
         """
+        bias = None
+        if logit_bias:
+            pairs = [(row, t, b) for row, items in logit_bias.items() for t, b in items]
+            bias = (np.array([p[0] for p in pairs], dtype=np.int64),
+                    np.array([p[1] for p in pairs], dtype=np.int64),
+                    np.array([p[2] for p in pairs], dtype=np.float32))
         return cls.from_arrays(
             np.asarray(temperature, dtype=np.float32), np.asarray(top_p, dtype=np.float32),
             np.asarray([cls.effective_top_k(k, vocab_size) for k in top_k], dtype=np.int64),
             generators, vocab_size, device,
             min_p=None if min_p is None else np.asarray(min_p, dtype=np.float32),
-            penalties=penalties, min_tokens_mask=min_tokens_mask)
+            penalties=penalties, logit_bias=bias, min_tokens_mask=min_tokens_mask)
 
     @classmethod
     def from_arrays(cls, temperature: np.ndarray, top_p: np.ndarray, top_k: np.ndarray,
                     generators: dict[int, torch.Generator], vocab_size: int,
                     device: torch.device, *, min_p: np.ndarray | None = None,
                     penalties: PenaltyTensors | None = None,
+                    logit_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
                     min_tokens_mask: tuple[list[int], list[int]] | None = None
                     ) -> SamplingTensors:
         """From per-row numpy arrays ``[B]``: temperature, top_p, min_p float32, top_k int64
-        in [1, V] (``effective_top_k``). Not copied on CPU: pass arrays the caller will not
-        modify (e.g. the result of fancy indexing).
+        in [1, V] (``effective_top_k``); ``logit_bias`` as ``(rows [N], token_ids [N])`` int64
+        and ``bias [N]`` float32. Not copied on CPU: pass arrays the caller will not modify
+        (e.g. the result of fancy indexing).
         """
         def tensor(values: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(values).to(device, non_blocking=True)
@@ -95,6 +118,8 @@ class SamplingTensors:
             no_top_p=bool((top_p >= 1.0).all()),
             min_p=tensor(min_p) if min_p is not None and (min_p > 0).any() else None,
             penalties=penalties,
+            logit_bias=(None if logit_bias is None or not len(logit_bias[0]) else
+                        (tensor(logit_bias[0]), tensor(logit_bias[1]), tensor(logit_bias[2]))),
             min_tokens_mask=(None if not min_tokens_mask or not min_tokens_mask[0] else
                              (index_tensor(min_tokens_mask[0]),
                               index_tensor(min_tokens_mask[1]))),
@@ -144,18 +169,24 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
 class Sampler:
     """``logits [B, V]`` float32 -> next token ids ``[B]`` int64.
 
-    Per row, in transformers' / vLLM's order: penalties and min_tokens on the raw logits (greedy
-    rows too); then greedy (argmax) when temperature < 1e-5; otherwise logits / temperature,
-    top-k, top-p, min-p, softmax, and the exponential race. ``logits`` is not modified.
+    Per row, in transformers' / vLLM's order, on the raw logits (greedy rows too): penalties,
+    logit_bias, min_tokens, the grammar mask (structured outputs); then greedy (argmax) when
+    temperature < 1e-5; otherwise logits / temperature, top-k, top-p, min-p, softmax, and the
+    exponential race. ``logits`` is not modified (logprobs are computed from it: raw).
     """
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        if params.penalties is not None or params.min_tokens_mask is not None:
+        if (params.penalties is not None or params.logit_bias is not None
+                or params.min_tokens_mask is not None or params.grammar is not None):
             logits = logits.clone()
             if params.penalties is not None:
                 apply_penalties(logits, params.penalties)
+            if params.logit_bias is not None:
+                apply_logit_bias(logits, *params.logit_bias)
             if params.min_tokens_mask is not None:
                 apply_min_tokens(logits, *params.min_tokens_mask)
+            if params.grammar is not None:
+                apply_grammar_mask(logits, params.grammar)
         greedy = logits.argmax(dim=-1)  # [B]
         if params.all_greedy:
             return greedy

@@ -10,6 +10,7 @@ the whole list, for a request resumed from preemption (see worker.proto's Cached
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -17,9 +18,11 @@ from services.common.sampling_params import EngineSamplingParams
 
 
 def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
-    """Refuse parameters the sampler cannot use: a temperature, top_p, min_p or penalty that is
-    not a finite number in its domain, or a stop token id or logprobs count outside the
-    vocabulary.
+    """Refuse parameters the sampler cannot use: a temperature, top_p, min_p, penalty or
+    logit bias that is not a finite number in its domain, a stop token id, logit_bias token id
+    or logprobs count outside the vocabulary, or a structured_output that is not llguidance
+    grammar JSON (an object with a ``grammars`` list; the grammar itself is the router's to
+    validate, and a matcher that fails anyway only lets the request end).
 
     Not a second validation: the router's (``services/router/validation.py``) names fields and
     limits, and all it accepts passes here. This is the worker's guard against a malformed
@@ -38,6 +41,19 @@ def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
             and all(k is None or 0 <= k <= vocab_size for k in (p.logprobs, p.prompt_logprobs))):
         raise ValueError(f"sampling parameters the sampler cannot use (vocab_size {vocab_size}; "
                          f"the router never sends these): {p}")
+    bad_bias = [(t, b) for t, b in p.logit_bias if not (0 <= t < vocab_size and math.isfinite(b))]
+    if bad_bias or len({t for t, _ in p.logit_bias}) != len(p.logit_bias):
+        raise ValueError(f"logit_bias the sampler cannot use (token ids distinct in [0, "
+                         f"{vocab_size}), finite biases; the router never sends these): "
+                         f"{bad_bias[:5] or 'a repeated token id'}")
+    if p.structured_output:
+        try:
+            grammar = json.loads(p.structured_output)
+        except ValueError as e:
+            raise ValueError(f"structured_output is not llguidance grammar JSON: {e}") from None
+        if not (isinstance(grammar, dict) and isinstance(grammar.get("grammars"), list)):
+            raise ValueError("structured_output is not llguidance grammar JSON: expected an "
+                             "object with a \"grammars\" list (llguidance.grammar_from's result)")
 
 
 @dataclass(slots=True)

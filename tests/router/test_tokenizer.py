@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
+from services.common import tokenizer_loading as tokenizer_module
 from services.common.model_files import resolve_model
-from services.router import tokenizer as tokenizer_module
 from services.router.tokenizer import (
     encode_chat,
     encode_prompt,

@@ -1,0 +1,256 @@
+"""Structured outputs on the sampling rank: one llguidance matcher per constrained request, and
+each step's allowed-token masks.
+
+The rule (issue 19): the router turns every request form into one llguidance grammar (the
+TopLevelGrammar JSON that ``llguidance.grammar_from`` returns) and validates it; the scheduler
+forwards the string (``EngineSamplingParams.structured_output``); only the rank that samples
+(the driver: tp rank 0 of the last pipeline stage) holds matchers. The other ranks ignore the
+grammar: they get the driver's tokens by broadcast.
+
+One worker thread (``grammar``) does all llguidance work, in order: first it builds the
+``LLTokenizer`` from the model's HF tokenizer (at worker start: ~1.2 s for SmolLM2, so the
+first structured request may wait for it), then each step's mask job::
+
+    prepare ─▶ start(rows, grammars) -> GrammarStep
+                                 thread: build missing matchers (LRU grammar -> template
+                                 LLMatcher, deep_copy, replay a resumed request's outputs),
+                                 fill bitmask [C, ceil(V/32)] int32, unpack -> disallowed
+                                 [C, V] bool; the EOS-only rows
+    forward                      (overlaps the job: a mask depends only on known tokens)
+    step.mask() ─▶ GrammarMask ─▶ Sampler: after penalties, logit_bias and min_tokens, before
+                                 greedy / temperature / top-k / top-p / min-p
+    step.consume(tokens)         each matcher advances by its sampled token
+
+A row is EOS-only when its matcher is stopped (the grammar is complete), in error (a token it
+refused: warned once, naming the request), could not be built (no tokenizer), or its mask
+allows nothing but EOS ids. Its EOS logits are set to 0 after everything else, so min_tokens
+(which masks EOS) cannot leave a row of -inf: the grammar wins, and the request ends "stop"
+through the ordinary EOS path (with ignore_eos it keeps sampling EOS until max_tokens).
+
+Bit ``j % 32`` of word ``j // 32`` of a bitmask row allows token ``j`` (llguidance's layout);
+the tokenizer is built for the model's vocabulary ``V`` (``n_vocab``), so tokens the tokenizer
+lacks (a padded embedding) are never allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import torch
+from llguidance.numpy import fill_next_token_bitmask_par
+from transformers import PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
+
+TEMPLATE_CACHE_SIZE = 64  # grammars whose compiled template matcher a worker keeps
+
+
+@dataclass(slots=True)
+class RequestGrammar:
+    """One constrained request's matcher state (driver rank only).
+
+    Attributes:
+        request_id: for warnings.
+        grammar: the llguidance grammar (TopLevelGrammar JSON text).
+        matcher: built by the mask job the first time the request samples; None before, and
+            when it cannot be built (no tokenizer).
+        replay: output tokens the matcher consumes when it is built (a resumed request's).
+        built: the mask job tried to build the matcher (since the request came or resumed).
+        failed: its matcher could not be built or entered an error state (warned once).
+    """
+
+    request_id: str
+    grammar: str
+    matcher: llguidance.LLMatcher | None = None
+    replay: list[int] = field(default_factory=list)
+    built: bool = False
+    failed: bool = False
+
+    def reset(self, output_token_ids: Sequence[int]) -> None:
+        """Start again from the grammar's start, then ``output_token_ids`` (a resume from
+        preemption: the outputs may differ from what this worker's matcher consumed)."""
+        self.matcher, self.built, self.failed = None, False, False
+        self.replay = list(output_token_ids)
+
+
+@dataclass(slots=True)
+class GrammarMask:
+    """What the grammar allows on the constrained rows of one step, on the logits' device.
+
+    Attributes:
+        rows: ``[C]`` int64, the constrained rows of the step's ``[S, V]`` logits.
+        disallowed: ``[C, V]`` bool, True = the token gets -inf.
+        eos_rows / eos_ids: ``[E]`` int64 pairs (index into ``rows``, EOS id) set to 0 after
+            the mask: the EOS-only rows.
+    """
+
+    rows: torch.Tensor
+    disallowed: torch.Tensor
+    eos_rows: torch.Tensor
+    eos_ids: torch.Tensor
+
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """Mask ``logits [S, V]`` float32 in place: disallowed tokens -inf, the EOS-only rows'
+    EOS ids 0 (whatever penalties, bias or min_tokens did to them)."""
+    sub = logits[mask.rows]  # [C, V]
+    sub.masked_fill_(mask.disallowed, float("-inf"))
+    if mask.eos_rows.numel():
+        sub.index_put_((mask.eos_rows, mask.eos_ids), torch.tensor(0.0, device=sub.device))
+    logits[mask.rows] = sub
+
+
+@dataclass(slots=True)
+class _Masks:
+    """A mask job's numpy result: ``disallowed [C, V]`` bool, the EOS-only indices ``[E']``."""
+
+    disallowed: np.ndarray
+    eos_only: np.ndarray
+
+
+class GrammarStep:
+    """One step's mask job (``StructuredOutputs.start``): collect the mask, then consume."""
+
+    def __init__(self, rows: np.ndarray, grammars: list[RequestGrammar],
+                 job: Future[_Masks], eos_token_ids: tuple[int, ...]) -> None:
+        self.rows, self.grammars, self._job = rows, grammars, job
+        self._eos_token_ids = eos_token_ids
+
+    def mask(self, device: torch.device) -> GrammarMask:
+        """Wait for the job and move its mask to ``device``."""
+        done = self._job.result()
+        eos_rows = np.repeat(done.eos_only, len(self._eos_token_ids))  # [E]
+        eos_ids = np.tile(np.asarray(self._eos_token_ids, dtype=np.int64), len(done.eos_only))
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        return GrammarMask(tensor(self.rows), tensor(done.disallowed), tensor(eos_rows),
+                           tensor(eos_ids))
+
+    def consume(self, token_ids: list[int]) -> None:
+        """Advance each matcher by its row's sampled token (after ``mask``: the job built
+        them)."""
+        for g, token in zip(self.grammars, token_ids, strict=True):
+            m = g.matcher
+            if m is not None and not m.consume_token(token) and not g.failed:
+                g.failed = True
+                log.warning("structured output: token %d broke the grammar (%s); the request "
+                            "can only end now (EOS)", token, m.get_error()[:500],
+                            extra={"request_id": g.request_id})
+
+
+class StructuredOutputs:
+    """The sampling rank's llguidance state: tokenizer, template cache, per-step masks.
+
+    Args:
+        load_tokenizer: returns the model's HF fast tokenizer (called once, on the grammar
+            thread, at construction).
+        vocab_size: the model's ``V`` (logits width); may exceed the tokenizer's.
+        eos_token_ids: the model's EOS ids (the grammar's end; allowed on EOS-only rows).
+        cache_size: template matchers kept, least recently used dropped first.
+    """
+
+    def __init__(self, load_tokenizer: Callable[[], PreTrainedTokenizerFast], vocab_size: int,
+                 eos_token_ids: Sequence[int], cache_size: int = TEMPLATE_CACHE_SIZE) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._cache_size = cache_size
+        self._templates: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._unavailable = ""  # why there is no tokenizer (set by _build_tokenizer)
+        self._executor = llguidance.LLExecutor()
+        words = -(-vocab_size // 32)
+        self._eos_bits = np.zeros(words, dtype=np.uint32)  # [W] the EOS ids' bits
+        for t in self.eos_token_ids:
+            self._eos_bits[t // 32] |= np.uint32(1 << (t % 32))
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._ready = self._thread.submit(self._build_tokenizer, load_tokenizer)
+
+    def _build_tokenizer(self, load_tokenizer: Callable[[], PreTrainedTokenizerFast]) -> None:
+        t0 = time.perf_counter()
+        try:
+            tokenizer = load_tokenizer()
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids) or None)
+        # (load_tokenizer's errors, and llguidance's ValueError: a vocabulary larger than V)
+        except (OSError, RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+            # a model without a (fast) tokenizer still serves everything else
+            self._unavailable = f"{type(e).__name__}: {e}"
+            log.info("structured outputs unavailable on this worker (%s)", self._unavailable)
+            return
+        log.info("structured outputs: llguidance tokenizer built in %.2f s",
+                 time.perf_counter() - t0)
+
+    def wait_ready(self) -> None:
+        """Block until the tokenizer is built (or known to be unavailable)."""
+        self._ready.result()
+
+    def close(self) -> None:
+        """Stop the grammar thread (after the queued jobs)."""
+        self._thread.shutdown(wait=True)
+
+    # ---- per step ----------------------------------------------------------------------
+
+    def start(self, rows: np.ndarray, grammars: list[RequestGrammar]) -> GrammarStep:
+        """Start the mask job of the constrained rows ``rows [C]`` int64 (indices into the
+        step's sampled rows) with their ``grammars`` (nothing may consume meanwhile)."""
+        return GrammarStep(rows, grammars, self._thread.submit(self._fill, grammars),
+                           self.eos_token_ids)
+
+    # ---- the grammar thread --------------------------------------------------------------
+
+    def _fill(self, grammars: list[RequestGrammar]) -> _Masks:
+        """The mask job (grammar thread): matchers built, bitmasks filled and unpacked."""
+        for g in grammars:
+            if not g.built:
+                self._build_matcher(g)
+        words = self._eos_bits.shape[0]
+        bitmask = np.zeros((len(grammars), words), dtype=np.int32)  # [C, W]
+        live = [(g.matcher, i) for i, g in enumerate(grammars)
+                if g.matcher is not None and not g.matcher.is_stopped()]
+        if live:
+            fill_next_token_bitmask_par(self._executor, live, bitmask)
+        bits = bitmask.view(np.uint32)
+        # EOS-only: stopped, errored or missing matchers (rows left 0) and masks of EOS alone
+        eos_only = np.flatnonzero(~np.any(bits & ~self._eos_bits, axis=1))  # [E']
+        bits[eos_only] = self._eos_bits
+        disallowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size,
+                                   bitorder="little") == 0  # [C, V]
+        return _Masks(disallowed, eos_only)
+
+    def _build_matcher(self, g: RequestGrammar) -> None:
+        """``g``'s matcher: a copy of the grammar's template, advanced by ``g.replay``."""
+        g.built = True
+        self._ready.result()
+        if self._tokenizer is None:
+            g.failed = True
+            log.warning("structured output refused: this worker has no tokenizer for "
+                        "grammars (%s); the request can only end now (EOS)", self._unavailable,
+                        extra={"request_id": g.request_id})
+            return
+        template = self._templates.get(g.grammar)
+        if template is None:
+            template = llguidance.LLMatcher(self._tokenizer, g.grammar, log_level=0)
+            self._templates[g.grammar] = template
+            if len(self._templates) > self._cache_size:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(g.grammar)
+        m = g.matcher = template.deep_copy()
+        if g.replay:
+            m.consume_tokens(g.replay)
+            g.replay = []
+        if m.is_error():
+            g.failed = True
+            log.warning("structured output: the grammar failed (%s); the request can only "
+                        "end now (EOS)", m.get_error()[:500], extra={"request_id": g.request_id})
