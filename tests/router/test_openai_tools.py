@@ -211,6 +211,7 @@ def test_named_tool_choice_is_enforced_with_the_function_parameters_schema():
     assert json.loads(so.json) == {"x-guidance": {  # written as json.dumps writes JSON
         "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}, **WEATHER}
     assert isinstance(parsed.tool_calls(), NamedParser)
+    assert parsed.structured_param == "tools"  # a schema llguidance refuses names the tools
     no_params = parse_chat({"messages": USER, "tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "ping"}}}).request.sampling_params
     assert json.loads(no_params.structured_outputs.json)["properties"] == {}
