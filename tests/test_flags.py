@@ -26,6 +26,7 @@ from services.cli import serve_parser
     (["--shutdown-timeout", "-1"], "argument --shutdown-timeout: must be >= 0, got -1"),
     (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
     (["--restart-window", "0"], "argument --restart-window: must be > 0, got 0"),
+    (["--tool-call-parser", "pythonic"], "argument --tool-call-parser: invalid choice"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -64,6 +65,22 @@ def test_serve_passes_the_shutdown_timeout_to_every_service(monkeypatch):
     assert serve_parser().parse_args([]).shutdown_timeout == 30.0
     monkeypatch.setenv("PAGEDSERVE_SHUTDOWN_TIMEOUT", "0")
     assert serve_parser().parse_args([]).shutdown_timeout == 0.0
+
+
+def test_serve_passes_the_tool_flags_to_the_router_which_needs_both():
+    import asyncio
+
+    from services.cli import _service_parser, forwarded_argv
+    from services.router.server import serve
+
+    ns = serve_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    argv = forwarded_argv("router", ns)
+    assert "--enable-auto-tool-choice" in argv
+    assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
+    assert "--tool-call-parser" not in forwarded_argv("worker", ns)
+    alone = _service_parser("router").parse_args(["--enable-auto-tool-choice"])
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice requires --tool-call-parser"):
+        asyncio.run(serve(alone))
 
 
 ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched-tokens": "128",

@@ -7,6 +7,12 @@ that choice's engine request), and a final message per choice with finish_reason
 the caller stops listening (client cancelled) or a choice fails, every running choice is aborted
 so the engine frees its blocks.
 
+Structured outputs: a request with ``structured_outputs`` first waits for its grammar
+(``services.router.structured_outputs``: cached, else compiled on a worker thread while the loop
+serves others; vLLM's WAITING_FOR_GRAMMAR, here before submission), then every choice is
+submitted with it in ``EngineSamplingParams.structured_output``. An invalid grammar ends the
+call before anything is submitted, so it never holds KV blocks.
+
 Backpressure: the outputs of one call wait in a bounded ``OutputQueue`` between the engine
 stream (which never waits for a client: it carries every request of this router) and the
 caller. A caller that reads too slowly (gRPC flow control suspends its ``yield`` while the
@@ -21,7 +27,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -30,6 +36,7 @@ from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.choices import Choice, child_params, child_request_id
 from services.router.replicas import ReplicaSet
+from services.router.structured_outputs import compile_structured_outputs
 from services.router.tokenizer import encode_chat, encode_prompt
 from services.router.validation import (
     RequestError,
@@ -56,6 +63,8 @@ class PreparedRequest:
         n: number of choices, in [1, 64].
         priority: scheduling priority (lower runs sooner); 0 unless the engine's policy is
             "priority".
+        structured_outputs: the requested constraint (compiled by ``stream_responses``), or
+            None; ``params.structured_output`` is still "" here.
     """
 
     request_id: str
@@ -64,6 +73,7 @@ class PreparedRequest:
     text: TextOptions
     n: int = 1
     priority: int = 0
+    structured_outputs: api_pb2.StructuredOutputs | None = None
 
 
 def prepare(request: api_pb2.GenerateRequest, tokenizer,
@@ -85,15 +95,17 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
     elif kind == "chat":
         if not request.chat.messages:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty")
-        ids = encode_chat(tokenizer, [{"role": m.role, "content": m.content}
-                                      for m in request.chat.messages])
+        ids = encode_chat(tokenizer, request.chat.messages, tools=request.chat.tools)
     elif kind == "prompt_token_ids":
         ids = list(request.prompt_token_ids.ids)
     else:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            "prompt is empty: set one of prompt, chat or prompt_token_ids")
     validate_prompt_ids(ids, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
-    return PreparedRequest(request_id, ids, params, text, n=n, priority=priority)
+    sp = request.sampling_params
+    return PreparedRequest(request_id, ids, params, text, n=n, priority=priority,
+                           structured_outputs=(sp.structured_outputs
+                                               if sp.HasField("structured_outputs") else None))
 
 
 @dataclass(slots=True)
@@ -210,7 +222,8 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
                            max_pending: int = DEFAULT_MAX_STREAM_BUFFER, on_overflow=None):
     """Async generator of the GenerateResponses of one prepared request, all its choices merged.
 
-    Submits ``req.n`` engine requests (one per choice, see ``services.router.choices``) and
+    Waits for the request's grammar, if any (see the module's note), then submits ``req.n``
+    engine requests (one per choice, see ``services.router.choices``) and
     yields each choice's messages as its tokens arrive, tagged with ``index``; every choice ends
     with its own message carrying finish_reason and that choice's usage. The generator ends
     after all n choices ended.
@@ -231,8 +244,17 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
             when its queue is full, UNAVAILABLE when it is unreachable), or INVALID_ARGUMENT
             before anything is submitted when one of its engine request ids is still running
             (a client reused a request_id), or RESOURCE_EXHAUSTED when the caller read too
-            slowly (more than ``max_pending`` outputs waiting).
+            slowly (more than ``max_pending`` outputs waiting), or INVALID_ARGUMENT
+            ``structured_outputs.<kind>: ...`` before anything is submitted when the grammar is
+            invalid.
     """
+    params = req.params
+    if req.structured_outputs is not None:
+        try:
+            grammar = await compile_structured_outputs(req.structured_outputs)
+        except RequestError as e:
+            raise EngineError(e.code, e.message) from None
+        params = replace(params, structured_output=grammar)
     choices: dict[str, Choice] = {}
 
     def overflowed() -> None:  # called by the engine stream's reader: stop every choice now
@@ -259,7 +281,7 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
     for rid, c in choices.items():
         if queue.overflowed:  # cannot happen with a real engine before anything was read
             break
-        engine.submit(rid, req.prompt_token_ids, child_params(req.params, c.index),
+        engine.submit(rid, req.prompt_token_ids, child_params(params, c.index),
                       priority=req.priority, queue=queue,
                       parent_request_id=req.request_id if req.n > 1 else "")
     num_running = len(choices)

@@ -47,6 +47,7 @@ from services.router.openai_requests import (
     parse_completion,
 )
 from services.router.openai_responses import ResponseBuilder
+from services.router.openai_structured import error_param
 from services.router.replicas import ReplicaSet
 from services.router.validation import RequestError
 
@@ -116,6 +117,8 @@ class OpenAIServer:
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_stream_buffer = DEFAULT_MAX_STREAM_BUFFER  # router --max-stream-buffer
+        # router --tool-call-parser, when --enable-auto-tool-choice is set (tool_choice "auto")
+        self.tool_parser: str | None = None
         self.app = web.Application(middlewares=[self._count, _openai_errors],
                                    client_max_size=max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
@@ -196,6 +199,7 @@ class OpenAIServer:
         (``openai_completions``)."""
         body, info = await self._body(request)
         parsed = parse_completion(body)
+        structured_param = error_param(body)
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
         request_id = client_id or "cmpl-" + uuid.uuid4().hex
         entry: RequestLog = request[_LOG]
@@ -220,13 +224,13 @@ class OpenAIServer:
                 self.engine, self.tokenizer, max_pending=self.max_stream_buffer)) as responses:
             if parsed.stream:
                 return await self._stream(request, responses, call, parsed.include_usage,
-                                          "prompt", headers)
+                                          "prompt", structured_param, headers)
             try:
                 async for r in responses:
                     entry.observe(r)
                     call.add(r)
-            except EngineError as e:
-                raise from_status(e.code, e.message, "prompt") from None
+            except EngineError as e:  # e.g. an invalid grammar (before any message)
+                raise from_status(e.code, e.message, "prompt", structured_param) from None
             return web.json_response(call.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
@@ -268,7 +272,7 @@ class OpenAIServer:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         """A chat completion."""
         body, info = await self._body(request)
-        parsed = parse_chat(body)
+        parsed = parse_chat(body, self.tool_parser)
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
         # NOTE: without X-Request-Id the request is named by the response's id, so a client can
         # find its request in the logs; validated by prepare (at most 128 characters).
@@ -287,7 +291,8 @@ class OpenAIServer:
             raise from_status(e.code, e.message, parsed.prompt_param) from None
         entry.accepted(prepared)
         builder = ResponseBuilder(True, info.model, prepared.n, self.tokenizer
-                                  if prepared.params.logprobs is not None else None)
+                                  if prepared.params.logprobs is not None else None,
+                                  tool_calls=parsed.tool_calls)
         if not client_id:
             builder.id = prepared.request_id
         headers = {REQUEST_ID_HEADER: prepared.request_id}
@@ -298,26 +303,28 @@ class OpenAIServer:
                 max_pending=self.max_stream_buffer)) as responses:
             if parsed.stream:
                 return await self._stream(request, responses, builder, parsed.include_usage,
-                                          parsed.prompt_param, headers)
+                                          parsed.prompt_param, parsed.structured_param, headers)
             try:
                 async for r in responses:
                     entry.observe(r)
                     builder.add(r)
-            except EngineError as e:
-                raise from_status(e.code, e.message, parsed.prompt_param) from None
+            except EngineError as e:  # e.g. an invalid grammar (before any message)
+                raise from_status(e.code, e.message, parsed.prompt_param,
+                                  parsed.structured_param) from None
             return web.json_response(builder.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def _stream(self, request: web.Request, responses,
                       builder: ResponseBuilder | CompletionCall, usage: bool,
-                      prompt_param: str, headers: dict) -> web.StreamResponse:
+                      prompt_param: str, structured_param: str, headers: dict
+                      ) -> web.StreamResponse:
         """Server-sent events: role chunks (chat), one chunk per message with text or a
         finish_reason, the usage chunk if asked, ``data: [DONE]``. An engine error before the
         first message is a normal HTTP error (e.g. 429); after it, an ``error`` event."""
         try:
             first = await anext(responses, None)
         except EngineError as e:
-            raise from_status(e.code, e.message, prompt_param) from None
+            raise from_status(e.code, e.message, prompt_param, structured_param) from None
         entry: RequestLog = request[_LOG]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
@@ -336,7 +343,8 @@ class OpenAIServer:
                 await resp.write(_sse(builder.usage_chunk()))
         except EngineError as e:
             entry.error = e.code.name
-            await resp.write(_sse(from_status(e.code, e.message, prompt_param).body()))
+            await resp.write(_sse(from_status(e.code, e.message, prompt_param,
+                                              structured_param).body()))
         await resp.write(_sse("[DONE]"))
         await resp.write_eof()
         return resp

@@ -4,17 +4,20 @@ Only the JSON *types* are checked here (a number where a number belongs, an int3
 proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
 through ``generation.prepare`` exactly as for a gRPC call. Fields this module does not know are
 ignored, as OpenAI clients send extras; fields it knows but does not implement (suffix,
-prompt_logprobs, ...) are refused with a 400 naming them.
+prompt_logprobs, functions, ...) are refused with a 400 naming them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.openai_structured import error_param, parse_structured_outputs
 from services.router.validation import MAX_N
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -32,7 +35,8 @@ _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # Field names that validation messages start with, as the OpenAI request spells them.
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
                                            "priority", "logprobs", "top_logprobs",
-                                           "logit_bias"}
+                                           "logit_bias", "tools"}
+STRUCTURED = "structured_outputs"  # the first word of a grammar error (structured_outputs.py)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 MAX_BEST_OF = MAX_N  # candidates per prompt, as many as choices
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
@@ -67,8 +71,8 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
-def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt"
-                ) -> OpenAIError:
+def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt",
+                structured_param: str = STRUCTURED) -> OpenAIError:
     """The OpenAI error for a gRPC status from validation or the engine: INVALID_ARGUMENT and
     OUT_OF_RANGE -> 400 (``param`` is the field the message starts with), RESOURCE_EXHAUSTED
     -> 429, UNAVAILABLE -> 503, anything else -> 500.
@@ -76,6 +80,8 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
     Args:
         prompt_param: the request field holding the prompt ("prompt" or "messages"), named
             for errors about the prompt or its tokens.
+        structured_param: the request field that set the grammar ("structured_outputs",
+            "response_format", ...), named for ``structured_outputs.<kind>`` errors.
     """
     status, type_ = _HTTP.get(code, (500, "server_error"))
     param = None
@@ -84,6 +90,8 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
         word = m.group(1) if m else ""
         if word in ("prompt", "prompt_token_ids", "messages"):
             param = prompt_param
+        elif word == STRUCTURED:
+            param = structured_param
         elif word in _PARAMS:
             param = word
     return OpenAIError(status, message, type_, param, code.name.lower())
@@ -98,12 +106,18 @@ class ParsedRequest:
         stream: answer as server-sent events.
         include_usage: (streaming) send a last chunk with the whole request's usage.
         prompt_param: "prompt" (completions) or "messages" (chat), for error params.
+        tool_calls: (chat with tools) makes the per-choice parser that reads tool calls out
+            of the text (``openai_tool_calls``); None: the text is the content.
+        structured_param: the field that set ``sampling_params.structured_outputs``, named by
+            the 400 of an invalid grammar (see ``from_status``).
     """
 
     request: api_pb2.GenerateRequest
     stream: bool
     include_usage: bool
     prompt_param: str
+    tool_calls: Callable[[], Any] | None = None
+    structured_param: str = STRUCTURED
 
 
 @dataclass(slots=True)
@@ -212,36 +226,38 @@ def _prompt(req: api_pb2.GenerateRequest, prompt, name: str) -> None:
         raise bad_request(f"{name} must be a string or a list of token ids", "prompt")
 
 
-def parse_chat(body: dict) -> ParsedRequest:
-    """Map a POST /v1/chat/completions body. Message content is a string, null, or a list of
-    ``{"type": "text", "text": ...}`` parts (joined); ``max_completion_tokens`` wins over the
-    deprecated ``max_tokens``.
+def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
+    """Map a POST /v1/chat/completions body: ``messages`` (``openai_messages``), ``tools`` and
+    ``tool_choice`` (``openai_tools``); ``max_completion_tokens`` wins over the deprecated
+    ``max_tokens``.
+
+    Args:
+        tool_parser: the router's ``--tool-call-parser`` if ``--enable-auto-tool-choice`` is
+            set, else None (``tool_choice: "auto"`` is then refused).
 
     Raises:
         OpenAIError: 400 for a wrong JSON type or an unsupported field.
     """
-    _refuse(body, prompt_logprobs=None, tools=[], functions=[])
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise bad_request("response_format: only {\"type\": \"text\"} is supported",
-                          "response_format")
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise bad_request("messages must be a list of {role, content} objects", "messages")
+    # NOTE: imported here: both modules build on this one's OpenAIError and helpers
+    from services.router.openai_messages import parse_messages
+    from services.router.openai_tools import parse_tools
+
+    _refuse(body, prompt_logprobs=None, functions=[])
     req = api_pb2.GenerateRequest()
-    _chat_logprobs(body, req.sampling_params)
     req.chat.SetInParent()  # an empty list still selects "chat", so validation names it
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a string role", "messages")
-        req.chat.messages.add(role=_utf8(m["role"], f"messages[{i}].role", "messages"),
-                              content=_utf8(_content(m.get("content"), i),
-                                            f"messages[{i}].content", "messages"))
+    req.chat.messages.extend(parse_messages(body.get("messages")))
+    tool_calls = parse_tools(body, req, tool_parser)
+    enforced = req.sampling_params.HasField("structured_outputs")  # set by tool_choice
+    _chat_logprobs(body, req.sampling_params)
     name, value = (("max_completion_tokens", body["max_completion_tokens"])
                    if body.get("max_completion_tokens") is not None
                    else ("max_tokens", body.get("max_tokens")))
     _sampling(body, req, value, name)
-    return _parsed(body, req, "messages")
+    parsed = _parsed(body, req, "messages")
+    parsed.tool_calls = tool_calls
+    if enforced:  # a grammar error is about the tools' parameters schemas
+        parsed.structured_param = "tools"
+    return parsed
 
 
 def _chat_logprobs(body: dict, sp: api_pb2.SamplingParams) -> None:
@@ -258,23 +274,6 @@ def _chat_logprobs(body: dict, sp: api_pb2.SamplingParams) -> None:
         sp.logprobs = top or 0
 
 
-def _content(content, i: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):
-                raise bad_request(f"messages[{i}].content[{j}]: only text parts "
-                                  "({\"type\": \"text\", \"text\": ...}) are supported",
-                                  "messages")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad_request(f"messages[{i}].content must be a string or a list of text parts",
-                      "messages")
-
-
 def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> ParsedRequest:
     stream = _typed(body, "stream", bool) or False
     options = body.get("stream_options")
@@ -284,7 +283,8 @@ def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> Pars
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
     include_usage = bool((options or {}).get("include_usage"))
-    return ParsedRequest(req, stream, include_usage, prompt_param)
+    return ParsedRequest(req, stream, include_usage, prompt_param,
+                         structured_param=error_param(body))
 
 
 def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_name: str):
@@ -327,6 +327,7 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
     if priority is not None:
         req.priority = priority
     _logit_bias(body, sp)
+    parse_structured_outputs(body, sp)
 
 
 def _logit_bias(body: dict, sp: api_pb2.SamplingParams) -> None:

@@ -11,6 +11,11 @@ the tokens of its message (a chunk is sent for tokens whose text is still held b
 Usage of an n > 1 request: ``prompt_tokens`` counted once, ``completion_tokens`` summed over
 the choices, ``cached_tokens`` as reported for choice 0 (the other choices share its prompt
 blocks, so theirs would count the sharing, not the client's cache hit).
+
+Chat with tools: each choice's text goes through its tool-call parser (``openai_tool_calls``),
+streamed or whole alike: ``message`` / ``delta`` then carry ``tool_calls`` (content null when
+only whitespace is left), and a choice that made calls ends with ``finish_reason:
+"tool_calls"`` instead of "stop".
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai_logprobs import LogprobsFormatter, merge
+from services.router.openai_tool_calls import join as join_deltas
+from services.router.openai_tool_calls import merge as merge_deltas
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +60,12 @@ class ResponseBuilder:
     """
 
     def __init__(self, chat: bool, model: str, n: int, tokenizer=None,
-                 echo: Echo | None = None):
+                 echo: Echo | None = None, tool_calls=None):
         self.chat, self.model, self.n = chat, model, n
         self._echo = echo
         self._echo_pending = set(range(n)) if echo is not None else set()
+        # one tool-call parser per choice (openai_tool_calls), or None: the text is content
+        self._tools = [tool_calls() for _ in range(n)] if tool_calls is not None else None
         self._logprobs = ([LogprobsFormatter(tokenizer, chat) for _ in range(n)]
                           if tokenizer is not None else None)
         self._logprob_parts: list[list[dict]] = [[] for _ in range(n)]
@@ -86,10 +95,12 @@ class ResponseBuilder:
             text = "".join(self._texts[i])
             choice: dict[str, Any] = {"index": i}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = ({"role": "assistant", "content": text} if self._tools is None
+                                     else merge_deltas([self._tools[i].feed(text),
+                                                        self._tools[i].finish()]))
             else:
                 choice["text"] = text
-            choice |= self._ending(final)
+            choice |= self._ending(final, i)
             choice["logprobs"] = (merge(self._logprob_parts[i], self.chat)
                                   if self._logprobs is not None else None)
             choices.append(choice)
@@ -127,7 +138,13 @@ class ResponseBuilder:
                   or (self._logprobs is not None and r.logprobs)):
             return None
         choice: dict[str, Any] = {"index": r.index}
-        if self.chat:
+        if self.chat and self._tools is not None:
+            parser = self._tools[r.index]
+            delta = parser.feed(r.text)
+            choice["delta"] = join_deltas(delta, parser.finish()) if r.finish_reason else delta
+            if not (choice["delta"] or r.finish_reason or self._logprobs is not None):
+                return None  # all held back (a possible tool call)
+        elif self.chat:
             choice["delta"] = {"content": r.text} if r.text else {}
         else:
             choice["text"] = prefix + r.text
@@ -136,7 +153,7 @@ class ResponseBuilder:
         if prompt_logprobs is not None:  # the prompt's tokens first
             choice["logprobs"] = merge([prompt_logprobs] + ([choice["logprobs"]]
                                                             if choice["logprobs"] else []), False)
-        choice |= self._ending(r if r.finish_reason else None)
+        choice |= self._ending(r if r.finish_reason else None, r.index)
         return self._chunk(choice, include_usage)
 
     def _echoed(self, r: api_pb2.GenerateResponse) -> tuple[str, dict | None]:
@@ -166,9 +183,10 @@ class ResponseBuilder:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
 
-    @staticmethod
-    def _ending(final: api_pb2.GenerateResponse | None) -> dict:
+    def _ending(self, final: api_pb2.GenerateResponse | None, index: int) -> dict:
         if final is None:
             return {"finish_reason": None, "stop_reason": None}
-        return {"finish_reason": str(FinishReason(final.finish_reason)),
-                "stop_reason": final.stop_reason or None}
+        reason = str(FinishReason(final.finish_reason))
+        if reason == "stop" and self._tools is not None and self._tools[index].called:
+            reason = "tool_calls"  # the choice ended after making tool calls
+        return {"finish_reason": reason, "stop_reason": final.stop_reason or None}

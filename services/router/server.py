@@ -36,6 +36,7 @@ from services.router.generation import (
 from services.router.metrics import RouterMetrics, code_name
 from services.router.openai_http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
 from services.router.openai_requests import OpenAIError
+from services.router.openai_tools import TOOL_PARSERS
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.tokenizer import load_tokenizer
 from services.router.validation import RequestError
@@ -274,6 +275,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--chat-template", default=None,
              help="Jinja chat template file (or the template text itself) used for chat "
                   "requests instead of the model's own, e.g. for a base model that has none")
+    add_flag(p, "--enable-auto-tool-choice", action="store_true", default=False,
+             help='allow tool_choice "auto" in chat (the default when tools are sent): the '
+                  "model's tool calls are parsed out of its text by --tool-call-parser")
+    add_flag(p, "--tool-call-parser", default=None, choices=TOOL_PARSERS,
+             help="format of the tool calls a model writes, for --enable-auto-tool-choice "
+                  "(hermes: <tool_call>{json}</tool_call>, e.g. with "
+                  "examples/tool_chat_template_hermes.jinja)")
     add_flag(p, "--max-stream-buffer", type=int_in(1), default=DEFAULT_MAX_STREAM_BUFFER,
              help="responses buffered per streaming call while its client does not read; "
                   "past it the call fails with RESOURCE_EXHAUSTED and its engine requests are "
@@ -292,7 +300,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
-    """Load the tokenizer, connect to the scheduler, and serve until stopped."""
+    """Load the tokenizer, connect to the scheduler, and serve until stopped.
+
+    Raises:
+        ValueError: --enable-auto-tool-choice without --tool-call-parser.
+    """
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser "
+                         f"({', '.join(TOOL_PARSERS)})")
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model, args.chat_template)
     tls = tls_from_args(args)
     api_keys = getattr(args, "api_key", None)
@@ -322,6 +337,7 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
             if args.http_port != DISABLED else None)
     if http is not None:
         http.max_stream_buffer = args.max_stream_buffer
+        http.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     if http is not None:
         http.app.middlewares.append(_http_gate(inflight))
     await server.start()

@@ -15,15 +15,15 @@ from services.router.tokenizer import encode_chat, encode_prompt
 from services.router.validation import invalid, validate_token_ids
 
 
-def _messages(messages, field: str) -> list[dict]:
-    """ChatMessage protos as the dicts the chat template takes.
+def _messages(messages, field: str):
+    """``messages`` (ChatMessage protos), checked to be non-empty.
 
     Raises:
         RequestError(INVALID_ARGUMENT): no messages (``field is empty``).
     """
     if not messages:
         raise invalid(f"{field} is empty")
-    return [{"role": m.role, "content": m.content} for m in messages]
+    return messages
 
 
 def chat_to_generate(request: api_pb2.ChatRequest) -> api_pb2.GenerateRequest:
@@ -37,7 +37,7 @@ def chat_to_generate(request: api_pb2.ChatRequest) -> api_pb2.GenerateRequest:
     """
     _messages(request.messages, "messages")
     return api_pb2.GenerateRequest(
-        chat=api_pb2.ChatMessages(messages=request.messages),
+        chat=api_pb2.ChatMessages(messages=request.messages, tools=request.tools),
         sampling_params=request.sampling_params, request_id=request.request_id,
         priority=request.priority)
 
@@ -64,7 +64,8 @@ def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
         messages = _messages(request.chat.messages, "chat.messages")
         generation_prompt = (request.add_generation_prompt
                              if request.HasField("add_generation_prompt") else True)
-        ids = encode_chat(tokenizer, messages, add_generation_prompt=generation_prompt,
+        ids = encode_chat(tokenizer, messages, tools=request.chat.tools,
+                          add_generation_prompt=generation_prompt,
                           add_special_tokens=bool(add_special))
     else:
         raise invalid("prompt is empty: set one of prompt or chat")

@@ -7,14 +7,17 @@ here for the router's callers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from transformers import PreTrainedTokenizerFast
 
+from services.common.pb.pagedserve.v1 import api_pb2
 from services.common.tokenizer_loading import (  # noqa: F401  (re-exported)
     install_atomically,
     load_tokenizer,
     read_chat_template,
 )
-from services.router.validation import invalid, validate_messages
+from services.router.validation import invalid, validate_messages, validate_tools
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str, *,
@@ -29,9 +32,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str, *,
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict], *,
-                add_generation_prompt: bool = True, add_special_tokens: bool = False
-                ) -> list[int]:
+def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
+                tools: Sequence[api_pb2.Tool] = (), add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, followed (by
     default) by the assistant prefix.
 
@@ -39,25 +42,33 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: list[dict], *,
     tokens (vLLM's chat default): the ids never start with a doubled BOS.
 
     Args:
-        messages: ``[{"role": "system" | "user" | "assistant" | ..., "content": str}, ...]``.
+        messages: ChatMessage protos, or ``[{"role": "system" | "user" | "assistant" | ...,
+            "content": str}, ...]`` (checked and shaped by ``validate_messages``: an
+            assistant's tool calls and a tool message's ``tool_call_id`` reach the template
+            in OpenAI's shape, the arguments parsed from JSON).
+        tools: the functions offered to the model, passed to the template as ``tools``
+            (OpenAI's ``[{"type": "function", "function": {...}}]``, see ``validate_tools``);
+            none: the template gets no ``tools``.
         add_generation_prompt: append the assistant prefix (what Generate sends); False ends
             with the last message.
         add_special_tokens: also let the tokenizer's post-processor add its special tokens to
             the rendered text (vLLM's tokenize option; off for generation).
 
     Raises:
-        RequestError(INVALID_ARGUMENT): no messages, a message without string role/content or
-            with a role outside ``validation.CHAT_ROLES`` (``validate_messages``), no chat
-            template, or the template rejected the conversation (e.g. role order).
+        RequestError(INVALID_ARGUMENT): no messages, a message ``validate_messages`` refuses
+            (e.g. a role outside ``validation.CHAT_ROLES``, a tool message answering no tool
+            call), a tool ``validate_tools`` refuses, no chat template, or the template
+            rejected the conversation (e.g. role order).
     """
     if not messages:
         raise invalid("chat.messages is empty")
-    messages = validate_messages(messages)
+    rendered = validate_messages(messages)
+    tool_dicts: list = validate_tools(tools)
     if not tokenizer.chat_template:
         raise invalid("this model has no chat template (a base model?): send a plain prompt "
                       "(/v1/completions), or start the router with --chat-template FILE")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
+        text = tokenizer.apply_chat_template(rendered, tools=tool_dicts or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() in the template
         raise invalid(f"chat template rejected the messages: {e}") from e

@@ -9,6 +9,7 @@ e.g. ``temperature must be >= 0, got -1.0`` or ``top_p must be in (0, 1], got 1.
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from collections.abc import Sequence
@@ -234,28 +235,126 @@ def validate_prompt_ids(ids: Sequence[int], *, max_model_len: int, vocab_size: i
 
 
 def validate_messages(messages: Sequence) -> list[dict]:
-    """Check a conversation and return it as the ``[{"role", "content"}]`` dicts the chat
-    template takes. ``messages``: ChatMessage protos or dicts. The same rule for Generate's
-    ``chat``, the Chat RPC and OpenAI's /v1/chat/completions (the index is the message's).
+    """Check a conversation and return it as the dicts the chat template takes (OpenAI's
+    message shape, as transformers' ``apply_chat_template`` expects it). ``messages``:
+    ChatMessage protos or dicts with the same fields (a dict's tool calls are
+    ``{"id", "name", "arguments"}`` dicts too). The same rules for Generate's ``chat``, the Chat
+    RPC and OpenAI's /v1/chat/completions (the index is the message's).
+
+    Rules: a string role among ``CHAT_ROLES`` and string content; ``tool_calls`` only on an
+    ``assistant`` message, each with an id, a function name and arguments that are a JSON object
+    as text; ``tool_call_id`` only on a ``tool`` message, and there required, naming the id of a
+    tool call of an earlier assistant message.
+
+    Returns:
+        ``[{"role", "content"}]``, plus ``"name"`` when set, ``"tool_calls": [{"id", "type":
+        "function", "function": {"name", "arguments": dict}}]`` (arguments parsed from JSON,
+        as vLLM hands them to templates) and a tool message's ``"tool_call_id"``.
 
     Raises:
-        RequestError(INVALID_ARGUMENT): no messages, a role or content that is not a string, or
-            a role outside ``CHAT_ROLES``, e.g. ``messages[1].role must be one of system,
-            developer, user, assistant, tool, function, got 'wizard'``.
+        RequestError(INVALID_ARGUMENT): naming the message and field, e.g. ``messages[1].role
+            must be one of system, developer, user, assistant, tool, function, got 'wizard'``
+            or ``messages[3].tool_call_id 'x' answers no earlier tool call``.
     """
     if not messages:
         raise invalid("messages is empty")
     out = []
+    call_ids: set[str] = set()  # ids of the tool calls made so far
     for i, m in enumerate(messages):
-        role, content = ((m.get("role"), m.get("content")) if isinstance(m, dict)
-                         else (m.role, m.content))
+        role, content = _get(m, "role", None), _get(m, "content", None)
         if not isinstance(role, str) or not isinstance(content, str):
             raise invalid(f"messages[{i}] needs a string role and content")
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
                           f"got {role!r}")
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if _get(m, "name", ""):
+            message["name"] = _get(m, "name", "")
+        calls = _get(m, "tool_calls", ())
+        if calls:
+            if role != "assistant":
+                raise invalid(f"messages[{i}].tool_calls: only an assistant message makes "
+                              f"tool calls, this one is {role!r}")
+            message["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]")
+                                     for j, c in enumerate(calls)]
+        call_id = _get(m, "tool_call_id", "")
+        if role == "tool":
+            if not call_id:
+                raise invalid(f"messages[{i}].tool_call_id is required on a tool message")
+            if call_id not in call_ids:
+                raise invalid(f"messages[{i}].tool_call_id {call_id!r} answers no tool call "
+                              "of an earlier assistant message")
+            message["tool_call_id"] = call_id
+        elif call_id:
+            raise invalid(f"messages[{i}].tool_call_id: only a tool message answers a tool "
+                          f"call, this one is {role!r}")
+        call_ids.update(c["id"] for c in message.get("tool_calls", ()))
+        out.append(message)
     return out
+
+
+def validate_tools(tools: Sequence[api_pb2.Tool]) -> list[dict]:
+    """Check the functions offered to the model and return them as the chat template takes
+    them: ``[{"type": "function", "function": {"name", "description"?, "parameters"?}}]``
+    (OpenAI's shape, transformers' ``apply_chat_template(tools=...)``; the parameters parsed
+    from JSON; an empty description or parameters_json is left out).
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): a tool without a name, two tools of one name, or
+            parameters_json that is not a JSON object, e.g. ``tools[1].name 'f' is taken by
+            tools[0]``.
+    """
+    out: list[dict] = []
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        if not tool.name:
+            raise invalid(f"tools[{i}].name is empty")
+        if tool.name in seen:
+            raise invalid(f"tools[{i}].name {tool.name!r} is taken by tools[{seen[tool.name]}]")
+        seen[tool.name] = i
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters_json:
+            function["parameters"] = _json_object(tool.parameters_json,
+                                                  f"tools[{i}].parameters_json")
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _get(message, name: str, default):
+    """A ChatMessage's (or ToolCall's) field, or the dict's key (``default`` when absent)."""
+    return message.get(name, default) if isinstance(message, dict) else getattr(message, name)
+
+
+def _tool_call(call, name: str) -> dict:
+    """One ToolCall (proto or dict) as the template takes it, checked."""
+    call_id, function = _get(call, "id", ""), _get(call, "name", "")
+    if not isinstance(call_id, str) or not call_id:
+        raise invalid(f"{name}.id must be a non-empty string")
+    if not isinstance(function, str) or not function:
+        raise invalid(f"{name}.name must be a non-empty string")
+    arguments = _get(call, "arguments", "")
+    if not isinstance(arguments, str):
+        raise invalid(f"{name}.arguments must be a JSON object as text")
+    return {"id": call_id, "type": "function",
+            "function": {"name": function, "arguments": _json_object(arguments,
+                                                                     f"{name}.arguments")}}
+
+
+def _json_object(text: str, name: str) -> dict:
+    """``text`` parsed as a JSON object.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): not JSON, or not an object (naming ``name``).
+    """
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise invalid(f"{name} must be a JSON object as text: {e}") from None
+    if not isinstance(value, dict):
+        raise invalid(f"{name} must be a JSON object as text, got a {type(value).__name__}")
+    return value
 
 
 def validate_request_id(request_id: str) -> str:

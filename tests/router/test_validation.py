@@ -210,9 +210,14 @@ def test_priority_must_be_zero_under_fcfs(policy):
 
 @pytest.mark.parametrize("role", CHAT_ROLES)
 def test_every_openai_chat_role_is_accepted(role):
-    msg = api_pb2.ChatMessage(role=role, content="hi")
-    assert validate_messages([msg]) == [{"role": role, "content": "hi"}]
-    assert validate_messages([{"role": role, "content": "hi"}]) == [{"role": role, "content": "hi"}]
+    # a tool message must answer an earlier tool call (tests/router/test_openai_messages.py)
+    asks = api_pb2.ChatMessage(role="assistant", tool_calls=[
+        api_pb2.ToolCall(id="c", name="f", arguments="{}")])
+    extra = {"tool_call_id": "c"} if role == "tool" else {}
+    msg = api_pb2.ChatMessage(role=role, content="hi", **extra)
+    assert validate_messages([asks, msg])[1] == {"role": role, "content": "hi", **extra}
+    assert validate_messages([asks, {"role": role, "content": "hi", **extra}])[1] == {
+        "role": role, "content": "hi", **extra}
 
 
 @pytest.mark.parametrize("role", ["wizard", "", "User", "bot"])

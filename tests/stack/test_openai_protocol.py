@@ -43,10 +43,16 @@ def test_chat_fields_map_onto_the_grpc_request():
     p = parse_chat({"messages": [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None}],
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
         "max_tokens": 3, "max_completion_tokens": 5, "logprobs": False})
     assert [(m.role, m.content) for m in p.request.chat.messages] == [
         ("system", "be brief"), ("user", "ab"), ("assistant", "")]
+    assert p.request.chat.messages[2].tool_calls[0] == api_pb2.ToolCall(id="c1", name="f",
+                                                                        arguments="{}")
+    with pytest.raises(OpenAIError) as err:  # null content without tool calls (OpenAI's rule)
+        parse_chat({"messages": [{"role": "assistant", "content": None}]})
+    assert err.value.param == "messages" and "messages[0].content" in err.value.message
     assert p.request.sampling_params.max_tokens == 5 and not p.stream
     assert not p.request.sampling_params.HasField("logprobs")
     lp = parse_chat({"messages": [], "logprobs": True}).request.sampling_params
@@ -119,7 +125,8 @@ def test_completion_refusals_name_the_field(body, param):
     ({"messages": [], "logprobs": 1}, "logprobs"),
     ({"messages": [], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [], "logit_bias": {"a": 1}}, "logit_bias"),
-    ({"messages": [], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [], "structured_outputs": {"regex": 1}}, "structured_outputs"),
 ])
 def test_chat_refusals_name_the_field(body, param):
     with pytest.raises(OpenAIError) as err:

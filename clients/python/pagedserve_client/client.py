@@ -2,7 +2,15 @@
 ``AsyncClient`` (asyncio).
 
 Sampling keyword arguments are vLLM's names: temperature, top_p, top_k, seed, max_tokens, stop,
-stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens, n.
+stop_token_ids, ignore_eos, include_stop_str_in_output, skip_special_tokens, n, min_p,
+repetition_penalty, presence_penalty, frequency_penalty, min_tokens, logprobs,
+prompt_logprobs, and:
+
+- ``structured_outputs``: constrain the output, as vLLM's ``StructuredOutputsParams`` with
+  exactly one of ``{"json": schema}`` (a dict or its JSON text), ``{"regex": ...}``,
+  ``{"choice": [...]}``, ``{"grammar": ...}`` (Lark or GBNF), ``{"json_object": True}``; or an
+  ``api_pb2.StructuredOutputs`` (see ``pagedserve_client.sampling``).
+- ``logit_bias``: ``{token_id: bias}``, bias in [-100, 100], added to the raw logits.
 
 ``n`` (1..64, default 1) asks for n completions (choices) of the same prompt, as in vLLM and
 OpenAI: streamed deltas carry ``index`` (0 .. n-1) and interleave; ``generate`` returns them all
@@ -46,6 +54,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import grpc
 
 from pagedserve_client.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+from pagedserve_client.sampling import set_logit_bias, structured_outputs_pb
 from pagedserve_client.text_types import (
     ModelInfo,
     TokenizeResult,
@@ -98,7 +107,8 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     Args:
         request_id: echoed in every response; the server makes one when empty.
         priority: scheduling priority, an int32 (lower runs sooner).
-        **sampling: SamplingParams fields by name (vLLM's names, including ``n``).
+        **sampling: SamplingParams fields by name (vLLM's names, including ``n``;
+            ``structured_outputs`` and ``logit_bias`` as in ``pagedserve_client.sampling``).
 
     Raises:
         ValueError: not exactly one prompt form, an unknown sampling parameter, or a value out
@@ -114,6 +124,11 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     if isinstance(sampling.get("stop"), str):  # vLLM and OpenAI accept one string
         sampling["stop"] = [sampling["stop"]]
     params = api_pb2.SamplingParams()
+    structured, bias = sampling.pop("structured_outputs", None), sampling.pop("logit_bias", None)
+    if structured is not None:
+        params.structured_outputs.CopyFrom(structured_outputs_pb(structured))
+    if bias is not None:
+        set_logit_bias(params, bias)
     for name, value in sampling.items():
         if value is None:
             continue

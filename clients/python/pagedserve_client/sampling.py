@@ -1,0 +1,85 @@
+"""The sampling keyword arguments that are not plain proto scalars: ``structured_outputs`` and
+``logit_bias`` (vLLM's / OpenAI's forms -> SamplingParams fields).
+
+    structured_outputs={"json": {...schema...}}     or {"json": "<schema as JSON text>"}
+    structured_outputs={"regex": r"\\d{3}"}
+    structured_outputs={"choice": ["yes", "no"]}
+    structured_outputs={"grammar": 'root ::= "a" | "b"'}   (Lark or GBNF)
+    structured_outputs={"json_object": True}
+    structured_outputs=api_pb2.StructuredOutputs(...)
+    logit_bias={50256: -100, 13: 5.0}               token id -> bias in [-100, 100]
+
+The server checks the grammar (an invalid one is INVALID_ARGUMENT naming
+``structured_outputs.<kind>``) and the token ids and biases.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pagedserve_client.pb.pagedserve.v1 import api_pb2
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_outputs_pb(value) -> api_pb2.StructuredOutputs:
+    """The ``StructuredOutputs`` message of ``value``: a dict with exactly one of
+    ``STRUCTURED_KINDS`` (None values ignored), or a StructuredOutputs message.
+
+    Raises:
+        ValueError: not exactly one known kind, or an unknown key.
+        TypeError: a value of the wrong type (e.g. a choice that is not a list of strings).
+    """
+    if getattr(getattr(value, "DESCRIPTOR", None), "full_name", "") == (
+            api_pb2.StructuredOutputs.DESCRIPTOR.full_name):
+        return api_pb2.StructuredOutputs.FromString(value.SerializeToString())
+    if not isinstance(value, dict):
+        raise TypeError("structured_outputs must be a dict like {'json': schema} or a "
+                        f"StructuredOutputs message, got {type(value).__name__}")
+    unknown = set(value) - set(STRUCTURED_KINDS)
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown key(s) {sorted(unknown)}; "
+                         f"known: {list(STRUCTURED_KINDS)}")
+    given = [k for k in STRUCTURED_KINDS if value.get(k) is not None]
+    if len(given) != 1:
+        raise ValueError("structured_outputs must set exactly one of "
+                         f"{', '.join(STRUCTURED_KINDS)}, got {given or 'none'}")
+    kind = given[0]
+    v = value[kind]
+    if kind == "json" and isinstance(v, dict):
+        return api_pb2.StructuredOutputs(json=json.dumps(v))
+    if kind == "json_object":
+        if not isinstance(v, bool):
+            raise TypeError(f"structured_outputs['json_object'] must be True, got {v!r}")
+        return api_pb2.StructuredOutputs(json_object=v)
+    if kind == "choice":
+        if isinstance(v, str) or not all(isinstance(c, str) for c in v):
+            raise TypeError("structured_outputs['choice'] must be a list of strings")
+        return api_pb2.StructuredOutputs(choice=api_pb2.ChoiceList(choices=list(v)))
+    if not isinstance(v, str):
+        raise TypeError(f"structured_outputs[{kind!r}] must be a string"
+                        + (" or a dict (the schema)" if kind == "json" else "")
+                        + f", got {type(v).__name__}")
+    return (api_pb2.StructuredOutputs(json=v) if kind == "json"
+            else api_pb2.StructuredOutputs(regex=v) if kind == "regex"
+            else api_pb2.StructuredOutputs(grammar=v))
+
+
+def set_logit_bias(params: api_pb2.SamplingParams, bias) -> None:
+    """Copy ``bias`` (a mapping token id -> bias) into ``params.logit_bias``.
+
+    Raises:
+        TypeError: not a mapping, an id that is not an int, or a bias that is not a number.
+        ValueError: an id outside int32.
+    """
+    if not hasattr(bias, "items"):
+        raise TypeError(f"logit_bias must be a dict token id -> bias, got {type(bias).__name__}")
+    for token_id, b in bias.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int):
+            raise TypeError(f"logit_bias: token id {token_id!r} must be an int")
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise TypeError(f"logit_bias[{token_id}]: bias {b!r} must be a number")
+        try:
+            params.logit_bias[token_id] = b
+        except (ValueError, TypeError) as e:  # protobuf's int32 range check
+            raise type(e)(f"logit_bias: token id {token_id}: {e}") from None
