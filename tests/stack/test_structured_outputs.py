@@ -22,8 +22,8 @@ import grpc
 import jsonschema
 import openai
 import pytest
-from pagedserve_client import Client
 
+from pagedserve_client import Client
 from tests.stack.conftest import _leak_check
 from tests.stack_harness import InProcessStack
 
@@ -81,7 +81,7 @@ def _check(name: str, text: str) -> None:
 def _http(oai, model: str, name: str, seed: int) -> list[tuple[str, str]]:
     """One request of N samples: chat + response_format for a schema (OpenAI's form),
     completions + structured_outputs for regex and choice (vLLM's)."""
-    kw = dict(model=model, n=N, seed=seed, temperature=1.0, max_tokens=MAX_TOKENS)
+    kw = {"model": model, "n": N, "seed": seed, "temperature": 1.0, "max_tokens": MAX_TOKENS}
     if name in SCHEMAS:
         r = oai.chat.completions.create(
             messages=[{"role": "user", "content": PROMPT}], **kw,
@@ -175,8 +175,8 @@ def test_an_invalid_grammar_is_invalid_argument_over_grpc(tiny):
 
 
 def test_streaming_gives_the_same_constrained_samples(tiny, oai, model_name):
-    kw = dict(model=model_name, prompt=PROMPT, n=4, seed=3, temperature=1.0,
-              max_tokens=MAX_TOKENS, extra_body={"structured_outputs": {"regex": REGEX}})
+    kw = {"model": model_name, "prompt": PROMPT, "n": 4, "seed": 3, "temperature": 1.0,
+          "max_tokens": MAX_TOKENS, "extra_body": {"structured_outputs": {"regex": REGEX}}}
     whole = oai.completions.create(**kw)
     texts = [""] * 4
     for chunk in oai.completions.create(stream=True, **kw):
