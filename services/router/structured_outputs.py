@@ -97,6 +97,8 @@ def build_grammar(kind: str, text: str) -> str:
 
 
 def _grammar(kind: str, text: str) -> str:
+    """The TopLevelGrammar JSON of ``(kind, text)`` (kind: one of StructuredOutputs' five),
+    unvalidated."""
     if kind == "json":
         return _json_grammar(_schema(text))
     if kind == "json_object":
@@ -110,12 +112,18 @@ def _grammar(kind: str, text: str) -> str:
         empty = next((i for i, c in enumerate(choices) if not c), None)
         if empty is not None:
             raise invalid(f"structured_outputs.choice[{empty}] is empty")
-        return llguidance.grammar_from("choice", text)
-    if kind in ("regex", "grammar"):
-        if not text:
-            raise invalid(f"structured_outputs.{kind} is empty")
-        return llguidance.grammar_from("regex" if kind == "regex" else "grammar", text)
-    raise invalid(f"structured_outputs: unknown kind {kind!r}")
+        return _lark(llguidance.grammar_from("choice", text))
+    if not text:
+        raise invalid(f"structured_outputs.{kind} is empty")
+    if kind == "regex":
+        return llguidance.grammar_from("regex", text)
+    return _lark(llguidance.grammar_from("grammar", text))
+
+
+def _lark(lark: str) -> str:
+    """A Lark grammar as TopLevelGrammar JSON (``grammar_from`` returns Lark text as it is for
+    lark, gbnf and choice; the worker takes only the JSON form)."""
+    return json.dumps({"grammars": [{"lark_grammar": lark}]})
 
 
 def _schema(text: str) -> dict:

@@ -180,6 +180,7 @@ def test_each_kind_compiles_to_a_grammar_that_matches_it(lltok):
     ]
     for so, good, bad in cases:
         grammar = build_grammar(*cache_key(so))
+        assert isinstance(json.loads(grammar)["grammars"], list)  # TopLevelGrammar JSON
         assert accepts(lltok, grammar, good), (so, good)
         assert not accepts(lltok, grammar, bad), (so, bad)
 
