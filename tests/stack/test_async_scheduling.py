@@ -7,6 +7,7 @@ default) and ``--no-async-scheduling``. PP=2 runs async-off by design (tests/par
 from __future__ import annotations
 
 import logging
+import re
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -124,3 +125,34 @@ def test_aborted_streams_leave_the_rest_exact(tiny, expected):
                 if i + 1 == k:
                     break  # cancels the request
     assert _greedy(tiny.address, prompts[0]).token_ids == want[0]
+
+
+REGEX = r"[a-z]{2,6}( [a-z]{2,6}){2,5}"  # at most 41 characters: a random model finishes it
+
+
+def _constrained(address: str, ids: list[int], seed: int):
+    with Client(address) as c:
+        return c.generate(prompt_token_ids=ids, temperature=1.0, seed=seed, max_tokens=64, n=2,
+                          structured_outputs={"regex": REGEX})
+
+
+def test_structured_outputs_survive_preemption_and_look_ahead(tiny, expected):
+    """Sampled under a grammar (n=2), the four prompts one at a time and all at once give
+    exactly the same valid texts, though some run is preempted and resumed (the worker rebuilds
+    the matchers from the outputs) and, with async scheduling, each token must be consumed
+    before the next step's mask."""
+    prompts, _ = expected
+    before = tiny.stats().num_preemptions_total
+    alone = [_constrained(tiny.address, p, 2 * i) for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda a: _constrained(tiny.address, a[1], 2 * a[0]),
+                                 enumerate(prompts)))
+    assert tiny.stats().num_preemptions_total > before
+    with Client(tiny.address) as c:
+        for a, b in zip(alone, together, strict=True):
+            for x, y in zip(a.choices, b.choices, strict=True):
+                # the output's own text (a random prompt may end in half a UTF-8 character,
+                # which the choice's text completes)
+                text = c.detokenize(x.token_ids)
+                assert re.fullmatch(REGEX, text) and x.finish_reason == "stop", text
+                assert (y.text, y.token_ids) == (x.text, x.token_ids)
