@@ -282,7 +282,10 @@ def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> Pars
                           "stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
-    include_usage = bool((options or {}).get("include_usage"))
+    include_usage = (options or {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
+    include_usage = bool(include_usage)
     return ParsedRequest(req, stream, include_usage, prompt_param,
                          structured_param=error_param(body))
 

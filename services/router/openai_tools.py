@@ -80,6 +80,9 @@ def parse_tools(body: dict, req: api_pb2.GenerateRequest, tool_parser: str | Non
     """
     functions = _functions(body.get("tools"))
     choice = _choice(body.get("tool_choice"), functions)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     for name, function in functions.items():
         req.chat.tools.add(name=name, description=function.get("description", ""),
                            parameters_json=(json.dumps(function["parameters"])
@@ -91,9 +94,6 @@ def parse_tools(body: dict, req: api_pb2.GenerateRequest, tool_parser: str | Non
             raise bad_request(f"tool_choice {_spelled(choice)} is enforced with structured "
                               "outputs: response_format / structured_outputs cannot be used "
                               "with it", "tool_choice")
-        parallel = body.get("parallel_tool_calls")
-        if parallel is not None and not isinstance(parallel, bool):
-            raise bad_request("parallel_tool_calls must be a boolean", "parallel_tool_calls")
         schema = (functions[choice.name].get("parameters", _NO_PARAMETERS)
                   if choice.mode == "function"
                   else _required_schema(functions, one=parallel is False))

@@ -13,7 +13,7 @@ does not depend on the vocabulary), so a bad schema is a 400 before anything is 
     json          the schema (JSON object text), objects closed, bounded whitespace (below)
     json_object   the schema {"type": "object"}, bounded whitespace
     regex         grammar_from("regex", text)      Rust ``regex`` syntax, whole output
-    choice        grammar_from("choice", JSON list of the strings)
+    choice        grammar_from("regex", the strings escaped, joined by |)   one lexeme
     grammar       grammar_from("grammar", text)    Lark, or GBNF (llguidance tells them apart)
 
 JSON options (the router's defaults; a schema's own ``"x-guidance"`` object overrides them):
@@ -112,7 +112,9 @@ def _grammar(kind: str, text: str) -> str:
         empty = next((i for i, c in enumerate(choices) if not c), None)
         if empty is not None:
             raise invalid(f"structured_outputs.choice[{empty}] is empty")
-        return _lark(llguidance.grammar_from("choice", text))
+        # NOTE: one regex (a single lexeme), not llguidance's "choice" (a rule of alternatives,
+        # whose parser refuses rows of over 2000 items only once it runs, in the worker)
+        return llguidance.grammar_from("regex", "|".join(map(_literal, choices)))
     if not text:
         raise invalid(f"structured_outputs.{kind} is empty")
     if kind == "regex":
@@ -120,9 +122,17 @@ def _grammar(kind: str, text: str) -> str:
     return _lark(llguidance.grammar_from("grammar", text))
 
 
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")  # what Rust's regex syntax lets one escape
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regex matching exactly it (Rust ``regex`` syntax, llguidance's)."""
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
 def _lark(lark: str) -> str:
     """A Lark grammar as TopLevelGrammar JSON (``grammar_from`` returns Lark text as it is for
-    lark, gbnf and choice; the worker takes only the JSON form)."""
+    lark and gbnf; the worker takes only the JSON form)."""
     return json.dumps({"grammars": [{"lark_grammar": lark}]})
 
 

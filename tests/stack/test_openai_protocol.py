@@ -127,6 +127,9 @@ def test_completion_refusals_name_the_field(body, param):
     ({"messages": [], "logit_bias": {"a": 1}}, "logit_bias"),
     ({"messages": [], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [], "structured_outputs": {"regex": 1}}, "structured_outputs"),
+    ({"messages": [], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"messages": [], "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options"),
 ])
 def test_chat_refusals_name_the_field(body, param):
     with pytest.raises(OpenAIError) as err:
