@@ -137,17 +137,20 @@ def _constrained(address: str, ids: list[int], seed: int):
 
 
 def test_structured_outputs_survive_preemption_and_look_ahead(tiny, expected):
-    """Sampled under a grammar (n=2), the four prompts one at a time and all at once give
-    exactly the same valid texts, though some run is preempted and resumed (the worker rebuilds
-    the matchers from the outputs) and, with async scheduling, each token must be consumed
-    before the next step's mask."""
-    prompts, _ = expected
-    before = tiny.stats().num_preemptions_total
+    """Sampled under a grammar (n=2), the four prompts give exactly the same valid texts one
+    at a time and all at once beside the four greedy ones that preempt (the worker rebuilds a
+    resumed request's matcher from its outputs; with async scheduling each token must be
+    consumed before the next step's mask)."""
+    prompts, want = expected
     alone = [_constrained(tiny.address, p, 2 * i) for i, p in enumerate(prompts)]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        together = list(pool.map(lambda a: _constrained(tiny.address, a[1], 2 * a[0]),
-                                 enumerate(prompts)))
+    before = tiny.stats().num_preemptions_total
+    with ThreadPoolExecutor(2 * len(prompts)) as pool:
+        greedy = [pool.submit(lambda p: _greedy(tiny.address, p).token_ids, p) for p in prompts]
+        together = [pool.submit(_constrained, tiny.address, p, 2 * i)
+                    for i, p in enumerate(prompts)]
+        greedy, together = [f.result() for f in greedy], [f.result() for f in together]
     assert tiny.stats().num_preemptions_total > before
+    assert greedy == want
     with Client(tiny.address) as c:
         for a, b in zip(alone, together, strict=True):
             for x, y in zip(a.choices, b.choices, strict=True):
