@@ -56,6 +56,12 @@ class EngineSamplingParams:
     structured_output: str = ""
     # (token id, bias) pairs added to the raw logits, ids distinct in [0, V), bias in [-100, 100]
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # beam search (services/scheduler/beam_search.py): beams k >= 1; 0 = no beam search. A
+    # worker's row with it set returns its top ``logprobs`` candidates and never appends its
+    # own sample (the scheduler picks each beam's next token and sends it to every rank).
+    beam_width: int = 0
+    length_penalty: float = 1.0  # beam search: score = cumulative logprob / len ** this
+    early_stopping: str = "false"  # beam search: "true" | "false" | "never" (transformers')
 
     @property
     def uses_penalties(self) -> bool:

@@ -81,6 +81,9 @@ class CachedRequest:
     resumed_from_preemption: bool  # True: new_block_ids and new_token_ids REPLACE table and list
     num_computed_tokens: int
     num_scheduled_tokens: int
+    # the table index new_block_ids are written from in every group (replacing the entries from
+    # there: copy-on-write gave the request a copy of its last block); -1 = appended
+    first_new_block: int = -1
 
 
 @dataclass(slots=True)
@@ -91,6 +94,8 @@ class StepInput:
     new_requests: list[NewRequest]
     cached_requests: list[CachedRequest]
     finished_request_ids: list[str]  # dropped before anything else in this step
+    # (src, dst) block ids: copied in every layer, in order, before this step's forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
