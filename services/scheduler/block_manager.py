@@ -384,6 +384,16 @@ class BlockManager:
         _, num_take, skipped = self._plan(request, num_new_tokens, computed_block_ids)
         return num_take <= self._room(skipped)
 
+    def can_allocate_all(self, writers: Sequence[tuple[Request, int]]) -> bool:
+        """Whether ``copy_on_write`` then ``allocate`` for each (request, num_new_tokens) of
+        ``writers`` in turn (requests that hold blocks: a beam group's step) would succeed."""
+        num_take, skipped = self.num_copies_needed(writers), []
+        for request, num_new in writers:
+            _, take, skip = self._plan(request, num_new, ())
+            num_take += take
+            skipped += skip
+        return num_take <= self._room(skipped)
+
     def allocate(self, request: Request, num_new_tokens: int,
                  computed_block_ids: Sequence[Sequence[int]] = ()) -> list[int]:
         """Grow every table of ``request`` to cover ``request.num_computed_tokens +
@@ -448,6 +458,87 @@ class BlockManager:
         else:  # NOTE: nothing to register, but the scheduler's fast path reads the count
             request.num_cached_blocks = num_tokens // self.block_size
         return new_block_ids
+
+    # ---- beams: forks and copy-on-write ------------------------------------------------
+    def fork(self, dst: Request, src: Request) -> None:
+        """Give ``dst`` a copy of ``src``'s block tables (beam search: a child beam takes its
+        parent's KV): every listed block gains a reference, ``dst``'s own blocks lose theirs,
+        and ``dst`` takes ``src``'s prefix-cache bookmark (its tokens must extend ``src``'s).
+        A partial last block is then shared until one of them writes into it
+        (``copy_on_write``).
+
+        Cost: O(blocks of ``src`` + blocks of ``dst``).
+        """
+        blocks = self.blocks
+        tables = [list(t) for t in src.block_ids]
+        for table in tables:
+            for block_id in table:
+                if block_id >= 0:
+                    blocks[block_id].ref_count += 1  # (listed by src: never on the free list)
+        self.free(dst)
+        dst.block_ids = tables
+        dst.num_cached_blocks = src.num_cached_blocks
+        dst.block_hashes = list(src.block_hashes)
+
+    def _shared_writes(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """The (group, j) table entries a step writing tokens ``num_computed_tokens ..
+        + num_new_tokens - 1`` writes into while another table lists the same block."""
+        bs, c = self.block_size, request.num_computed_tokens
+        if not request.block_ids or num_new_tokens <= 0:
+            return []
+        end = min(len(request.block_ids[0]), self.num_blocks_needed(c + num_new_tokens))
+        blocks = self.blocks
+        return [(g, j) for g, table in enumerate(request.block_ids) for j in range(c // bs, end)
+                if table[j] >= 0 and blocks[table[j]].ref_count > 1]
+
+    def num_copies_needed(self, writers: Sequence[tuple[Request, int]]) -> int:
+        """Blocks ``copy_on_write`` takes when each (request, num_new_tokens) of ``writers`` is
+        scheduled in turn: a shared block written by m of them costs m copies if some other
+        table also lists it, else m - 1 (the last writer finds it its own)."""
+        written: dict[int, int] = {}
+        for request, num_new in writers:
+            for g, j in self._shared_writes(request, num_new):
+                block_id = request.block_ids[g][j]
+                written[block_id] = written.get(block_id, 0) + 1
+        blocks = self.blocks
+        return sum(m if blocks[b].ref_count > m else m - 1 for b, m in written.items())
+
+    def copy_on_write(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Before ``request`` writes its next ``num_new_tokens`` tokens: give it a private
+        copy of every block in that range that another table still lists (a beam's partial
+        last block after a fork). The new block replaces the entry; the shared one loses a
+        reference. The workers must copy the K/V (the returned pairs) before the step's
+        forward.
+
+        Returns:
+            (src, dst) block id pairs, in table order; [] when nothing is shared.
+
+        Raises:
+            RuntimeError: no free block for a copy (check ``num_copies_needed``); the copies
+                made before it stay made.
+        """
+        pairs = []
+        blocks = self.blocks
+        for g, j in self._shared_writes(request, num_new_tokens):
+            if not self.free_block_ids:
+                raise RuntimeError(f"request {request.request_id} needs a block to copy "
+                                   "but none is free")
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            block = blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            table = request.block_ids[g]
+            pairs.append((table[j], block_id))
+            self._release(blocks[table[j]])
+            table[j] = block_id
+        return pairs
+
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks listed by more than one block table (prefix hits, n > 1 choices, beams);
+        O(num_blocks), for stats."""
+        return sum(1 for b in self.blocks if b.ref_count > 1)
 
     def _release(self, block: Block) -> None:
         """One table stops listing ``block``; with no user left it goes to the MRU end of the

@@ -302,6 +302,11 @@ class Engine:
                 out.new_token_logprobs.append(u.logprobs.logprob)
                 out.top_token_ids.extend(u.logprobs.top_token_ids)
                 out.top_logprobs.extend(u.logprobs.top_logprobs)
+            if u.beams is not None:
+                out.beams.extend(engine_pb2.BeamHypothesis(
+                    token_ids=h.token_ids, score=h.score,
+                    cumulative_logprob=h.cumulative_logprob, finish_reason=h.finish_reason.pb)
+                    for h in u.beams)
             if u.prompt_logprobs is not None:
                 pl = u.prompt_logprobs
                 out.prompt_logprobs_start = pl.start

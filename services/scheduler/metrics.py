@@ -5,7 +5,9 @@ Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
 - gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (used KV
   blocks / all blocks, 0..1 as in vLLM);
 - counters ``num_preemptions_total``, ``prefix_cache_queries_total`` and
-  ``prefix_cache_hits_total`` (tokens looked up / found at admission).
+  ``prefix_cache_hits_total`` (tokens looked up / found at admission);
+- beam search: gauge ``kv_cache_shared_blocks`` (blocks more than one table lists: prefix
+  hits, n > 1, beams) and counter ``beam_blocks_copied_total`` (copy-on-write copies).
 
 Observed by the engine loop (``SchedulerMetrics.observe_*``), all times ``time.monotonic()``
 seconds as the scheduler sees them:
@@ -62,6 +64,12 @@ class _CoreCollector:
                             s.prefix_cache_queries_total)
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                             s.prefix_cache_hits_total)
+        yield self._gauge("kv_cache_shared_blocks",
+                          "KV blocks listed by more than one block table (prefix cache hits, "
+                          "n > 1 choices, beams).", s.block_manager.num_shared_blocks)
+        yield self._counter("beam_blocks_copied",
+                            "KV blocks copied on write (a beam writing into a block another "
+                            "beam still reads).", s.num_blocks_copied_total)
 
 
 @dataclass(slots=True)
@@ -131,6 +139,8 @@ class SchedulerMetrics:
             t = self._timings.get(u.request_id)
             if t is None:
                 continue
+            if u.beams:  # (a beam search reports its tokens once, at the end)
+                self.generation_tokens.inc(sum(len(h.token_ids) for h in u.beams))
             if u.new_token_ids:
                 self.generation_tokens.inc(len(u.new_token_ids))
                 if t.last_token is None:

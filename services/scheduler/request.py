@@ -35,9 +35,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.common.finish_reason import FinishReason
 from services.common.sampling_params import EngineSamplingParams
+
+if TYPE_CHECKING:
+    from services.scheduler.beam_search import BeamGroup
 
 
 class RequestStatus(enum.Enum):
@@ -83,6 +87,8 @@ class Request:
     extra_keys: bytes = b""  # what else the K/V depends on (hashed into every block key)
     parent_request_id: str = ""  # set on the choices of an n > 1 request: they share blocks
     prompt_logprobs_next: int = 1  # next prompt index whose logprob goes to the router
+    beam_group: BeamGroup | None = None  # the beam search this request is a beam of
+    resend: bool = False  # (a beam forked onto another's KV) send its tokens and tables whole
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 
+from services.scheduler.beam_search import BeamGroup, BeamHypothesis, num_candidates
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
 from services.scheduler.request import (
@@ -122,6 +123,10 @@ class CachedRequestData:
     new_block_ids: list[int]
     resumed_from_preemption: bool  # the worker must replace (not extend) table and tokens
     num_computed_tokens: int  # tokens whose K/V are cached; this step computes from here
+    # the table index new_block_ids are written from (copy-on-write replaced the entry there
+    # and after); -1 = appended
+    first_new_block: int = -1
+    beam: bool = False  # a beam: the scheduler picked new_token_ids, every rank gets them
 
 
 @dataclass(slots=True)
@@ -135,6 +140,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int  # sum of num_scheduled_tokens, <= max_num_batched_tokens
     finished_req_ids: set[str]  # finished/aborted since the last step: worker drops their state
     preempted_req_ids: set[str]  # preempted this step: worker drops blocks, keeps token ids
+    # copy-on-write: (src, dst) blocks every rank copies before this step's forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # NOTE: the ones below stay in the scheduler (update_from_output reads them); not sent.
     # request_id -> its epoch when scheduled: a result from before a preemption (or for an
     # earlier request of the same id) is stale.
@@ -155,6 +162,7 @@ class RequestUpdate:
     num_cached_tokens: int  # prefix-cache hit at first schedule (0 if never scheduled)
     logprobs: TokenLogprobs | None = None  # of new_token_ids[0], when the request asked
     prompt_logprobs: PromptLogprobs | None = None  # prompt tokens scored by this step's chunk
+    beams: list[BeamHypothesis] | None = None  # a beam search's result, on its final update
 
 
 class Scheduler:
@@ -217,6 +225,9 @@ class Scheduler:
         self._step_id = 0
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self._preempted_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self._beam_ids: set[str] = set()  # ids the beam groups' beams 1.. (may) take
+        self._blocks_to_copy: list[tuple[int, int]] = []  # this schedule()'s copy-on-write
+        self.num_blocks_copied_total = 0  # copy-on-write copies (beam search)
 
     @property
     def num_running(self) -> int:
@@ -238,8 +249,9 @@ class Scheduler:
 
         Raises:
             ValueError: empty prompt, prompt of >= max_model_len tokens (no room for one output
-                token), a duplicate unfinished request_id, a request that is not WAITING, or a
-                non-zero priority under the fcfs policy.
+                token), a duplicate unfinished request_id, a request that is not WAITING, a
+                non-zero priority under the fcfs policy, or a beam search wider than
+                ``max_num_seqs`` or whose beams could not all fit in the KV cache.
             QueueFullError: the waiting queue already holds ``max_num_waiting_requests``
                 requests, or adding it would pass ``max_num_waiting_tokens`` (an empty queue
                 always takes one request, however long).
@@ -253,7 +265,7 @@ class Scheduler:
                 f"request {request.request_id}: prompt has {request.num_prompt_tokens} tokens, "
                 f"max_model_len={max_len} leaves no room for output"
             )
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._beam_ids:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         if request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id} is {request.status.name}")
@@ -273,6 +285,8 @@ class Scheduler:
                 f"engine queue is full: {waiting.num_tokens} tokens waiting, this request adds "
                 f"{request.num_tokens} (--max-num-waiting-tokens "
                 f"{config.max_num_waiting_tokens}); retry later")
+        if request.sampling_params.beam_width > 0:
+            self._add_beam_group(request)
         self._num_arrivals += 1
         request.arrival_seq = self._num_arrivals
         self._num_epochs += 1
@@ -280,15 +294,56 @@ class Scheduler:
         self.requests[request.request_id] = request
         waiting.add(request)
 
+    def _add_beam_group(self, request: Request) -> None:
+        """Make ``request`` the root of a beam group (``beam_search.py``); its beams ask the
+        workers for their top candidates as top logprobs.
+
+        Raises:
+            ValueError: more beams than ``max_num_seqs``, an id a beam would take is in use,
+                or the beams' KV at full length (the prompt's blocks shared, every beam's own
+                output blocks) would not fit in the whole cache (it could never finish).
+        """
+        config, bm = self.config, self.block_manager
+        params = request.sampling_params
+        k, rid, num_prompt = params.beam_width, request.request_id, request.num_prompt_tokens
+        if k > config.max_num_seqs:
+            raise ValueError(f"request {rid}: beam_width {k} is more than max_num_seqs="
+                             f"{config.max_num_seqs} (every beam is a running sequence)")
+        ids = {f"{rid}#beam{i}" for i in range(1, k)}
+        if ids & (self.requests.keys() | self._beam_ids):
+            raise ValueError(f"request {rid}: the ids of its beams ({rid}#beam1 ..) are in use")
+        max_new = config.max_model_len - num_prompt
+        if params.max_tokens is not None:
+            max_new = min(max_new, params.max_tokens)
+        needed = bm.num_groups * (bm.num_blocks_needed(num_prompt)
+                                  + k * (bm.num_blocks_needed(max_new) + 1))
+        if needed > bm.num_blocks:
+            raise ValueError(
+                f"request {rid}: beam search with beam_width {k} and {max_new} new tokens may "
+                f"need {needed} KV blocks but the cache has {bm.num_blocks}; lower beam_width "
+                "or max_tokens")
+        stops = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else self.eos_token_ids)
+        request.sampling_params = replace(
+            params, logprobs=num_candidates(k, len(stops)), temperature=0.0)
+        request.beam_group = BeamGroup(request, k, max_new, stops, params.length_penalty,
+                                       params.early_stopping)
+        self._beam_ids |= ids
+
     def abort_request(self, request_id: str) -> RequestUpdate | None:
         """Finish a request now with reason ABORT and free its blocks (O(queue length)).
 
         Returns:
             Its final RequestUpdate, or None if the id is unknown or already finished.
         """
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return None
+        group = request.beam_group
+        if group is not None:  # the whole group, whichever beam is named
+            request = group.root
+            self._drop_beams(group)
+        del self.requests[request.request_id]
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
@@ -324,8 +379,16 @@ class Scheduler:
         bs = config.block_size
         max_len = config.max_model_len
         i = 0
+        first_new_block: dict[str, int] = {}
         while i < len(running) and budget > 0:
             request = running[i]
+            group = request.beam_group
+            if group is not None and len(group.beams) > 1:
+                i, budget = self._schedule_beams(group, i, budget, num_scheduled, new_blocks,
+                                                 first_new_block)
+                if group.root.status is not RequestStatus.RUNNING:
+                    break  # NOTE: it preempted itself: everything after it is gone too.
+                continue
             num_computed = request.num_computed_tokens
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             placeholders = request.num_output_placeholders
@@ -353,8 +416,7 @@ class Scheduler:
                 new_blocks[request.request_id] = []
             else:
                 while not bm.can_allocate(request, num_new):
-                    victim = running.pop()
-                    self._preempt(victim)
+                    victim = self._preempt_tail()
                     if victim is request:
                         break
                 else:
@@ -373,6 +435,9 @@ class Scheduler:
         while (not preempted_now and waiting and budget > 0
                and len(running) < config.max_num_seqs):
             request = waiting.peek()
+            if request.beam_group is not None and (
+                    len(running) + request.beam_group.beam_width > config.max_num_seqs):
+                break  # NOTE: its beams will be running sequences too
             # NOTE: prompt logprobs need every prompt position computed: no cache hit then.
             hit_blocks, num_hit = (([], 0) if request.needs_prompt_logprobs
                                    else bm.get_computed_blocks(request))
@@ -414,25 +479,29 @@ class Scheduler:
                     request_id, request.all_token_ids, request.sampling_params,
                     list(chain.from_iterable(request.block_ids)), request.num_computed_tokens,
                 ))
-            elif request_id in resumed:
+            elif request_id in resumed or request.resend:  # (a forked beam: its KV is new)
+                request.resend = False
                 cached_reqs.append(CachedRequestData(
                     request_id, request.all_token_ids,
                     list(chain.from_iterable(request.block_ids)), True,
                     request.num_computed_tokens))
             else:
+                beam = request.beam_group is not None  # (the scheduler picks its tokens)
                 cached_reqs.append(CachedRequestData(
                     request_id,
-                    [] if not send_tokens else request.output_token_ids[sent - num_prompt:]
+                    [] if not (send_tokens or beam) else
+                    request.output_token_ids[sent - num_prompt:]
                     if sent >= num_prompt else request.token_ids_from(sent),
                     new_blocks[request_id], False, request.num_computed_tokens,
+                    first_new_block.get(request_id, -1), beam,
                 ))
             request.num_tokens_sent = num_tokens = num_prompt + len(request.output_token_ids)
             request.num_computed_tokens += num_new
             epochs[request_id] = request.epoch
             if request.num_computed_tokens == num_tokens + request.num_output_placeholders:
                 sampled.add(request_id)
-                if not send_tokens:
-                    request.num_output_placeholders += 1
+                if not send_tokens and request.beam_group is None:
+                    request.num_output_placeholders += 1  # NOTE: a beam waits for its pick
 
         self._step_id += 1
         total = config.max_num_batched_tokens - budget
@@ -442,8 +511,10 @@ class Scheduler:
         # finished_req_ids.
         preempted = self._preempted_req_ids - finished
         self._preempted_req_ids = set()
+        copies, self._blocks_to_copy = self._blocks_to_copy, []
+        self.num_blocks_copied_total += len(copies)
         return SchedulerOutput(self._step_id, new_reqs, cached_reqs, num_scheduled, total,
-                               finished, preempted, epochs, sampled)
+                               finished, preempted, copies, epochs, sampled)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
@@ -481,6 +552,14 @@ class Scheduler:
             if request is None or request.epoch != epochs[request_id] or (
                     request.status is not RequestStatus.RUNNING):
                 continue  # aborted, finished or preempted since it was scheduled
+            if request.beam_group is not None:
+                if request_id in sampled:
+                    update = self._beam_proposed(request, logprobs.get(request_id)
+                                                 if logprobs else None)
+                    if update is not None:
+                        updates.append(update)
+                        any_finished = True
+                continue
             prompt_chunk = (self._new_prompt_logprobs(request, prompt_logprobs.get(request_id))
                             if prompt_logprobs else None)
             token_id = sampled_token_ids.get(request_id)
@@ -541,6 +620,152 @@ class Scheduler:
         if request.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    # ---- beam search (see beam_search.py) ---------------------------------------------------
+    def _schedule_beams(self, group: BeamGroup, i: int, budget: int,
+                        num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
+                        first_new_block: dict[str, int]) -> tuple[int, int]:
+        """Schedule the beams of ``group`` (``running[i:i + k]``: one key, so adjacent) as
+        one: all that have a token to compute, or none (not enough budget). Blocks for all,
+        copy-on-write included, come first, preempting the running tail until they fit (the
+        group itself, when it is the tail: then it restarts). Returns (the next index into
+        ``running``, the budget left)."""
+        running, bm = self.running, self.block_manager
+        members = running[i:i + len(group.beams)]
+        assert all(r.beam_group is group for r in members), "a beam group is not adjacent"
+        writers = [(r, n) for r in members
+                   if (n := len(r.prompt_token_ids) + len(r.output_token_ids)
+                       - r.num_computed_tokens) > 0]
+        total = sum(n for _, n in writers)
+        if not writers or total > budget:
+            return i + len(members), budget  # (waiting for the step in flight, or next step)
+        while not bm.can_allocate_all(writers):
+            victim = self._preempt_tail()
+            if victim.beam_group is group:
+                return i, budget
+        bs = self.config.block_size
+        for request, n in writers:
+            copies = bm.copy_on_write(request, n)
+            appended = bm.allocate(request, n)
+            rid = request.request_id
+            if copies:
+                self._blocks_to_copy += copies
+                first = first_new_block[rid] = request.num_computed_tokens // bs
+                new_blocks[rid] = [b for table in request.block_ids for b in table[first:]]
+            else:
+                new_blocks[rid] = appended
+            num_scheduled[rid] = n
+        return i + len(members), budget - total
+
+    def _preempt_tail(self) -> Request:
+        """Preempt the running tail (recompute); a beam of a group of several beams takes its
+        group with it (``_restart_beams``). Returns the tail request."""
+        victim = self.running.pop()
+        group = victim.beam_group
+        if group is not None and len(group.beams) > 1:
+            self.running[:] = [r for r in self.running if r.beam_group is not group]
+            self._restart_beams(group)
+        else:
+            self._preempt(victim)
+        return victim
+
+    def _restart_beams(self, group: BeamGroup) -> None:
+        """Preempt a beam group by recompute of its whole search: the beams but the root
+        finish, the root goes back to its prompt and waits (preempted). The search is
+        deterministic, so it finds the same hypotheses again (its prompt's blocks usually
+        still cached). The caller has taken the beams out of ``running``."""
+        root = group.root
+        for beam in group.beams:
+            if beam is not root:
+                del self.requests[beam.request_id]
+                self._finish(beam, FinishReason.ABORT)
+        root.output_token_ids = []
+        del root.block_hashes[len(root.prompt_token_ids) // self.config.block_size:]
+        root.resend = False
+        self._preempt(root)
+        group.restart()
+
+    def _drop_beams(self, group: BeamGroup) -> None:
+        """End the group's beams but its root (which the caller ends): aborted or done."""
+        root = group.root
+        for beam in group.beams:
+            if beam is not root:
+                del self.requests[beam.request_id]
+                if beam.status is RequestStatus.RUNNING:
+                    self.running.remove(beam)
+                self._finish(beam, FinishReason.ABORT)
+        rid = root.request_id
+        self._beam_ids -= {f"{rid}#beam{i}" for i in range(1, group.beam_width)}
+
+    def _beam_proposed(self, beam: Request, top: TokenLogprobs | None) -> RequestUpdate | None:
+        """A beam's step came back with its candidates (``top``); once the whole group has
+        proposed, pick the next beams (fork, append) or end the search. Returns the group's
+        final update when it ended."""
+        group = beam.beam_group
+        assert group is not None
+        if top is None or not top.top_token_ids:
+            # NOTE: the worker owed candidates and sent none (a worker bug): recompute the
+            # search rather than leave the group waiting for ever.
+            self.running[:] = [r for r in self.running if r.beam_group is not group]
+            if len(group.beams) > 1:
+                self._restart_beams(group)
+            else:
+                self._preempt(beam)
+            return None
+        if not group.propose(beam, top.top_token_ids, top.top_logprobs):
+            return None
+        picks = group.select()
+        if picks is None:
+            root = group.root
+            self._drop_beams(group)
+            del self.requests[root.request_id]
+            best = group.finished[0]
+            self._finish(root, best.finish_reason)
+            return RequestUpdate(root.request_id, [], best.finish_reason,
+                                 root.num_prompt_tokens, len(best.token_ids),
+                                 max(root.num_cached_tokens, 0), beams=group.finished)
+        parents = group.beams
+        first_child: dict[int, int] = {}
+        for j, pick in enumerate(picks):
+            first_child.setdefault(pick.parent, j)
+        spare = [b for p, b in enumerate(parents) if p not in first_child]
+        beams: list[Request] = [parents[p] for p in (pick.parent for pick in picks)]
+        for j, pick in enumerate(picks):  # forks first: from the parents' tokens as they are
+            if first_child[pick.parent] != j:
+                child = spare.pop() if spare else self._new_beam(group)
+                self._fork(child, parents[pick.parent], pick.token_id)
+                beams[j] = child
+        for p, j in first_child.items():
+            parents[p].output_token_ids.append(picks[j].token_id)
+        assert not spare, "every dropped beam is reused"
+        group.beams, group.scores = beams, [pick.score for pick in picks]
+        return None
+
+    def _new_beam(self, group: BeamGroup) -> Request:
+        """A new running beam request of ``group`` (its id ``f"{root id}#beam{i}"``, the
+        first free one of 1 .. k-1)."""
+        root = group.root
+        taken = {b.request_id for b in group.beams}
+        rid = next(f"{root.request_id}#beam{i}" for i in range(1, group.beam_width)
+                   if f"{root.request_id}#beam{i}" not in taken and
+                   f"{root.request_id}#beam{i}" not in self.requests)
+        beam = Request(rid, root.prompt_token_ids, root.sampling_params, root.arrival_time,
+                       RequestStatus.RUNNING, priority=root.priority,
+                       arrival_seq=root.arrival_seq, num_cached_tokens=root.num_cached_tokens,
+                       extra_keys=root.extra_keys, beam_group=group)
+        self.requests[rid] = beam
+        bisect.insort(self.running, beam, key=self._key)
+        return beam
+
+    def _fork(self, child: Request, parent: Request, token_id: int) -> None:
+        """``child`` becomes ``parent`` + ``token_id``: its tables a fork of the parent's,
+        its tokens the parent's plus the one (sent whole to the workers next step)."""
+        self.block_manager.fork(child, parent)
+        child.output_token_ids = [*parent.output_token_ids, token_id]
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.resend = True
+        self._num_epochs += 1
+        child.epoch = self._num_epochs
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV (cached blocks stay cached, so the recompute may

@@ -72,21 +72,25 @@ def _cached_requests_pb(out: SchedulerOutput, samples: bool) -> worker_pb2.Cache
     cached = out.scheduled_cached_reqs
     n = out.num_scheduled_tokens
     ids = [c.request_id for c in cached]
+    # NOTE: a beam's tokens are the scheduler's picks: every rank gets them
     tokens = [c.new_token_ids for c in cached] if not samples else [
-        c.new_token_ids for c in cached if c.resumed_from_preemption]
+        c.new_token_ids for c in cached if c.resumed_from_preemption or c.beam]
     flat = list(chain.from_iterable(tokens))
+    first_new_block = [c.first_new_block for c in cached]
     return worker_pb2.CachedRequests(
         request_ids=ids,
         new_token_ids=flat,
         # NOTE: an empty column = no tokens for anyone (most steps)
         num_new_token_ids=[] if not flat else [
-            len(c.new_token_ids) if not samples or c.resumed_from_preemption else 0
+            len(c.new_token_ids) if not samples or c.resumed_from_preemption or c.beam else 0
             for c in cached],
         new_block_ids=list(chain.from_iterable([c.new_block_ids for c in cached])),
         num_new_block_ids=[len(c.new_block_ids) for c in cached],
         resumed_from_preemption=[c.resumed_from_preemption for c in cached],
         num_computed_tokens=[c.num_computed_tokens for c in cached],
-        num_scheduled_tokens=[n[i] for i in ids])
+        num_scheduled_tokens=[n[i] for i in ids],
+        # NOTE: an empty column = every request appends (all but copy-on-write steps)
+        first_new_block=first_new_block if any(f >= 0 for f in first_new_block) else [])
 
 
 def build_step_request(out: SchedulerOutput, samples: bool = True) -> worker_pb2.StepRequest:
@@ -104,6 +108,8 @@ def build_step_request(out: SchedulerOutput, samples: bool = True) -> worker_pb2
             for r in out.scheduled_new_reqs],
         cached_requests=_cached_requests_pb(out, samples),
         finished_request_ids=sorted(out.finished_req_ids),
+        copy_src_block_ids=[src for src, _ in out.blocks_to_copy],
+        copy_dst_block_ids=[dst for _, dst in out.blocks_to_copy],
     )
 
 
