@@ -189,3 +189,25 @@ def make_tiny_gguf(path: str | Path, hf_folder: str | Path, eos_token_id: int = 
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def hf_beam_search(model, prompt: list[int], beam_width: int, n: int, max_new_tokens: int,
+                   length_penalty: float = 1.0, early_stopping: bool | str = False
+                   ) -> list[tuple[list[int], float]]:
+    """transformers' ``generate(num_beams=beam_width, num_return_sequences=n,
+    do_sample=False)`` of one prompt: each hypothesis as (its generated token ids, cut after a
+    first EOS, which stays; its ``sequences_scores`` entry), best first."""
+    out = model.generate(torch.tensor([prompt]), num_beams=beam_width, num_return_sequences=n,
+                         do_sample=False, max_new_tokens=max_new_tokens,
+                         length_penalty=length_penalty, early_stopping=early_stopping,
+                         output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    result = []
+    for seq, score in zip(out.sequences.tolist(), out.sequences_scores.tolist(), strict=True):
+        gen = seq[len(prompt):]
+        end = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
+        result.append((gen[:end], score))
+    return result
+

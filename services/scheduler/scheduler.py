@@ -32,11 +32,21 @@ finishes in step N may thus have had one more token scheduled in step N+1: that 
 ignored (the request is gone) and its blocks were freed when it finished. A request is never
 scheduled past ``max_tokens`` or ``max_model_len`` counting its placeholders.
 
+Beam search (``beam_search.py``): a request with ``beam_width`` k is a group of up to k beam
+requests, scheduled, preempted (its search recomputed from the prompt) and aborted as one.
+A beam's chunk that reaches the end brings back its top candidates (as top logprobs); once
+the whole group has them, the group picks its next beams: a parent's first child appends its
+token, the others fork the parent's block tables (``BlockManager.fork``) and are sent whole. A
+beam is never scheduled while its step is in flight (its next token is the scheduler's pick),
+and a beam about to write into a block another table lists gets a copy first
+(``BlockManager.copy_on_write``; ``SchedulerOutput.blocks_to_copy``).
+
 Who holds which tokens: the worker ranks of the sampling (last) pipeline stage append their own
 samples; ``CachedRequestData.new_token_ids`` carries the tokens since the request was last sent
 for the other stages (only without async scheduling: with it they are not known yet), and a
 resumed request carries its whole token list (the workers replace theirs: they may hold a token
-sampled by a step that was stale when it came back).
+sampled by a step that was stale when it came back). A beam's tokens are the scheduler's picks:
+every rank gets them (``CachedRequestData.beam``), with or without async scheduling.
 """
 
 from __future__ import annotations

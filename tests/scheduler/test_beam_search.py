@@ -20,7 +20,7 @@ import torch
 from services.scheduler.beam_search import BeamGroup, _f32
 from services.scheduler.logprobs import TokenLogprobs
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
-from tests.helpers import make_tiny_llama
+from tests.helpers import hf_beam_search, make_tiny_llama
 from tests.scheduler.factories import make_scheduler, prefix_keys, split_tables
 
 BS = 4
@@ -122,20 +122,7 @@ class BeamWorker:
 
 
 def hf_beams(model, prompt, k, n, max_new, length_penalty=1.0, early_stopping=False):
-    """transformers' hypotheses: (generated ids up to a first EOS included, score), best
-    first."""
-    out = model.generate(torch.tensor([prompt]), num_beams=k, num_return_sequences=n,
-                         do_sample=False, max_new_tokens=max_new, length_penalty=length_penalty,
-                         early_stopping=early_stopping, output_scores=True,
-                         return_dict_in_generate=True, pad_token_id=0)
-    eos = model.generation_config.eos_token_id
-    result = []
-    for seq, score in zip(out.sequences.tolist(), out.sequences_scores.tolist(), strict=True):
-        gen = seq[len(prompt):]
-        if eos in gen:
-            gen = gen[:gen.index(eos) + 1]
-        result.append((gen, score))
-    return result
+    return hf_beam_search(model, prompt, k, n, max_new, length_penalty, early_stopping)
 
 
 def beam_request(rid, prompt, k, max_new, length_penalty=1.0, early_stopping="false"):

@@ -1,0 +1,145 @@
+"""Beam search (issue 20): KV blocks a beam group holds, and its speed against greedy requests.
+
+    .venv/bin/python benchmarks/beam_search.py                       # the fixed workload
+    .venv/bin/python benchmarks/beam_search.py --num-prompts 2 --new-tokens 8   # smoke
+
+Everything runs through the engine in one process (Scheduler + ModelRunner, each step through
+the StepRequest / StepResult encodings the services use), SmolLM2-135M-Instruct float32.
+
+Blocks: the peak number of KV blocks in use (after each schedule(), when a step holds the most)
+for one beam_width 8 request of a 512-token prompt generating 64 tokens, against 8 independent
+greedy requests of the same prompt with prefix caching off. ignore_eos keeps every hypothesis
+and every request at 64 tokens. Expected: about prompt blocks + 8 x decode blocks against
+8 x (prompt + decode) blocks.
+
+Speed: beam_width 4 on ``--num-prompts`` prompts of compare.py's workload (32-512 tokens, real
+text) against the same prompts as 4 independent greedy continuations each (prefix caching on
+for both, so both share each prompt's blocks), ``--new-tokens`` tokens each with ignore_eos:
+both compute the same number of tokens (4 per prompt per step). Reported as computed tokens
+per second and their ratio (beam / greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def run_engine(runner, requests, *, prefix_caching: bool = True) -> tuple[float, int, int]:
+    """Run ``requests`` (scheduler Requests) to the end; returns (seconds, computed tokens,
+    peak KV blocks in use)."""
+    from services.common.pb.pagedserve.v1 import worker_pb2
+    from services.scheduler.logprobs import logprobs_from_pb
+    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.worker_client import build_step_request
+    from services.worker.server import step_input_from_pb
+
+    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
+                                          enable_prefix_caching=prefix_caching),
+                          runner.num_kv_blocks, runner.eos_token_ids,
+                          sliding_windows=[g.sliding_window for g in runner.kv_cache_groups])
+    for r in requests:
+        scheduler.add_request(r)
+    bm = scheduler.block_manager
+    peak = computed = 0
+    t0 = time.perf_counter()
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        peak = max(peak, bm.num_blocks - bm.num_free_blocks)
+        computed += out.total_num_scheduled_tokens
+        res = runner.execute_step(step_input_from_pb(build_step_request(out), runner.vocab_size))
+        result = worker_pb2.StepResult(step_id=res.step_id, request_ids=res.request_ids,
+                                       sampled_token_ids=res.sampled_token_ids)
+        if res.logprobs is not None:
+            lp = res.logprobs
+            result.num_top_logprobs.extend(lp.num_top_logprobs)
+            result.sampled_logprobs.extend(lp.sampled_logprobs)
+            result.top_token_ids.extend(lp.top_token_ids)
+            result.top_logprobs.extend(lp.top_logprobs)
+        scheduler.update_from_output(out, dict(zip(res.request_ids, res.sampled_token_ids,
+                                                   strict=True)), logprobs_from_pb(result))
+    elapsed = time.perf_counter() - t0
+    runner.execute_step(step_input_from_pb(build_step_request(scheduler.schedule()),
+                                           runner.vocab_size))  # (drop the finished)
+    assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
+    return elapsed, computed, peak
+
+
+def beam(rid: str, prompt: list[int], k: int, new_tokens: int):
+    from services.scheduler.request import EngineSamplingParams, Request
+
+    return Request(rid, list(prompt), EngineSamplingParams(
+        temperature=0.0, max_tokens=new_tokens, ignore_eos=True, beam_width=k))
+
+
+def greedy(rid: str, prompt: list[int], new_tokens: int):
+    from services.scheduler.request import EngineSamplingParams, Request
+
+    return Request(rid, list(prompt), EngineSamplingParams(
+        temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+
+
+def main() -> None:
+    from compare import add_workload_args, cpu_info, workload
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_workload_args(p)
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts of the speed run")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens each hypothesis has")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args()
+
+    from services.common.tokenizer_loading import load_tokenizer
+    from services.worker.model_runner import ModelRunner
+
+    tokenizer = load_tokenizer(args.model)
+    runner = ModelRunner(args.model, dtype=args.dtype)
+    results: dict = {"cpu": cpu_info(), "dtype": args.dtype}
+    bs = runner.block_size
+    long_prompt = workload(tokenizer, 1, args.seed, prompt_range=(512, 512))[0].prompt_token_ids
+    run_engine(runner, [beam("warm", long_prompt[:40], 2, 4)])  # compiled kernels
+    _, _, beam_peak = run_engine(runner, [beam("b", long_prompt, 8, args.new_tokens)])
+    _, _, greedy_peak = run_engine(
+        runner, [greedy(f"g{i}", long_prompt, args.new_tokens) for i in range(8)],
+        prefix_caching=False)
+    prompt_blocks, decode_blocks = -(-512 // bs), -(-args.new_tokens // bs)
+    results["blocks"] = {
+        "beam_width_8_peak": beam_peak, "eight_greedy_peak": greedy_peak,
+        "ratio": beam_peak / greedy_peak, "block_size": bs,
+        "prompt_blocks": prompt_blocks, "decode_blocks_per_sequence": decode_blocks}
+    print(f"peak KV blocks, 512-token prompt, {args.new_tokens} new tokens (block_size {bs}): "
+          f"beam_width 8 {beam_peak}, 8 greedy requests without prefix caching {greedy_peak}, "
+          f"ratio {beam_peak / greedy_peak:.3f} (prompt {prompt_blocks} + 8 x {decode_blocks} "
+          f"= {prompt_blocks + 8 * decode_blocks} vs 8 x {prompt_blocks + decode_blocks} = "
+          f"{8 * (prompt_blocks + decode_blocks)})", flush=True)
+
+    prompts = [it.prompt_token_ids for it in workload(tokenizer, args.num_prompts, args.seed)]
+    k, n = 4, args.new_tokens
+    beam_s, beam_tokens, _ = run_engine(runner, [beam(f"b{i}", p, k, n)
+                                                 for i, p in enumerate(prompts)])
+    greedy_s, greedy_tokens, _ = run_engine(runner, [greedy(f"g{i}.{j}", p, n)
+                                                     for i, p in enumerate(prompts)
+                                                     for j in range(k)])
+    decode = k * n * len(prompts)  # tokens each run decodes
+    results["speed"] = {
+        "num_prompts": len(prompts), "beam_width": k, "new_tokens": n,
+        "beam_seconds": beam_s, "greedy_seconds": greedy_s,
+        "beam_decode_tok_s": decode / beam_s, "greedy_decode_tok_s": decode / greedy_s,
+        "ratio": greedy_s / beam_s, "beam_computed_tokens": beam_tokens,
+        "greedy_computed_tokens": greedy_tokens}
+    print(f"{len(prompts)} prompts, {n} new tokens: beam_width {k} {decode / beam_s:.1f} tok/s "
+          f"({beam_s:.1f} s), {k} greedy continuations each {decode / greedy_s:.1f} tok/s "
+          f"({greedy_s:.1f} s), ratio {greedy_s / beam_s:.3f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
