@@ -73,15 +73,15 @@ class Choice:
         self._stops = StopStringMatcher(text.stop, text.include_stop_str_in_output)
 
     def on_output(self, out: engine_pb2.RequestOutput
-                  ) -> tuple[api_pb2.GenerateResponse | None, bool]:
+                  ) -> tuple[list[api_pb2.GenerateResponse], bool]:
         """Turn one RequestOutput (without error) of this choice's engine request into the
         message to send, if any.
 
         Returns:
-            (response, stop_string_hit): the GenerateResponse to stream (None when there is
-            nothing new to show, e.g. a prefill step or text held back), and whether a stop
-            string ended the choice, in which case the caller must abort its engine request.
-            ``finished`` is True after the final message.
+            (responses, stop_string_hit): the GenerateResponse to stream, as a list of one
+            (empty when there is nothing new to show, e.g. a prefill step or text held back),
+            and whether a stop string ended the choice, in which case the caller must abort
+            its engine request. ``finished`` is True after the final message.
         """
         ids = list(out.new_token_ids)
         self._logprobs = token_logprobs(out)
@@ -95,19 +95,19 @@ class Choice:
         match = self._stops.feed(self._detok.step(ids)) if ids else None
         text = match.text_to_emit if match else ""
         if match is not None and match.stopped:
-            return self._final(ids, text, api_pb2.FINISH_REASON_STOP, match.stop_str), True
+            return [self._final(ids, text, api_pb2.FINISH_REASON_STOP, match.stop_str)], True
         if out.finish_reason:
             # release what the detokenizer and the stop matcher still hold back
             tail = self._stops.feed(self._detok.flush())
             text += tail.text_to_emit
             if tail.stopped:
-                return self._final(ids, text, api_pb2.FINISH_REASON_STOP, tail.stop_str), False
-            return self._final(ids, text + self._stops.flush(), out.finish_reason), False
+                return [self._final(ids, text, api_pb2.FINISH_REASON_STOP, tail.stop_str)], False
+            return [self._final(ids, text + self._stops.flush(), out.finish_reason)], False
         if ids or text:
-            return api_pb2.GenerateResponse(
+            return [api_pb2.GenerateResponse(
                 request_id=self.request_id, token_ids=ids, text=text, index=self.index,
-                logprobs=self._logprobs, prompt_logprobs=self._take_prompt_logprobs()), False
-        return None, False
+                logprobs=self._logprobs, prompt_logprobs=self._take_prompt_logprobs())], False
+        return [], False
 
     def _take_prompt_logprobs(self) -> list[api_pb2.TokenLogprob]:
         """The prompt logprobs gathered so far, once (for the choice's first message)."""

@@ -5,7 +5,8 @@
 GenerateResponses: incremental detokenization and stop-string matching per choice (a hit aborts
 that choice's engine request), and a final message per choice with finish_reason and usage. If
 the caller stops listening (client cancelled) or a choice fails, every running choice is aborted
-so the engine frees its blocks.
+so the engine frees its blocks. A beam search (``use_beam_search``) is one engine request whose
+final output holds all n choices (``services.router.beam_search``); it is aborted the same way.
 
 Structured outputs: a request with ``structured_outputs`` first waits for its grammar
 (``services.router.structured_outputs``: cached, else compiled on a worker thread while the loop
@@ -34,6 +35,7 @@ import grpc
 from services.common.logs import log_access
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
+from services.router.beam_search import BeamSearch
 from services.router.choices import Choice, child_params, child_request_id
 from services.router.replicas import ReplicaSet
 from services.router.structured_outputs import compile_structured_outputs
@@ -226,7 +228,9 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
     engine requests (one per choice, see ``services.router.choices``) and
     yields each choice's messages as its tokens arrive, tagged with ``index``; every choice ends
     with its own message carrying finish_reason and that choice's usage. The generator ends
-    after all n choices ended.
+    after all n choices ended. A beam search (``params.beam_width`` > 0) submits one engine
+    request, id ``req.request_id``, and yields its n choices' single messages at its end
+    (``services.router.beam_search``).
 
     If any choice fails in the engine, or the caller stops listening (client cancelled), every
     choice still running is aborted in the engine so none keeps KV blocks.
@@ -255,7 +259,7 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
         except RequestError as e:
             raise EngineError(e.code, e.message) from None
         params = replace(params, structured_output=grammar)
-    choices: dict[str, Choice] = {}
+    choices: dict[str, Choice | BeamSearch] = {}  # by engine request id
 
     def overflowed() -> None:  # called by the engine stream's reader: stop every choice now
         for choice in choices.values():
@@ -268,9 +272,14 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
 
     # the outputs of all the choices, in arrival order
     queue = OutputQueue(max_pending, overflowed)
-    for i in range(req.n):
-        rid = child_request_id(req.request_id, i, req.n)
-        choices[rid] = Choice(i, rid, req.request_id, req.prompt_token_ids, req.text, tokenizer)
+    if params.beam_width:  # one engine request for every choice (see beam_search)
+        choices[req.request_id] = BeamSearch(req.request_id, req.n, req.prompt_token_ids,
+                                             req.text, tokenizer)
+    else:
+        for i in range(req.n):
+            rid = child_request_id(req.request_id, i, req.n)
+            choices[rid] = Choice(i, rid, req.request_id, req.prompt_token_ids, req.text,
+                                  tokenizer)
     # NOTE: checked before anything is submitted, so that the clean-up below never aborts
     # another caller's request that happens to have one of these ids.
     taken = next((rid for rid in choices if engine.is_running(rid)), None)
@@ -278,12 +287,12 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
         raise EngineError(grpc.StatusCode.INVALID_ARGUMENT,
                           f"request_id {req.request_id!r} is already running" +
                           (f" (engine request {taken!r})" if taken != req.request_id else ""))
-    for rid, c in choices.items():
+    for i, rid in enumerate(choices):
         if queue.overflowed:  # cannot happen with a real engine before anything was read
             break
-        engine.submit(rid, req.prompt_token_ids, child_params(params, c.index),
+        engine.submit(rid, req.prompt_token_ids, child_params(params, i),
                       priority=req.priority, queue=queue,
-                      parent_request_id=req.request_id if req.n > 1 else "")
+                      parent_request_id=req.request_id if len(choices) > 1 else "")
     num_running = len(choices)
     try:
         while num_running:
@@ -296,13 +305,13 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
             if out.error_code:
                 choice.finished = True  # the engine has already ended it
                 raise EngineError(_status(out.error_code), out.error_message)
-            response, stop_string_hit = choice.on_output(out)
+            responses, stop_string_hit = choice.on_output(out)
             if stop_string_hit:
                 engine.abort(out.request_id)
                 engine.release(out.request_id)
             if choice.finished:
                 num_running -= 1
-            if response is not None:
+            for response in responses:
                 yield response
     finally:
         for choice in choices.values():

@@ -35,7 +35,8 @@ _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # Field names that validation messages start with, as the OpenAI request spells them.
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
                                            "priority", "logprobs", "top_logprobs",
-                                           "logit_bias", "tools"}
+                                           "logit_bias", "tools", "use_beam_search",
+                                           "beam_width", "length_penalty", "early_stopping"}
 STRUCTURED = "structured_outputs"  # the first word of a grammar error (structured_outputs.py)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 MAX_BEST_OF = MAX_N  # candidates per prompt, as many as choices
@@ -157,8 +158,8 @@ def parse_completion(body: dict) -> ParsedCompletion:
 
     Raises:
         OpenAIError: 400 for a wrong JSON type, an unsupported field, ``best_of`` outside
-            [n, 64], ``best_of > n`` with ``stream``, or ``max_tokens: 0`` with
-            ``min_tokens``.
+            [n, 64], ``best_of > n`` with ``stream`` or ``use_beam_search``, or
+            ``max_tokens: 0`` with ``min_tokens``.
     """
     _refuse(body, suffix=None, prompt_logprobs=None)
     template = api_pb2.GenerateRequest()
@@ -177,6 +178,9 @@ def parse_completion(body: dict) -> ParsedCompletion:
         raise bad_request(f"best_of must be in [n, {MAX_BEST_OF}] (n is {n}), got {best_of}",
                           "best_of")
     best_of = max(best_of or n, n)
+    if best_of > n and sp.use_beam_search:
+        raise bad_request("best_of must be n with use_beam_search: n is the number of "
+                          "hypotheses returned, beam_width the number searched", "best_of")
     parsed = _parsed(body, template, "prompt")
     if parsed.stream and best_of > n:
         raise bad_request("best_of > n cannot be streamed: the best candidates are known only "
@@ -235,8 +239,13 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
         tool_parser: the router's ``--tool-call-parser`` if ``--enable-auto-tool-choice`` is
             set, else None (``tool_choice: "auto"`` is then refused).
 
+    With ``use_beam_search`` the output is plain content (no tool-call parsing), and a
+    ``tool_choice`` that forces a call ("required", a named function) is refused: it is a
+    structured output, which beam search does not support.
+
     Raises:
-        OpenAIError: 400 for a wrong JSON type or an unsupported field.
+        OpenAIError: 400 for a wrong JSON type, an unsupported field, or a forced tool call
+            with beam search.
     """
     # NOTE: imported here: both modules build on this one's OpenAIError and helpers
     from services.router.openai_messages import parse_messages
@@ -248,13 +257,17 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
     req.chat.messages.extend(parse_messages(body.get("messages")))
     tool_calls = parse_tools(body, req, tool_parser)
     enforced = req.sampling_params.HasField("structured_outputs")  # set by tool_choice
+    if enforced and _typed(body, "use_beam_search", bool):
+        raise bad_request('tool_choice must be "none" or "auto" with use_beam_search: a forced '
+                          "tool call is a structured output, which beam search does not "
+                          "support", "tool_choice")
     _chat_logprobs(body, req.sampling_params)
     name, value = (("max_completion_tokens", body["max_completion_tokens"])
                    if body.get("max_completion_tokens") is not None
                    else ("max_tokens", body.get("max_tokens")))
     _sampling(body, req, value, name)
     parsed = _parsed(body, req, "messages")
-    parsed.tool_calls = tool_calls
+    parsed.tool_calls = None if req.sampling_params.use_beam_search else tool_calls
     if enforced:  # a grammar error is about the tools' parameters schemas
         parsed.structured_param = "tools"
     return parsed
@@ -331,6 +344,38 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
         req.priority = priority
     _logit_bias(body, sp)
     parse_structured_outputs(body, sp)
+    _beam_search(body, sp)
+
+
+def _beam_search(body: dict, sp: api_pb2.SamplingParams) -> None:
+    """vLLM's beam search fields ``use_beam_search`` (a boolean), ``length_penalty`` (a
+    number), ``early_stopping`` (true, false or "never") and pagedserve's ``beam_width`` (an
+    int) -> ``sp`` (their ranges are validation's, as the rest of beam search's rules).
+
+    Raises:
+        OpenAIError: 400 naming the field for a wrong JSON type, or for ``response_format`` /
+            ``structured_outputs`` with ``use_beam_search`` (the field the client set).
+    """
+    use = _typed(body, "use_beam_search", bool)
+    if use is not None:
+        sp.use_beam_search = use
+    width = _int32(body, "beam_width")
+    if width is not None:
+        sp.beam_width = width
+    length_penalty = _typed(body, "length_penalty", float)
+    if length_penalty is not None:
+        sp.length_penalty = length_penalty
+    early = body.get("early_stopping")
+    if isinstance(early, bool):
+        sp.early_stopping = "true" if early else "false"
+    elif early == "never":
+        sp.early_stopping = early
+    elif early is not None:
+        raise bad_request(f'early_stopping must be true, false or "never", got {early!r}',
+                          "early_stopping")
+    if use and sp.HasField("structured_outputs"):
+        field = error_param(body)
+        raise bad_request(f"{field} is not supported with use_beam_search", field)
 
 
 def _logit_bias(body: dict, sp: api_pb2.SamplingParams) -> None:

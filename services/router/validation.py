@@ -25,6 +25,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_REQUEST_ID_CHARS = 128
 MAX_N = 64  # most choices (parallel samples) per request
+MAX_BEAM_WIDTH = 64  # most beams of one beam search
+EARLY_STOPPING = ("true", "false", "never")  # transformers' early_stopping values, as strings
 MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 1024  # most logit_bias entries per request
 LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100] (OpenAI's range)
@@ -86,9 +88,13 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
     applies to the text. Unset fields take the defaults documented in api.proto.
 
     top_k 0, -1 and values >= vocab_size all mean "off" and become -1 (``TOP_K_OFF``).
+    With ``use_beam_search`` the engine parameters are a beam search's (``_beam_search``);
+    without it, ``beam_width``, ``length_penalty`` and ``early_stopping`` must be unset (or at
+    their defaults).
 
     Raises:
-        RequestError(INVALID_ARGUMENT): a field is out of range (the message names it).
+        RequestError(INVALID_ARGUMENT): a field is out of range (the message names it), or a
+            field beam search refuses is set with it (see ``_beam_search``).
     """
     temperature = _finite("temperature", params.temperature) if params.HasField(
         "temperature") else 1.0
@@ -124,7 +130,67 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
         stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
         skip_special_tokens=(params.skip_special_tokens
                              if params.HasField("skip_special_tokens") else True))
+    if params.use_beam_search:
+        return _beam_search(params, engine), text
+    for name in ("beam_width", "length_penalty", "early_stopping"):
+        if params.HasField(name) and getattr(params, name) != _BEAM_DEFAULTS.get(name):
+            raise invalid(f"{name} requires use_beam_search to be true")
     return engine, text
+
+
+# The beam search fields' defaults: set to them without use_beam_search, they are accepted.
+_BEAM_DEFAULTS = {"length_penalty": 1.0, "early_stopping": "false"}
+# The sampling options beam search does not use, each with the one value it accepts ("off").
+_BEAM_OFF = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+             ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+
+
+def _beam_search(params: api_pb2.SamplingParams, engine: EngineSamplingParams
+                 ) -> EngineSamplingParams:
+    """The engine parameters of a beam search (``use_beam_search``): ``engine`` (``params``
+    already checked as for sampling) reduced to what beam search uses (max_tokens,
+    stop_token_ids, ignore_eos) plus beam_width (default n), length_penalty (default 1.0) and
+    early_stopping (default "false"), at temperature 0 (unset means 0 here); the seed is
+    ignored.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): a sampling option beam search does not use is on
+            (``top_p must be 1 with use_beam_search, got 0.9``), logprobs, prompt_logprobs,
+            structured_outputs or stop strings are set, ``beam_width`` is outside [n, 64],
+            ``length_penalty`` is not finite, or ``early_stopping`` is none of "true",
+            "false", "never".
+    """
+    given = {"temperature": params.temperature if params.HasField("temperature") else 0.0}
+    for name, off in _BEAM_OFF:
+        value = given.get(name, getattr(engine, name))
+        if value != off:
+            raise invalid(f"{name} must be {off:g} with use_beam_search, got {_fmt(value)}")
+    if engine.top_k != TOP_K_OFF:
+        raise invalid(f"top_k must be off (0 or -1) with use_beam_search, got {engine.top_k}")
+    if engine.min_tokens:
+        raise invalid(f"min_tokens must be 0 with use_beam_search, got {engine.min_tokens}")
+    if engine.logit_bias:
+        raise invalid("logit_bias must be empty with use_beam_search")
+    for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
+        if params.HasField(name):
+            raise invalid(f"{name} is not supported with use_beam_search")
+    if params.stop:
+        raise invalid("stop (stop strings) is not supported with use_beam_search: beams are "
+                      "ranked on tokens, not text; use stop_token_ids")
+    n = validate_n(params)
+    width = params.beam_width if params.HasField("beam_width") else n
+    if not n <= width <= MAX_BEAM_WIDTH:
+        raise invalid(f"beam_width must be in [n, {MAX_BEAM_WIDTH}] (n is {n}), got {width}")
+    length_penalty = (_finite("length_penalty", params.length_penalty)
+                      if params.HasField("length_penalty") else 1.0)
+    early_stopping = params.early_stopping if params.HasField("early_stopping") else "false"
+    if early_stopping not in EARLY_STOPPING:
+        raise invalid('early_stopping must be one of "true", "false", "never", got '
+                      f"{early_stopping!r}")
+    return EngineSamplingParams(
+        temperature=0.0, max_tokens=engine.max_tokens, stop_token_ids=engine.stop_token_ids,
+        ignore_eos=engine.ignore_eos, beam_width=width, length_penalty=length_penalty,
+        early_stopping=early_stopping)
 
 
 def _logprobs(params: api_pb2.SamplingParams, name: str) -> int | None:

@@ -11,6 +11,13 @@ prompt_logprobs, and:
   ``{"choice": [...]}``, ``{"grammar": ...}`` (Lark or GBNF), ``{"json_object": True}``; or an
   ``api_pb2.StructuredOutputs`` (see ``pagedserve_client.sampling``).
 - ``logit_bias``: ``{token_id: bias}``, bias in [-100, 100], added to the raw logits.
+- ``use_beam_search=True`` (vLLM's): beam search instead of sampling, with ``beam_width``
+  (beams searched, default ``n``, in [n, 64]), ``length_penalty`` (default 1.0) and
+  ``early_stopping`` (True, False (default) or "never", transformers' rule); the ``n`` best
+  hypotheses come back as n choices, each whole in one delta at the end of the search, with
+  ``beam_score``. The server refuses sampling options with it (temperature > 0, top_p, top_k,
+  min_p, penalties, logit_bias, min_tokens, logprobs, prompt_logprobs, structured_outputs,
+  stop strings) with INVALID_ARGUMENT naming the field.
 
 ``n`` (1..64, default 1) asks for n completions (choices) of the same prompt, as in vLLM and
 OpenAI: streamed deltas carry ``index`` (0 .. n-1) and interleave; ``generate`` returns them all
@@ -54,7 +61,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import grpc
 
 from pagedserve_client.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
-from pagedserve_client.sampling import set_logit_bias, structured_outputs_pb
+from pagedserve_client.sampling import early_stopping_str, set_logit_bias, structured_outputs_pb
 from pagedserve_client.text_types import (
     ModelInfo,
     TokenizeResult,
@@ -107,8 +114,9 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
     Args:
         request_id: echoed in every response; the server makes one when empty.
         priority: scheduling priority, an int32 (lower runs sooner).
-        **sampling: SamplingParams fields by name (vLLM's names, including ``n``;
-            ``structured_outputs`` and ``logit_bias`` as in ``pagedserve_client.sampling``).
+        **sampling: SamplingParams fields by name (vLLM's names, including ``n`` and the beam
+            search ones; ``structured_outputs``, ``logit_bias`` and ``early_stopping`` as in
+            ``pagedserve_client.sampling``).
 
     Raises:
         ValueError: not exactly one prompt form, an unknown sampling parameter, or a value out
@@ -129,6 +137,8 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
         params.structured_outputs.CopyFrom(structured_outputs_pb(structured))
     if bias is not None:
         set_logit_bias(params, bias)
+    if sampling.get("early_stopping") is not None:
+        sampling["early_stopping"] = early_stopping_str(sampling["early_stopping"])
     for name, value in sampling.items():
         if value is None:
             continue

@@ -1,5 +1,5 @@
-"""The sampling keyword arguments that are not plain proto scalars: ``structured_outputs`` and
-``logit_bias`` (vLLM's / OpenAI's forms -> SamplingParams fields).
+"""The sampling keyword arguments that are not plain proto scalars: ``structured_outputs``,
+``logit_bias`` and ``early_stopping`` (vLLM's / OpenAI's forms -> SamplingParams fields).
 
     structured_outputs={"json": {...schema...}}     or {"json": "<schema as JSON text>"}
     structured_outputs={"regex": r"\\d{3}"}
@@ -8,6 +8,7 @@
     structured_outputs={"json_object": True}
     structured_outputs=api_pb2.StructuredOutputs(...)
     logit_bias={50256: -100, 13: 5.0}               token id -> bias in [-100, 100]
+    early_stopping=True | False | "never"           beam search's stop rule (transformers')
 
 The server checks the grammar (an invalid one is INVALID_ARGUMENT naming
 ``structured_outputs.<kind>``) and the token ids and biases.
@@ -83,3 +84,17 @@ def set_logit_bias(params: api_pb2.SamplingParams, bias) -> None:
             params.logit_bias[token_id] = b
         except (ValueError, TypeError) as e:  # protobuf's int32 range check
             raise type(e)(f"logit_bias: token id {token_id}: {e}") from None
+
+
+def early_stopping_str(value) -> str:
+    """The wire form of ``early_stopping``: True -> "true", False -> "false", a string as it
+    is ("never"; the server refuses any but "true", "false", "never").
+
+    Raises:
+        TypeError: neither a bool nor a string.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if not isinstance(value, str):
+        raise TypeError(f'early_stopping must be True, False or "never", got {value!r}')
+    return value

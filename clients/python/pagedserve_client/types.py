@@ -59,6 +59,8 @@ class StreamDelta:
     logprobs: list[TokenLogprob] | None = None
     # with ``prompt_logprobs``, on the choice's first delta: prompt tokens 1 .. P-1; else None
     prompt_logprobs: list[TokenLogprob] | None = None
+    # beam search: the hypothesis's score (cumulative logprob / length ** length_penalty)
+    beam_score: float | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +75,7 @@ class Choice:
     stop_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1 .. P-1, when asked for
+    beam_score: float | None = None  # beam search: the hypothesis's score; else None
 
 
 @dataclass(slots=True)
@@ -81,8 +84,9 @@ class GenerationResult:
 
     Attributes:
         request_id: the request's id.
-        text, token_ids, finish_reason, usage, stop_reason, logprobs, prompt_logprobs: choice 0's
-            (with the default ``n=1``, the only choice).
+        text, token_ids, finish_reason, usage, stop_reason, logprobs, prompt_logprobs,
+            beam_score: choice 0's (with the default ``n=1``, the only choice; with beam
+            search, the best hypothesis).
         choices: every choice, ordered by index (``len(choices) == n``).
     """
 
@@ -95,6 +99,7 @@ class GenerationResult:
     choices: list[Choice] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    beam_score: float | None = None
 
 
 def delta_from_pb(msg) -> StreamDelta:
@@ -106,7 +111,8 @@ def delta_from_pb(msg) -> StreamDelta:
         request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
         finish_reason=FINISH_REASONS.get(msg.finish_reason), usage=usage,
         stop_reason=msg.stop_reason or None, index=msg.index,
-        logprobs=_logprobs(msg.logprobs), prompt_logprobs=_logprobs(msg.prompt_logprobs))
+        logprobs=_logprobs(msg.logprobs), prompt_logprobs=_logprobs(msg.prompt_logprobs),
+        beam_score=msg.beam_score if msg.HasField("beam_score") else None)
 
 
 def _logprobs(entries) -> list[TokenLogprob] | None:
@@ -128,6 +134,8 @@ def join(deltas: list[StreamDelta]) -> GenerationResult:
             choice.logprobs.extend(d.logprobs)
         if d.prompt_logprobs is not None:
             choice.prompt_logprobs = d.prompt_logprobs
+        if d.beam_score is not None:
+            choice.beam_score = d.beam_score
         if d.finish_reason:
             choice.finish_reason, choice.usage, choice.stop_reason = (
                 d.finish_reason, d.usage or Usage(), d.stop_reason)
@@ -141,4 +149,5 @@ def join(deltas: list[StreamDelta]) -> GenerationResult:
         result.text, result.token_ids, result.finish_reason, result.usage, result.stop_reason = (
             first.text, first.token_ids, first.finish_reason, first.usage, first.stop_reason)
         result.logprobs, result.prompt_logprobs = first.logprobs, first.prompt_logprobs
+        result.beam_score = first.beam_score
     return result
