@@ -10,7 +10,7 @@ tokens)::
 
     row r   token_ids[r, :num_tokens[r]]       [max_num_seqs, max_model_len]  int32
             block_table[g, r, :num_blocks[r]]  [groups, max_num_seqs, max_blocks]  int32, 0 after
-            temperature / top_p / min_p[r]     float32        top_k[r]  int64
+            sampling parameters                ``sampling_rows`` (services/worker/sampling_rows.py)
             max_blocks = ceil(max_model_len / block_size)
 
 Block tables, one per KV cache group (``services/worker/kv_cache_groups.py``), all of one
@@ -37,7 +37,7 @@ arithmetic for scheduled request i in row r with ``c = num_computed_tokens``,
 
 Python loops run over the step's diffs (one small write per request) and over the rows that
 need special sampling work (seeded, penalised, biased, under min_tokens, constrained by a
-grammar, prompt logprobs); everything else, per token or per row, is numpy.
+grammar: ``SamplingRows``; prompt logprobs); everything else, per token or per row, is numpy.
 
 Structured outputs: given ``structured`` (the sampling rank only), a request with a grammar
 gets a ``RequestGrammar`` (``services/worker/structured_output.py``); a resume from preemption
@@ -60,8 +60,9 @@ import torch
 from services.common.sampling_params import EngineSamplingParams
 from services.worker.attention import AttentionMetadata
 from services.worker.logprobs import PromptChunk
-from services.worker.penalties import PenaltyTensors, TokenCounts
+from services.worker.penalties import TokenCounts
 from services.worker.sampler import SamplingTensors
+from services.worker.sampling_rows import SamplingRows
 from services.worker.step_input import StepInput
 from services.worker.structured_output import RequestGrammar, StructuredOutputs
 
@@ -156,17 +157,7 @@ class InputBatch:
     num_tokens: np.ndarray
     block_table: np.ndarray
     num_blocks: np.ndarray
-    temperature: np.ndarray
-    top_p: np.ndarray
-    top_k: np.ndarray
-    min_p: np.ndarray
-    seeded: np.ndarray
-    penalized: np.ndarray
-    biased: np.ndarray
-    constrained: np.ndarray
     num_prompt_tokens: np.ndarray
-    min_tokens: np.ndarray
-    num_logprobs: np.ndarray
     num_prompt_logprobs: np.ndarray
     _seq_lens: np.ndarray
     _query_start_loc: np.ndarray
@@ -190,23 +181,19 @@ class InputBatch:
         self.free_rows: list[int] = []  # pop() gives the lowest free row first
         self.row_states: list[RequestState | None] = []
         self.max_num_seqs = self.max_num_batched_tokens = 0
+        self.sampling_rows = SamplingRows(vocab_size, device)  # the rows' sampling parameters
         self.block_table = np.zeros((self.num_groups, 0, self.max_blocks), dtype=np.int32)
         self._grow_rows(max_num_seqs)
         self._grow_tokens(max_num_batched_tokens)
         self._step_ids: set[str] | None = None  # the current step's request ids (evictions)
 
     # Persistent rows (see the module docstring): name -> (per-row shape, dtype), rows first
-    # (block_table, rows second, is grown beside them). A free row has num_tokens =
-    # num_blocks = 0 and all-zero block tables.
+    # (block_table, rows second, and the sampling parameters, ``sampling_rows``, are grown
+    # beside them). A free row has num_tokens = num_blocks = 0 and all-zero block tables.
     def _row_arrays(self) -> dict[str, tuple[tuple[int, ...], type]]:
         return {"token_ids": ((self.max_model_len,), np.int32), "num_tokens": ((), np.int64),
-                "num_blocks": ((), np.int64),
-                "temperature": ((), np.float32), "top_p": ((), np.float32),
-                "top_k": ((), np.int64), "min_p": ((), np.float32), "seeded": ((), bool),
-                "penalized": ((), bool), "biased": ((), bool), "constrained": ((), bool),
-                "num_prompt_tokens": ((), np.int64),
-                "min_tokens": ((), np.int64),  # 0 unless it has stop ids to mask
-                "num_logprobs": ((), np.int64), "num_prompt_logprobs": ((), np.int64),  # -1 none
+                "num_blocks": ((), np.int64), "num_prompt_tokens": ((), np.int64),
+                "num_prompt_logprobs": ((), np.int64),  # -1 none
                 # step buffers per request, sliced per step ([0] of query_start_loc stays 0)
                 "_seq_lens": ((), np.int32), "_query_start_loc": ((), np.int32),
                 "_logits_indices": ((), np.int64)}
@@ -229,6 +216,7 @@ class InputBatch:
         table = np.zeros((self.num_groups, rows, self.max_blocks), dtype=np.int32)
         table[:, :old] = self.block_table
         self.block_table = table
+        self.sampling_rows.grow(rows)
         self.row_states.extend([None] * (rows - old))
         self.free_rows = list(range(rows - 1, old - 1, -1)) + self.free_rows
         self.max_num_seqs = rows
@@ -355,17 +343,10 @@ class InputBatch:
             self._free(victim)
         row = state.row = self.free_rows.pop()
         self.row_states[row] = state
-        o = state.sampling
-        self.temperature[row], self.top_p[row], self.min_p[row] = o.temperature, o.top_p, o.min_p
-        self.top_k[row] = SamplingTensors.effective_top_k(o.top_k, self.vocab_size)
-        self.seeded[row] = state.generator is not None
-        self.penalized[row] = state.counts is not None
-        self.biased[row] = state.logit_bias is not None
-        self.constrained[row] = state.grammar is not None
+        self.sampling_rows.write(row, state)
         self.num_prompt_tokens[row] = state.num_prompt_tokens
-        self.min_tokens[row] = o.min_tokens if state.min_tokens_stop_ids else 0
-        self.num_logprobs[row] = -1 if o.logprobs is None else o.logprobs
-        self.num_prompt_logprobs[row] = -1 if o.prompt_logprobs is None else o.prompt_logprobs
+        prompt_logprobs = state.sampling.prompt_logprobs
+        self.num_prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
         return row
 
     def _unpark(self, state: RequestState, step: StepInput) -> int:
@@ -541,56 +522,19 @@ class InputBatch:
                 max_query_len=max_query_len, max_seq_len=max_seq_len))
         sampled_rows = rows[sampled]  # [S]
         ids = scheduled.request_ids
-        num_logprobs = self.num_logprobs[sampled_rows]  # [S]
-        grammar_rows = np.flatnonzero(self.constrained[sampled_rows])  # [C]
+        sr = self.sampling_rows
+        grammar_rows, grammars = sr.grammars(sampled_rows, self.row_states)
         return PreparedStep(
             input_ids=self._to_device(input_ids), positions=self._to_device(positions),
             attn_metadata=metas, logits_indices=self._to_device(logits_indices),
             sampled_request_ids=(list(ids) if len(sampled) == len(ids)
                                  else [ids[i] for i in sampled.tolist()]),
             sampled_rows=sampled_rows,
-            sampling=self._sampling_tensors(sampled_rows),
-            num_logprobs=([None if k < 0 else k for k in num_logprobs.tolist()]
-                          if (num_logprobs >= 0).any() else [None] * len(sampled)),
+            sampling=sr.tensors(sampled_rows, self.row_states, self.token_ids, self.num_tokens,
+                                self.num_prompt_tokens),
+            num_logprobs=sr.logprobs(sampled_rows),
             prompt_chunks=self._prompt_chunks(scheduled, query_start_loc),
-            grammar_rows=grammar_rows,
-            grammars=[self.row_states[r].grammar for r in sampled_rows[grammar_rows].tolist()])
-
-    def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
-        """The sampling parameters of ``rows [S]`` by indexing; Python loops only over the rows
-        that are seeded, penalised, biased or under min_tokens."""
-        generators = {i: self.row_states[rows[i]].generator
-                      for i in np.flatnonzero(self.seeded[rows]).tolist()}
-        penalties, mask = None, None
-        pen_rows = np.flatnonzero(self.penalized[rows]).tolist()
-        if pen_rows:
-            states = [self.row_states[rows[i]] for i in pen_rows]
-            for s in states:
-                s.counts.update(self.token_ids[s.row, :self.num_tokens[s.row]])
-            penalties = PenaltyTensors.build(
-                pen_rows, [s.counts for s in states],
-                [s.sampling.repetition_penalty for s in states],
-                [s.sampling.presence_penalty for s in states],
-                [s.sampling.frequency_penalty for s in states], self.device)
-        bias = None
-        bias_rows = np.flatnonzero(self.biased[rows]).tolist()
-        if bias_rows:
-            pairs = [self.row_states[rows[i]].logit_bias for i in bias_rows]
-            bias = (np.repeat(np.array(bias_rows, dtype=np.int64), [len(p[0]) for p in pairs]),
-                    np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs]))
-        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]  # [S]
-        under_min = np.flatnonzero(num_outputs < self.min_tokens[rows]).tolist()
-        if under_min:
-            mask_rows, mask_ids = [], []
-            for i in under_min:
-                stop_ids = self.row_states[rows[i]].min_tokens_stop_ids
-                mask_rows.extend([i] * len(stop_ids))
-                mask_ids.extend(stop_ids)
-            mask = (mask_rows, mask_ids)
-        return SamplingTensors.from_arrays(
-            self.temperature[rows], self.top_p[rows], self.top_k[rows], generators,
-            self.vocab_size, self.device, min_p=self.min_p[rows], penalties=penalties,
-            logit_bias=bias, min_tokens_mask=mask)
+            grammar_rows=grammar_rows, grammars=grammars)
 
     def _prompt_chunks(self, scheduled: ScheduledBatch, query_start_loc: np.ndarray
                        ) -> list[PromptChunk]:
