@@ -6,7 +6,11 @@ list, block table and sampling parameters: written once (the prompt, the whole t
 options), then updated from each step's diff (the new block ids, and new token ids on a
 pipeline stage that does not sample; a request resumed from preemption has its token list and
 block table replaced) and from the step's own samples (``append_sampled``: the worker owns its
-tokens)::
+tokens). A beam (``sampling.beam_width > 0``) is the exception: its sample is not appended on
+any rank, since the scheduler chooses its next token among the top logprobs the step returned
+and sends it as new token ids to every rank, sampling ranks included. Copy-on-write gives a
+request a copy of its last block by rewriting its tables from ``first_new_block`` (the KV copy
+itself is the model runner's)::
 
     row r   token_ids[r, :num_tokens[r]]       [max_num_seqs, max_model_len]  int32
             block_table[g, r, :num_blocks[r]]  [groups, max_num_seqs, max_blocks]  int32, 0 after
@@ -117,7 +121,8 @@ class PreparedStep:
         sampling: per-row sampling parameters of the ``S`` rows (``grammar`` not yet set).
         grammar_rows: ``[C]`` int64, which of the ``S`` rows a grammar constrains.
         grammars: their ``C`` matchers' states.
-        num_logprobs: per row, the top logprobs it asked for (0..20), or None for none.
+        num_logprobs: per row, the top logprobs it asked for (0..20 from a client, up to the
+            vocabulary for a beam's candidates), or None for none.
         prompt_chunks: the prompt positions scored this step (requests with prompt_logprobs).
     """
 
@@ -247,8 +252,9 @@ class InputBatch:
         Raises:
             KeyError: a cached request the worker does not hold.
             ValueError: a token list longer than ``max_model_len``, a block table longer than
-                ``max_blocks``, a block id outside ``[-1, num_kv_blocks)``, or a count of block
-                ids that the number of KV cache groups does not divide.
+                ``max_blocks``, a block id outside ``[-1, num_kv_blocks)``, a count of block
+                ids that the number of KV cache groups does not divide, or a first_new_block
+                past the end of the request's block table.
         """
         self._grow_rows(len(step.new_requests) + len(step.cached_requests))
         self._step_ids = None
@@ -278,7 +284,9 @@ class InputBatch:
             if c.new_token_ids:
                 append_rows.append(row)
                 append_ids.append(c.new_token_ids)
-            if c.new_block_ids:
+            if c.first_new_block >= 0:  # copy-on-write: the tables from there are replaced
+                self._write_blocks(c.request_id, row, c.first_new_block, c.new_block_ids)
+            elif c.new_block_ids:
                 self._write_blocks(c.request_id, row, int(self.num_blocks[row]), c.new_block_ids)
         if append_rows:
             self._append_tokens(np.array(append_rows, dtype=np.int64), append_ids)
@@ -395,12 +403,17 @@ class InputBatch:
 
     def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Append the token sampled for each of ``rows [S]`` (a step's ``sampled_rows``) to its
-        token list: the next step computes it (the scheduler does not send it back).
+        token list: the next step computes it (the scheduler does not send it back). A beam's
+        row is skipped: the scheduler picks its next token among the step's candidates and
+        sends it (``new_token_ids``) to every rank.
 
         Raises:
             ValueError: a token list would pass ``max_model_len`` (the scheduler never
                 schedules that).
         """
+        beams = self.sampling_rows.beam[rows]  # [S]
+        if beams.any():
+            rows, token_ids = rows[~beams], np.asarray(token_ids)[~beams].tolist()
         if not len(rows):
             return
         starts = self.num_tokens[rows]  # [S]
@@ -452,8 +465,16 @@ class InputBatch:
 
     def _write_blocks(self, request_id: str, row: int, start: int, block_ids: list[int]) -> None:
         """Write ``block_ids`` (``n`` per group, group by group) at ``start`` of the row's
-        block tables, which end after them (``start = 0`` replaces the tables; what lay beyond
-        is zeroed). -1 is stored as 0."""
+        block tables, which end after them (``start = 0`` replaces the tables, ``start`` below
+        their end replaces their tail, as copy-on-write asks; what lay beyond is zeroed). -1 is
+        stored as 0.
+
+        Raises:
+            ValueError: ``start`` past the tables' end (a gap), or ``_check_blocks``' errors.
+        """
+        if start > self.num_blocks[row]:
+            raise ValueError(f"request {request_id!r}: blocks written from table index {start}, "
+                             f"past the end of its block table ({self.num_blocks[row]} blocks)")
         n, has_none = self._check_blocks(request_id, start, block_ids)
         end = start + n
         if self.num_groups == 1:

@@ -7,6 +7,8 @@ gathered from the sampled rows by numpy fancy indexing::
             seeded / penalized / biased / constrained[r]     bool (the row needs special work)
             min_tokens[r]                                    int64, 0 unless it has stop ids
             num_logprobs[r]                                  int64, -1 = none
+            beam[r]                                          bool, beam_width > 0: its sample
+                                                             is not its next token
 
 Python loops run only over the rows that need special sampling work (seeded, penalised,
 biased, under min_tokens, constrained by a grammar).
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 _ARRAYS: dict[str, type] = {
     "temperature": np.float32, "top_p": np.float32, "top_k": np.int64, "min_p": np.float32,
     "seeded": bool, "penalized": bool, "biased": bool, "constrained": bool,
-    "min_tokens": np.int64, "num_logprobs": np.int64}
+    "min_tokens": np.int64, "num_logprobs": np.int64, "beam": bool}
 
 
 class SamplingRows:
@@ -51,6 +53,7 @@ class SamplingRows:
     constrained: np.ndarray
     min_tokens: np.ndarray
     num_logprobs: np.ndarray
+    beam: np.ndarray
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size, self.device = vocab_size, device
@@ -79,6 +82,7 @@ class SamplingRows:
         self.constrained[row] = state.grammar is not None
         self.min_tokens[row] = o.min_tokens if state.min_tokens_stop_ids else 0
         self.num_logprobs[row] = -1 if o.logprobs is None else o.logprobs
+        self.beam[row] = o.beam_width > 0
 
     def tensors(self, rows: np.ndarray, row_states: list[RequestState | None],
                 token_ids: np.ndarray, num_tokens: np.ndarray,
