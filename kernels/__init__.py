@@ -14,6 +14,9 @@ pass, ``rotary_embedding`` = rotate-half RoPE of query and key in place):
 - ``torch_ops``        the CPU production path, and the model's exact math (transformers' order);
 - ``triton_norm_rope`` the GPU production path (one launch per norm, one per RoPE of q and k).
 
+and ``copy_blocks`` (whole KV blocks copied inside the cache: copy-on-write of a block that
+forked sequences share), one torch gather and scatter per cache tensor on every device.
+
 This package imports nothing from ``services/``.
 
 KV cache layout (one pair per layer, see DESIGN.md §3)::
@@ -72,6 +75,7 @@ Peters and Cohan, "Longformer: The Long-Document Transformer", 2020) and Mistral
 al., "Mistral 7B", 2023).
 """
 
+from kernels.copy_blocks import copy_blocks
 from kernels.cpu_attention import cpu_paged_attention, cpu_reshape_and_cache
 from kernels.reference import (
     reference_paged_attention,
@@ -89,6 +93,7 @@ from kernels.triton_norm_rope import (
 )
 
 __all__ = [
+    "copy_blocks",
     "cpu_paged_attention",
     "cpu_reshape_and_cache",
     "reference_paged_attention",

@@ -6,11 +6,15 @@ list, block table and sampling parameters: written once (the prompt, the whole t
 options), then updated from each step's diff (the new block ids, and new token ids on a
 pipeline stage that does not sample; a request resumed from preemption has its token list and
 block table replaced) and from the step's own samples (``append_sampled``: the worker owns its
-tokens)::
+tokens). A beam (``sampling.beam_width > 0``) is the exception: its sample is not appended on
+any rank, since the scheduler chooses its next token among the top logprobs the step returned
+and sends it as new token ids to every rank, sampling ranks included. Copy-on-write gives a
+request a copy of its last block by rewriting its tables from ``first_new_block`` (the KV copy
+itself is the model runner's)::
 
     row r   token_ids[r, :num_tokens[r]]       [max_num_seqs, max_model_len]  int32
             block_table[g, r, :num_blocks[r]]  [groups, max_num_seqs, max_blocks]  int32, 0 after
-            temperature / top_p / min_p[r]     float32        top_k[r]  int64
+            sampling parameters                ``sampling_rows`` (services/worker/sampling_rows.py)
             max_blocks = ceil(max_model_len / block_size)
 
 Block tables, one per KV cache group (``services/worker/kv_cache_groups.py``), all of one
@@ -37,7 +41,7 @@ arithmetic for scheduled request i in row r with ``c = num_computed_tokens``,
 
 Python loops run over the step's diffs (one small write per request) and over the rows that
 need special sampling work (seeded, penalised, biased, under min_tokens, constrained by a
-grammar, prompt logprobs); everything else, per token or per row, is numpy.
+grammar: ``SamplingRows``; prompt logprobs); everything else, per token or per row, is numpy.
 
 Structured outputs: given ``structured`` (the sampling rank only), a request with a grammar
 gets a ``RequestGrammar`` (``services/worker/structured_output.py``); a resume from preemption
@@ -60,8 +64,9 @@ import torch
 from services.common.sampling_params import EngineSamplingParams
 from services.worker.attention import AttentionMetadata
 from services.worker.logprobs import PromptChunk
-from services.worker.penalties import PenaltyTensors, TokenCounts
+from services.worker.penalties import TokenCounts
 from services.worker.sampler import SamplingTensors
+from services.worker.sampling_rows import SamplingRows
 from services.worker.step_input import StepInput
 from services.worker.structured_output import RequestGrammar, StructuredOutputs
 
@@ -116,7 +121,8 @@ class PreparedStep:
         sampling: per-row sampling parameters of the ``S`` rows (``grammar`` not yet set).
         grammar_rows: ``[C]`` int64, which of the ``S`` rows a grammar constrains.
         grammars: their ``C`` matchers' states.
-        num_logprobs: per row, the top logprobs it asked for (0..20), or None for none.
+        num_logprobs: per row, the top logprobs it asked for (0..20 from a client, up to the
+            vocabulary for a beam's candidates), or None for none.
         prompt_chunks: the prompt positions scored this step (requests with prompt_logprobs).
     """
 
@@ -156,17 +162,7 @@ class InputBatch:
     num_tokens: np.ndarray
     block_table: np.ndarray
     num_blocks: np.ndarray
-    temperature: np.ndarray
-    top_p: np.ndarray
-    top_k: np.ndarray
-    min_p: np.ndarray
-    seeded: np.ndarray
-    penalized: np.ndarray
-    biased: np.ndarray
-    constrained: np.ndarray
     num_prompt_tokens: np.ndarray
-    min_tokens: np.ndarray
-    num_logprobs: np.ndarray
     num_prompt_logprobs: np.ndarray
     _seq_lens: np.ndarray
     _query_start_loc: np.ndarray
@@ -190,23 +186,19 @@ class InputBatch:
         self.free_rows: list[int] = []  # pop() gives the lowest free row first
         self.row_states: list[RequestState | None] = []
         self.max_num_seqs = self.max_num_batched_tokens = 0
+        self.sampling_rows = SamplingRows(vocab_size, device)  # the rows' sampling parameters
         self.block_table = np.zeros((self.num_groups, 0, self.max_blocks), dtype=np.int32)
         self._grow_rows(max_num_seqs)
         self._grow_tokens(max_num_batched_tokens)
         self._step_ids: set[str] | None = None  # the current step's request ids (evictions)
 
     # Persistent rows (see the module docstring): name -> (per-row shape, dtype), rows first
-    # (block_table, rows second, is grown beside them). A free row has num_tokens =
-    # num_blocks = 0 and all-zero block tables.
+    # (block_table, rows second, and the sampling parameters, ``sampling_rows``, are grown
+    # beside them). A free row has num_tokens = num_blocks = 0 and all-zero block tables.
     def _row_arrays(self) -> dict[str, tuple[tuple[int, ...], type]]:
         return {"token_ids": ((self.max_model_len,), np.int32), "num_tokens": ((), np.int64),
-                "num_blocks": ((), np.int64),
-                "temperature": ((), np.float32), "top_p": ((), np.float32),
-                "top_k": ((), np.int64), "min_p": ((), np.float32), "seeded": ((), bool),
-                "penalized": ((), bool), "biased": ((), bool), "constrained": ((), bool),
-                "num_prompt_tokens": ((), np.int64),
-                "min_tokens": ((), np.int64),  # 0 unless it has stop ids to mask
-                "num_logprobs": ((), np.int64), "num_prompt_logprobs": ((), np.int64),  # -1 none
+                "num_blocks": ((), np.int64), "num_prompt_tokens": ((), np.int64),
+                "num_prompt_logprobs": ((), np.int64),  # -1 none
                 # step buffers per request, sliced per step ([0] of query_start_loc stays 0)
                 "_seq_lens": ((), np.int32), "_query_start_loc": ((), np.int32),
                 "_logits_indices": ((), np.int64)}
@@ -229,6 +221,7 @@ class InputBatch:
         table = np.zeros((self.num_groups, rows, self.max_blocks), dtype=np.int32)
         table[:, :old] = self.block_table
         self.block_table = table
+        self.sampling_rows.grow(rows)
         self.row_states.extend([None] * (rows - old))
         self.free_rows = list(range(rows - 1, old - 1, -1)) + self.free_rows
         self.max_num_seqs = rows
@@ -259,8 +252,9 @@ class InputBatch:
         Raises:
             KeyError: a cached request the worker does not hold.
             ValueError: a token list longer than ``max_model_len``, a block table longer than
-                ``max_blocks``, a block id outside ``[-1, num_kv_blocks)``, or a count of block
-                ids that the number of KV cache groups does not divide.
+                ``max_blocks``, a block id outside ``[-1, num_kv_blocks)``, a count of block
+                ids that the number of KV cache groups does not divide, or a first_new_block
+                past the end of the request's block table.
         """
         self._grow_rows(len(step.new_requests) + len(step.cached_requests))
         self._step_ids = None
@@ -290,7 +284,9 @@ class InputBatch:
             if c.new_token_ids:
                 append_rows.append(row)
                 append_ids.append(c.new_token_ids)
-            if c.new_block_ids:
+            if c.first_new_block >= 0:  # copy-on-write: the tables from there are replaced
+                self._write_blocks(c.request_id, row, c.first_new_block, c.new_block_ids)
+            elif c.new_block_ids:
                 self._write_blocks(c.request_id, row, int(self.num_blocks[row]), c.new_block_ids)
         if append_rows:
             self._append_tokens(np.array(append_rows, dtype=np.int64), append_ids)
@@ -355,17 +351,10 @@ class InputBatch:
             self._free(victim)
         row = state.row = self.free_rows.pop()
         self.row_states[row] = state
-        o = state.sampling
-        self.temperature[row], self.top_p[row], self.min_p[row] = o.temperature, o.top_p, o.min_p
-        self.top_k[row] = SamplingTensors.effective_top_k(o.top_k, self.vocab_size)
-        self.seeded[row] = state.generator is not None
-        self.penalized[row] = state.counts is not None
-        self.biased[row] = state.logit_bias is not None
-        self.constrained[row] = state.grammar is not None
+        self.sampling_rows.write(row, state)
         self.num_prompt_tokens[row] = state.num_prompt_tokens
-        self.min_tokens[row] = o.min_tokens if state.min_tokens_stop_ids else 0
-        self.num_logprobs[row] = -1 if o.logprobs is None else o.logprobs
-        self.num_prompt_logprobs[row] = -1 if o.prompt_logprobs is None else o.prompt_logprobs
+        prompt_logprobs = state.sampling.prompt_logprobs
+        self.num_prompt_logprobs[row] = -1 if prompt_logprobs is None else prompt_logprobs
         return row
 
     def _unpark(self, state: RequestState, step: StepInput) -> int:
@@ -414,12 +403,17 @@ class InputBatch:
 
     def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
         """Append the token sampled for each of ``rows [S]`` (a step's ``sampled_rows``) to its
-        token list: the next step computes it (the scheduler does not send it back).
+        token list: the next step computes it (the scheduler does not send it back). A beam's
+        row is skipped: the scheduler picks its next token among the step's candidates and
+        sends it (``new_token_ids``) to every rank.
 
         Raises:
             ValueError: a token list would pass ``max_model_len`` (the scheduler never
                 schedules that).
         """
+        beams = self.sampling_rows.beam[rows]  # [S]
+        if beams.any():
+            rows, token_ids = rows[~beams], np.asarray(token_ids)[~beams].tolist()
         if not len(rows):
             return
         starts = self.num_tokens[rows]  # [S]
@@ -471,8 +465,16 @@ class InputBatch:
 
     def _write_blocks(self, request_id: str, row: int, start: int, block_ids: list[int]) -> None:
         """Write ``block_ids`` (``n`` per group, group by group) at ``start`` of the row's
-        block tables, which end after them (``start = 0`` replaces the tables; what lay beyond
-        is zeroed). -1 is stored as 0."""
+        block tables, which end after them (``start = 0`` replaces the tables, ``start`` below
+        their end replaces their tail, as copy-on-write asks; what lay beyond is zeroed). -1 is
+        stored as 0.
+
+        Raises:
+            ValueError: ``start`` past the tables' end (a gap), or ``_check_blocks``' errors.
+        """
+        if start > self.num_blocks[row]:
+            raise ValueError(f"request {request_id!r}: blocks written from table index {start}, "
+                             f"past the end of its block table ({self.num_blocks[row]} blocks)")
         n, has_none = self._check_blocks(request_id, start, block_ids)
         end = start + n
         if self.num_groups == 1:
@@ -541,56 +543,19 @@ class InputBatch:
                 max_query_len=max_query_len, max_seq_len=max_seq_len))
         sampled_rows = rows[sampled]  # [S]
         ids = scheduled.request_ids
-        num_logprobs = self.num_logprobs[sampled_rows]  # [S]
-        grammar_rows = np.flatnonzero(self.constrained[sampled_rows])  # [C]
+        sr = self.sampling_rows
+        grammar_rows, grammars = sr.grammars(sampled_rows, self.row_states)
         return PreparedStep(
             input_ids=self._to_device(input_ids), positions=self._to_device(positions),
             attn_metadata=metas, logits_indices=self._to_device(logits_indices),
             sampled_request_ids=(list(ids) if len(sampled) == len(ids)
                                  else [ids[i] for i in sampled.tolist()]),
             sampled_rows=sampled_rows,
-            sampling=self._sampling_tensors(sampled_rows),
-            num_logprobs=([None if k < 0 else k for k in num_logprobs.tolist()]
-                          if (num_logprobs >= 0).any() else [None] * len(sampled)),
+            sampling=sr.tensors(sampled_rows, self.row_states, self.token_ids, self.num_tokens,
+                                self.num_prompt_tokens),
+            num_logprobs=sr.logprobs(sampled_rows),
             prompt_chunks=self._prompt_chunks(scheduled, query_start_loc),
-            grammar_rows=grammar_rows,
-            grammars=[self.row_states[r].grammar for r in sampled_rows[grammar_rows].tolist()])
-
-    def _sampling_tensors(self, rows: np.ndarray) -> SamplingTensors:
-        """The sampling parameters of ``rows [S]`` by indexing; Python loops only over the rows
-        that are seeded, penalised, biased or under min_tokens."""
-        generators = {i: self.row_states[rows[i]].generator
-                      for i in np.flatnonzero(self.seeded[rows]).tolist()}
-        penalties, mask = None, None
-        pen_rows = np.flatnonzero(self.penalized[rows]).tolist()
-        if pen_rows:
-            states = [self.row_states[rows[i]] for i in pen_rows]
-            for s in states:
-                s.counts.update(self.token_ids[s.row, :self.num_tokens[s.row]])
-            penalties = PenaltyTensors.build(
-                pen_rows, [s.counts for s in states],
-                [s.sampling.repetition_penalty for s in states],
-                [s.sampling.presence_penalty for s in states],
-                [s.sampling.frequency_penalty for s in states], self.device)
-        bias = None
-        bias_rows = np.flatnonzero(self.biased[rows]).tolist()
-        if bias_rows:
-            pairs = [self.row_states[rows[i]].logit_bias for i in bias_rows]
-            bias = (np.repeat(np.array(bias_rows, dtype=np.int64), [len(p[0]) for p in pairs]),
-                    np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs]))
-        num_outputs = self.num_tokens[rows] - self.num_prompt_tokens[rows]  # [S]
-        under_min = np.flatnonzero(num_outputs < self.min_tokens[rows]).tolist()
-        if under_min:
-            mask_rows, mask_ids = [], []
-            for i in under_min:
-                stop_ids = self.row_states[rows[i]].min_tokens_stop_ids
-                mask_rows.extend([i] * len(stop_ids))
-                mask_ids.extend(stop_ids)
-            mask = (mask_rows, mask_ids)
-        return SamplingTensors.from_arrays(
-            self.temperature[rows], self.top_p[rows], self.top_k[rows], generators,
-            self.vocab_size, self.device, min_p=self.min_p[rows], penalties=penalties,
-            logit_bias=bias, min_tokens_mask=mask)
+            grammar_rows=grammar_rows, grammars=grammars)
 
     def _prompt_chunks(self, scheduled: ScheduledBatch, query_start_loc: np.ndarray
                        ) -> list[PromptChunk]:

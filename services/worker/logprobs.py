@@ -14,8 +14,6 @@ import torch
 
 from services.worker.step_input import PromptChunkLogprobs, SampledLogprobs
 
-MAX_LOGPROBS = 20  # the most top logprobs one request may ask for (vLLM's default max_logprobs)
-
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
                      num_logprobs: list[int | None]) -> SampledLogprobs | None:
@@ -25,7 +23,9 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
         logits: ``[S, V]`` the raw logits of the step's sampled rows (any float dtype; the
             log_softmax is taken in float32).
         token_ids: ``[S]`` int64, the token sampled for each row.
-        num_logprobs: per row, k in [0, 20] top logprobs to return, or None for none.
+        num_logprobs: per row, k >= 0 top logprobs to return, or None for none. The router
+            caps a client's k at 20; a beam asks for its candidates, up to the vocabulary (a
+            k past ``V`` returns ``V``).
     Returns:
         The columnar ``SampledLogprobs`` (natural logs), or None when no row asked.
         One ``topk`` with the batch's largest k; each row keeps its first k.

@@ -9,7 +9,8 @@ pair, in the blocks their groups were given). Token position ``p`` of a request 
 layer of group ``g``, at block ``block_table[g][p // block_size]``, offset ``p % block_size``;
 the flat slot is ``block * block_size + offset``. A model of one attention type has one group of
 all its layers: one pair per layer. Under pipeline parallelism a rank allocates only the pairs
-its layers use.
+its layers use. Copy-on-write (beam search) copies whole blocks in every pair before a step's
+forward (``kernels.copy_blocks``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import cast
 
 import torch
 
+from kernels.copy_blocks import copy_blocks
 from services.common.sampling_params import EngineSamplingParams
 from services.common.tokenizer_loading import load_tokenizer
 from services.worker.attention import AttentionMetadata, select_backend
@@ -302,15 +304,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_step(self, step: StepInput) -> StepOutput:
-        """Apply ``step``'s diffs, run the scheduled tokens, and sample where a chunk ends.
+        """Copy ``step``'s KV blocks, apply its diffs, run the scheduled tokens, and sample where
+        a chunk ends.
 
         The ranks of the last pipeline stage append the sampled tokens to their requests (the
-        next step computes them); the other stages get them as the next step's new_token_ids.
-        The driver fills the grammar masks of its constrained rows during the forward.
+        next step computes them), except a beam's, which the scheduler picks; the other stages
+        get them as the next step's new_token_ids. The driver fills the grammar masks of its
+        constrained rows during the forward.
 
         Safe to call from any (one at a time) thread. Raises KeyError / ValueError on an
         inconsistent step (unknown request, tokens or blocks missing, bad block id).
         """
+        self._copy_blocks(step.blocks_to_copy)
         scheduled = self.input_batch.update(step)
         if not scheduled:
             return StepOutput(step.step_id, [], [])
@@ -348,6 +353,22 @@ class ModelRunner:
         self.input_batch.append_sampled(batch.sampled_rows, sampled)  # (the worker owns them)
         return StepOutput(step.step_id, batch.sampled_request_ids, sampled, logprobs,
                           prompt_logprobs)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block ``src`` into block ``dst`` in every K and V tensor this rank
+        holds, for each ``(src, dst)`` of ``pairs`` (the servicer checked them,
+        ``check_block_copies``: in range, no destination twice or also a source).
+
+        NOTE: first in every step, on every rank, scheduled or not: a pipeline stage or tp peer
+        holds its own layers' or heads' K/V, and a copy must land before any later step reads
+        or writes the destination. Each shared pair tensor is copied once.
+        """
+        if not pairs:
+            return
+        tensors = {id(t): t for kv in self.kv_caches for t in kv}.values()
+        src, dst = torch.tensor(list(zip(*pairs, strict=True)), dtype=torch.int64,
+                                device=self.device)  # [N] each
+        copy_blocks(tensors, src, dst)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, batch) -> list:
         """Raw logprobs of the prompt tokens scored this step (``hidden [T, E]``)."""

@@ -32,19 +32,29 @@ from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import InFlight, add_shutdown_flags, drain
 from services.common.tls import add_tls_flags, tls_from_args
 from services.worker.metrics import WorkerMetrics
-from services.worker.step_input import CachedRequest, NewRequest, StepInput, check_sampling
+from services.worker.step_input import (
+    CachedRequest,
+    NewRequest,
+    StepInput,
+    check_block_copies,
+    check_sampling,
+)
 
 log = logging.getLogger(__name__)
 SERVICE = "pagedserve.v1.WorkerService"
 
 
-def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int) -> StepInput:
+def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int,
+                       num_kv_blocks: int | None = None) -> StepInput:
     """Decode a StepRequest into the ModelRunner's plain dataclasses.
+
+    ``num_kv_blocks`` (the rank's; the servicer passes it) range-checks the block copies;
+    None leaves that to the caller (in-process benchmarks, whose scheduler sized the cache).
 
     Raises:
         ValueError: a malformed message: a new request's sampling parameters the sampler cannot
-            use (``check_sampling``; ``vocab_size``: the model's), or CachedRequests columns
-            that disagree.
+            use (``check_sampling``; ``vocab_size``: the model's), CachedRequests columns
+            that disagree, or block copies that cannot run as asked (``check_block_copies``).
     """
     new_requests = []
     for r in msg.new_requests:
@@ -60,7 +70,26 @@ def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int) -> StepInpu
     return StepInput(
         step_id=msg.step_id, new_requests=new_requests,
         cached_requests=cached_requests_from_pb(msg.cached_requests),
-        finished_request_ids=list(msg.finished_request_ids))
+        finished_request_ids=list(msg.finished_request_ids),
+        blocks_to_copy=block_copies_from_pb(msg, num_kv_blocks))
+
+
+def block_copies_from_pb(msg: worker_pb2.StepRequest, num_kv_blocks: int | None
+                         ) -> list[tuple[int, int]]:
+    """The step's copy-on-write ``(src, dst)`` pairs, checked (``check_block_copies``) when
+    ``num_kv_blocks`` is given.
+
+    Raises:
+        ValueError: the two columns disagree in length, or the pairs fail the check.
+    """
+    src, dst = msg.copy_src_block_ids, msg.copy_dst_block_ids
+    if len(src) != len(dst):
+        raise ValueError(f"malformed StepRequest: {len(src)} copy_src_block_ids but "
+                         f"{len(dst)} copy_dst_block_ids")
+    pairs = list(zip(src, dst, strict=True))
+    if num_kv_blocks is not None:
+        check_block_copies(pairs, num_kv_blocks)
+    return pairs
 
 
 def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]:
@@ -71,11 +100,12 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
     """
     n = len(c.request_ids)
     # NOTE: an empty num_new_token_ids column means no tokens at all (most steps: the worker
-    # owns its tokens).
+    # owns its tokens), an empty first_new_block column that every request appends its blocks.
     num_new_token_ids = c.num_new_token_ids if len(c.num_new_token_ids) or c.new_token_ids else (
         [0] * n)
+    first_new_block = c.first_new_block if len(c.first_new_block) else [-1] * n
     columns = (num_new_token_ids, c.num_new_block_ids, c.resumed_from_preemption,
-               c.num_computed_tokens, c.num_scheduled_tokens)
+               c.num_computed_tokens, c.num_scheduled_tokens, first_new_block)
     if any(len(col) != n for col in columns) or (
             sum(num_new_token_ids) != len(c.new_token_ids)
             or sum(c.num_new_block_ids) != len(c.new_block_ids)):
@@ -83,9 +113,10 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
                          f"{[len(col) for col in columns]}")
     tokens, blocks = list(c.new_token_ids), list(c.new_block_ids)
     out, t, b = [], 0, 0
-    for rid, nt, nb, resumed, computed, scheduled in zip(c.request_ids, *columns, strict=True):
+    for rid, nt, nb, resumed, computed, scheduled, first in zip(c.request_ids, *columns,
+                                                                 strict=True):
         out.append(CachedRequest(rid, tokens[t:t + nt], blocks[b:b + nb], resumed, computed,
-                                 scheduled))
+                                 scheduled, first))
         t += nt
         b += nb
     return out
@@ -161,7 +192,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         loop = asyncio.get_running_loop()
         async for msg in request_iterator:
             try:
-                step = step_input_from_pb(msg, self.info.vocab_size)
+                step = step_input_from_pb(msg, self.info.vocab_size, self.info.num_kv_blocks)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {e}")
             if step.new_requests and log.isEnabledFor(logging.DEBUG):

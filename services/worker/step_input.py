@@ -4,8 +4,11 @@ The gRPC servicer converts the StepRequest protobuf into a ``StepInput`` and a `
 back into a StepResult. vLLM V1 style: a request is sent in full once (``NewRequest``), then
 only as diffs (``CachedRequest``); the worker keeps the rest (token ids, block table, sampling
 parameters, RNG) in its per-request state. The worker owns its tokens: the last pipeline stage
-appends what it samples; ``new_token_ids`` carries tokens only to the earlier stages and, as
-the whole list, for a request resumed from preemption (see worker.proto's CachedRequests).
+appends what it samples; ``new_token_ids`` carries tokens only to the earlier stages, to every
+rank for a beam (``sampling.beam_width > 0``: the scheduler picks its next token among the
+candidates the step returned), and, as the whole list, for a request resumed from preemption
+(see worker.proto's CachedRequests). Copy-on-write of shared KV blocks (beam search) comes as
+``StepInput.blocks_to_copy`` and ``CachedRequest.first_new_block``.
 """
 
 from __future__ import annotations
@@ -20,9 +23,10 @@ from services.common.sampling_params import EngineSamplingParams
 def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
     """Refuse parameters the sampler cannot use: a temperature, top_p, min_p, penalty or
     logit bias that is not a finite number in its domain, a stop token id, logit_bias token id
-    or logprobs count outside the vocabulary, or a structured_output that is not llguidance
-    grammar JSON (an object with a ``grammars`` list; the grammar itself is the router's to
-    validate, and a matcher that fails anyway only lets the request end).
+    or logprobs count outside the vocabulary (a beam asks for more than the router's 20 top
+    logprobs, up to the vocabulary), a negative beam_width, or a structured_output that is not
+    llguidance grammar JSON (an object with a ``grammars`` list; the grammar itself is the
+    router's to validate, and a matcher that fails anyway only lets the request end).
 
     Not a second validation: the router's (``services/router/validation.py``) names fields and
     limits, and all it accepts passes here. This is the worker's guard against a malformed
@@ -36,7 +40,7 @@ def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
     floats = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
               p.frequency_penalty)
     if not (all(map(math.isfinite, floats)) and p.temperature >= 0 and 0 < p.top_p <= 1
-            and 0 <= p.min_p <= 1 and p.repetition_penalty > 0
+            and 0 <= p.min_p <= 1 and p.repetition_penalty > 0 and p.beam_width >= 0
             and all(0 <= t < vocab_size for t in p.stop_token_ids)
             and all(k is None or 0 <= k <= vocab_size for k in (p.logprobs, p.prompt_logprobs))):
         raise ValueError(f"sampling parameters the sampler cannot use (vocab_size {vocab_size}; "
@@ -54,6 +58,29 @@ def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
         if not (isinstance(grammar, dict) and isinstance(grammar.get("grammars"), list)):
             raise ValueError("structured_output is not llguidance grammar JSON: expected an "
                              "object with a \"grammars\" list (llguidance.grammar_from's result)")
+
+
+def check_block_copies(pairs: list[tuple[int, int]], num_kv_blocks: int) -> None:
+    """Refuse copy-on-write pairs ``(src, dst)`` the block copy cannot run as asked: a block
+    id outside ``[0, num_kv_blocks)``, a destination named twice, or a destination that is
+    also a source (the copy reads every source before it writes any destination,
+    ``kernels.copy_blocks``, which equals copying the pairs in order only without those; the
+    scheduler never sends them).
+
+    Raises:
+        ValueError: naming the offending ids.
+    """
+    if not pairs:
+        return
+    ids = [b for pair in pairs for b in pair]
+    if min(ids) < 0 or max(ids) >= num_kv_blocks:
+        raise ValueError(f"block copies must name block ids in [0, {num_kv_blocks}), got "
+                         f"[{min(ids)}, {max(ids)}]")
+    dst = [d for _, d in pairs]
+    chained = set(dst) & {s for s, _ in pairs}
+    if len(set(dst)) != len(dst) or chained:
+        raise ValueError("block copies must write distinct blocks that no copy of the step "
+                         f"reads; got {pairs[:8]}{' ...' if len(pairs) > 8 else ''}")
 
 
 @dataclass(slots=True)
@@ -74,15 +101,16 @@ class CachedRequest:
     """A request the worker already holds: what changed since the previous step."""
 
     request_id: str
-    new_token_ids: list[int]  # appended to the token list (earlier pipeline stages), or the
-    # whole token list if resumed
+    new_token_ids: list[int]  # appended to the token list (earlier pipeline stages; a beam on
+    # every rank), or the whole token list if resumed
     new_block_ids: list[int]  # appended to the block tables (k per KV cache group, group by
     # group), or the whole tables if resumed; -1 = no block
     resumed_from_preemption: bool  # True: new_block_ids and new_token_ids REPLACE table and list
     num_computed_tokens: int
     num_scheduled_tokens: int
     # the table index new_block_ids are written from in every group (replacing the entries from
-    # there: copy-on-write gave the request a copy of its last block); -1 = appended
+    # there: copy-on-write gave the request a copy of its last block); -1 = appended. Ignored
+    # when resumed (its tables are replaced from 0).
     first_new_block: int = -1
 
 

@@ -117,6 +117,25 @@ def test_a_block_count_the_groups_do_not_divide_or_a_bad_id_is_refused():
         step(batch, 4, cached=[CachedRequest("c", [], list(range(7)) * 2, False, 5, 0)])
 
 
+def test_first_new_block_replaces_every_groups_tables_from_there():
+    """Copy-on-write: a cached request's new block ids are written from ``first_new_block`` in
+    each group (its last block replaced by the copy), and the tables end after them; past the
+    tables' end is refused."""
+    batch = make_batch(groups=2)
+    step(batch, 0, new=[NewRequest("a", list(range(10, 20)), GREEDY, [1, 2, 3, 5, 6, 7], 0, 10)])
+    row = batch.requests["a"].row
+    out = step(batch, 1, cached=[CachedRequest("a", [20], [8, 9], False, 10, 1,
+                                               first_new_block=2)])
+    assert tables(out) == [[[1, 2, 8]], [[5, 6, 9]]] and slots(out) == [[34], [38]]
+    batch.update(StepInput(2, [], [CachedRequest("a", [], [12, 13], False, 11, 0,
+                                                 first_new_block=1)], []))
+    assert batch.num_blocks[row] == 2
+    assert batch.block_table[:, row, :4].tolist() == [[1, 12, 0, 0], [5, 13, 0, 0]]
+    with pytest.raises(ValueError, match="from table index 3, past the end of its block table"):
+        batch.update(StepInput(3, [], [CachedRequest("a", [], [14, 15], False, 11, 0,
+                                                     first_new_block=3)], []))
+
+
 def test_a_parked_request_gets_every_group_table_back():
     batch = make_batch(groups=2, max_num_seqs=1)
     step(batch, 0, new=[NewRequest("a", [1, 2, 3, 4, 5], GREEDY, [1, 2, 3, 4], 0, 5)])
