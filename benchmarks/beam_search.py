@@ -15,13 +15,18 @@ and every request at 64 tokens. Expected: about prompt blocks + 8 x decode block
 Speed: beam_width 4 on ``--num-prompts`` prompts of compare.py's workload (32-512 tokens, real
 text) against the same prompts as 4 independent greedy continuations each (prefix caching on
 for both, so both share each prompt's blocks), ``--new-tokens`` tokens each with ignore_eos:
-both compute the same number of tokens (4 per prompt per step). Reported as computed tokens
-per second and their ratio (beam / greedy).
+both compute the same number of tokens (4 per prompt per step). Reported as decoded tokens
+per second (4 x new tokens x prompts over the run's wall time) and their ratio (beam / greedy).
+
+With ``--vllm-python PATH`` (compare.py's vLLM CPU peer): the same beam requests over HTTP,
+all at once, to ``pagedserve serve`` and to vLLM's OpenAI server (``use_beam_search``, ``n``
+4, ``ignore_eos``), and how often their best hypotheses' texts agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -44,7 +49,8 @@ def run_engine(runner, requests, *, prefix_caching: bool = True) -> tuple[float,
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
                                           enable_prefix_caching=prefix_caching),
                           runner.num_kv_blocks, runner.eos_token_ids,
-                          sliding_windows=[g.sliding_window for g in runner.kv_cache_groups])
+                          sliding_windows=[g.sliding_window for g in runner.kv_cache_groups],
+                          vocab_size=runner.vocab_size)
     for r in requests:
         scheduler.add_request(r)
     bm = scheduler.block_manager
@@ -86,6 +92,71 @@ def greedy(rid: str, prompt: list[int], new_tokens: int):
         temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
 
 
+async def http_beams(base_url: str, prompts: list[list[int]], k: int, new_tokens: int
+                     ) -> tuple[float, list[str]]:
+    """Every prompt's beam search at once through ``POST /v1/completions``; returns (wall
+    seconds, each prompt's best hypothesis text). A short request warms the server first."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as http:
+        async with http.get(f"{base_url}/v1/models") as r:
+            model = (await r.json())["data"][0]["id"]
+
+        async def send(prompt: list[int], n: int) -> str:
+            body = {"model": model, "prompt": prompt, "max_tokens": n, "n": k,
+                    "use_beam_search": True, "temperature": 0, "ignore_eos": True}
+            async with http.post(f"{base_url}/v1/completions", json=body) as r:
+                data = await r.json(content_type=None)
+                if r.status != 200:
+                    raise RuntimeError(f"{base_url}: HTTP {r.status}: {data}")
+            assert len(data["choices"]) == k, data
+            return data["choices"][0]["text"]
+
+        await send(prompts[0][:8], 2)
+        t0 = time.perf_counter()
+        texts = await asyncio.gather(*(send(p, new_tokens) for p in prompts))
+        return time.perf_counter() - t0, list(texts)
+
+
+def bench_peers(args, prompts: list[list[int]], k: int, new_tokens: int) -> dict:
+    """pagedserve serve and vLLM's server, the same beam requests over HTTP (see the module
+    docstring)."""
+    import tempfile
+
+    from compare import running_vllm, vllm_model_folder, vllm_preload
+    from throughput import running_stack
+
+    from services.common.ports import free_port
+
+    http_port = free_port()
+    with running_stack(args.model, args.dtype, ["--http-port", str(http_port)]):
+        url = f"http://127.0.0.1:{http_port}"
+        deadline = time.monotonic() + 120
+        while True:  # (the router's HTTP port may open after its gRPC health)
+            try:
+                ours, our_texts = asyncio.run(http_beams(url, prompts, k, new_tokens))
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
+    log_path = Path(tempfile.mkstemp(prefix="beam-vllm-", suffix=".log")[1])
+    with running_vllm(args.vllm_python, vllm_model_folder(args.model), args.dtype,
+                      threads_bind="0-1", kvcache_gib=2, max_model_len=2048, extra=[],
+                      log_path=log_path, preload=vllm_preload(args.vllm_python)) as url:
+        theirs, their_texts = asyncio.run(http_beams(url, prompts, k, new_tokens))
+    decode = k * new_tokens * len(prompts)
+    agree = sum(a == b for a, b in zip(our_texts, their_texts, strict=True))
+    print(f"HTTP, {len(prompts)} beam requests (n {k}, {new_tokens} tokens): pagedserve "
+          f"{decode / ours:.1f} tok/s ({ours:.1f} s), vLLM {decode / theirs:.1f} tok/s "
+          f"({theirs:.1f} s), ratio {theirs / ours:.3f}; best hypotheses agree "
+          f"{agree}/{len(prompts)}", flush=True)
+    return {"pagedserve_seconds": ours, "vllm_seconds": theirs, "ratio": theirs / ours,
+            "pagedserve_tok_s": decode / ours, "vllm_tok_s": decode / theirs,
+            "best_text_agreement": agree, "vllm_log": str(log_path)}
+
+
 def main() -> None:
     from compare import add_workload_args, cpu_info, workload
 
@@ -93,6 +164,8 @@ def main() -> None:
     add_workload_args(p)
     p.add_argument("--num-prompts", type=int, default=16, help="prompts of the speed run")
     p.add_argument("--new-tokens", type=int, default=64, help="tokens each hypothesis has")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="also time the beam requests over HTTP against vLLM's server")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
 
@@ -137,6 +210,8 @@ def main() -> None:
     print(f"{len(prompts)} prompts, {n} new tokens: beam_width {k} {decode / beam_s:.1f} tok/s "
           f"({beam_s:.1f} s), {k} greedy continuations each {decode / greedy_s:.1f} tok/s "
           f"({greedy_s:.1f} s), ratio {greedy_s / beam_s:.3f}", flush=True)
+    if args.vllm_python:
+        results["http"] = bench_peers(args, prompts, k, n)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

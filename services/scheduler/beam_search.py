@@ -91,6 +91,8 @@ class BeamGroup:
         max_new_tokens: tokens a hypothesis may have (max_tokens, or up to max_model_len).
         stop_token_ids: tokens that end a hypothesis (EOS unless ignore_eos, and the request's
             stop_token_ids).
+        num_candidates: C, the candidates each beam proposes and the step keeps
+            (``num_candidates``, at most the vocabulary).
         length_penalty / early_stopping: as ``EngineSamplingParams``.
         beams: live beams, best cumulative logprob first; ``scores`` aligned with them.
         finished: the best (at most k) finished hypotheses, best first.
@@ -102,6 +104,7 @@ class BeamGroup:
     beam_width: int
     max_new_tokens: int
     stop_token_ids: frozenset[int]
+    num_candidates: int
     length_penalty: float = 1.0
     early_stopping: str = "false"
     beams: list[Request] = field(default_factory=list)
@@ -150,8 +153,7 @@ class BeamGroup:
              for b, (tokens, lps) in self.proposals.items()
              for token, lp in zip(tokens, lps, strict=True)),
             key=lambda c: (-c[0], c[1], c[2]))
-        num_keep = num_candidates(k, 0) if not stops else num_candidates(k, len(stops))
-        candidates = candidates[:num_keep]
+        candidates = candidates[:self.num_candidates]
         at_max = s >= self.max_new_tokens
         norm = _f32(s ** self.length_penalty)
         new = []

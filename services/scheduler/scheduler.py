@@ -199,13 +199,14 @@ class Scheduler:
         eos_token_ids: the model's end-of-sequence ids (finish STOP unless ignore_eos).
         sliding_windows: per KV cache group, its sliding window (0 = full attention; the
             workers' ``kv_cache_groups``); default one full-attention group.
+        vocab_size: the model's vocabulary (caps a beam's candidates), or None (no cap).
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens cannot fit in the KV cache.
     """
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int, eos_token_ids: list[int],
-                 sliding_windows: Sequence[int] = (0,)):
+                 sliding_windows: Sequence[int] = (0,), vocab_size: int | None = None):
         bs, max_len = config.block_size, config.max_model_len
         bm = BlockManager(num_kv_blocks, bs, config.enable_prefix_caching, sliding_windows)
         max_chunk = min(config.long_prefill_token_threshold or max_len,
@@ -221,6 +222,7 @@ class Scheduler:
         self.config = config
         self.block_manager = bm
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
         self.requests: dict[str, Request] = {}  # unfinished (waiting + running) by id
         self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []  # sorted by policy key
@@ -334,10 +336,12 @@ class Scheduler:
                 "or max_tokens")
         stops = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids)
-        request.sampling_params = replace(
-            params, logprobs=num_candidates(k, len(stops)), temperature=0.0)
-        request.beam_group = BeamGroup(request, k, max_new, stops, params.length_penalty,
-                                       params.early_stopping)
+        candidates = num_candidates(k, len(stops))
+        if self.vocab_size is not None:
+            candidates = min(candidates, self.vocab_size)
+        request.sampling_params = replace(params, logprobs=candidates, temperature=0.0)
+        request.beam_group = BeamGroup(request, k, max_new, stops, candidates,
+                                       params.length_penalty, params.early_stopping)
         self._beam_ids |= ids
 
     def abort_request(self, request_id: str) -> RequestUpdate | None:

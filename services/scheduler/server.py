@@ -194,7 +194,8 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
              "on" if config.async_scheduling else "off")
     log.info("KV cache groups: %s", describe_kv_cache_groups(workers.kv_cache_groups))
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids),
-                          sliding_windows=workers.sliding_windows)
+                          sliding_windows=workers.sliding_windows,
+                          vocab_size=first.vocab_size or None)
     info = engine_pb2.GetEngineInfoResponse(
         model=first.model, max_model_len=max_model_len, block_size=args.block_size,
         num_kv_blocks=num_blocks, vocab_size=first.vocab_size,

@@ -293,11 +293,12 @@ class ModelRunner:
         blocks each where the cache allows, so no size is 1 when the graph is traced), then a
         decode step of them, which must reuse the graph."""
         room = self.num_kv_blocks // 2 - 1  # blocks per dummy sequence, less one for decode
-        if room < 0 or self.max_model_len < 3:  # two tokens and a decode must fit
+        # NOTE: n prompt tokens, the prefill's sample and the decode's: n + 2 <= max_model_len
+        if room < 0 or self.max_model_len < 4:
             log.info("no room for warm-up (%d KV blocks, max_model_len %d): compiling at the "
                      "first step", self.num_kv_blocks, self.max_model_len)
             return
-        n = max(2, min(128, self.max_model_len - 1, room * self.block_size))
+        n = max(2, min(128, self.max_model_len - 2, room * self.block_size))
         t0 = time.perf_counter()
         self._dummy_steps([n, n])
         log.info("warm-up (compile included) took %.1f s", time.perf_counter() - t0)

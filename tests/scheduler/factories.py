@@ -52,6 +52,7 @@ def make_scheduler(
     max_model_len: int = 128,
     eos_token_ids: tuple[int, ...] = (EOS,),
     sliding_windows: tuple[int, ...] = (0,),
+    vocab_size: int | None = None,
     **config_kwargs,
 ) -> Scheduler:
     config = SchedulerConfig(
@@ -61,7 +62,7 @@ def make_scheduler(
         block_size=block_size,
         **config_kwargs,
     )
-    return Scheduler(config, num_kv_blocks, list(eos_token_ids), sliding_windows)
+    return Scheduler(config, num_kv_blocks, list(eos_token_ids), sliding_windows, vocab_size)
 
 
 def make_request(

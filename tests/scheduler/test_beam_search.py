@@ -232,6 +232,13 @@ def test_abort_frees_every_beam(model):
     sched.add_request(Request("b#beam1", [5, 6], EngineSamplingParams()))  # (ids free again)
 
 
+def test_candidates_are_capped_at_the_vocabulary():
+    sched = make_scheduler(64, block_size=BS, max_num_seqs=16, vocab_size=20)
+    sched.add_request(Request("a", [1, 2], EngineSamplingParams(
+        beam_width=8, max_tokens=4, stop_token_ids=(3, 4, 5))))
+    assert sched.get_request("a").sampling_params.logprobs == 20  # not 4 x 8
+
+
 def test_beam_group_refusals():
     sched = make_scheduler(16, block_size=BS, max_num_seqs=4, max_model_len=64)
     with pytest.raises(ValueError, match="max_num_seqs"):
@@ -248,7 +255,7 @@ def test_beam_group_refusals():
 
 def test_selection_rounds_as_float32():
     """Scores add and divide in float32 (as transformers' tensors do)."""
-    group = BeamGroup(Request("r", [1], EngineSamplingParams()), 1, 1, frozenset({9}), 1.0)
+    group = BeamGroup(Request("r", [1], EngineSamplingParams()), 1, 1, frozenset({9}), 2, 1.0)
     group.propose(group.root, [5, 9], [-0.1, -0.2])
     assert group.select() is None
     h = group.finished[0]

@@ -9,27 +9,33 @@ from tests.stack_harness import InProcessStack
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, gguf_file=None,
-              ignore_eos: bool = True):
+              ignore_eos: bool = True, model=None):
     """transformers' greedy ``generate`` token ids for each prompt, one at a time, float32.
 
     With ``ignore_eos`` generation runs to max_new_tokens; otherwise it ends with the model's
-    EOS token included, as the engine's output does."""
+    EOS token included, as the engine's output does. ``model``: the transformers model of
+    ``model_dir`` already loaded (float32), or None to load it here."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file,
-                                                 dtype=torch.float32).eval()
-    eos = None if ignore_eos else model.generation_config.eos_token_id
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file,
+                                                     dtype=torch.float32).eval()
+    model_eos = model.generation_config.eos_token_id
+    eos = None if ignore_eos else model_eos
     if ignore_eos:
         model.generation_config.eos_token_id = None
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                            pad_token_id=0)
     outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids]), generation_config=cfg,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            outs.append(out[0, len(ids):].tolist())
+    try:
+        with torch.inference_mode():
+            for ids in prompts:
+                out = model.generate(torch.tensor([ids]), generation_config=cfg,
+                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+                outs.append(out[0, len(ids):].tolist())
+    finally:
+        model.generation_config.eos_token_id = model_eos  # (the caller's model is left as it was)
     return outs
 
 

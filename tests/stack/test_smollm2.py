@@ -8,6 +8,7 @@ import pytest
 from pagedserve_client import Client
 
 from services.common.model_files import resolve_model
+from tests.helpers import hf_beam_search
 from tests.stack.conftest import _leak_check, hf_greedy
 from tests.stack_harness import InProcessStack
 
@@ -24,7 +25,18 @@ def smol_stack():
     stack.stop()
 
 
-def test_smollm2_greedy_chat_matches_transformers(smol_stack):
+@pytest.fixture(scope="module")
+def hf_smol():
+    """transformers' SmolLM2 (float32) from the packaged GGUF, loaded once for this module."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    src = resolve_model(None)
+    return AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
+                                                dtype=torch.float32).eval()
+
+
+def test_smollm2_greedy_chat_matches_transformers(smol_stack, hf_smol):
     from transformers import AutoTokenizer
 
     src = resolve_model(None)
@@ -34,7 +46,7 @@ def test_smollm2_greedy_chat_matches_transformers(smol_stack):
                for c in CHATS]
     prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
     expected = hf_greedy(src.folder, prompts, NEW_TOKENS, gguf_file=src.gguf_file,
-                         ignore_eos=False)
+                         ignore_eos=False, model=hf_smol)
 
     def one(chat):
         with Client(smol_stack.address) as c:
@@ -47,4 +59,34 @@ def test_smollm2_greedy_chat_matches_transformers(smol_stack):
         assert r.token_ids == e, f"{chat!r}: {r.text!r}"
         assert r.finish_reason == ("length" if len(e) == NEW_TOKENS else "stop")
     assert "Paris" in results[0].text
+    _leak_check(smol_stack)
+
+
+def test_smollm2_beam_search_matches_transformers(smol_stack, hf_smol):
+    """Beam search (k = 2, 4, 8, three length penalties, both early_stopping values) of three
+    chats at once: the hypotheses and scores equal transformers' generate(num_beams=k)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    src = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+    model = hf_smol
+    cases = [(2, 1.0, "false"), (4, 0.5, "true"), (8, 2.0, "false")]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": c}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]) for c in CHATS[:3]]
+    with torch.inference_mode():
+        expected = [hf_beam_search(model, p, k, k, NEW_TOKENS, lp, es == "true")
+                    for p, (k, lp, es) in zip(prompts, cases, strict=True)]
+
+    def one(i):
+        k, lp, es = cases[i]
+        with Client(smol_stack.address) as c:
+            return c.generate(prompt_token_ids=prompts[i], use_beam_search=True, n=k,
+                              length_penalty=lp, early_stopping=es == "true", max_tokens=NEW_TOKENS)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(one, range(len(cases))))
+    for r, e in zip(results, expected, strict=True):
+        assert [c.token_ids for c in r.choices] == [ids for ids, _ in e]
+        assert all(abs(c.beam_score - s) < 1e-4 for c, (_, s) in zip(r.choices, e, strict=True))
     _leak_check(smol_stack)
