@@ -40,11 +40,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def run_engine(runner, requests, *, prefix_caching: bool = True) -> tuple[float, int, int]:
     """Run ``requests`` (scheduler Requests) to the end; returns (seconds, computed tokens,
     peak KV blocks in use)."""
-    from services.common.pb.pagedserve.v1 import worker_pb2
     from services.scheduler.logprobs import logprobs_from_pb
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
     from services.scheduler.worker_client import build_step_request
-    from services.worker.server import step_input_from_pb
+    from services.worker.server import step_input_from_pb, step_result_to_pb
 
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
                                           enable_prefix_caching=prefix_caching),
@@ -61,14 +60,7 @@ def run_engine(runner, requests, *, prefix_caching: bool = True) -> tuple[float,
         peak = max(peak, bm.num_blocks - bm.num_free_blocks)
         computed += out.total_num_scheduled_tokens
         res = runner.execute_step(step_input_from_pb(build_step_request(out), runner.vocab_size))
-        result = worker_pb2.StepResult(step_id=res.step_id, request_ids=res.request_ids,
-                                       sampled_token_ids=res.sampled_token_ids)
-        if res.logprobs is not None:
-            lp = res.logprobs
-            result.num_top_logprobs.extend(lp.num_top_logprobs)
-            result.sampled_logprobs.extend(lp.sampled_logprobs)
-            result.top_token_ids.extend(lp.top_token_ids)
-            result.top_logprobs.extend(lp.top_logprobs)
+        result = step_result_to_pb(res)
         scheduler.update_from_output(out, dict(zip(res.request_ids, res.sampled_token_ids,
                                                    strict=True)), logprobs_from_pb(result))
     elapsed = time.perf_counter() - t0

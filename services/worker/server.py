@@ -36,6 +36,7 @@ from services.worker.step_input import (
     CachedRequest,
     NewRequest,
     StepInput,
+    StepOutput,
     check_block_copies,
     check_sampling,
 )
@@ -90,6 +91,28 @@ def block_copies_from_pb(msg: worker_pb2.StepRequest, num_kv_blocks: int | None
     if num_kv_blocks is not None:
         check_block_copies(pairs, num_kv_blocks)
     return pairs
+
+
+def step_result_to_pb(out: StepOutput) -> worker_pb2.StepResult:
+    """Encode a step's ``StepOutput`` as the StepResult message (columns as worker.proto
+    describes them)."""
+    result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
+                                   sampled_token_ids=out.sampled_token_ids)
+    if out.logprobs is not None:
+        lp = out.logprobs
+        result.num_top_logprobs.extend(lp.num_top_logprobs)
+        result.sampled_logprobs.extend(lp.sampled_logprobs)
+        result.top_token_ids.extend(lp.top_token_ids)
+        result.top_logprobs.extend(lp.top_logprobs)
+    for pl in out.prompt_logprobs:
+        result.prompt_request_ids.append(pl.request_id)
+        result.prompt_first_positions.append(pl.first_position)
+        result.prompt_num_tokens.append(len(pl.logprobs))
+        result.prompt_num_top.append(len(pl.top_token_ids) // max(1, len(pl.logprobs)))
+        result.prompt_logprobs.extend(pl.logprobs)
+        result.prompt_top_token_ids.extend(pl.top_token_ids)
+        result.prompt_top_logprobs.extend(pl.top_logprobs)
+    return result
 
 
 def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]:
@@ -214,23 +237,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     *step.new_requests, *step.cached_requests]
                 self.metrics.observe_step(seconds, sum(r.num_scheduled_tokens for r in scheduled),
                                           len(scheduled))
-            result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
-                                           sampled_token_ids=out.sampled_token_ids)
-            if out.logprobs is not None:
-                lp = out.logprobs
-                result.num_top_logprobs.extend(lp.num_top_logprobs)
-                result.sampled_logprobs.extend(lp.sampled_logprobs)
-                result.top_token_ids.extend(lp.top_token_ids)
-                result.top_logprobs.extend(lp.top_logprobs)
-            for pl in out.prompt_logprobs:
-                result.prompt_request_ids.append(pl.request_id)
-                result.prompt_first_positions.append(pl.first_position)
-                result.prompt_num_tokens.append(len(pl.logprobs))
-                result.prompt_num_top.append(len(pl.top_token_ids) // max(1, len(pl.logprobs)))
-                result.prompt_logprobs.extend(pl.logprobs)
-                result.prompt_top_token_ids.extend(pl.top_token_ids)
-                result.prompt_top_logprobs.extend(pl.top_logprobs)
-            yield result
+            yield step_result_to_pb(out)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
