@@ -6,7 +6,8 @@ Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
   blocks / all blocks, 0..1 as in vLLM);
 - counters ``num_preemptions_total``, ``prefix_cache_queries_total`` and
   ``prefix_cache_hits_total`` (tokens looked up / found at admission);
-- beam search: gauge ``kv_cache_shared_blocks`` (blocks more than one table lists: prefix
+- beam search: a search counts its prompt and its k hypotheses' tokens once, when it ends (it
+  has no first token or inter-token latency); gauge ``kv_cache_shared_blocks`` (blocks more than one table lists: prefix
   hits, n > 1, beams) and counter ``beam_blocks_copied_total`` (copy-on-write copies).
 
 Observed by the engine loop (``SchedulerMetrics.observe_*``), all times ``time.monotonic()``
@@ -139,7 +140,8 @@ class SchedulerMetrics:
             t = self._timings.get(u.request_id)
             if t is None:
                 continue
-            if u.beams:  # (a beam search reports its tokens once, at the end)
+            if u.beams:  # (a beam search reports its prompt and hypotheses once, at the end)
+                self.prompt_tokens.inc(u.num_prompt_tokens)
                 self.generation_tokens.inc(sum(len(h.token_ids) for h in u.beams))
             if u.new_token_ids:
                 self.generation_tokens.inc(len(u.new_token_ids))
