@@ -7,8 +7,9 @@ Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
 - counters ``num_preemptions_total``, ``prefix_cache_queries_total`` and
   ``prefix_cache_hits_total`` (tokens looked up / found at admission);
 - beam search: a search counts its prompt and its k hypotheses' tokens once, when it ends (it
-  has no first token or inter-token latency); gauge ``kv_cache_shared_blocks`` (blocks more than one table lists: prefix
-  hits, n > 1, beams) and counter ``beam_blocks_copied_total`` (copy-on-write copies).
+  has no first token or inter-token latency); gauge ``kv_cache_shared_blocks`` (blocks more
+  than one table lists: prefix hits, n > 1, beams) and counter ``beam_blocks_copied_total``
+  (copy-on-write copies).
 
 Observed by the engine loop (``SchedulerMetrics.observe_*``), all times ``time.monotonic()``
 seconds as the scheduler sees them:
