@@ -112,6 +112,10 @@ class CachedRequest:
     # there: copy-on-write gave the request a copy of its last block); -1 = appended. Ignored
     # when resumed (its tables are replaced from 0).
     first_new_block: int = -1
+    # speculative decoding: the d draft tokens this step verifies (num_scheduled_tokens is then
+    # 1 + d: the last token of the list and the drafts after it); never part of the token list
+    # until the step accepts them
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -124,6 +128,9 @@ class StepInput:
     finished_request_ids: list[str]  # dropped before anything else in this step
     # (src, dst) block ids: copied in every layer, in order, before this step's forward
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding: draft tokens the driver proposes after this step per request that
+    # got a token (StepOutput.draft_token_ids); 0 = none
+    num_speculative_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -132,9 +139,16 @@ class StepOutput:
 
     step_id: int
     request_ids: list[str]
-    sampled_token_ids: list[int]  # parallel to request_ids
+    # the new tokens of each request, concatenated: one each, or (speculative decoding) its
+    # accepted drafts and then the token sampled after them
+    sampled_token_ids: list[int]
     logprobs: SampledLogprobs | None = None  # None when no request of the step asked
     prompt_logprobs: list[PromptChunkLogprobs] = field(default_factory=list)
+    # per request, how many of sampled_token_ids are its (1 + accepted drafts); None = one each
+    num_sampled_token_ids: list[int] | None = None
+    # per request (parallel to request_ids), the drafts proposed to follow its new tokens
+    # (StepInput.num_speculative_tokens > 0; [] where none); None = no proposals this step
+    draft_token_ids: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -157,9 +171,10 @@ class PromptChunkLogprobs:
 class SampledLogprobs:
     """Columnar logprobs of one step (the StepResult's layout; see worker.proto).
 
-    ``num_top_logprobs[i]`` is k for request i of the StepOutput, or -1 when it asked for none;
-    ``sampled_logprobs`` has one float (natural log) per request with k >= 0, in order;
-    ``top_token_ids`` / ``top_logprobs`` hold k entries per such request, most likely first.
+    ``num_top_logprobs[i]`` is k for sampled token i of the StepOutput (``sampled_token_ids``,
+    so one per request unless a request accepted drafts), or -1 when its request asked for
+    none; ``sampled_logprobs`` has one float (natural log) per token with k >= 0, in order;
+    ``top_token_ids`` / ``top_logprobs`` hold k entries per such token, most likely first.
     """
 
     num_top_logprobs: list[int]
