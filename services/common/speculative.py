@@ -18,6 +18,7 @@ another refuses it. JSON object fields (vLLM's ``SpeculativeConfig`` names):
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, dataclass
 
@@ -114,3 +115,12 @@ class SpeculativeConfig:
         if method == "ngram" and model:
             raise ValueError("--speculative-config: method ngram takes no model")
         return cls(method, k, hi, lo, model, disable)
+
+
+def speculative_config_arg(text: str) -> SpeculativeConfig | None:
+    """argparse ``type=`` for ``--speculative-config`` (``PAGEDSERVE_SPECULATIVE_CONFIG``):
+    ``SpeculativeConfig.parse``, its ValueError as argparse's error (naming the field)."""
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None

@@ -571,6 +571,30 @@ class BlockManager:
         request.block_ids = []
         request.num_cached_blocks = 0
 
+    def trim(self, request: Request, num_slots: int) -> int:
+        """Release the trailing blocks of every table of ``request`` past the first
+        ``ceil(num_slots / block_size)``: after speculative decoding rejected drafts, the blocks
+        only rejected tokens used (their K/V is dead; nothing registered them, since only full
+        blocks of real tokens are cached). Returns the number of blocks released per table.
+
+        Raises:
+            ValueError: ``num_slots`` would drop a block the prefix cache registered for it
+                (``num_cached_blocks``), i.e. one holding real tokens.
+        """
+        keep = self.num_blocks_needed(num_slots)
+        if not request.block_ids or len(request.block_ids[0]) <= keep:
+            return 0
+        if keep < request.num_cached_blocks:
+            raise ValueError(f"request {request.request_id}: trim to {keep} blocks would drop "
+                             f"{request.num_cached_blocks - keep} full blocks of its tokens")
+        num_dropped = len(request.block_ids[0]) - keep
+        for table in request.block_ids:
+            for block_id in reversed(table[keep:]):
+                if block_id >= 0:
+                    self._release(self.blocks[block_id])
+            del table[keep:]
+        return num_dropped
+
     def check_invariants(self, requests: Iterable[Request] | None = None) -> None:
         """Assert the exact accounting (O(num_blocks); for tests and debugging).
 

@@ -33,10 +33,11 @@ import grpc
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import SHUTTING_DOWN
-from services.scheduler.logprobs import logprobs_from_pb, prompt_logprobs_from_pb
+from services.scheduler.logprobs import prompt_logprobs_from_pb, token_logprobs_from_pb
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler
+from services.scheduler.spec_decode import sampled_from_pb
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -221,16 +222,18 @@ class Engine:
                 await self._fail_and_reconnect(f"worker failed: {e}")
                 continue
             self.num_steps_total += 1
-            # (equal lengths: WorkerGroup.receive checked them)
-            sampled = dict(zip(result.request_ids, result.sampled_token_ids, strict=True))
             try:
-                logprobs = logprobs_from_pb(result)
+                token_logprobs = token_logprobs_from_pb(result)
                 prompt_logprobs = prompt_logprobs_from_pb(result)
             except ValueError as e:  # a worker bug: keep serving tokens, drop the logprobs
                 log.error("%s", e)
-                logprobs = prompt_logprobs = None
+                token_logprobs = prompt_logprobs = None
+            # (token columns of consistent lengths: WorkerGroup.receive checked them)
+            sampled, spec = sampled_from_pb(result, token_logprobs)
+            logprobs = (None if token_logprobs is None
+                        else {rid: lps[-1] for rid, lps in token_logprobs.items()})
             self._publish(self.scheduler.update_from_output(out, sampled, logprobs,
-                                                            prompt_logprobs))
+                                                            prompt_logprobs, spec))
 
     async def _idle(self) -> None:
         """Sleep until a request arrives; raise WorkerError if a rank's stream ends meanwhile
@@ -298,10 +301,10 @@ class Engine:
                 request_id=u.request_id, new_token_ids=u.new_token_ids,
                 finish_reason=None if u.finish_reason is None else u.finish_reason.pb,
                 num_cached_tokens=u.num_cached_tokens)
-            if u.logprobs is not None:
-                out.new_token_logprobs.append(u.logprobs.logprob)
-                out.top_token_ids.extend(u.logprobs.top_token_ids)
-                out.top_logprobs.extend(u.logprobs.top_logprobs)
+            for lp in u.logprobs or ():
+                out.new_token_logprobs.append(lp.logprob)
+                out.top_token_ids.extend(lp.top_token_ids)
+                out.top_logprobs.extend(lp.top_logprobs)
             if u.beams is not None:
                 out.beams.extend(engine_pb2.BeamHypothesis(
                     token_ids=h.token_ids, score=h.score,

@@ -55,8 +55,10 @@ class PromptLogprobs:
                               self.top_token_ids[skip * k:], self.top_logprobs[skip * k:], k)
 
 
-def logprobs_from_pb(result: worker_pb2.StepResult) -> dict[str, TokenLogprobs] | None:
-    """Cut a StepResult's columnar logprobs into one TokenLogprobs per asking request.
+def token_logprobs_from_pb(result: worker_pb2.StepResult
+                           ) -> dict[str, list[TokenLogprobs]] | None:
+    """Cut a StepResult's columnar logprobs into a TokenLogprobs per sampled token of each
+    asking request (in order; one unless it accepted drafts, ``num_sampled_token_ids``).
 
     Raises:
         ValueError: the columns disagree in length (a malformed message).
@@ -65,17 +67,34 @@ def logprobs_from_pb(result: worker_pb2.StepResult) -> dict[str, TokenLogprobs] 
     if not counts:
         return None
     asking = [k for k in counts if k >= 0]
-    if (len(counts) != len(result.request_ids) or len(asking) != len(result.sampled_logprobs)
+    per_request = (list(result.num_sampled_token_ids) if result.num_sampled_token_ids
+                   else [1] * len(result.request_ids))
+    if (len(per_request) != len(result.request_ids) or len(counts) != sum(per_request)
+            or len(asking) != len(result.sampled_logprobs)
             or not sum(asking) == len(result.top_token_ids) == len(result.top_logprobs)):
         raise ValueError(f"step {result.step_id}: malformed logprobs columns")
     ids, lps = list(result.top_token_ids), list(result.top_logprobs)
     sampled = iter(result.sampled_logprobs)
-    out, t = {}, 0
-    for rid, k in zip(result.request_ids, counts, strict=True):
-        if k >= 0:
-            out[rid] = TokenLogprobs(next(sampled), ids[t:t + k], lps[t:t + k])
-            t += k
+    out: dict[str, list[TokenLogprobs]] = {}
+    t, c = 0, 0
+    for rid, n in zip(result.request_ids, per_request, strict=True):
+        for k in counts[c:c + n]:
+            if k >= 0:
+                out.setdefault(rid, []).append(TokenLogprobs(next(sampled), ids[t:t + k],
+                                                             lps[t:t + k]))
+                t += k
+        c += n
     return out
+
+
+def logprobs_from_pb(result: worker_pb2.StepResult) -> dict[str, TokenLogprobs] | None:
+    """The logprobs of each asking request's last sampled token (``token_logprobs_from_pb``).
+
+    Raises:
+        ValueError: the columns disagree in length (a malformed message).
+    """
+    per_token = token_logprobs_from_pb(result)
+    return None if per_token is None else {rid: lps[-1] for rid, lps in per_token.items()}
 
 
 def prompt_logprobs_from_pb(result: worker_pb2.StepResult) -> dict[str, PromptLogprobs] | None:

@@ -6,6 +6,11 @@ Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
   blocks / all blocks, 0..1 as in vLLM);
 - counters ``num_preemptions_total``, ``prefix_cache_queries_total`` and
   ``prefix_cache_hits_total`` (tokens looked up / found at admission);
+- speculative decoding (with ``--speculative-config``), vLLM's counters
+  ``spec_decode_num_drafts_total`` (request steps that verified drafts),
+  ``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` and
+  ``spec_decode_num_accepted_tokens_per_pos_total{position}``; a step's n tokens (accepted
+  drafts and the sampled one) count as n inter-token latencies of 1/n of the gap each;
 - beam search: a search counts its prompt and its k hypotheses' tokens once, when it ends (it
   has no first token or inter-token latency); gauge ``kv_cache_shared_blocks`` (blocks more
   than one table lists: prefix hits, n > 1, beams) and counter ``beam_blocks_copied_total``
@@ -72,6 +77,24 @@ class _CoreCollector:
         yield self._counter("beam_blocks_copied",
                             "KV blocks copied on write (a beam writing into a block another "
                             "beam still reads).", s.num_blocks_copied_total)
+        spec = s.config.speculative
+        if spec is None:
+            return
+        stats = s.spec_stats
+        yield self._counter("spec_decode_num_drafts",
+                            "Request steps that verified draft tokens.", stats.num_drafts)
+        yield self._counter("spec_decode_num_draft_tokens", "Draft tokens verified.",
+                            stats.num_draft_tokens)
+        yield self._counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            stats.num_accepted_tokens)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position (0-based).",
+                                      labels=[*self.labels, "position"])
+        counts = stats.accepted_per_position
+        for i in range(spec.num_speculative_tokens):
+            per_pos.add_metric([*self.labels.values(), str(i)],
+                               counts[i] if i < len(counts) else 0)
+        yield per_pos
 
 
 @dataclass(slots=True)
@@ -149,8 +172,10 @@ class SchedulerMetrics:
                 if t.last_token is None:
                     self.ttft.observe(now - t.arrival)
                     self.prompt_tokens.inc(u.num_prompt_tokens)
-                else:
-                    self.itl.observe(now - t.last_token)
+                else:  # (n tokens at once, accepted drafts: n gaps of 1/n each)
+                    n = len(u.new_token_ids)
+                    for _ in range(n):
+                        self.itl.observe((now - t.last_token) / n)
                 t.last_token = now
             if u.finish_reason is not None:
                 self._success.labels(self._model_name, str(u.finish_reason)).inc()

@@ -89,6 +89,10 @@ class Request:
     prompt_logprobs_next: int = 1  # next prompt index whose logprob goes to the router
     beam_group: BeamGroup | None = None  # the beam search this request is a beam of
     resend: bool = False  # (a beam forked onto another's KV) send its tokens and tables whole
+    spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts the
+    # worker proposed to follow its tokens, for the next decode step to verify
+    trimmed_to: int = -1  # blocks freed after rejected drafts: the tables' length the workers
+    # must cut theirs to (the next step's first_new_block); -1 = none pending
 
     @property
     def needs_prompt_logprobs(self) -> bool:

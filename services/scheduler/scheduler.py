@@ -56,6 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import chain
 
+from services.common.speculative import SpeculativeConfig
 from services.scheduler.beam_search import BeamGroup, BeamHypothesis, num_candidates
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
@@ -65,6 +66,7 @@ from services.scheduler.request import (
     Request,
     RequestStatus,
 )
+from services.scheduler.spec_decode import SpecDecodeResult, SpecDecodeStats, num_drafts_to_verify
 from services.scheduler.waiting_queue import WaitingQueue
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -94,6 +96,7 @@ class SchedulerConfig:
     max_num_waiting_tokens: int = 0  # ... or beyond this many queued tokens; 0 = off
     max_steps_in_flight: int = 1  # steps scheduled before the oldest result (pipeline stages)
     async_scheduling: bool = False  # schedule requests whose token is still in flight
+    speculative: SpeculativeConfig | None = None  # speculative decoding (no async scheduling)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -107,6 +110,10 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
+        if self.speculative is not None and (self.async_scheduling
+                                             or self.max_steps_in_flight > 1):
+            raise ValueError("speculative decoding needs async_scheduling off and one step in "
+                             "flight (the drafts follow the tokens the last step returned)")
 
 
 @dataclass(slots=True)
@@ -134,9 +141,12 @@ class CachedRequestData:
     resumed_from_preemption: bool  # the worker must replace (not extend) table and tokens
     num_computed_tokens: int  # tokens whose K/V are cached; this step computes from here
     # the table index new_block_ids are written from (copy-on-write replaced the entry there
-    # and after); -1 = appended
+    # and after, or blocks only rejected drafts used were freed from there); -1 = appended
     first_new_block: int = -1
     beam: bool = False  # a beam: the scheduler picked new_token_ids, every rank gets them
+    # speculative decoding: the drafts this step verifies after the request's last token
+    # (num_scheduled_tokens = 1 + len); not part of its tokens until accepted
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -152,11 +162,14 @@ class SchedulerOutput:
     preempted_req_ids: set[str]  # preempted this step: worker drops blocks, keeps token ids
     # copy-on-write: (src, dst) blocks every rank copies before this step's forward
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding: drafts the driver proposes after this step per sampled request
+    num_speculative_tokens: int = 0
     # NOTE: the ones below stay in the scheduler (update_from_output reads them); not sent.
     # request_id -> its epoch when scheduled: a result from before a preemption (or for an
     # earlier request of the same id) is stale.
     epochs: dict[str, int] = field(default_factory=dict)
     sampled_req_ids: set[str] = field(default_factory=set)  # chunks that reach the end: a token
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
     applied: bool = False  # update_from_output has consumed it
 
 
@@ -170,7 +183,7 @@ class RequestUpdate:
     num_prompt_tokens: int
     num_output_tokens: int  # after this update
     num_cached_tokens: int  # prefix-cache hit at first schedule (0 if never scheduled)
-    logprobs: TokenLogprobs | None = None  # of new_token_ids[0], when the request asked
+    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids (aligned), when asked
     prompt_logprobs: PromptLogprobs | None = None  # prompt tokens scored by this step's chunk
     beams: list[BeamHypothesis] | None = None  # a beam search's result, on its final update
 
@@ -240,6 +253,7 @@ class Scheduler:
         self._beam_ids: set[str] = set()  # ids the beam groups' beams 1.. (may) take
         self._blocks_to_copy: list[tuple[int, int]] = []  # this schedule()'s copy-on-write
         self.num_blocks_copied_total = 0  # copy-on-write copies (beam search)
+        self.spec_stats = SpecDecodeStats()  # speculative decoding's counters
 
     @property
     def num_running(self) -> int:
@@ -394,6 +408,14 @@ class Scheduler:
         max_len = config.max_model_len
         i = 0
         first_new_block: dict[str, int] = {}
+        # speculative decoding: this step verifies drafts and the next one gets proposals
+        # unless the batch is large (``disable_by_batch_size``); a draft model writes its K/V
+        # into ``lookahead`` slots past each request's tokens.
+        spec_config = config.speculative
+        speculating = spec_config is not None and (
+            len(running) < spec_config.disable_by_batch_size)
+        lookahead = spec_config.num_lookahead_slots if speculating and spec_config else 0
+        scheduled_spec: dict[str, list[int]] = {}
         while i < len(running) and budget > 0:
             request = running[i]
             group = request.beam_group
@@ -417,24 +439,36 @@ class Scheduler:
                         and len(request.output_token_ids) + placeholders >= max_tokens):
                     i += 1  # it ends with the tokens in flight: nothing more to compute
                     continue
+            spec = request.spec_token_ids
+            if spec:  # (drafts only ever follow a decode step's token)
+                request.spec_token_ids = []
+                if speculating and num_new == 1:
+                    d = num_drafts_to_verify(len(spec), min(budget, threshold or budget),
+                                             len(request.output_token_ids),
+                                             request.sampling_params.max_tokens, num_tokens,
+                                             max_len)
+                    if d:
+                        num_new += d
+                        scheduled_spec[request.request_id] = spec[:d]
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
             end = num_computed + num_new
+            slots = min(num_new + lookahead, max_len - num_computed)
             # NOTE: the decode fast path (most requests, most steps): the last block has room
             # and no block fills up, so there is nothing to allocate or register (and a sliding
             # window's blocks are released only when a new block is needed: that is enough).
-            if (end <= len(request.block_ids[0]) * bs
-                    and end // bs <= request.num_cached_blocks):
+            if (num_computed + slots <= len(request.block_ids[0]) * bs
+                    and min(end, num_tokens) // bs <= request.num_cached_blocks):
                 new_blocks[request.request_id] = []
             else:
-                while not bm.can_allocate(request, num_new):
+                while not bm.can_allocate(request, slots):
                     victim = self._preempt_tail()
                     if victim is request:
                         break
                 else:
-                    new_blocks[request.request_id] = bm.allocate(request, num_new)
+                    new_blocks[request.request_id] = bm.allocate(request, slots)
                 if request.status is not RequestStatus.RUNNING:
                     break  # NOTE: it preempted itself: everything after it is gone too.
             num_scheduled[request.request_id] = num_new
@@ -460,7 +494,8 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            if not bm.can_allocate(request, num_new, hit_blocks):
+            slots = min(num_new + lookahead, max_len - num_hit)
+            if not bm.can_allocate(request, slots, hit_blocks):
                 break  # NOTE: never let a later (smaller) request skip ahead of the head.
             waiting.pop()
             self.prefix_cache_queries_total += request.num_tokens
@@ -470,7 +505,8 @@ class Scheduler:
             if request.status is RequestStatus.PREEMPTED:
                 resumed.add(request.request_id)
             request.status = RequestStatus.RUNNING
-            new_blocks[request.request_id] = bm.allocate(request, num_new, hit_blocks)
+            new_blocks[request.request_id] = bm.allocate(request, slots, hit_blocks)
+            request.spec_token_ids = []
             request.num_computed_tokens = num_hit
             bisect.insort(running, request, key=self._key)
             num_scheduled[request.request_id] = num_new
@@ -501,18 +537,22 @@ class Scheduler:
                     request.num_computed_tokens))
             else:
                 beam = request.beam_group is not None  # (the scheduler picks its tokens)
+                first = first_new_block.get(request_id, -1)
+                if request.trimmed_to >= 0:  # (blocks freed after rejected drafts)
+                    first, request.trimmed_to = request.trimmed_to, -1
                 cached_reqs.append(CachedRequestData(
                     request_id,
                     [] if not (send_tokens or beam) else
                     request.output_token_ids[sent - num_prompt:]
                     if sent >= num_prompt else request.token_ids_from(sent),
-                    new_blocks[request_id], False, request.num_computed_tokens,
-                    first_new_block.get(request_id, -1), beam,
+                    new_blocks[request_id], False, request.num_computed_tokens, first, beam,
+                    scheduled_spec.get(request_id) or [],
                 ))
             request.num_tokens_sent = num_tokens = num_prompt + len(request.output_token_ids)
             request.num_computed_tokens += num_new
             epochs[request_id] = request.epoch
-            if request.num_computed_tokens == num_tokens + request.num_output_placeholders:
+            if request.num_computed_tokens == (num_tokens + request.num_output_placeholders
+                                               + len(scheduled_spec.get(request_id, ()))):
                 sampled.add(request_id)
                 if not send_tokens and request.beam_group is None:
                     request.num_output_placeholders += 1  # NOTE: a beam waits for its pick
@@ -527,13 +567,15 @@ class Scheduler:
         self._preempted_req_ids = set()
         copies, self._blocks_to_copy = self._blocks_to_copy, []
         self.num_blocks_copied_total += len(copies)
+        k = spec_config.num_speculative_tokens if speculating and spec_config else 0
         return SchedulerOutput(self._step_id, new_reqs, cached_reqs, num_scheduled, total,
-                               finished, preempted, copies, epochs, sampled)
+                               finished, preempted, copies, k, epochs, sampled, scheduled_spec)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
         logprobs: dict[str, TokenLogprobs] | None = None,
         prompt_logprobs: dict[str, PromptLogprobs] | None = None,
+        spec: SpecDecodeResult | None = None,
     ) -> list[RequestUpdate]:
         """Apply a finished step: append tokens, finish requests.
 
@@ -546,6 +588,12 @@ class Scheduler:
         its chunk scored; each prompt token is passed on once (a recompute after preemption
         repeats none), on an update of its own for a mid-prefill chunk.
         A request whose chunk reached the end but got no token is recomputed (preempted).
+        ``spec`` (speculative decoding): the drafts each request accepted before its sampled
+        token (a prefix of those the step verified, ``output.spec_token_ids``; the rest are
+        rejected: ``num_computed_tokens`` steps back over them and the blocks only they used
+        are freed), their logprobs, and the next step's drafts. The accepted tokens and then
+        the sampled one are appended one by one, each checked for a stop as if it came alone:
+        what follows the one that finishes the request is dropped.
 
         Returns:
             One RequestUpdate per request that got a token (and maybe finished), in schedule
@@ -584,24 +632,65 @@ class Scheduler:
                 continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            if token_id is None:
-                # NOTE: the worker owed a token and sent none (a worker bug). Its token list
-                # may now differ from ours: recompute the request as after a preemption (the
-                # resume replaces the workers' list) rather than leave it with nothing to do.
+            drafts = output.spec_token_ids.get(request_id)
+            accepted = spec.accepted.get(request_id, []) if spec else []
+            if token_id is None or (accepted and accepted != (drafts or [])[:len(accepted)]):
+                # NOTE: the worker owed a token and sent none, or accepted tokens it was not
+                # asked to verify (a worker bug). Its token list may now differ from ours:
+                # recompute the request as after a preemption (the resume replaces the
+                # workers' list) rather than leave it with nothing to do.
                 self.running.remove(request)
                 self._preempt(request)
                 continue
-            request.output_token_ids.append(token_id)
-            reason = self._check_stop(request, token_id)
+            last = logprobs.get(request_id) if logprobs else None
+            if drafts:
+                self.spec_stats.observe(len(drafts), len(accepted))
+                request.num_computed_tokens -= len(drafts) - len(accepted)
+            if not accepted:
+                request.output_token_ids.append(token_id)
+                reason = self._check_stop(request, token_id)
+                new_tokens = [token_id]
+                token_logprobs = None if last is None else [last]
+            else:
+                new_tokens, reason = self._append_run(request, [*accepted, token_id])
+                lps = spec.accepted_logprobs.get(request_id) if spec else None
+                token_logprobs = (None if last is None or lps is None
+                                  else [*lps, last][:len(new_tokens)])
             if reason is not None:
                 del requests[request_id]
                 self._finish(request, reason)
                 any_finished = True
-            updates.append(_update(request, [token_id], reason,
-                                   logprobs.get(request_id) if logprobs else None, prompt_chunk))
+            else:
+                if drafts and len(accepted) < len(drafts):
+                    self._free_rejected(request)
+                if spec and spec.drafts:
+                    request.spec_token_ids = spec.drafts.get(request_id, [])
+            updates.append(_update(request, new_tokens, reason, token_logprobs, prompt_chunk))
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return updates
+
+    def _append_run(self, request: Request, token_ids: list[int]
+                    ) -> tuple[list[int], FinishReason | None]:
+        """Append ``token_ids`` one by one, checking for a stop after each; returns the ones
+        appended (up to and with the one that finished the request) and the finish reason."""
+        for n, token_id in enumerate(token_ids, 1):
+            request.output_token_ids.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                return token_ids[:n], reason
+        return token_ids, None
+
+    def _free_rejected(self, request: Request) -> None:
+        """Release the blocks only rejected drafts used (past the request's computed tokens
+        and a draft model's lookahead slots, where its own K/V for the next drafts lives)."""
+        spec_config = self.config.speculative
+        lookahead = spec_config.num_lookahead_slots if spec_config else 0
+        slots = min(request.num_computed_tokens + lookahead, self.config.max_model_len)
+        if self.block_manager.trim(request, slots):
+            # NOTE: the workers still list them: the next step cuts their tables here (as
+            # copy-on-write does), before it appends any new block
+            request.trimmed_to = len(request.block_ids[0])
 
     @staticmethod
     def _new_prompt_logprobs(request: Request, chunk: PromptLogprobs | None
@@ -786,6 +875,8 @@ class Scheduler:
         hit them), keep the tokens, back in line at its place."""
         self.block_manager.free(request)
         request.num_computed_tokens = request.num_output_placeholders = 0
+        request.spec_token_ids = []
+        request.trimmed_to = -1  # (a resume sends the whole tables)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self._num_epochs += 1
@@ -807,7 +898,7 @@ class Scheduler:
 
 def _update(
     request: Request, new_token_ids: list[int], reason: FinishReason | None,
-    logprobs: TokenLogprobs | None = None, prompt_logprobs: PromptLogprobs | None = None,
+    logprobs: list[TokenLogprobs] | None = None, prompt_logprobs: PromptLogprobs | None = None,
 ) -> RequestUpdate:
     return RequestUpdate(
         request.request_id, new_token_ids, reason,

@@ -21,6 +21,7 @@ from services.common.logs import add_log_flags
 from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2
 from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain, wait_until
+from services.common.speculative import speculative_config_arg
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.scheduler.engine import Engine
 from services.scheduler.metrics import SchedulerMetrics
@@ -130,6 +131,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--max-num-waiting-tokens", type=int_in(0), default=0,
              help="refuse new requests with RESOURCE_EXHAUSTED once the waiting queue would "
                   "hold more prompt tokens than this (0 = no limit)")
+    add_flag(p, "--speculative-config", type=speculative_config_arg, default=None,
+             help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
+                  "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or "
+                  "'{\"method\": \"draft_model\", \"model\": PATH, "
+                  "\"num_speculative_tokens\": 4}' (also disable_by_batch_size, "
+                  "prompt_lookup_min); workers and scheduler must agree; turns async "
+                  "scheduling off")
     add_tls_flags(p)
     add_shutdown_flags(p)
     add_log_flags(p)
@@ -144,9 +152,18 @@ def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
     keeps two (the one running and the next). Async scheduling needs the tokens of step N
     only on the sampling stage, so it is off under pipeline parallelism (as in vLLM).
 
+    Speculative decoding (``--speculative-config``) turns async scheduling off (the drafts
+    follow the tokens the last step returned) and is refused under pipeline parallelism.
+
     Raises:
         ValueError: a flag out of range, naming it.
     """
+    speculative = getattr(args, "speculative_config", None)
+    if speculative is not None and pipeline_parallel_size > 1:
+        raise ValueError("--speculative-config: speculative decoding does not run under "
+                         f"pipeline parallelism (the workers have {pipeline_parallel_size} "
+                         "stages)")
+    use_async = args.async_scheduling and pipeline_parallel_size == 1 and speculative is None
     threshold = args.long_prefill_token_threshold
     if threshold is None:
         threshold = max(1, args.max_num_batched_tokens // 4)
@@ -159,8 +176,8 @@ def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
             max_num_waiting_requests=args.max_num_waiting_requests,
             max_num_waiting_tokens=args.max_num_waiting_tokens,
             max_steps_in_flight=(pipeline_parallel_size if pipeline_parallel_size > 1
-                                 else 2 if args.async_scheduling else 1),
-            async_scheduling=args.async_scheduling and pipeline_parallel_size == 1)
+                                 else 2 if use_async else 1),
+            async_scheduling=use_async, speculative=speculative)
     except ValueError as e:  # name the flag, not the field
         flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
         raise ValueError(f"{flag}: {e}") from None
@@ -177,7 +194,8 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     """
     limits = worker_pb2.GetWorkerInfoRequest(
         block_size=args.block_size, max_model_len=args.max_model_len or 0,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        speculative_config=args.speculative_config.to_json() if args.speculative_config else "")
     workers = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()],
                           credentials=client_credentials(tls_from_args(args)), limits=limits)
     infos = await workers.connect(timeout=args.worker_connect_timeout)
@@ -190,8 +208,10 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     # (every rank accepted --max-model-len, so it is at most theirs)
     max_model_len = args.max_model_len or min(i.max_model_len for i in infos)
     config = scheduler_config(args, max_model_len, workers.pipeline_parallel_size)
-    log.info("scheduling: %d steps in flight, async scheduling %s", config.max_steps_in_flight,
-             "on" if config.async_scheduling else "off")
+    log.info("scheduling: %d steps in flight, async scheduling %s%s", config.max_steps_in_flight,
+             "on" if config.async_scheduling else "off",
+             f"; speculative decoding {config.speculative.to_json()}"
+             if config.speculative else "")
     log.info("KV cache groups: %s", describe_kv_cache_groups(workers.kv_cache_groups))
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids),
                           sliding_windows=workers.sliding_windows,

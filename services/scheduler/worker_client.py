@@ -77,6 +77,8 @@ def _cached_requests_pb(out: SchedulerOutput, samples: bool) -> worker_pb2.Cache
         c.new_token_ids for c in cached if c.resumed_from_preemption or c.beam]
     flat = list(chain.from_iterable(tokens))
     first_new_block = [c.first_new_block for c in cached]
+    spec = [c.spec_token_ids for c in cached]
+    num_spec = [len(d) for d in spec]
     return worker_pb2.CachedRequests(
         request_ids=ids,
         new_token_ids=flat,
@@ -90,7 +92,10 @@ def _cached_requests_pb(out: SchedulerOutput, samples: bool) -> worker_pb2.Cache
         num_computed_tokens=[c.num_computed_tokens for c in cached],
         num_scheduled_tokens=[n[i] for i in ids],
         # NOTE: an empty column = every request appends (all but copy-on-write steps)
-        first_new_block=first_new_block if any(f >= 0 for f in first_new_block) else [])
+        first_new_block=first_new_block if any(f >= 0 for f in first_new_block) else [],
+        # NOTE: empty columns = no drafts this step (every rank computes the drafts' positions)
+        num_spec_token_ids=num_spec if any(num_spec) else [],
+        spec_token_ids=list(chain.from_iterable(spec)))
 
 
 def build_step_request(out: SchedulerOutput, samples: bool = True) -> worker_pb2.StepRequest:
@@ -110,6 +115,7 @@ def build_step_request(out: SchedulerOutput, samples: bool = True) -> worker_pb2
         finished_request_ids=sorted(out.finished_req_ids),
         copy_src_block_ids=[src for src, _ in out.blocks_to_copy],
         copy_dst_block_ids=[dst for _, dst in out.blocks_to_copy],
+        num_speculative_tokens=out.num_speculative_tokens,
     )
 
 
@@ -263,10 +269,15 @@ class WorkerGroup:
             if res is grpc.aio.EOF or res.step_id != out.step_id:
                 raise WorkerError(f"worker {addr} closed its stream or answered out of order")
         result = results[self.driver]
-        if len(result.request_ids) != len(result.sampled_token_ids):
-            raise WorkerError(f"worker {self.addresses[self.driver]} sent "
-                              f"{len(result.request_ids)} request ids but "
-                              f"{len(result.sampled_token_ids)} tokens")
+        counts, drafts = result.num_sampled_token_ids, result.num_draft_token_ids
+        n = len(result.request_ids)
+        if (len(counts) != n or sum(counts) != len(result.sampled_token_ids)
+                or min(counts, default=1) < 1 if counts
+                else n != len(result.sampled_token_ids)) or (drafts and (
+                    len(drafts) != n or sum(drafts) != len(result.draft_token_ids))):
+            raise WorkerError(f"worker {self.addresses[self.driver]} sent {n} request ids but "
+                              f"{len(result.sampled_token_ids)} tokens ({len(counts)} counts, "
+                              f"{len(drafts)} draft counts)")
         return result
 
     async def close(self) -> None:

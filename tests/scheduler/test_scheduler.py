@@ -515,7 +515,7 @@ def test_logprobs_ride_along_with_their_token_only():
     sampled = w.execute(out)
     lp = {"req-0": TokenLogprobs(-0.5, [sampled["req-0"]], [-0.5])}
     updates = {u.request_id: u for u in s.update_from_output(out, sampled, lp)}
-    assert updates["req-0"].logprobs == lp["req-0"]
+    assert updates["req-0"].logprobs == [lp["req-0"]]  # (one per new token)
     assert updates["req-1"].logprobs is None
 
 
