@@ -82,8 +82,9 @@ def forwarded_argv(name: str, ns: argparse.Namespace) -> list[str]:
         elif isinstance(action, argparse.BooleanOptionalAction):
             if value is not None:  # --flag / --no-flag
                 argv += [action.option_strings[0 if value else 1]]
-        elif value is not None:
-            argv += [action.option_strings[0], str(value)]
+        elif value is not None:  # (a parsed value that is not a str gives its flag form)
+            argv += [action.option_strings[0],
+                     value.as_flag_value() if hasattr(value, "as_flag_value") else str(value)]
     return argv
 
 

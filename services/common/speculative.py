@@ -56,8 +56,12 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     def to_json(self) -> str:
-        """The normalised JSON form (every field, sorted keys)."""
+        """The normalised JSON form (every field, sorted keys); ``parse`` reads it back."""
         return json.dumps(asdict(self), sort_keys=True)
+
+    def as_flag_value(self) -> str:
+        """The flag's value that gives this config (``pagedserve serve`` forwards it)."""
+        return self.to_json()
 
     @classmethod
     def parse(cls, text: str | None) -> SpeculativeConfig | None:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.detokenizer import IncrementalDetokenizer
-from services.router.stop_strings import StopStringMatcher
+from services.router.stop_strings import StopResult, StopStringMatcher
 from services.router.validation import TextOptions
 
 SEED_MODULUS = 2**64  # seeds are uint64 on the wire
@@ -89,10 +89,10 @@ class Choice:
             # NOTE: they all come with the prompt's steps, up to the choice's first message
             assert self._prompt_logprobs is not None
             self._prompt_logprobs.extend(prompt_logprobs(out, self._prompt_tokens))
+        match, ids = self._feed(ids)
         self.num_output_tokens += len(ids)
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
-        match = self._stops.feed(self._detok.step(ids)) if ids else None
         text = match.text_to_emit if match else ""
         if match is not None and match.stopped:
             return [self._final(ids, text, api_pb2.FINISH_REASON_STOP, match.stop_str)], True
@@ -108,6 +108,25 @@ class Choice:
                 request_id=self.request_id, token_ids=ids, text=text, index=self.index,
                 logprobs=self._logprobs, prompt_logprobs=self._take_prompt_logprobs())], False
         return [], False
+
+    def _feed(self, ids: list[int]) -> tuple[StopResult | None, list[int]]:
+        """Detokenize ``ids`` and match stop strings in the text. Several tokens at once
+        (speculative decoding's accepted drafts) go one at a time when there are stop strings,
+        so the one that completes a stop string ends the choice as if it had come alone: the
+        tokens after it are dropped (from ids, logprobs and usage). Returns the match (None
+        for no tokens) and the tokens kept."""
+        if not ids:
+            return None, ids
+        if len(ids) == 1 or not self._stops.has_stops:
+            return self._stops.feed(self._detok.step(ids)), ids
+        text = []
+        for n, token_id in enumerate(ids, 1):
+            match = self._stops.feed(self._detok.step([token_id]))
+            text.append(match.text_to_emit)
+            if match.stopped:
+                self._logprobs = self._logprobs[:n]
+                return StopResult("".join(text), True, match.stop_str), ids[:n]
+        return StopResult("".join(text)), ids
 
     def _take_prompt_logprobs(self) -> list[api_pb2.TokenLogprob]:
         """The prompt logprobs gathered so far, once (for the choice's first message)."""

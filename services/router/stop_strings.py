@@ -66,6 +66,11 @@ class StopStringMatcher:
         self._stop_str: str | None = None
 
     @property
+    def has_stops(self) -> bool:
+        """True when there is any stop string to match."""
+        return bool(self._stop)
+
+    @property
     def stopped(self) -> bool:
         """True once a stop string matched; later deltas are ignored."""
         return self._stop_str is not None

@@ -237,3 +237,19 @@ def test_output_queue_bound_keeps_final_outputs():
         q2.put_nowait(out(RID, [i]))
     assert q2.overflowed and calls == [1]
     assert q2.qsize() == 1 and q2.get_nowait() is OutputQueue.OVERFLOW  # the rest dropped
+
+
+def test_a_stop_string_inside_several_tokens_at_once_cuts_them_there():
+    # speculative decoding: one output carries accepted drafts and the token after them; the
+    # token completing the stop string ends the choice as if the tokens had come one by one
+    ids = ids_of(" cat STOP dog bird")
+    cut = len(ids_of(" cat STOP"))
+    one_by_one = [out(RID, [t]) for t in ids[:cut]]
+    for outputs in ([out(RID, ids)], one_by_one):
+        msgs = asyncio.run(collect(FakeEngine([*outputs, out(RID, finish=ABORT)]),
+                                   prepared(stop=["STOP"])))
+        text, got, finals = by_index(msgs)
+        assert text == {0: " cat "} and got[0] == ids[:cut]
+        assert finals[0].stop_reason == "STOP" and finals[0].usage.completion_tokens == cut
+    msgs = asyncio.run(collect(FakeEngine([out(RID, ids, LENGTH)]), prepared()))
+    assert by_index(msgs)[1][0] == ids  # no stop strings: all of them
