@@ -88,7 +88,7 @@ class Driver:
                for i, (rid, t, s) in enumerate(zip(ids, token_lists, sampling, strict=True))]
         outputs: list[list[int]] = [[] for _ in ids]
         self.counts = [[] for _ in ids]
-        got = split(self.step(StepInput(self.step_id, new, [], [], k)))
+        got = split(self.step(StepInput(self.step_id, new, [], [], num_speculative_tokens=k)))
         for i, rid in enumerate(ids):
             outputs[i] += got[rid]
         while min(map(len, outputs)) < new_tokens:
@@ -98,7 +98,8 @@ class Driver:
                 n = len(token_lists[i]) + len(outputs[i])
                 cached.append(CachedRequest(ids[i], [], [], False, n - 1, 1 + len(d),
                                             spec_token_ids=d))
-            got = split(self.step(StepInput(self.step_id, [], cached, [], k)))
+            got = split(self.step(StepInput(self.step_id, [], cached, [],
+                                            num_speculative_tokens=k)))
             for i in active:
                 rid = ids[i]
                 outputs[i] += got[rid]
@@ -257,7 +258,7 @@ def test_the_driver_proposes_for_eligible_rows_after_appending(tiny_llama):
     # next step verifies them; no proposals when the step asks for none
     cached = [CachedRequest("q0", [], [], False, len(loop), 1 + len(out.draft_token_ids[0]),
                             spec_token_ids=out.draft_token_ids[0])]
-    nxt = r.execute_step(StepInput(1, [], cached, [], 0))
+    nxt = r.execute_step(StepInput(1, [], cached, []))
     assert nxt.draft_token_ids is None and nxt.request_ids == ["q0"]
 
 
@@ -404,3 +405,32 @@ def _chi_square_p(samples: np.ndarray, probs: np.ndarray) -> float:
     # the chi-square survival function with len - 1 degrees of freedom (no scipy here)
     return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
                                          torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def test_spec_steps_reuse_the_compiled_forward_of_the_warm_up(tiny_llama):
+    """The compiled CPU forward (one dynamic graph, services/worker/compiled.py) runs steps
+    of 1 + d query tokens per request without compiling again: a spec step after the warm-up
+    takes milliseconds, not the seconds of a compile, and gives the plain run's tokens."""
+    import time
+
+    from services.worker.compiled import CompiledForward
+
+    r = ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
+                    attention_backend="cpu")
+    if not isinstance(r.forward, CompiledForward):
+        pytest.skip(f"the forward runs eagerly here: {r.eager_reason}")
+    ps = prompts(2, seed=9)
+    refs = reference(r, ps, [GREEDY] * 2)
+    driver = Driver(r)
+    original, seconds = driver.step, []
+
+    def timed(step: StepInput) -> StepOutput:
+        t0 = time.perf_counter()
+        out = original(step)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    driver.step = timed  # type: ignore[method-assign]
+    outputs = driver.run(ps, [GREEDY] * 2, lambda i, o: (right if i else wrong)(refs[i], o))
+    assert outputs == [ref[:NEW_TOKENS] for ref in refs]
+    assert max(seconds) < 1.0, seconds
