@@ -483,12 +483,12 @@ class ModelRunner:
             padded[rows] = out
             self.parallel.broadcast_from_driver(torch.from_numpy(padded).to(self.parallel.device))
         self.input_batch.append_sampled(batch.sampled_rows, out, counts)
-        asked = [batch.num_logprobs[i] for i in rows.tolist()]
         logprobs = None
-        if any(k is not None for k in asked):
+        if any(k is not None for k in batch.num_logprobs):
             index = torch.from_numpy(rows).to(logits.device)
             logprobs = compute_logprobs(logits.index_select(0, index),
-                                        token_ids.index_select(0, index), asked)
+                                        token_ids.index_select(0, index),
+                                        [batch.num_logprobs[i] for i in rows.tolist()])
         return out.tolist(), (counts.tolist() if (counts != 1).any() else None), logprobs
 
     def _append_from_driver(self, batch: PreparedStep) -> None:
