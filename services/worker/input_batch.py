@@ -39,6 +39,17 @@ arithmetic for scheduled request i in row r with ``c = num_computed_tokens``,
     seq_len       = c + n           (context including this step's tokens)
     sampled iff   c + n == num_tokens[r]: logits row = query_start_loc[i + 1] - 1
 
+Speculative decoding: a request verifying d drafts (``CachedRequest.spec_token_ids``) has them
+written after its token list, NOT counted in ``num_tokens`` (N below), and is scheduled
+``c = N - 1, n = 1 + d``; it samples all 1 + d positions (``spec_verify.py`` keeps the
+accepted prefix, ``append_sampled`` appends it)::
+
+    token_ids[r]  t0 ... t(N-2) | t(N-1) d0 ... d(d-1) | (dead after verification)
+    positions                      N-1    N  ...  N+d-1
+    sampled iff   c + n == N + d: logits rows query_start_loc[i + 1] - 1 - d .. [i + 1] - 1,
+                  each with the request's sampling parameters (row j counts j more outputs
+                  for min_tokens; a seeded row draws from its generator in position order)
+
 Python loops run over the step's diffs (one small write per request) and over the rows that
 need special sampling work (seeded, penalised, biased, under min_tokens, constrained by a
 grammar: ``SamplingRows``; prompt logprobs); everything else, per token or per row, is numpy.
@@ -55,7 +66,7 @@ its ``RequestState`` and written back when it is scheduled again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -67,7 +78,7 @@ from services.worker.logprobs import PromptChunk
 from services.worker.penalties import TokenCounts
 from services.worker.sampler import SamplingTensors
 from services.worker.sampling_rows import SamplingRows
-from services.worker.step_input import StepInput
+from services.worker.step_input import CachedRequest, StepInput
 from services.worker.structured_output import RequestGrammar, StructuredOutputs
 
 
@@ -96,12 +107,15 @@ class ScheduledBatch:
         request_ids: the ``B`` request ids.
         rows: ``[B]`` int64, their rows of the InputBatch.
         num_computed_tokens / num_scheduled_tokens: ``[B]`` int64 (every one > 0 scheduled).
+        num_spec: ``[B]`` int64, the draft tokens each verifies (speculative decoding), written
+            after its token list; None when no request of the step has drafts.
     """
 
     request_ids: list[str]
     rows: np.ndarray
     num_computed_tokens: np.ndarray
     num_scheduled_tokens: np.ndarray
+    num_spec: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -115,15 +129,21 @@ class PreparedStep:
         input_ids / positions: ``[T]`` int64.
         attn_metadata: the attention kernels' inputs, one per KV cache group (each its own
             ``slot_mapping`` and ``block_tables``; ``seq_lens`` / ``query_start_loc`` shared).
-        logits_indices: ``[S]`` int64 rows of the hidden states to sample from.
+        logits_indices: ``[L]`` int64 rows of the hidden states to sample from: one per
+            sampled request, ``1 + d`` for one verifying ``d`` drafts (``L = S`` without).
         sampled_request_ids: the ``S`` request ids, in row order.
         sampled_rows: ``[S]`` int64, their rows of the InputBatch (``append_sampled``).
-        sampling: per-row sampling parameters of the ``S`` rows (``grammar`` not yet set).
-        grammar_rows: ``[C]`` int64, which of the ``S`` rows a grammar constrains.
+        sampling: per-logits-row sampling parameters of the ``L`` rows (``grammar`` not yet
+            set); a request's row repeated per position.
+        grammar_rows: ``[C]`` int64, which of the ``L`` logits rows a grammar constrains
+            (those requests never have drafts).
         grammars: their ``C`` matchers' states.
-        num_logprobs: per row, the top logprobs it asked for (0..20 from a client, up to the
-            vocabulary for a beam's candidates), or None for none.
+        num_logprobs: per logits row, the top logprobs it asked for (0..20 from a client, up
+            to the vocabulary for a beam's candidates), or None for none.
         prompt_chunks: the prompt positions scored this step (requests with prompt_logprobs).
+        num_drafts: ``[S]`` int64, drafts each sampled request verifies; None when none does
+            (then ``L = S`` and logits row i is request i's).
+        drafts: ``[D]`` int64, those drafts, request by request (empty when none).
     """
 
     input_ids: torch.Tensor
@@ -137,6 +157,8 @@ class PreparedStep:
     prompt_chunks: list[PromptChunk]
     grammar_rows: np.ndarray
     grammars: list[RequestGrammar]
+    num_drafts: np.ndarray | None = None
+    drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class InputBatch:
@@ -271,12 +293,16 @@ class InputBatch:
             rows.append(self._add(r.request_id, r.prompt_token_ids, r.block_ids, r.sampling,
                                   step))
         append_rows, append_ids = [], []  # new token ids, written all at once below
-        for c in cached:  # NOTE: the one Python loop over a decode step's requests: keep it lean
+        spec_at = []  # indices into cached of the requests with drafts
+        for i, c in enumerate(cached):  # NOTE: the one Python loop over a decode step's
+            # requests: keep it lean
             state = self.requests.get(c.request_id)
             if state is None:
                 raise KeyError(f"step {step.step_id}: worker holds no request {c.request_id!r}")
             row = state.row if state.row >= 0 else self._unpark(state, step)
             rows.append(row)
+            if c.spec_token_ids:
+                spec_at.append(i)
             if c.resumed_from_preemption:
                 self._replace_tokens(state, row, c.new_token_ids)
                 self._write_blocks(c.request_id, row, 0, c.new_block_ids)
@@ -295,12 +321,49 @@ class InputBatch:
             [r.request_id for r in both], np.array(rows, dtype=np.int64),
             np.array([r.num_computed_tokens for r in both], dtype=np.int64),
             np.array([r.num_scheduled_tokens for r in both], dtype=np.int64))
+        if spec_at:
+            batch.num_spec = self._write_drafts([cached[i] for i in spec_at],
+                                                batch.rows[len(new) + np.array(spec_at)],
+                                                len(new) + np.array(spec_at), len(both))
         keep = batch.num_scheduled_tokens > 0
         if not keep.all():
             kept = [i for i, k in zip(batch.request_ids, keep.tolist(), strict=True) if k]
             batch = ScheduledBatch(kept, batch.rows[keep], batch.num_computed_tokens[keep],
-                                   batch.num_scheduled_tokens[keep])
+                                   batch.num_scheduled_tokens[keep],
+                                   None if batch.num_spec is None else batch.num_spec[keep])
         return batch
+
+    def _write_drafts(self, requests: list[CachedRequest], rows: np.ndarray, at: np.ndarray,
+                      batch_size: int) -> np.ndarray:
+        """Write each request's ``spec_token_ids`` after its token list (``rows [N]``, its
+        rows; ``at [N]``, its indices in the step's batch), NOT counting them in
+        ``num_tokens``; returns ``num_spec [batch_size]`` int64 (0 for the requests without).
+
+        Raises:
+            ValueError: drafts for a request resumed in this step, or one whose sampling
+                cannot verify them (a beam, a grammar, a penalty: its tokens depend on the
+                token list the drafts are not part of; the driver never proposes for those),
+                or drafts that would pass ``max_model_len``.
+        """
+        for c in requests:
+            s = self.requests[c.request_id].sampling
+            if c.resumed_from_preemption or s.beam_width > 0 or s.structured_output or (
+                    s.uses_penalties):
+                raise ValueError(f"request {c.request_id!r}: draft tokens for a request that "
+                                 "cannot verify them (resumed, a beam, a grammar or a penalty)")
+        counts = np.fromiter((len(c.spec_token_ids) for c in requests), dtype=np.int64,
+                             count=len(requests))  # [N]
+        starts = self.num_tokens[rows]  # [N]
+        too_long = np.flatnonzero(starts + counts > self.max_model_len)
+        if len(too_long):
+            i = too_long[0]
+            raise ValueError(f"request {requests[i].request_id!r}: {counts[i]} drafts after "
+                             f"{starts[i]} tokens pass max_model_len={self.max_model_len}")
+        self.token_ids[np.repeat(rows, counts), _ragged_arange(starts, counts)] = list(
+            chain.from_iterable(c.spec_token_ids for c in requests))
+        num_spec = np.zeros(batch_size, dtype=np.int64)
+        num_spec[at] = counts
+        return num_spec
 
     # ---- rows ----------------------------------------------------------------------------
 
@@ -401,28 +464,38 @@ class InputBatch:
                              f"[0, {self.num_kv_blocks}) or -1 (no block), got [{lo}, {hi}]")
         return n, lo < 0
 
-    def append_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        """Append the token sampled for each of ``rows [S]`` (a step's ``sampled_rows``) to its
-        token list: the next step computes it (the scheduler does not send it back). A beam's
-        row is skipped: the scheduler picks its next token among the step's candidates and
-        sends it (``new_token_ids``) to every rank.
+    def append_sampled(self, rows: np.ndarray, token_ids: list[int] | np.ndarray,
+                       counts: np.ndarray | None = None) -> None:
+        """Append the tokens sampled for each of ``rows [S]`` (a step's ``sampled_rows``) to
+        its token list: the next step computes them (the scheduler does not send them back).
+        ``token_ids`` holds one per row, or ``counts [S]`` int64 (>= 1) per row, concatenated
+        (speculative decoding: the accepted drafts and the token after them; the drafts
+        beyond, still written after the list, are dead). A beam's row is skipped: the
+        scheduler picks its next token among the step's candidates and sends it
+        (``new_token_ids``) to every rank.
 
         Raises:
             ValueError: a token list would pass ``max_model_len`` (the scheduler never
                 schedules that).
         """
         beams = self.sampling_rows.beam[rows]  # [S]
-        if beams.any():
-            rows, token_ids = rows[~beams], np.asarray(token_ids)[~beams].tolist()
+        if beams.any():  # (a beam never has drafts: one token each)
+            keep = ~beams if counts is None else np.repeat(~beams, counts)
+            rows, token_ids = rows[~beams], np.asarray(token_ids)[keep]
+            counts = None if counts is None else counts[~beams]
         if not len(rows):
             return
         starts = self.num_tokens[rows]  # [S]
-        full = np.flatnonzero(starts >= self.max_model_len)
+        ends = starts + (1 if counts is None else counts)  # [S]
+        full = np.flatnonzero(ends > self.max_model_len)
         if len(full):
             raise ValueError(f"request {self.row_states[rows[full[0]]].request_id!r}: a token "
                              f"past max_model_len={self.max_model_len} was sampled")
-        self.token_ids[rows, starts] = token_ids
-        self.num_tokens[rows] = starts + 1
+        if counts is None:
+            self.token_ids[rows, starts] = token_ids
+        else:
+            self.token_ids[np.repeat(rows, counts), _ragged_arange(starts, counts)] = token_ids
+        self.num_tokens[rows] = ends
 
     def _replace_tokens(self, state: RequestState, row: int, token_ids: list[int]) -> None:
         """A resumed request's whole token list (its outputs may differ from this worker's: a
@@ -500,11 +573,20 @@ class InputBatch:
         computed, num_sched = scheduled.num_computed_tokens, scheduled.num_scheduled_tokens
         ends = computed + num_sched  # [B] seq_lens
         num_tokens, num_blocks = self.num_tokens[rows], self.num_blocks[rows]  # [B]
-        bad = np.flatnonzero((computed < 0) | (ends > num_tokens))
+        spec = scheduled.num_spec  # [B] or None
+        held = num_tokens if spec is None else num_tokens + spec  # [B] tokens and drafts
+        bad = np.flatnonzero((computed < 0) | (ends > held))
         if len(bad):
             i = bad[0]
             raise ValueError(f"request {scheduled.request_ids[i]!r}: tokens [{computed[i]}, "
-                             f"{ends[i]}) scheduled but it holds {num_tokens[i]}")
+                             f"{ends[i]}) scheduled but it holds {held[i]}")
+        if spec is not None:
+            bad = np.flatnonzero((spec > 0) & ((computed != num_tokens - 1) | (ends != held)))
+            if len(bad):
+                i = bad[0]
+                raise ValueError(f"request {scheduled.request_ids[i]!r}: {spec[i]} drafts need "
+                                 f"its last token and the drafts scheduled ([{num_tokens[i] - 1},"
+                                 f" {held[i]})), got [{computed[i]}, {ends[i]})")
         need = -(-ends // bs)  # [B] blocks
         bad = np.flatnonzero(need > num_blocks)
         if len(bad):
@@ -523,9 +605,20 @@ class InputBatch:
         input_ids[:] = self.token_ids[token_rows, positions]
         seq_lens = self._seq_lens[:batch_size]  # [B]
         seq_lens[:] = ends
-        sampled = np.flatnonzero(ends == num_tokens)  # [S] indices of the sampled requests
-        logits_indices = self._logits_indices[:len(sampled)]  # [S]
-        np.subtract(cu[sampled], 1, out=logits_indices)
+        sampled = np.flatnonzero(ends == held)  # [S] indices of the sampled requests
+        sampled_rows = rows[sampled]  # [S]
+        num_drafts = None if spec is None else spec[sampled]  # [S]
+        if num_drafts is None:  # (the plain decode / prefill step: one logits row each)
+            logits_indices = self._logits_indices[:len(sampled)]  # [S]
+            np.subtract(cu[sampled], 1, out=logits_indices)
+            logits_rows, positions_ahead, drafts = sampled_rows, None, np.zeros(0, np.int64)
+        else:  # a request with d drafts samples its last 1 + d positions
+            per_request = num_drafts + 1  # [S]
+            logits_indices = _ragged_arange(cu[sampled] - per_request, per_request)  # [L]
+            logits_rows = np.repeat(sampled_rows, per_request)  # [L]
+            positions_ahead = _ragged_arange(np.zeros_like(per_request), per_request)  # [L]
+            drafts = self.token_ids[np.repeat(sampled_rows, num_drafts), _ragged_arange(
+                self.num_tokens[sampled_rows], num_drafts)].astype(np.int64)  # [D]
         seq_lens_t, query_start_loc_t = self._to_device(seq_lens), self._to_device(query_start_loc)
         max_query_len, max_seq_len = int(num_sched.max()), int(ends.max())
         width = int(num_blocks.max())
@@ -541,21 +634,20 @@ class InputBatch:
                 block_tables=self._to_device(table[rows, :width]),  # [B, width]
                 seq_lens=seq_lens_t, query_start_loc=query_start_loc_t,
                 max_query_len=max_query_len, max_seq_len=max_seq_len))
-        sampled_rows = rows[sampled]  # [S]
         ids = scheduled.request_ids
         sr = self.sampling_rows
-        grammar_rows, grammars = sr.grammars(sampled_rows, self.row_states)
+        grammar_rows, grammars = sr.grammars(logits_rows, self.row_states)
         return PreparedStep(
             input_ids=self._to_device(input_ids), positions=self._to_device(positions),
             attn_metadata=metas, logits_indices=self._to_device(logits_indices),
             sampled_request_ids=(list(ids) if len(sampled) == len(ids)
                                  else [ids[i] for i in sampled.tolist()]),
             sampled_rows=sampled_rows,
-            sampling=sr.tensors(sampled_rows, self.row_states, self.token_ids, self.num_tokens,
-                                self.num_prompt_tokens),
-            num_logprobs=sr.logprobs(sampled_rows),
+            sampling=sr.tensors(logits_rows, self.row_states, self.token_ids, self.num_tokens,
+                                self.num_prompt_tokens, positions_ahead),
+            num_logprobs=sr.logprobs(logits_rows),
             prompt_chunks=self._prompt_chunks(scheduled, query_start_loc),
-            grammar_rows=grammar_rows, grammars=grammars)
+            grammar_rows=grammar_rows, grammars=grammars, num_drafts=num_drafts, drafts=drafts)
 
     def _prompt_chunks(self, scheduled: ScheduledBatch, query_start_loc: np.ndarray
                        ) -> list[PromptChunk]:

@@ -11,6 +11,14 @@ the flat slot is ``block * block_size + offset``. A model of one attention type 
 all its layers: one pair per layer. Under pipeline parallelism a rank allocates only the pairs
 its layers use. Copy-on-write (beam search) copies whole blocks in every pair before a step's
 forward (``kernels.copy_blocks``).
+
+Speculative decoding (vLLM V1 style; ``--speculative-config``): a step may carry draft tokens
+per request (``CachedRequest.spec_token_ids``), which every rank computes as 1 + d query
+positions; the driver samples every position with the request's own parameters and keeps the
+drafts while they equal the samples, plus the sample after them (``spec_verify.py``, lossless
+for our deterministic proposers), appends those, and sends its tp peers what it kept. After
+appending, it proposes the next drafts (``StepInput.num_speculative_tokens``) by prompt lookup
+(``ngram_proposer.py``) or with a draft model (``draft_model.py``).
 """
 
 from __future__ import annotations
@@ -18,12 +26,14 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import cast
+from typing import Protocol, cast
 
+import numpy as np
 import torch
 
 from kernels.copy_blocks import copy_blocks
 from services.common.sampling_params import EngineSamplingParams
+from services.common.speculative import SpeculativeConfig
 from services.common.tokenizer_loading import load_tokenizer
 from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.compiled import CompiledForward, why_eager
@@ -33,9 +43,17 @@ from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_l
 from services.worker.loader import Model, load_model
 from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
 from services.worker.models.llama import DecoderLayer
+from services.worker.ngram_proposer import NgramProposer
 from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
-from services.worker.step_input import CachedRequest, NewRequest, StepInput, StepOutput
+from services.worker.spec_verify import verify_drafts
+from services.worker.step_input import (
+    CachedRequest,
+    NewRequest,
+    SampledLogprobs,
+    StepInput,
+    StepOutput,
+)
 from services.worker.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -44,6 +62,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # bytes
 # The dummy requests sample with top-k and top-p, so the sort those take is in the profile.
 _WARMUP_SAMPLING = EngineSamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+
+
+class DraftProposer(Protocol):
+    """What the runner asks of a draft-model proposer (``draft_model.DraftModelProposer``):
+    its KV bytes per block, its KV cache, drafts for requests, and forgetting one."""
+
+    bytes_per_block: int
+
+    def allocate_kv_cache(self, num_blocks: int) -> None: ...
+
+    def propose(self, request_ids: list[str], token_ids: list[np.ndarray],
+                block_tables: list[np.ndarray], k: int) -> list[list[int]]: ...
+
+    def drop(self, request_id: str) -> None: ...
 
 
 def cpu_has_native_bf16() -> bool:
@@ -115,11 +147,20 @@ class ModelRunner:
             single-rank CPU worker on the native kernels runs it through ``torch.compile``
             (``services/worker/compiled.py``), compiled here, at start, by warm-up steps.
 
+        speculative: speculative decoding (``--speculative-config``), or None. The driver
+            proposes drafts after each step that asks (``StepInput.num_speculative_tokens``):
+            prompt lookup (``ngram_proposer.py``) or a draft model (``draft_model.py``, loaded
+            here, its KV cache beside the target's in the same block ids, so the KV memory is
+            split: ``num_kv_blocks = kv_bytes // (target + draft bytes per block)``). Every
+            rank verifies the drafts a step carries.
+
     The driver also holds the structured-output state (``structured``: llguidance matchers
     over the model's tokenizer, built in the background from here on); other ranks have None.
 
     Raises:
-        ValueError: bad dtype/backend/max_model_len, or no room for a single KV block.
+        ValueError: bad dtype/backend/max_model_len, no room for a single KV block, or
+            speculation with pipeline parallelism, or a draft model the target cannot pair
+            with (another vocabulary; a target without full-attention layers).
     """
 
     def __init__(self, model: str | None, dtype: str = "auto", device: str = "auto",
@@ -127,7 +168,14 @@ class ModelRunner:
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  max_num_seqs: int = 256, parallel: ParallelState | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False,
+                 speculative: SpeculativeConfig | None = None) -> None:
+        if speculative is not None and parallel and parallel.config.pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
+                             f"{parallel.config.pipeline_parallel_size} (> 1): drafts are "
+                             "verified and appended where the tokens are sampled; use tensor "
+                             "parallelism or no speculation")
+        self.speculative = speculative
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
@@ -156,6 +204,8 @@ class ModelRunner:
         self._plan_kv_cache_groups(list(cfg.sliding_windows))
         self.bytes_per_block = (2 * self.num_kv_pairs * block_size * self.num_kv_heads
                                 * cfg.head_dim * self.dtype.itemsize)
+        self.ngram, self.draft = self._build_proposer(speculative, backend)
+        draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
         self.sampler = Sampler()
         self.structured = (StructuredOutputs(lambda: load_tokenizer(model), self.vocab_size,
                                              self.eos_token_ids)
@@ -171,15 +221,18 @@ class ModelRunner:
                                           gpu_memory_utilization, total, non_torch_before)
         else:
             kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
-        num_blocks = int(kv_bytes // self.bytes_per_block)
+        num_blocks = int(kv_bytes // (self.bytes_per_block + draft_bytes))
         if num_blocks < 1:
             raise ValueError(
                 f"no memory for the KV cache: {kv_bytes / 2**20:.1f} MiB available, one block "
-                f"needs {self.bytes_per_block / 2**20:.2f} MiB; raise "
+                f"needs {(self.bytes_per_block + draft_bytes) / 2**20:.2f} MiB"
+                + (" (the draft model's included)" if draft_bytes else "") + "; raise "
                 + ("--gpu-memory-utilization or lower --max-num-batched-tokens"
                    if self.device.type == "cuda" else "--kv-cache-memory"))
         self.num_kv_blocks = num_blocks
         self.kv_caches = self._allocate_kv_cache(num_blocks)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(num_blocks)
         self.input_batch.num_kv_blocks = num_blocks
         log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s) on %s; %d KV cache groups "
                  "(windows %s, 0 = full), %d K/V tensor pairs for %d layers", num_blocks,
@@ -195,6 +248,36 @@ class ModelRunner:
             self._warm_up()
         else:
             log.info("forward runs eagerly: %s", self.eager_reason)
+
+    def _build_proposer(self, speculative: SpeculativeConfig | None, backend
+                        ) -> tuple[NgramProposer | None, DraftProposer | None]:
+        """The driver's draft proposer for ``speculative`` (``(ngram, draft model)``, at most
+        one set; none on other ranks or without speculation). A draft model writes its K/V
+        in the blocks of the target's first full-attention KV cache group
+        (``_draft_group``).
+
+        Raises:
+            ValueError: a target without full-attention layers for a draft model, or the
+                draft's own refusals (another vocabulary, sliding-window layers).
+        """
+        ps = self.parallel
+        if speculative is None or not (ps is None or ps.config.is_driver):
+            return None, None
+        if speculative.method == "ngram":
+            return NgramProposer(speculative.prompt_lookup_min,
+                                 speculative.prompt_lookup_max), None
+        full = [g for g, group in enumerate(self.kv_cache_groups) if group.sliding_window == 0]
+        if not full:
+            raise ValueError("--speculative-config: a draft model shares the target's "
+                             "full-attention block table, and this model has none (sliding "
+                             f"windows {[g.sliding_window for g in self.kv_cache_groups]})")
+        self._draft_group = full[0]
+        from services.worker.draft_model import (  # type: ignore[import-not-found]
+            DraftModelProposer,  # (only the draft_model method needs it)
+        )
+
+        return None, DraftModelProposer(speculative.model, self.dtype, self.device, backend,
+                                        self.block_size, self.vocab_size)
 
     def _plan_kv_cache_groups(self, sliding_windows: list[int]) -> None:
         """Group the model's (global) layers and lay this rank's layers out over K/V tensor
@@ -291,7 +374,13 @@ class ModelRunner:
     def _warm_up(self) -> None:
         """Compile the forward before serving: a prefill of two sequences (at least two
         blocks each where the cache allows, so no size is 1 when the graph is traced), then a
-        decode step of them, which must reuse the graph."""
+        decode step of them, which must reuse the graph.
+
+        NOTE: no speculative step is needed here: a step verifying drafts has 1 + d query
+        tokens per request, the shape of a chunked prefill, which the one dynamic graph
+        already covers (measured on the tiny Llama: ~2 ms per spec step after warm-up, the
+        same as a plain decode; ``test_spec_steps_reuse_the_compiled_forward_of_the_warm_up``).
+        """
         room = self.num_kv_blocks // 2 - 1  # blocks per dummy sequence, less one for decode
         # NOTE: n prompt tokens, the prefill's sample and the decode's: n + 2 <= max_model_len
         if room < 0 or self.max_model_len < 4:
@@ -311,12 +400,18 @@ class ModelRunner:
         The ranks of the last pipeline stage append the sampled tokens to their requests (the
         next step computes them), except a beam's, which the scheduler picks; the other stages
         get them as the next step's new_token_ids. The driver fills the grammar masks of its
-        constrained rows during the forward.
+        constrained rows during the forward. A request with drafts gets its accepted drafts
+        and the token sampled after them (``StepOutput.num_sampled_token_ids``); with
+        ``num_speculative_tokens > 0`` the driver then proposes drafts to follow each sampled
+        request's new tokens (``StepOutput.draft_token_ids``).
 
         Safe to call from any (one at a time) thread. Raises KeyError / ValueError on an
         inconsistent step (unknown request, tokens or blocks missing, bad block id).
         """
         self._copy_blocks(step.blocks_to_copy)
+        if self.draft is not None:  # its KV of these is stale or gone: recompute from 0
+            for request_id in self._dropped(step):
+                self.draft.drop(request_id)
         scheduled = self.input_batch.update(step)
         if not scheduled:
             return StepOutput(step.step_id, [], [])
@@ -336,24 +431,119 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, batch)  # (a collective under TP)
         if not batch.sampled_request_ids:
             return StepOutput(step.step_id, [], [], None, prompt_logprobs)
-        logits = self._compute_logits(hidden[batch.logits_indices])  # [S, V] float32
+        logits = self._compute_logits(hidden[batch.logits_indices])  # [L, V] float32
         if ps and not ps.config.is_driver:  # a tp peer of the driver: it keeps the tokens too
-            tokens = ps.broadcast_from_driver(
-                torch.empty(len(batch.sampled_request_ids), dtype=torch.int64, device=ps.device))
-            self.input_batch.append_sampled(batch.sampled_rows, tokens.tolist())
+            self._append_from_driver(batch)
             return StepOutput(step.step_id, [], [])
         if grammar_step is not None:
             batch.sampling.grammar = grammar_step.mask(logits.device)
-        token_ids = self.sampler(logits, batch.sampling)  # [S] int64
-        if ps:
-            ps.broadcast_from_driver(token_ids)
-        logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)  # raw logits
-        sampled = token_ids.tolist()
-        if grammar_step is not None:
-            grammar_step.consume([sampled[i] for i in batch.grammar_rows.tolist()])
-        self.input_batch.append_sampled(batch.sampled_rows, sampled)  # (the worker owns them)
+        token_ids = self.sampler(logits, batch.sampling)  # [L] int64
+        if batch.num_drafts is None:
+            if ps:
+                ps.broadcast_from_driver(token_ids)
+            logprobs = compute_logprobs(logits, token_ids, batch.num_logprobs)  # raw logits
+            sampled = token_ids.tolist()
+            if grammar_step is not None:
+                grammar_step.consume([sampled[i] for i in batch.grammar_rows.tolist()])
+            self.input_batch.append_sampled(batch.sampled_rows, sampled)  # (the worker's)
+            num_sampled = None
+        else:
+            sampled, num_sampled, logprobs = self._verify(batch, logits, token_ids)
+            if grammar_step is not None:  # (a constrained request has no drafts: one row)
+                grammar_step.consume([sampled[i] for i in batch.grammar_rows.tolist()])
+        drafts = (self._propose(batch, step.num_speculative_tokens)
+                  if step.num_speculative_tokens > 0 else None)
         return StepOutput(step.step_id, batch.sampled_request_ids, sampled, logprobs,
-                          prompt_logprobs)
+                          prompt_logprobs, num_sampled, drafts)
+
+    def _verify(self, batch: PreparedStep, logits: torch.Tensor, token_ids: torch.Tensor
+                ) -> tuple[list[int], list[int] | None, SampledLogprobs | None]:
+        """The driver's verification of a step with drafts (``spec_verify.verify_drafts``):
+        keep each request's accepted drafts and the token sampled after them, append them,
+        tell the tp peers, and take their logprobs.
+
+        Args:
+            batch: the step (``num_drafts`` set).
+            logits: ``[L, V]`` float32, the raw logits of every sampled position.
+            token_ids: ``[L]`` int64, the token sampled at each.
+
+        Returns:
+            The output tokens concatenated ``[O]``, how many each request got (None when
+            all got one), and their logprobs (one entry per output token, from the raw logits
+            of its position).
+        """
+        assert batch.num_drafts is not None
+        samples = token_ids.cpu().numpy()  # [L]
+        verdict = verify_drafts(samples, batch.drafts, batch.num_drafts)
+        rows = verdict.output_rows  # [O]
+        out = samples[rows]  # [O]
+        counts = verdict.num_accepted + 1  # [S]
+        if self.parallel:  # the peers' layout: each request's 1 + d rows, -1 past its outputs
+            padded = np.full(len(samples), -1, dtype=np.int64)
+            padded[rows] = out
+            self.parallel.broadcast_from_driver(torch.from_numpy(padded).to(self.parallel.device))
+        self.input_batch.append_sampled(batch.sampled_rows, out, counts)
+        logprobs = None
+        if any(k is not None for k in batch.num_logprobs):
+            index = torch.from_numpy(rows).to(logits.device)
+            logprobs = compute_logprobs(logits.index_select(0, index),
+                                        token_ids.index_select(0, index),
+                                        [batch.num_logprobs[i] for i in rows.tolist()])
+        return out.tolist(), (counts.tolist() if (counts != 1).any() else None), logprobs
+
+    def _append_from_driver(self, batch: PreparedStep) -> None:
+        """A tp peer: receive the driver's tokens for the step's sampled requests and append
+        them. Without drafts one per request (``[S]`` int64); with drafts each request's
+        ``1 + d`` rows, holding its output tokens and then -1 (``[L]`` int64)."""
+        ps = self.parallel
+        assert ps is not None
+        received = ps.broadcast_from_driver(
+            torch.empty(batch.logits_indices.shape[0], dtype=torch.int64, device=ps.device))
+        if batch.num_drafts is None:
+            self.input_batch.append_sampled(batch.sampled_rows, received.tolist())
+            return
+        values = received.cpu().numpy()  # [L]
+        real = values >= 0
+        seg_start = np.cumsum(batch.num_drafts + 1) - (batch.num_drafts + 1)  # [S]
+        counts = np.add.reduceat(real.astype(np.int64), seg_start)  # [S] (>= 1 each)
+        self.input_batch.append_sampled(batch.sampled_rows, values[real], counts)
+
+    def _propose(self, batch: PreparedStep, k: int) -> list[list[int]]:
+        """The driver's drafts (up to ``k`` each) to follow the updated token list of each of
+        the step's sampled requests; ``[]`` for a beam, a grammar-constrained or penalised
+        request (their sampling depends on state drafts are not verified against), for
+        every request when this rank has no proposer (the scheduler checked it has the same
+        ``--speculative-config``, ``limits_refused``), and past ``max_model_len - 1`` tokens
+        (the token sampled after the drafts must fit too)."""
+        ib, sr = self.input_batch, self.input_batch.sampling_rows
+        rows = batch.sampled_rows  # [S]
+        drafts: list[list[int]] = [[] for _ in range(len(rows))]
+        if self.ngram is None and self.draft is None:
+            return drafts
+        ineligible = sr.beam[rows] | sr.constrained[rows] | sr.penalized[rows]  # [S]
+        room = self.max_model_len - 1 - ib.num_tokens[rows]  # [S]
+        eligible = np.flatnonzero(~ineligible & (room > 0)).tolist()
+        if not eligible:
+            return drafts
+        tokens = [ib.token_ids[r, :ib.num_tokens[r]] for r in rows[eligible].tolist()]
+        if self.ngram is not None:
+            proposed = [self.ngram.propose(t, k) for t in tokens]
+        else:
+            assert self.draft is not None
+            g = self._draft_group
+            proposed = self.draft.propose(
+                [batch.sampled_request_ids[i] for i in eligible], tokens,
+                [ib.block_table[g, r, :ib.num_blocks[r]] for r in rows[eligible].tolist()], k)
+        for i, p in zip(eligible, proposed, strict=True):
+            drafts[i] = p[:int(room[i])]
+        return drafts
+
+    @staticmethod
+    def _dropped(step: StepInput) -> list[str]:
+        """The requests whose draft-model state ``step`` invalidates: finished, sent anew, or
+        resumed from preemption (their blocks were freed and given out again)."""
+        return [*step.finished_request_ids, *(r.request_id for r in step.new_requests),
+                *(c.request_id for c in step.cached_requests if c.resumed_from_preemption)]
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``src`` into block ``dst`` in every K and V tensor this rank

@@ -86,13 +86,20 @@ class SamplingRows:
 
     def tensors(self, rows: np.ndarray, row_states: list[RequestState | None],
                 token_ids: np.ndarray, num_tokens: np.ndarray,
-                num_prompt_tokens: np.ndarray) -> SamplingTensors:
+                num_prompt_tokens: np.ndarray,
+                positions_ahead: np.ndarray | None = None) -> SamplingTensors:
         """The sampling parameters of ``rows [S]`` by indexing; Python loops only over the rows
         that are seeded, penalised, biased or under min_tokens.
 
         ``row_states``, ``token_ids`` ``[rows, max_model_len]``, ``num_tokens`` and
         ``num_prompt_tokens`` ``[rows]`` are the InputBatch's: the penalised rows' counts are
         brought up to date from their token lists, and min_tokens counts their outputs.
+
+        Speculative decoding: a row may be repeated, once per position it samples (its last
+        token and its drafts); ``positions_ahead [S]`` int64 then says how many positions past
+        its token list each entry is (0..d): min_tokens counts that many more outputs there.
+        A seeded request's entries share its generator and draw in order (position order).
+        Penalised rows are never repeated (no drafts: their counts follow the token list).
         """
         generators = {i: row_states[rows[i]].generator
                       for i in np.flatnonzero(self.seeded[rows]).tolist()}
@@ -114,6 +121,8 @@ class SamplingRows:
             bias = (np.repeat(np.array(bias_rows, dtype=np.int64), [len(p[0]) for p in pairs]),
                     np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs]))
         num_outputs = num_tokens[rows] - num_prompt_tokens[rows]  # [S]
+        if positions_ahead is not None:
+            num_outputs += positions_ahead
         under_min = np.flatnonzero(num_outputs < self.min_tokens[rows]).tolist()
         if under_min:
             mask_rows, mask_ids = [], []

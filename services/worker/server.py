@@ -30,6 +30,7 @@ from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metric
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import InFlight, add_shutdown_flags, drain
+from services.common.speculative import SpeculativeConfig
 from services.common.tls import add_tls_flags, tls_from_args
 from services.worker.metrics import WorkerMetrics
 from services.worker.step_input import (
@@ -72,7 +73,8 @@ def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int,
         step_id=msg.step_id, new_requests=new_requests,
         cached_requests=cached_requests_from_pb(msg.cached_requests),
         finished_request_ids=list(msg.finished_request_ids),
-        blocks_to_copy=block_copies_from_pb(msg, num_kv_blocks))
+        blocks_to_copy=block_copies_from_pb(msg, num_kv_blocks),
+        num_speculative_tokens=msg.num_speculative_tokens)
 
 
 def block_copies_from_pb(msg: worker_pb2.StepRequest, num_kv_blocks: int | None
@@ -98,6 +100,11 @@ def step_result_to_pb(out: StepOutput) -> worker_pb2.StepResult:
     describes them)."""
     result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
                                    sampled_token_ids=out.sampled_token_ids)
+    if out.num_sampled_token_ids is not None and any(n != 1 for n in out.num_sampled_token_ids):
+        result.num_sampled_token_ids.extend(out.num_sampled_token_ids)
+    if out.draft_token_ids is not None and any(out.draft_token_ids):
+        result.num_draft_token_ids.extend(map(len, out.draft_token_ids))
+        result.draft_token_ids.extend(t for d in out.draft_token_ids for t in d)
     if out.logprobs is not None:
         lp = out.logprobs
         result.num_top_logprobs.extend(lp.num_top_logprobs)
@@ -123,38 +130,51 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
     """
     n = len(c.request_ids)
     # NOTE: an empty num_new_token_ids column means no tokens at all (most steps: the worker
-    # owns its tokens), an empty first_new_block column that every request appends its blocks.
+    # owns its tokens), an empty first_new_block column that every request appends its blocks,
+    # an empty num_spec_token_ids column that no request has drafts.
     num_new_token_ids = c.num_new_token_ids if len(c.num_new_token_ids) or c.new_token_ids else (
         [0] * n)
     first_new_block = c.first_new_block if len(c.first_new_block) else [-1] * n
+    num_spec = c.num_spec_token_ids if len(c.num_spec_token_ids) or c.spec_token_ids else [0] * n
     columns = (num_new_token_ids, c.num_new_block_ids, c.resumed_from_preemption,
-               c.num_computed_tokens, c.num_scheduled_tokens, first_new_block)
+               c.num_computed_tokens, c.num_scheduled_tokens, first_new_block, num_spec)
     if any(len(col) != n for col in columns) or (
             sum(num_new_token_ids) != len(c.new_token_ids)
-            or sum(c.num_new_block_ids) != len(c.new_block_ids)):
+            or sum(c.num_new_block_ids) != len(c.new_block_ids)
+            or sum(num_spec) != len(c.spec_token_ids) or min(num_spec, default=0) < 0):
         raise ValueError(f"malformed CachedRequests: {n} request ids but columns of "
-                         f"{[len(col) for col in columns]}")
-    tokens, blocks = list(c.new_token_ids), list(c.new_block_ids)
-    out, t, b = [], 0, 0
-    for rid, nt, nb, resumed, computed, scheduled, first in zip(c.request_ids, *columns,
-                                                                 strict=True):
+                         f"{[len(col) for col in columns]} (or counts that disagree with "
+                         "their token/block columns)")
+    tokens, blocks, spec = list(c.new_token_ids), list(c.new_block_ids), list(c.spec_token_ids)
+    out, t, b, d = [], 0, 0, 0
+    for rid, nt, nb, resumed, computed, scheduled, first, nd in zip(c.request_ids, *columns,
+                                                                     strict=True):
         out.append(CachedRequest(rid, tokens[t:t + nt], blocks[b:b + nb], resumed, computed,
-                                 scheduled, first))
+                                 scheduled, first, spec[d:d + nd] if nd else []))
         t += nt
         b += nb
+        d += nd
     return out
 
 
 def limits_refused(limits: worker_pb2.GetWorkerInfoRequest,
-                   info: worker_pb2.GetWorkerInfoResponse) -> str | None:
-    """Why this rank (``info``) cannot serve a scheduler with ``limits``, naming the flag and
-    both values; None when it can. A limit left 0 is not checked. ``block_size`` must be equal;
-    ``max_model_len``, ``max_num_seqs`` and ``max_num_batched_tokens`` at most the rank's (it
-    sized its input batch, and on CUDA the profiling step that sized its KV cache, for those; a
-    scheduler asking less is fine)."""
+                   info: worker_pb2.GetWorkerInfoResponse,
+                   speculative_config: str = "") -> str | None:
+    """Why this rank (``info``; ``speculative_config``: its ``--speculative-config``,
+    ``SpeculativeConfig.to_json()`` or "" for none) cannot serve a scheduler with ``limits``,
+    naming the flag and both values; None when it can. A limit left 0 is not checked.
+    ``block_size`` must be equal, and so must the speculative config (checked with a
+    block_size: a real scheduler; the rank proposes the drafts, a draft model writes into the
+    scheduler's lookahead slots); ``max_model_len``, ``max_num_seqs`` and
+    ``max_num_batched_tokens`` at most the rank's (it sized its input batch, and on CUDA the
+    profiling step that sized its KV cache, for those; a scheduler asking less is fine)."""
     if limits.block_size and limits.block_size != info.block_size:
         return (f"the scheduler has --block-size {limits.block_size} but this worker was started "
                 f"with --block-size {info.block_size}; start both with the same value")
+    if limits.block_size and limits.speculative_config != speculative_config:
+        return (f"the scheduler has --speculative-config {limits.speculative_config or '(none)'}"
+                f" but this worker was started with --speculative-config "
+                f"{speculative_config or '(none)'}; start both with the same value")
     if limits.max_model_len > info.max_model_len:
         return (f"the scheduler has --max-model-len {limits.max_model_len} but this worker's "
                 f"max_model_len is {info.max_model_len} (its --max-model-len, or the model's "
@@ -191,6 +211,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                  executor: ThreadPoolExecutor | None = None):
         self.runner = runner
         self.info = info
+        speculative = getattr(runner, "speculative", None)  # (SpeculativeConfig | None)
+        self.speculative_config = speculative.to_json() if speculative is not None else ""
         self.metrics = metrics
         self.fatal = fatal  # set when a failed step leaves this rank unusable (parallel ranks)
         self.streams = InFlight()  # open step streams: shutdown waits until none is
@@ -199,7 +221,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         self._executor = executor or forward_thread()
 
     async def GetWorkerInfo(self, request, context):
-        refused = limits_refused(request, self.info)
+        refused = limits_refused(request, self.info, self.speculative_config)
         if refused is not None:
             log.error("refusing the scheduler: %s", refused)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
@@ -281,10 +303,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="number of ranks; must equal tensor x pipeline parallel size (a check)")
     add_flag(p, "--distributed-timeout", type=float_in(0, lo_open=True), default=60.0,
              help="seconds a rank waits on a peer (rendezvous, collective) before failing")
+    add_flag(p, "--speculative-config", type=speculative_flag, default=None,
+             help='speculative decoding as JSON, vLLM\'s fields, e.g. {"method": "ngram", '
+                  '"num_speculative_tokens": 4} or {"model": DRAFT, "num_speculative_tokens": '
+                  '4}; the scheduler must have the same (services/common/speculative.py)')
     add_tls_flags(p)
     add_shutdown_flags(p)
     add_log_flags(p)
     add_metrics_flags(p, WORKER_PORT)
+
+
+def speculative_flag(text: str) -> str:
+    """``--speculative-config``'s argparse type: the text, once ``SpeculativeConfig.parse``
+    accepts it (parsed again by ``build_runner``; kept a string so it forwards as given).
+
+    Raises:
+        argparse.ArgumentTypeError: parse's message.
+    """
+    try:
+        SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def world_size(args) -> int:
@@ -303,6 +343,9 @@ def build_runner(args):
     from services.worker.distributed import ParallelConfig, init_distributed
     from services.worker.model_runner import ModelRunner, resolve_device
     world_size(args)
+    if getattr(args, "speculative_config", None) and args.pipeline_parallel_size > 1:
+        raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
+                         f"{args.pipeline_parallel_size} (> 1)")
     pc = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.rank or 0)
     parallel, device = None, args.device
     if pc.world_size > 1:
@@ -319,7 +362,9 @@ def build_runner(args):
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                       parallel=parallel, enforce_eager=args.enforce_eager)
+                       parallel=parallel, enforce_eager=args.enforce_eager,
+                       speculative=SpeculativeConfig.parse(getattr(args, "speculative_config",
+                                                                   None)))
 
 
 def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
