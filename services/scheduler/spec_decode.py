@@ -124,7 +124,7 @@ def sampled_from_pb(result: worker_pb2.StepResult,
         t += n
     drafts = list(result.draft_token_ids)
     t = 0
-    for rid, n in zip(rids, num_drafts, strict=True):
+    for rid, n in zip(rids, num_drafts or [0] * len(rids), strict=True):
         if n:
             spec.drafts[rid] = drafts[t:t + n]
         t += n

@@ -272,7 +272,7 @@ class ModelRunner:
                              "full-attention block table, and this model has none (sliding "
                              f"windows {[g.sliding_window for g in self.kv_cache_groups]})")
         self._draft_group = full[0]
-        from services.worker.draft_model import (  # type: ignore[import-not-found]
+        from services.worker.draft_model import (
             DraftModelProposer,  # (only the draft_model method needs it)
         )
 

@@ -296,3 +296,36 @@ def test_num_drafts_to_verify_limits():
 def test_async_scheduling_and_speculation_are_exclusive():
     with pytest.raises(ValueError, match="async_scheduling off"):
         make_scheduler(speculative=NGRAM, async_scheduling=True)
+
+
+def test_step_results_are_cut_per_request():
+    from services.common.pb.pagedserve.v1 import worker_pb2
+    from services.scheduler.logprobs import token_logprobs_from_pb
+    from services.scheduler.spec_decode import sampled_from_pb
+
+    plain = worker_pb2.StepResult(request_ids=["a", "b"], sampled_token_ids=[5, 6])
+    assert sampled_from_pb(plain) == ({"a": 5, "b": 6}, None)
+    accepted_only = worker_pb2.StepResult(request_ids=["a", "b"], sampled_token_ids=[1, 2, 3, 6],
+                                          num_sampled_token_ids=[3, 1])
+    sampled, spec = sampled_from_pb(accepted_only)
+    assert sampled == {"a": 3, "b": 6} and spec.accepted == {"a": [1, 2]} and not spec.drafts
+    full = worker_pb2.StepResult(
+        request_ids=["a", "b"], sampled_token_ids=[1, 2, 6], num_sampled_token_ids=[2, 1],
+        num_draft_token_ids=[0, 2], draft_token_ids=[8, 9],
+        num_top_logprobs=[1, 1, -1], sampled_logprobs=[-0.5, -0.25],
+        top_token_ids=[1, 2], top_logprobs=[-0.5, -0.25])
+    lps = token_logprobs_from_pb(full)
+    assert [lp.logprob for lp in lps["a"]] == [-0.5, -0.25] and "b" not in lps
+    sampled, spec = sampled_from_pb(full, lps)
+    assert sampled == {"a": 2, "b": 6} and spec.accepted == {"a": [1]}
+    assert spec.drafts == {"b": [8, 9]} and [lp.logprob for lp in spec.accepted_logprobs["a"]] == [
+        -0.5]
+    drafts_only = worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[4],
+                                        num_draft_token_ids=[2], draft_token_ids=[8, 9])
+    assert sampled_from_pb(drafts_only)[1].drafts == {"a": [8, 9]}
+    for bad in (worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[1, 2],
+                                      num_sampled_token_ids=[1]),
+                worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[1],
+                                      num_draft_token_ids=[3], draft_token_ids=[1])):
+        with pytest.raises(ValueError, match="malformed"):
+            sampled_from_pb(bad)

@@ -90,3 +90,62 @@ def test_smollm2_beam_search_matches_transformers(smol_stack, hf_smol):
         assert [c.token_ids for c in r.choices] == [ids for ids, _ in e]
         assert all(abs(c.beam_score - s) < 1e-4 for c, (_, s) in zip(r.choices, e, strict=True))
     _leak_check(smol_stack)
+
+
+REPEAT = ("Repeat this sentence exactly, but change the name Alice to Carol: Alice met Bob at "
+          "the station, and Alice gave Bob a letter from her sister before Alice left.")
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def smol_spec_stack(request, tmp_path_factory):
+    """SmolLM2 with speculative decoding: prompt lookup, or a tiny random-weight draft model
+    of SmolLM2's vocabulary (few drafts accepted; run eagerly, as a draft is)."""
+    from tests.helpers import make_servable_tiny_llama
+
+    if request.param == "ngram":
+        config = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                  '"prompt_lookup_min": 2}')
+    else:
+        draft = make_servable_tiny_llama(tmp_path_factory.mktemp("smol-draft"), seed=5)
+        config = f'{{"model": "{draft}", "num_speculative_tokens": 3}}'
+    stack = InProcessStack(None, worker_argv=["--dtype", "float32", "--kv-cache-memory",
+                                              "512MiB", "--speculative-config", config],
+                           scheduler_argv=["--speculative-config", config]).start()
+    stack.method = request.param
+    yield stack
+    stack.stop()
+
+
+def test_smollm2_speculative_greedy_matches_transformers(smol_spec_stack, hf_smol):
+    """Greedy chats (a repetitive one among them: prompt lookup's case) with speculation on,
+    alone and all at once, equal transformers' greedy generate token for token."""
+    from transformers import AutoTokenizer
+
+    src = resolve_model(None)
+    tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+    chats = [REPEAT, *CHATS[:3]]
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": c}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]) for c in chats]
+    new_tokens = 48
+    expected = hf_greedy(src.folder, prompts, new_tokens, gguf_file=src.gguf_file,
+                         ignore_eos=False, model=hf_smol)
+
+    def one(chat):
+        with Client(smol_spec_stack.address) as c:
+            return c.generate(messages=[{"role": "user", "content": chat}], temperature=0,
+                              max_tokens=new_tokens)
+    assert one(chats[0]).token_ids == expected[0]
+    with ThreadPoolExecutor(len(chats)) as pool:
+        results = list(pool.map(one, chats))
+    assert [r.token_ids for r in results] == expected
+    port = smol_spec_stack.scheduler_args.metrics_port
+    import requests
+    metrics = requests.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    def counter(name):
+        return next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith(f"pagedserve:spec_decode_num_{name}_total"))
+    assert counter("draft_tokens") > 0
+    if smol_spec_stack.method == "ngram":  # (the repeated sentence: many drafts are right)
+        assert counter("accepted_tokens") > 0.3 * counter("draft_tokens")
+    _leak_check(smol_spec_stack)
