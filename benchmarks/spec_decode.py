@@ -152,9 +152,9 @@ def main() -> None:
 
     torch.set_num_threads(2)
     tok = load_tokenizer(args.model)
-    repeat = [tok.apply_chat_template([{"role": "user", "content": r}], tokenize=True,
-                                      add_generation_prompt=True) for r in REQUESTS]
-    repeat = [list(ids["input_ids"]) if isinstance(ids, dict) else list(ids) for ids in repeat]
+    repeat = [list(tok.apply_chat_template([{"role": "user", "content": r}], tokenize=True,
+                                           add_generation_prompt=True,
+                                           return_dict=True)["input_ids"]) for r in REQUESTS]
     if args.quick:
         repeat = repeat[:2]
     runner = ModelRunner(args.model, dtype="float32", device="cpu",
@@ -188,7 +188,8 @@ def main() -> None:
             print(f"{name:7s} batch {batch:3d} {mode:13s} {r['tok_s']:7.1f} tok/s "
                   f"({r['speedup']:.2f}x)  ITL {r['itl_ms']:6.1f} ms ({r['itl_ratio']:.2f}x)  "
                   f"acceptance {r['acceptance']:.2f}  tokens/verify "
-                  f"{r['tokens_per_verify']:.2f}  {r['tokens']} tokens in {r['steps']} steps",
+                  f"{r['tokens_per_verify']:.2f}  {r['tokens']} tokens in {r['steps']} steps, "
+                  f"{r['drafted']} drafted",
                   flush=True)
     print(f"CPU: {platform.processor() or platform.machine()}, torch threads "
           f"{torch.get_num_threads()}, {torch.backends.cpu.get_cpu_capability()}")
