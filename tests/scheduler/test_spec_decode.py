@@ -22,18 +22,16 @@ from services.common.speculative import SpeculativeConfig
 from services.scheduler.request import FinishReason
 from services.scheduler.scheduler import Scheduler, SchedulerOutput
 from services.scheduler.spec_decode import SpecDecodeResult, num_drafts_to_verify
-from tests.scheduler.factories import expected_output, fake_token, make_request, make_scheduler
+from tests.scheduler.factories import (
+    expected_output,
+    fake_token,
+    make_request,
+    make_scheduler,
+    prefix_keys,
+)
 
 NGRAM = SpeculativeConfig("ngram", 4, 4, 4)
 DRAFT = SpeculativeConfig("draft_model", 3, model="draft")
-
-
-def prefix_keys(token_ids: list[int]) -> list[int]:
-    keys, key = [], 0
-    for tok in token_ids:
-        key = hash((key, tok))
-        keys.append(key)
-    return keys
 
 
 @dataclass

@@ -32,11 +32,8 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Tiny forwards: one thread (two threads on a loaded machine are far slower)."""
 
 
 @pytest.fixture(scope="module")
