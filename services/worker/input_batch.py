@@ -77,7 +77,7 @@ from services.worker.attention import AttentionMetadata
 from services.worker.logprobs import PromptChunk
 from services.worker.penalties import TokenCounts
 from services.worker.sampler import SamplingTensors
-from services.worker.sampling_rows import SamplingRows
+from services.worker.sampling_rows import SamplingRows, rewind_generator
 from services.worker.step_input import CachedRequest, StepInput
 from services.worker.structured_output import RequestGrammar, StructuredOutputs
 
@@ -97,6 +97,10 @@ class RequestState:
     row: int = -1  # its row of the InputBatch; -1 while parked
     parked: tuple[np.ndarray, np.ndarray] | None = None  # (token ids [n], block ids
     # [groups, num_blocks]) while rowless
+    # a seeded request's last few samples: (its token count then, its generator's state just
+    # before the draw); a resume rewinds the generator past draws of steps whose results the
+    # scheduler dropped (``_replace_tokens``)
+    rng_history: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -515,6 +519,8 @@ class InputBatch:
             state.counts.num_counted = state.num_prompt_tokens
         if state.grammar is not None:  # its matcher replays the resumed outputs
             state.grammar.reset(token_ids[state.num_prompt_tokens:])
+        if state.generator is not None:
+            rewind_generator(state, len(token_ids))
 
     def _append_tokens(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
         """Append ``token_ids[i]`` to the token list of row ``rows[i]`` (``rows [N]`` int64)."""

@@ -101,8 +101,11 @@ class SamplingRows:
         A seeded request's entries share its generator and draw in order (position order).
         Penalised rows are never repeated (no drafts: their counts follow the token list).
         """
-        generators = {i: row_states[rows[i]].generator
-                      for i in np.flatnonzero(self.seeded[rows]).tolist()}
+        generators = {}
+        for i in np.flatnonzero(self.seeded[rows]).tolist():
+            state = row_states[rows[i]]
+            record_draw(state, int(num_tokens[rows[i]]))  # (a resume may rewind to it)
+            generators[i] = state.generator
         penalties, mask = None, None
         pen_rows = np.flatnonzero(self.penalized[rows]).tolist()
         if pen_rows:
@@ -149,3 +152,32 @@ class SamplingRows:
         and their matchers (``row_states``: the InputBatch's)."""
         grammar_rows = np.flatnonzero(self.constrained[rows])  # [C]
         return grammar_rows, [row_states[r].grammar for r in rows[grammar_rows].tolist()]
+
+
+RNG_HISTORY = 4  # samples remembered per seeded request (> the steps ever in flight)
+
+
+def record_draw(state: RequestState, num_tokens: int) -> None:
+    """Before a seeded request's draw at ``num_tokens`` tokens: remember its generator's state
+    (``RNG_HISTORY`` draws back)."""
+    assert state.generator is not None
+    history = state.rng_history
+    if history and history[-1][0] == num_tokens:
+        return  # (speculative positions of one step: the state before the first draw)
+    history.append((num_tokens, state.generator.get_state()))
+    if len(history) > RNG_HISTORY:
+        del history[0]
+
+
+def rewind_generator(state: RequestState, num_tokens: int) -> None:
+    """A seeded request resumes with ``num_tokens`` tokens: if its generator already drew at
+    that count (a step in flight when it was preempted, whose result the scheduler dropped),
+    put the generator back to just before that draw, so the resumed request draws what it
+    would have drawn without the preemption (seeded output stays reproducible)."""
+    assert state.generator is not None
+    history = state.rng_history
+    for i, (n, saved) in enumerate(history):
+        if n == num_tokens:
+            state.generator.set_state(saved)
+            del history[i:]
+            return
