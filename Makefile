@@ -61,8 +61,11 @@ lint: install
 	$(PY) -m ruff check services kernels clients
 	$(PY) -m mypy
 
+# Two pytest workers (pytest-xdist), a test file each at a time (module fixtures stay whole);
+# TEST_WORKERS=0 runs the suite in this process.
+TEST_WORKERS ?= 2
 test: install lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -n $(TEST_WORKERS) --dist loadfile
 
 # Everything but the end-to-end process tests.
 test-fast: install
