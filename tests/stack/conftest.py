@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+
+from pagedserve_client import AsyncClient
 
 from tests.helpers import make_servable_tiny_llama
 from tests.stack_harness import InProcessStack
@@ -43,6 +47,20 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int, ggu
 def tiny_model_dir(tmp_path_factory) -> str:
     """A tiny random-weight Llama (safetensors) with SmolLM2's tokenizer files beside it."""
     return make_servable_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def generate_at_once(address: str, requests: list[dict]) -> list:
+    """Send every request (``Client.generate`` keyword arguments) on one channel in one
+    event-loop turn and return the ``GenerationResult`` of each, in order.
+
+    The tests that need requests to overlap (to force preemption) use this: one thread per
+    request, each connecting on its own, could reach the router tens of milliseconds apart on
+    a loaded machine, which is more than a tiny model's whole request."""
+    async def main():
+        async with AsyncClient(address) as c:
+            await c.list_models()  # the channel is connected before the first request
+            return await asyncio.gather(*(c.generate(**kw) for kw in requests))
+    return asyncio.run(main())
 
 
 def _leak_check(stack: InProcessStack) -> None:

@@ -9,12 +9,11 @@ from __future__ import annotations
 import logging
 import re
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pagedserve_client import Client
-from tests.stack.conftest import _leak_check, hf_greedy
+from tests.stack.conftest import _leak_check, generate_at_once, hf_greedy
 from tests.stack.test_equivalence import kv_bytes_per_block
 from tests.stack_harness import InProcessStack
 
@@ -68,17 +67,20 @@ def tiny(stack):
     _leak_check(stack)
 
 
+def _greedy_kw(ids: list[int], **kw) -> dict:
+    return {"prompt_token_ids": ids, "temperature": 0, "max_tokens": MAX_NEW,
+            "ignore_eos": True, **kw}
+
+
 def _greedy(address: str, ids: list[int], **kw):
     with Client(address) as c:
-        return c.generate(prompt_token_ids=ids, temperature=0,
-                          **{"max_tokens": MAX_NEW, "ignore_eos": True, **kw})
+        return c.generate(**_greedy_kw(ids, **kw))
 
 
 def test_greedy_with_preemption_equals_transformers(tiny, expected):
     prompts, want = expected
     before = tiny.stats().num_preemptions_total
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda p: _greedy(tiny.address, p).token_ids, prompts))
+    got = [r.token_ids for r in generate_at_once(tiny.address, [_greedy_kw(p) for p in prompts])]
     assert got == want
     assert tiny.stats().num_preemptions_total > before
 
@@ -130,10 +132,14 @@ def test_aborted_streams_leave_the_rest_exact(tiny, expected):
 REGEX = r"[a-z]{2,6}( [a-z]{2,6}){2,5}"  # at most 41 characters: a random model finishes it
 
 
+def _constrained_kw(ids: list[int], seed: int) -> dict:
+    return {"prompt_token_ids": ids, "temperature": 1.0, "seed": seed, "max_tokens": 64,
+            "n": 2, "structured_outputs": {"regex": REGEX}}
+
+
 def _constrained(address: str, ids: list[int], seed: int):
     with Client(address) as c:
-        return c.generate(prompt_token_ids=ids, temperature=1.0, seed=seed, max_tokens=64, n=2,
-                          structured_outputs={"regex": REGEX})
+        return c.generate(**_constrained_kw(ids, seed))
 
 
 def test_structured_outputs_survive_preemption_and_look_ahead(tiny, expected):
@@ -144,11 +150,10 @@ def test_structured_outputs_survive_preemption_and_look_ahead(tiny, expected):
     prompts, want = expected
     alone = [_constrained(tiny.address, p, 2 * i) for i, p in enumerate(prompts)]
     before = tiny.stats().num_preemptions_total
-    with ThreadPoolExecutor(2 * len(prompts)) as pool:
-        greedy = [pool.submit(lambda p: _greedy(tiny.address, p).token_ids, p) for p in prompts]
-        together = [pool.submit(_constrained, tiny.address, p, 2 * i)
-                    for i, p in enumerate(prompts)]
-        greedy, together = [f.result() for f in greedy], [f.result() for f in together]
+    results = generate_at_once(tiny.address, [_greedy_kw(p) for p in prompts]
+                               + [_constrained_kw(p, 2 * i) for i, p in enumerate(prompts)])
+    greedy = [r.token_ids for r in results[:len(prompts)]]
+    together = results[len(prompts):]
     assert tiny.stats().num_preemptions_total > before
     assert greedy == want
     with Client(tiny.address) as c:

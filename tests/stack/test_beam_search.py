@@ -20,7 +20,7 @@ import torch
 from pagedserve_client import Client
 
 from tests.helpers import hf_beam_search, make_servable_tiny_llama
-from tests.stack.conftest import _leak_check, hf_greedy
+from tests.stack.conftest import _leak_check, generate_at_once, hf_greedy
 from tests.stack_harness import InProcessStack
 
 NEW_TOKENS = 32
@@ -38,13 +38,17 @@ def hf_tiny(tiny_model_dir):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
-def beam_search(address: str, prompt: list[int], k: int, length_penalty: float = 1.0,
-                early_stopping: str = "false", n: int | None = None,
-                max_tokens: int = NEW_TOKENS):
+def beam_kw(prompt: list[int], k: int, length_penalty: float = 1.0,
+            early_stopping: str = "false", n: int | None = None,
+            max_tokens: int = NEW_TOKENS) -> dict:
+    return {"prompt_token_ids": prompt, "use_beam_search": True, "n": n or k, "beam_width": k,
+            "length_penalty": length_penalty, "early_stopping": HF_EARLY[early_stopping],
+            "max_tokens": max_tokens}
+
+
+def beam_search(address: str, prompt: list[int], k: int, *args, **kwargs):
     with Client(address) as c:
-        return c.generate(prompt_token_ids=prompt, use_beam_search=True, n=n or k,
-                          beam_width=k, length_penalty=length_penalty,
-                          early_stopping=HF_EARLY[early_stopping], max_tokens=max_tokens)
+        return c.generate(**beam_kw(prompt, k, *args, **kwargs))
 
 
 def assert_equal(result, expected, eos: int = 2) -> None:
@@ -152,9 +156,8 @@ def test_preempted_groups_without_prefix_caching_equal_transformers(small_stack,
                 for i, (k, lp, es) in enumerate(cases)]
     assert any(ids[-1] == model.config.eos_token_id for e in expected for ids, _ in e)
     before = small_stack.stats().num_preemptions_total
-    with ThreadPoolExecutor(len(cases)) as pool:
-        results = list(pool.map(lambda ic: beam_search(small_stack.address, prompt_of(ic[0] % 2),
-                                                       *ic[1]), enumerate(cases)))
+    results = generate_at_once(small_stack.address, [beam_kw(prompt_of(i % 2), *case)
+                                                     for i, case in enumerate(cases)])
     for result, e in zip(results, expected, strict=True):
         assert_equal(result, e, model.config.eos_token_id)
     assert small_stack.stats().num_preemptions_total > before, "no group was preempted"

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import os
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from pagedserve_client import Client
 
-from tests.stack.conftest import _leak_check, hf_greedy
+from tests.stack.conftest import _leak_check, generate_at_once, hf_greedy
 from tests.stack_harness import InProcessStack
 
 MAX_NEW = 24
@@ -33,15 +31,13 @@ def kv_bytes_per_block(model_dir: str, block_size: int = 16, dtype_bytes: int = 
 
 
 def _generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    """Send all prompts at once (one thread each) and collect greedy token ids."""
-    def one(ids):
-        with Client(address) as c:
-            r = c.generate(prompt_token_ids=ids, temperature=0, max_tokens=MAX_NEW,
-                           ignore_eos=True)
-            assert r.finish_reason == "length" and r.usage.completion_tokens == MAX_NEW
-            return r.token_ids
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+    """Send all prompts at once and collect greedy token ids."""
+    results = generate_at_once(address, [dict(prompt_token_ids=ids, temperature=0,
+                                              max_tokens=MAX_NEW, ignore_eos=True)
+                                         for ids in prompts])
+    for r in results:
+        assert r.finish_reason == "length" and r.usage.completion_tokens == MAX_NEW
+    return [r.token_ids for r in results]
 
 
 @pytest.mark.parametrize("order", ["together", "alone", "reversed", "shuffled"])

@@ -8,14 +8,13 @@ holds at most ceil(W / block_size) + 1 blocks per sliding-window group."""
 from __future__ import annotations
 
 import random
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pagedserve_client import Client
 from services.worker.kv_cache_groups import kv_cache_groups
 from tests import helpers
-from tests.stack.conftest import _leak_check, hf_greedy
+from tests.stack.conftest import _leak_check, generate_at_once, hf_greedy
 from tests.stack_harness import InProcessStack
 
 MAX_NEW = 20
@@ -80,14 +79,11 @@ def family(request, tmp_path_factory):
 
 
 def _generate(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    def one(ids):
-        with Client(address) as c:
-            r = c.generate(prompt_token_ids=ids, temperature=0, max_tokens=MAX_NEW,
-                           ignore_eos=True)
-            assert r.usage.completion_tokens == MAX_NEW
-            return r.token_ids
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
+    results = generate_at_once(address, [dict(prompt_token_ids=ids, temperature=0,
+                                              max_tokens=MAX_NEW, ignore_eos=True)
+                                         for ids in prompts])
+    assert all(r.usage.completion_tokens == MAX_NEW for r in results)
+    return [r.token_ids for r in results]
 
 
 def test_greedy_equals_transformers_together_with_preemption(family):

@@ -21,7 +21,7 @@ import requests
 from pagedserve_client import Client
 
 from tests.helpers import make_servable_tiny_llama
-from tests.stack.conftest import _leak_check, hf_greedy
+from tests.stack.conftest import _leak_check, generate_at_once, hf_greedy
 from tests.stack_harness import InProcessStack
 
 NEW_TOKENS = 40
@@ -158,9 +158,9 @@ def test_preemption_equals_transformers(small_spec, tiny_model_dir):
                                              strict=True)]
     want = hf_greedy(tiny_model_dir, prompts, 60)
     before = small_spec.stats().num_preemptions_total
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(lambda p: greedy(small_spec.address, p, max_tokens=60,
-                                                 ignore_eos=True), prompts))
+    results = generate_at_once(small_spec.address, [
+        dict(prompt_token_ids=p, temperature=0, max_tokens=60, ignore_eos=True)
+        for p in prompts])
     assert [r.choices[0].token_ids for r in results] == want
     assert small_spec.stats().num_preemptions_total > before, "nothing was preempted"
     _leak_check(small_spec)
