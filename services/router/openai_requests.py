@@ -76,7 +76,8 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
                 structured_param: str = STRUCTURED) -> OpenAIError:
     """The OpenAI error for a gRPC status from validation or the engine: INVALID_ARGUMENT and
     OUT_OF_RANGE -> 400 (``param`` is the field the message starts with), RESOURCE_EXHAUSTED
-    -> 429, UNAVAILABLE -> 503, anything else -> 500.
+    -> 429, UNAVAILABLE -> 503, anything else -> 500. The engine's refusals start with
+    "request <id>: ", which is skipped.
 
     Args:
         prompt_param: the request field holding the prompt ("prompt" or "messages"), named
@@ -87,7 +88,7 @@ def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt
     status, type_ = _HTTP.get(code, (500, "server_error"))
     param = None
     if status == 400:
-        m = re.match(r"(?:chat\.)?([a-z_]+)", message)
+        m = re.match(r"(?:request \S+: )?(?:chat\.)?([a-z_]+)", message)
         word = m.group(1) if m else ""
         if word in ("prompt", "prompt_token_ids", "messages"):
             param = prompt_param

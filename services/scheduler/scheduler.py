@@ -345,9 +345,8 @@ class Scheduler:
                                   + k * (bm.num_blocks_needed(max_new) + 1))
         if needed > bm.num_blocks:
             raise ValueError(
-                f"request {rid}: beam search with beam_width {k} and {max_new} new tokens may "
-                f"need {needed} KV blocks but the cache has {bm.num_blocks}; lower beam_width "
-                "or max_tokens")
+                f"request {rid}: beam_width {k} with {max_new} new tokens may need {needed} "
+                f"KV blocks but the cache has {bm.num_blocks}; lower beam_width or max_tokens")
         stops = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else self.eos_token_ids)
         candidates = num_candidates(k, len(stops))

@@ -201,3 +201,18 @@ def test_http_tool_choice_auto_and_none_give_plain_content():
         assert parsed.tool_calls is None and prepared.params.beam_width == 1
     _, sampled = http({"tools": WEATHER_TOOLS, "tool_choice": "auto"}, tool_parser="hermes")
     assert sampled.tool_calls is not None  # without beam search the text is parsed
+
+
+@pytest.mark.parametrize("message, param", [
+    ("request cmpl-1-0: beam_width 8 with 90 new tokens may need 80 KV blocks but the cache "
+     "has 48; lower beam_width or max_tokens", "beam_width"),
+    ("request 7: beam_width 9 is more than max_num_seqs=8 (every beam is a running sequence)",
+     "beam_width"),
+    ("request chat-2: prompt has 400 tokens, max_model_len=384 leaves no room for output",
+     "messages"),
+    ("beam_width must be >= n", "beam_width"),
+    ("requested things", None),
+])
+def test_engine_refusals_name_the_field_after_the_request_id(message, param):
+    e = from_status(grpc.StatusCode.INVALID_ARGUMENT, message, prompt_param="messages")
+    assert (e.status, e.param) == (400, param)

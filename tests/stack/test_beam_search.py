@@ -177,6 +177,7 @@ def test_a_search_that_cannot_fit_is_400(small_stack):
     assert r.status_code == 400, r.text
     assert "beam_width 8" in r.json()["error"]["message"]
     assert "KV blocks" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "beam_width"
     body["max_tokens"] = 8
     r = requests.post(f"{small_stack.http_url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 200 and len(r.json()["choices"]) == 8
