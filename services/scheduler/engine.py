@@ -35,8 +35,9 @@ from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import SHUTTING_DOWN
 from services.scheduler.logprobs import prompt_logprobs_from_pb, token_logprobs_from_pb
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.outputs import RequestUpdate
 from services.scheduler.request import FinishReason, Request
-from services.scheduler.scheduler import QueueFullError, RequestUpdate, Scheduler
+from services.scheduler.scheduler import QueueFullError, Scheduler
 from services.scheduler.spec_decode import sampled_from_pb
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 

@@ -36,7 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
-from services.scheduler.scheduler import RequestUpdate, Scheduler, SchedulerOutput
+from services.scheduler.outputs import RequestUpdate, SchedulerOutput
+from services.scheduler.scheduler import Scheduler
 
 PREFIX = "pagedserve:"
 

@@ -53,15 +53,21 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from itertools import chain
 
 from services.common.speculative import SpeculativeConfig
-from services.scheduler.beam_search import BeamGroup, BeamHypothesis, num_candidates
+from services.scheduler.beam_scheduling import BeamScheduling
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
+from services.scheduler.outputs import (
+    CachedRequestData,
+    NewRequestData,
+    RequestUpdate,
+    SchedulerOutput,
+    request_update,
+)
 from services.scheduler.request import (
-    EngineSamplingParams,
     FinishReason,
     Request,
     RequestStatus,
@@ -116,79 +122,7 @@ class SchedulerConfig:
                              "flight (the drafts follow the tokens the last step returned)")
 
 
-@dataclass(slots=True)
-class NewRequestData:
-    """A request the worker has never seen, sent in full once."""
-
-    request_id: str
-    prompt_token_ids: list[int]  # all_token_ids at first schedule (what the worker must hold)
-    sampling_params: EngineSamplingParams
-    block_ids: list[int]  # the whole block tables, concatenated group by group (-1 = none)
-    num_computed_tokens: int  # tokens already cached (0 until prefix caching); compute from here
-
-
-@dataclass(slots=True)
-class CachedRequestData:
-    """A request the worker already holds: only what changed since it last saw it."""
-
-    request_id: str
-    # since last sent (for the pipeline stages that do not sample; [] mid-prefill and with
-    # async scheduling); when resumed, the whole token list (replaces the worker's)
-    new_token_ids: list[int]
-    # appended to each table this step (the same count per group), concatenated group by
-    # group; the whole tables if resumed
-    new_block_ids: list[int]
-    resumed_from_preemption: bool  # the worker must replace (not extend) table and tokens
-    num_computed_tokens: int  # tokens whose K/V are cached; this step computes from here
-    # the table index new_block_ids are written from (copy-on-write replaced the entry there
-    # and after, or blocks only rejected drafts used were freed from there); -1 = appended
-    first_new_block: int = -1
-    beam: bool = False  # a beam: the scheduler picked new_token_ids, every rank gets them
-    # speculative decoding: the drafts this step verifies after the request's last token
-    # (num_scheduled_tokens = 1 + len); not part of its tokens until accepted
-    spec_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """One engine step, sent to every worker rank."""
-
-    step_id: int  # increases by one per schedule() call
-    scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
-    num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step
-    total_num_scheduled_tokens: int  # sum of num_scheduled_tokens, <= max_num_batched_tokens
-    finished_req_ids: set[str]  # finished/aborted since the last step: worker drops their state
-    preempted_req_ids: set[str]  # preempted this step: worker drops blocks, keeps token ids
-    # copy-on-write: (src, dst) blocks every rank copies before this step's forward
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # speculative decoding: drafts the driver proposes after this step per sampled request
-    num_speculative_tokens: int = 0
-    # NOTE: the ones below stay in the scheduler (update_from_output reads them); not sent.
-    # request_id -> its epoch when scheduled: a result from before a preemption (or for an
-    # earlier request of the same id) is stale.
-    epochs: dict[str, int] = field(default_factory=dict)
-    sampled_req_ids: set[str] = field(default_factory=set)  # chunks that reach the end: a token
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
-    applied: bool = False  # update_from_output has consumed it
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What a router needs about one request after a step: its new tokens, or its end."""
-
-    request_id: str
-    new_token_ids: list[int]  # [] when only finishing (abort)
-    finish_reason: FinishReason | None  # None while still running
-    num_prompt_tokens: int
-    num_output_tokens: int  # after this update
-    num_cached_tokens: int  # prefix-cache hit at first schedule (0 if never scheduled)
-    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids (aligned), when asked
-    prompt_logprobs: PromptLogprobs | None = None  # prompt tokens scored by this step's chunk
-    beams: list[BeamHypothesis] | None = None  # a beam search's result, on its final update
-
-
-class Scheduler:
+class Scheduler(BeamScheduling):
     """Scheduler with chunked prefill, prefix caching and preemption by recompute.
 
     ``running`` is kept sorted by the policy key (``waiting_queue.policy_key``: arrival under
@@ -320,43 +254,6 @@ class Scheduler:
         self.requests[request.request_id] = request
         waiting.add(request)
 
-    def _add_beam_group(self, request: Request) -> None:
-        """Make ``request`` the root of a beam group (``beam_search.py``); its beams ask the
-        workers for their top candidates as top logprobs.
-
-        Raises:
-            ValueError: more beams than ``max_num_seqs``, an id a beam would take is in use,
-                or the beams' KV at full length (the prompt's blocks shared, every beam's own
-                output blocks) would not fit in the whole cache (it could never finish).
-        """
-        config, bm = self.config, self.block_manager
-        params = request.sampling_params
-        k, rid, num_prompt = params.beam_width, request.request_id, request.num_prompt_tokens
-        if k > config.max_num_seqs:
-            raise ValueError(f"request {rid}: beam_width {k} is more than max_num_seqs="
-                             f"{config.max_num_seqs} (every beam is a running sequence)")
-        ids = {f"{rid}#beam{i}" for i in range(1, k)}
-        if ids & (self.requests.keys() | self._beam_ids):
-            raise ValueError(f"request {rid}: the ids of its beams ({rid}#beam1 ..) are in use")
-        max_new = config.max_model_len - num_prompt
-        if params.max_tokens is not None:
-            max_new = min(max_new, params.max_tokens)
-        needed = bm.num_groups * (bm.num_blocks_needed(num_prompt)
-                                  + k * (bm.num_blocks_needed(max_new) + 1))
-        if needed > bm.num_blocks:
-            raise ValueError(
-                f"request {rid}: beam_width {k} with {max_new} new tokens may need {needed} "
-                f"KV blocks but the cache has {bm.num_blocks}; lower beam_width or max_tokens")
-        stops = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else self.eos_token_ids)
-        candidates = num_candidates(k, len(stops))
-        if self.vocab_size is not None:
-            candidates = min(candidates, self.vocab_size)
-        request.sampling_params = replace(params, logprobs=candidates, temperature=0.0)
-        request.beam_group = BeamGroup(request, k, max_new, stops, candidates,
-                                       params.length_penalty, params.early_stopping)
-        self._beam_ids |= ids
-
     def abort_request(self, request_id: str) -> RequestUpdate | None:
         """Finish a request now with reason ABORT and free its blocks (O(queue length)).
 
@@ -376,7 +273,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self._finish(request, FinishReason.ABORT)
-        return _update(request, [], FinishReason.ABORT)
+        return request_update(request, [], FinishReason.ABORT)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating blocks for them.
@@ -626,7 +523,7 @@ class Scheduler:
             token_id = sampled_token_ids.get(request_id)
             reached_end = request_id in sampled
             if prompt_chunk is not None and (not reached_end or token_id is None):
-                updates.append(_update(request, [], None, prompt_logprobs=prompt_chunk))
+                updates.append(request_update(request, [], None, prompt_logprobs=prompt_chunk))
             if not reached_end:
                 continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
             if request.num_output_placeholders:
@@ -664,7 +561,8 @@ class Scheduler:
                     self._free_rejected(request)
                 if spec and spec.drafts:
                     request.spec_token_ids = spec.drafts.get(request_id, [])
-            updates.append(_update(request, new_tokens, reason, token_logprobs, prompt_chunk))
+            updates.append(request_update(request, new_tokens, reason, token_logprobs,
+                                          prompt_chunk))
         if any_finished:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return updates
@@ -723,42 +621,6 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    # ---- beam search (see beam_search.py) ---------------------------------------------------
-    def _schedule_beams(self, group: BeamGroup, i: int, budget: int,
-                        num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                        first_new_block: dict[str, int]) -> tuple[int, int]:
-        """Schedule the beams of ``group`` (``running[i:i + k]``: one key, so adjacent) as
-        one: all that have a token to compute, or none (not enough budget). Blocks for all,
-        copy-on-write included, come first, preempting the running tail until they fit (the
-        group itself, when it is the tail: then it restarts). Returns (the next index into
-        ``running``, the budget left)."""
-        running, bm = self.running, self.block_manager
-        members = running[i:i + len(group.beams)]
-        assert all(r.beam_group is group for r in members), "a beam group is not adjacent"
-        writers = [(r, n) for r in members
-                   if (n := len(r.prompt_token_ids) + len(r.output_token_ids)
-                       - r.num_computed_tokens) > 0]
-        total = sum(n for _, n in writers)
-        if not writers or total > budget:
-            return i + len(members), budget  # (waiting for the step in flight, or next step)
-        while not bm.can_allocate_all(writers):
-            victim = self._preempt_tail()
-            if victim.beam_group is group:
-                return i, budget
-        bs = self.config.block_size
-        for request, n in writers:
-            copies = bm.copy_on_write(request, n)
-            appended = bm.allocate(request, n)
-            rid = request.request_id
-            if copies:
-                self._blocks_to_copy += copies
-                first = first_new_block[rid] = request.num_computed_tokens // bs
-                new_blocks[rid] = [b for table in request.block_ids for b in table[first:]]
-            else:
-                new_blocks[rid] = appended
-            num_scheduled[rid] = n
-        return i + len(members), budget - total
-
     def _preempt_tail(self) -> Request:
         """Preempt the running tail (recompute); a beam of a group of several beams takes its
         group with it (``_restart_beams``). Returns the tail request."""
@@ -770,104 +632,6 @@ class Scheduler:
         else:
             self._preempt(victim)
         return victim
-
-    def _restart_beams(self, group: BeamGroup) -> None:
-        """Preempt a beam group by recompute of its whole search: the beams but the root
-        finish, the root goes back to its prompt and waits (preempted). The search is
-        deterministic, so it finds the same hypotheses again (its prompt's blocks usually
-        still cached). The caller has taken the beams out of ``running``."""
-        root = group.root
-        for beam in group.beams:
-            if beam is not root:
-                del self.requests[beam.request_id]
-                self._finish(beam, FinishReason.ABORT)
-        root.output_token_ids = []
-        del root.block_hashes[len(root.prompt_token_ids) // self.config.block_size:]
-        root.resend = False
-        self._preempt(root)
-        group.restart()
-
-    def _drop_beams(self, group: BeamGroup) -> None:
-        """End the group's beams but its root (which the caller ends): aborted or done."""
-        root = group.root
-        for beam in group.beams:
-            if beam is not root:
-                del self.requests[beam.request_id]
-                if beam.status is RequestStatus.RUNNING:
-                    self.running.remove(beam)
-                self._finish(beam, FinishReason.ABORT)
-        rid = root.request_id
-        self._beam_ids -= {f"{rid}#beam{i}" for i in range(1, group.beam_width)}
-
-    def _beam_proposed(self, beam: Request, top: TokenLogprobs | None) -> RequestUpdate | None:
-        """A beam's step came back with its candidates (``top``); once the whole group has
-        proposed, pick the next beams (fork, append) or end the search. Returns the group's
-        final update when it ended."""
-        group = beam.beam_group
-        assert group is not None
-        if top is None or not top.top_token_ids:
-            # NOTE: the worker owed candidates and sent none (a worker bug): recompute the
-            # search rather than leave the group waiting for ever.
-            self.running[:] = [r for r in self.running if r.beam_group is not group]
-            if len(group.beams) > 1:
-                self._restart_beams(group)
-            else:
-                self._preempt(beam)
-            return None
-        if not group.propose(beam, top.top_token_ids, top.top_logprobs):
-            return None
-        picks = group.select()
-        if picks is None:
-            root = group.root
-            self._drop_beams(group)
-            del self.requests[root.request_id]
-            best = group.finished[0]
-            self._finish(root, best.finish_reason)
-            return RequestUpdate(root.request_id, [], best.finish_reason,
-                                 root.num_prompt_tokens, len(best.token_ids),
-                                 max(root.num_cached_tokens, 0), beams=group.finished)
-        parents = group.beams
-        first_child: dict[int, int] = {}
-        for j, pick in enumerate(picks):
-            first_child.setdefault(pick.parent, j)
-        spare = [b for p, b in enumerate(parents) if p not in first_child]
-        beams: list[Request] = [parents[p] for p in (pick.parent for pick in picks)]
-        for j, pick in enumerate(picks):  # forks first: from the parents' tokens as they are
-            if first_child[pick.parent] != j:
-                child = spare.pop() if spare else self._new_beam(group)
-                self._fork(child, parents[pick.parent], pick.token_id)
-                beams[j] = child
-        for p, j in first_child.items():
-            parents[p].output_token_ids.append(picks[j].token_id)
-        assert not spare, "every dropped beam is reused"
-        group.beams, group.scores = beams, [pick.score for pick in picks]
-        return None
-
-    def _new_beam(self, group: BeamGroup) -> Request:
-        """A new running beam request of ``group`` (its id ``f"{root id}#beam{i}"``, the
-        first free one of 1 .. k-1)."""
-        root = group.root
-        taken = {b.request_id for b in group.beams}
-        rid = next(f"{root.request_id}#beam{i}" for i in range(1, group.beam_width)
-                   if f"{root.request_id}#beam{i}" not in taken and
-                   f"{root.request_id}#beam{i}" not in self.requests)
-        beam = Request(rid, root.prompt_token_ids, root.sampling_params, root.arrival_time,
-                       RequestStatus.RUNNING, priority=root.priority,
-                       arrival_seq=root.arrival_seq, num_cached_tokens=root.num_cached_tokens,
-                       extra_keys=root.extra_keys, beam_group=group)
-        self.requests[rid] = beam
-        bisect.insort(self.running, beam, key=self._key)
-        return beam
-
-    def _fork(self, child: Request, parent: Request, token_id: int) -> None:
-        """``child`` becomes ``parent`` + ``token_id``: its tables a fork of the parent's,
-        its tokens the parent's plus the one (sent whole to the workers next step)."""
-        self.block_manager.fork(child, parent)
-        child.output_token_ids = [*parent.output_token_ids, token_id]
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.resend = True
-        self._num_epochs += 1
-        child.epoch = self._num_epochs
 
     def _preempt(self, request: Request) -> None:
         """Recompute preemption: drop the KV (cached blocks stay cached, so the recompute may
@@ -894,13 +658,3 @@ class Scheduler:
         if request.num_tokens_sent > 0:
             self._finished_req_ids.add(request.request_id)
 
-
-def _update(
-    request: Request, new_token_ids: list[int], reason: FinishReason | None,
-    logprobs: list[TokenLogprobs] | None = None, prompt_logprobs: PromptLogprobs | None = None,
-) -> RequestUpdate:
-    return RequestUpdate(
-        request.request_id, new_token_ids, reason,
-        request.num_prompt_tokens, request.num_output_tokens, max(request.num_cached_tokens, 0),
-        logprobs, prompt_logprobs,
-    )

@@ -29,7 +29,7 @@ import grpc
 from services.common.grpc_utils import CHANNEL_OPTIONS
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.tls import aio_channel
-from services.scheduler.scheduler import SchedulerOutput
+from services.scheduler.outputs import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -27,13 +27,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler.outputs import RequestUpdate, SchedulerOutput
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
-from services.scheduler.scheduler import (
-    RequestUpdate,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
 
 EOS = 0  # the fake model never samples it (fake tokens are 10..59) unless a test forces it
 

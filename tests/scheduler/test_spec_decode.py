@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import pytest
 
 from services.common.speculative import SpeculativeConfig
+from services.scheduler.outputs import SchedulerOutput
 from services.scheduler.request import FinishReason
-from services.scheduler.scheduler import Scheduler, SchedulerOutput
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.spec_decode import SpecDecodeResult, num_drafts_to_verify
 from tests.scheduler.factories import (
     expected_output,
