@@ -71,6 +71,8 @@ class Choice:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                              skip_special_tokens=text.skip_special_tokens)
         self._stops = StopStringMatcher(text.stop, text.include_stop_str_in_output)
+        self._stop_token_ids = text.stop_token_ids
+        self._last_token_id: int | None = None
 
     def on_output(self, out: engine_pb2.RequestOutput
                   ) -> tuple[list[api_pb2.GenerateResponse], bool]:
@@ -91,6 +93,8 @@ class Choice:
             self._prompt_logprobs.extend(prompt_logprobs(out, self._prompt_tokens))
         match, ids = self._feed(ids)
         self.num_output_tokens += len(ids)
+        if ids:
+            self._last_token_id = ids[-1]
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
         text = match.text_to_emit if match else ""
@@ -136,13 +140,17 @@ class Choice:
     def _final(self, ids: list[int], text: str, reason: api_pb2.FinishReason,
                stop_str: str | None = None) -> api_pb2.GenerateResponse:
         self.finished = True
-        return api_pb2.GenerateResponse(
+        response = api_pb2.GenerateResponse(
             request_id=self.request_id, token_ids=ids, text=text, finish_reason=reason,
             usage=api_pb2.Usage(prompt_tokens=self.num_prompt_tokens,
                                 completion_tokens=self.num_output_tokens,
                                 num_cached_tokens=self.num_cached_tokens),
             stop_reason=stop_str or "", index=self.index, logprobs=self._logprobs,
             prompt_logprobs=self._take_prompt_logprobs())
+        if (reason == api_pb2.FINISH_REASON_STOP and stop_str is None
+                and self._last_token_id in self._stop_token_ids):
+            response.stop_token_id = self._last_token_id  # (the engine stopped on it)
+        return response
 
 
 def prompt_logprobs(out: engine_pb2.RequestOutput, prompt: Sequence[int]

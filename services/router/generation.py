@@ -105,6 +105,8 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
                            "prompt is empty: set one of prompt, chat or prompt_token_ids")
     validate_prompt_ids(ids, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
     sp = request.sampling_params
+    eos = frozenset() if params.ignore_eos else frozenset(info.eos_token_ids)
+    text = replace(text, stop_token_ids=frozenset(params.stop_token_ids) - eos)
     return PreparedRequest(request_id, ids, params, text, n=n, priority=priority,
                            structured_outputs=(sp.structured_outputs
                                                if sp.HasField("structured_outputs") else None))

@@ -170,6 +170,7 @@ class CompletionCall:
             r.text = ""
             if r.finish_reason:
                 r.finish_reason, r.stop_reason = api_pb2.FINISH_REASON_LENGTH, ""
+                r.ClearField("stop_token_id")
                 r.usage.completion_tokens = 0
         return r
 

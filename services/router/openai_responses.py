@@ -4,7 +4,8 @@ The shapes follow OpenAI's API (as vLLM serves it): ``text_completion`` /
 ``chat.completion`` objects, ``chat.completion.chunk`` / ``text_completion`` stream chunks
 (a completion with ``echo`` has the prompt before each choice's output),
 ``usage`` with ``prompt_tokens_details.cached_tokens``. Each choice also carries vLLM's extra
-``stop_reason`` (the stop string that matched, else null). ``logprobs`` is null unless the
+``stop_reason`` (the stop string that matched, or the stop_token_ids entry that ended the
+choice as an integer, else null). ``logprobs`` is null unless the
 request asked for them (see ``openai_logprobs``); a stream chunk then carries the logprobs of
 the tokens of its message (a chunk is sent for tokens whose text is still held back, too).
 
@@ -189,4 +190,7 @@ class ResponseBuilder:
         reason = str(FinishReason(final.finish_reason))
         if reason == "stop" and self._tools is not None and self._tools[index].called:
             reason = "tool_calls"  # the choice ended after making tool calls
-        return {"finish_reason": reason, "stop_reason": final.stop_reason or None}
+        stop_reason: str | int | None = final.stop_reason or None
+        if final.HasField("stop_token_id"):
+            stop_reason = final.stop_token_id
+        return {"finish_reason": reason, "stop_reason": stop_reason}

@@ -64,11 +64,15 @@ class TextOptions:
         stop: stop strings, matched on the detokenized text.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
         skip_special_tokens: leave special tokens out of the text.
+        stop_token_ids: the stop token ids a finish reports (``GenerateResponse.stop_token_id``):
+            the request's, less the model's EOS ids unless ignore_eos (vLLM checks EOS
+            first). Set by ``generation.prepare``, which knows the EOS ids.
     """
 
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    stop_token_ids: frozenset[int] = frozenset()
 
 
 def _fmt(x: float) -> str:

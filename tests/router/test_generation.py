@@ -15,7 +15,7 @@ import pytest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.choices import child_params, child_request_id
-from services.router.generation import EngineError, PreparedRequest, stream_responses
+from services.router.generation import EngineError, PreparedRequest, prepare, stream_responses
 from services.router.validation import TextOptions
 from tests.router import smollm2_tokenizer
 
@@ -253,3 +253,35 @@ def test_a_stop_string_inside_several_tokens_at_once_cuts_them_there():
         assert finals[0].stop_reason == "STOP" and finals[0].usage.completion_tokens == cut
     msgs = asyncio.run(collect(FakeEngine([out(RID, ids, LENGTH)]), prepared()))
     assert by_index(msgs)[1][0] == ids  # no stop strings: all of them
+
+
+def test_a_stop_token_id_finish_names_the_token():
+    # the engine stops on a stop_token_ids entry: the final message says which (vLLM's integer
+    # stop_reason); an EOS (not in TextOptions.stop_token_ids), a length finish or a stop
+    # string leaves it unset
+    def final(outputs, stop_ids=(), stop=()):
+        req = prepared(stop=stop)
+        req.text = TextOptions(stop=tuple(stop), stop_token_ids=frozenset(stop_ids))
+        return by_index(asyncio.run(collect(FakeEngine(outputs), req)))[2][0]
+    ids = ids_of(" cat dog")
+    f = final([out(RID, ids[:1]), out(RID, ids[1:], STOP)], stop_ids={ids[-1], 7})
+    assert f.HasField("stop_token_id") and f.stop_token_id == ids[-1] and f.stop_reason == ""
+    f = final([out(RID, ids), out(RID, finish=STOP)], stop_ids={ids[-1]})  # (a last empty one)
+    assert f.stop_token_id == ids[-1]
+    for outputs, stop_ids in (([out(RID, ids, STOP)], {7}), ([out(RID, ids, LENGTH)], {ids[-1]}),
+                              ([out(RID, ids, ABORT)], {ids[-1]})):
+        assert not final(outputs, stop_ids).HasField("stop_token_id")
+    f = final([out(RID, ids_of(" cat STOP dog")), out(RID, finish=ABORT)],
+              stop_ids=set(ids_of(" dog")), stop=["STOP"])
+    assert f.stop_reason == "STOP" and not f.HasField("stop_token_id")
+
+
+@pytest.mark.parametrize("ignore_eos, want", [(False, {5}), (True, {5, 2})])
+def test_prepare_reports_stop_token_ids_but_the_eos(ignore_eos, want):
+    # vLLM checks EOS before stop_token_ids: a stop on EOS has no stop_reason unless ignore_eos
+    info = engine_pb2.GetEngineInfoResponse(model="smol", max_model_len=256,
+                                            vocab_size=49152, eos_token_ids=[2])
+    request = api_pb2.GenerateRequest(prompt_token_ids=api_pb2.TokenIds(ids=PROMPT),
+                                      sampling_params=api_pb2.SamplingParams(
+                                          stop_token_ids=[5, 2], ignore_eos=ignore_eos))
+    assert prepare(request, smollm2_tokenizer(), info).text.stop_token_ids == want

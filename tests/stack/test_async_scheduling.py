@@ -91,9 +91,9 @@ def test_stop_token_ids_and_max_tokens_end_where_they_should(tiny, expected):
     stop = full[6]
     cut = full.index(stop) + 1
     r = _greedy(tiny.address, ids, stop_token_ids=[stop])
-    assert (r.token_ids, r.finish_reason) == (full[:cut], "stop")
+    assert (r.token_ids, r.finish_reason, r.stop_reason) == (full[:cut], "stop", stop)
     r = _greedy(tiny.address, ids, max_tokens=3)
-    assert (r.token_ids, r.finish_reason) == (full[:3], "length")
+    assert (r.token_ids, r.finish_reason, r.stop_reason) == (full[:3], "length", None)
     r = _greedy(tiny.address, ids, max_tokens=1)
     assert (r.token_ids, r.finish_reason) == (full[:1], "length")
 

@@ -113,6 +113,23 @@ def test_stop_string_and_extras(tiny, oai, model_name):
                                extra_body={"ignore_eos": True, "top_k": 5, "priority": 0,
                                            "unknown_field": 1})
     assert r.choices[0].text == full[:full.find(stop)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop  # (vLLM's extra field)
+
+
+def test_stop_token_ids_finish_gives_an_integer_stop_reason(tiny, oai, model_name):
+    with Client(tiny.address) as c:
+        full = c.generate(PROMPT, temperature=0, max_tokens=8, ignore_eos=True).token_ids
+    stop = full[3]
+    body = {"ignore_eos": True, "stop_token_ids": [stop]}
+    r = oai.completions.create(model=model_name, prompt=PROMPT, extra_body=body, **GREEDY)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == stop
+    assert r.usage.completion_tokens == full.index(stop) + 1
+    chunks = list(oai.completions.create(model=model_name, prompt=PROMPT, extra_body=body,
+                                         stream=True, **GREEDY))
+    last = next(c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert last.finish_reason == "stop" and last.stop_reason == stop
+    r = oai.completions.create(model=model_name, prompt=PROMPT, extra_body=NO_EOS, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].stop_reason is None
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -53,7 +53,8 @@ class StreamDelta:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the choice's last delta
     usage: Usage | None = None
-    stop_reason: str | None = None    # the matched stop string, if any
+    # the matched stop string, or the stop_token_ids entry that ended the choice; else None
+    stop_reason: str | int | None = None
     index: int = 0                    # the choice, 0 .. n-1
     # with the ``logprobs`` parameter: one per token of token_ids, aligned; else None
     logprobs: list[TokenLogprob] | None = None
@@ -72,7 +73,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when asked for
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1 .. P-1, when asked for
     beam_score: float | None = None  # beam search: the hypothesis's score; else None
@@ -95,7 +96,7 @@ class GenerationResult:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
     choices: list[Choice] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
@@ -110,7 +111,8 @@ def delta_from_pb(msg) -> StreamDelta:
     return StreamDelta(
         request_id=msg.request_id, token_ids=list(msg.token_ids), text=msg.text,
         finish_reason=FINISH_REASONS.get(msg.finish_reason), usage=usage,
-        stop_reason=msg.stop_reason or None, index=msg.index,
+        stop_reason=(msg.stop_token_id if msg.HasField("stop_token_id")
+                     else msg.stop_reason or None), index=msg.index,
         logprobs=_logprobs(msg.logprobs), prompt_logprobs=_logprobs(msg.prompt_logprobs),
         beam_score=msg.beam_score if msg.HasField("beam_score") else None)
 
