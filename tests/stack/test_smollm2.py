@@ -36,24 +36,36 @@ def hf_smol():
                                                 dtype=torch.float32).eval()
 
 
-def test_smollm2_greedy_chat_matches_transformers(smol_stack, hf_smol):
+def chat_prompts(chats: list[str]) -> list[list[int]]:
+    """The prompt ids of one-message chats, by transformers' tokenizer and chat template."""
     from transformers import AutoTokenizer
 
     src = resolve_model(None)
     tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": c}],
-                                       add_generation_prompt=True, tokenize=True)
-               for c in CHATS]
-    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]
-    expected = hf_greedy(src.folder, prompts, NEW_TOKENS, gguf_file=src.gguf_file,
-                         ignore_eos=False, model=hf_smol)
+    return [list(tok.apply_chat_template([{"role": "user", "content": c}],
+                                         add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]) for c in chats]
 
-    def one(chat):
-        with Client(smol_stack.address) as c:
-            return c.generate(messages=[{"role": "user", "content": chat}], temperature=0,
-                              max_tokens=NEW_TOKENS)
+
+def hf_chat_greedy(hf_smol, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy ids for ``prompts`` (ending with EOS, as the engine's do)."""
+    src = resolve_model(None)
+    return hf_greedy(src.folder, prompts, new_tokens, gguf_file=src.gguf_file,
+                     ignore_eos=False, model=hf_smol)
+
+
+def greedy_chat(address: str, chat: str, max_tokens: int):
+    with Client(address) as c:
+        return c.generate(messages=[{"role": "user", "content": chat}], temperature=0,
+                          max_tokens=max_tokens)
+
+
+def test_smollm2_greedy_chat_matches_transformers(smol_stack, hf_smol):
+    prompts = chat_prompts(CHATS)
+    expected = hf_chat_greedy(hf_smol, prompts, NEW_TOKENS)
     with ThreadPoolExecutor(len(CHATS)) as pool:
-        results = list(pool.map(one, CHATS))
+        results = list(pool.map(lambda c: greedy_chat(smol_stack.address, c, NEW_TOKENS),
+                                CHATS))
     for chat, prompt, r, e in zip(CHATS, prompts, results, expected, strict=True):
         assert r.usage.prompt_tokens == len(prompt), f"chat template differs for {chat!r}"
         assert r.token_ids == e, f"{chat!r}: {r.text!r}"
@@ -66,15 +78,10 @@ def test_smollm2_beam_search_matches_transformers(smol_stack, hf_smol):
     """Beam search (k = 2, 4, 8, three length penalties, both early_stopping values) of three
     chats at once: the hypotheses and scores equal transformers' generate(num_beams=k)."""
     import torch
-    from transformers import AutoTokenizer
 
-    src = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
     model = hf_smol
     cases = [(2, 1.0, "false"), (4, 0.5, "true"), (8, 2.0, "false")]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": c}],
-                                            add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]) for c in CHATS[:3]]
+    prompts = chat_prompts(CHATS[:3])
     with torch.inference_mode():
         expected = [hf_beam_search(model, p, k, k, NEW_TOKENS, lp, es == "true")
                     for p, (k, lp, es) in zip(prompts, cases, strict=True)]
@@ -119,22 +126,12 @@ def smol_spec_stack(request, tmp_path_factory):
 def test_smollm2_speculative_greedy_matches_transformers(smol_spec_stack, hf_smol):
     """Greedy chats (a repetitive one among them: prompt lookup's case) with speculation on,
     alone and all at once, equal transformers' greedy generate token for token."""
-    from transformers import AutoTokenizer
-
-    src = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
     chats = [REPEAT, *CHATS[:3]]
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": c}],
-                                            add_generation_prompt=True, tokenize=True,
-                                            return_dict=True)["input_ids"]) for c in chats]
     new_tokens = 48
-    expected = hf_greedy(src.folder, prompts, new_tokens, gguf_file=src.gguf_file,
-                         ignore_eos=False, model=hf_smol)
+    expected = hf_chat_greedy(hf_smol, chat_prompts(chats), new_tokens)
 
     def one(chat):
-        with Client(smol_spec_stack.address) as c:
-            return c.generate(messages=[{"role": "user", "content": chat}], temperature=0,
-                              max_tokens=new_tokens)
+        return greedy_chat(smol_spec_stack.address, chat, new_tokens)
     assert one(chats[0]).token_ids == expected[0]
     with ThreadPoolExecutor(len(chats)) as pool:
         results = list(pool.map(one, chats))
