@@ -113,7 +113,7 @@ class SamplingTensors:
             top_p=tensor(top_p),
             top_k=tensor(top_k),
             generators=generators,
-            all_greedy=bool((temperature < _SAMPLING_EPS).all()),
+            all_greedy=bool(((temperature < _SAMPLING_EPS) | (top_k == 1)).all()),
             no_top_k=bool((top_k == vocab_size).all()),
             no_top_p=bool((top_p >= 1.0).all()),
             min_p=tensor(min_p) if min_p is not None and (min_p > 0).any() else None,
@@ -171,8 +171,9 @@ class Sampler:
 
     Per row, in transformers' / vLLM's order, on the raw logits (greedy rows too): penalties,
     logit_bias, min_tokens, the grammar mask (structured outputs); then greedy (argmax) when
-    temperature < 1e-5; otherwise logits / temperature, top-k, top-p, min-p, softmax, and the
-    exponential race. ``logits`` is not modified (logprobs are computed from it: raw).
+    temperature < 1e-5 or top_k == 1; otherwise logits / temperature, top-k, top-p, min-p,
+    softmax, and the exponential race. ``logits`` is not modified (logprobs are computed from
+    it: raw).
     """
 
     def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
@@ -190,7 +191,9 @@ class Sampler:
         greedy = logits.argmax(dim=-1)  # [B]
         if params.all_greedy:
             return greedy
-        is_greedy = params.temperature < _SAMPLING_EPS  # [B]
+        # top_k=1 is greedy at any temperature: the same token as argmax even on a tie, which
+        # the threshold mask of apply_top_k_top_p would keep both sides of
+        is_greedy = (params.temperature < _SAMPLING_EPS) | (params.top_k == 1)  # [B]
         temperature = torch.where(is_greedy, 1.0, params.temperature)
         logits = logits / temperature.unsqueeze(1)  # [B, V]
         if not (params.no_top_k and params.no_top_p):

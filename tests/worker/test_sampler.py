@@ -239,6 +239,19 @@ def test_top_k_1_is_greedy_at_any_temperature(temperature):
                            logits.argmax(-1))
 
 
+def test_top_k_1_takes_argmax_on_an_exact_tie():
+    """Two tokens tied for the top: top_k=1 keeps both under a threshold mask, so it must be
+    argmax (the lower id) outright, as greedy is, in a batch with sampled rows too."""
+    logits = torch.zeros(64, V)
+    logits[:, 7] = logits[:, 3] = 5.0
+    mixed = SamplingTensors.build([1.0] * 64, [1.0] * 64, [1, 0] * 32, {}, V,
+                                  torch.device("cpu"))
+    for p in (params(64, temperature=1.0, top_k=1), mixed):
+        out = Sampler()(logits, p)
+        assert (out[::2] == 3).all()
+    assert (Sampler()(logits, mixed)[1::2] != 3).any()  # the top_k=0 rows do sample the tie
+
+
 def test_logprobs_are_raw_log_softmax_with_per_row_top_k():
     from services.worker.logprobs import compute_logprobs
     logits = random_logits(4, seed=7)
