@@ -30,11 +30,11 @@ $(STAMP): requirements.lock pyproject.toml clients/python/pyproject.toml
 	$(PIP) install --quiet --no-deps -e clients/python -e .
 	touch $(STAMP)
 
-# The native CPU kernels (kernels/csrc), compiled once (~30 s) into
+# The native CPU kernels (kernels/csrc), compiled once (~60 s) into
 # $$PAGEDSERVE_CACHE_DIR/cpu_kernels (default ~/.cache/pagedserve) under a hash of the source, so
 # every checkout with the same source shares one build; the worker also builds on first use
 # when the cache lacks it.
-$(CPU_KERNELS): kernels/csrc/cpu_paged_attention.cpp kernels/cpu_build.py | $(STAMP)
+$(CPU_KERNELS): $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h) kernels/cpu_build.py | $(STAMP)
 	$(PY) -m kernels.cpu_build
 	touch $@
 

@@ -7,7 +7,9 @@ machine's speed falls on both.
 
 ``--knob module.NAME`` is a module-level constant read at run time; each value is parsed as a
 Python bool/int/float literal (``True``, ``inf`` allowed), else kept as a string, and set before the run, e.g.
-``--knob services.worker.attention.CPU_AUTO_BACKEND --values torch cpu``. Prints output tokens/s per
+``--knob services.worker.attention.CPU_AUTO_BACKEND --values torch cpu``. ``--knob runner.NAME``
+varies a ``ModelRunner`` keyword instead, e.g. ``--knob runner.batch_invariant --values False
+True`` (the cost of ``--batch-invariant``). Prints output tokens/s per
 run, the median per value and the ratio of each value's median to the first value's.
 """
 
@@ -43,26 +45,31 @@ def main() -> None:
     from compare import add_workload_args
 
     add_workload_args(p)
-    p.add_argument("--knob", required=True, help="module.CONSTANT to vary")
+    p.add_argument("--knob", required=True,
+                   help="module.CONSTANT to vary, or runner.KEYWORD (a ModelRunner argument)")
     p.add_argument("--values", nargs="+", required=True, type=parse_value)
     p.add_argument("--rounds", type=int, default=2, help="runs of each value, interleaved")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
 
     from compare import workload
-    from services.router.tokenizer import load_tokenizer
     from throughput import bench_engine
 
+    from services.router.tokenizer import load_tokenizer
+
     module_name, _, attr = a.knob.rpartition(".")
-    module = importlib.import_module(module_name)
-    getattr(module, attr)  # AttributeError now, not after the first run
+    module = None if module_name == "runner" else importlib.import_module(module_name)
+    if module is not None:
+        getattr(module, attr)  # AttributeError now, not after the first run
     items = workload(load_tokenizer(a.model), a.num_requests, a.seed)
     runs: dict[str, list[float]] = {str(v): [] for v in a.values}
     for r in range(a.rounds):
         for v in a.values:
-            setattr(module, attr, v)
+            if module is not None:
+                setattr(module, attr, v)
             tok_s = bench_engine(a.model, [it.prompt_token_ids for it in items],
-                                 [it.output_len for it in items], a.dtype)
+                                 [it.output_len for it in items], a.dtype,
+                                 **({attr: v} if module is None else {}))
             runs[str(v)].append(tok_s)
             print(f"round {r + 1} {a.knob}={v}: {tok_s:.1f} output tok/s", flush=True)
     base = statistics.median(runs[str(a.values[0])])

@@ -60,15 +60,17 @@ def bench_transformers(model_dir, gguf_file, prompts, output_len, batch_size, dt
         return n / (time.perf_counter() - t0)
 
 
-def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype: str) -> float:
+def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype: str,
+                 **runner_kwargs) -> float:
     """Output tokens/s of the engine in one process: Scheduler + ModelRunner, no gRPC (each
     step still goes through the StepRequest encoding the services use). ``output_len``: one
-    length for every prompt, or one per prompt (forced with ignore_eos)."""
+    length for every prompt, or one per prompt (forced with ignore_eos); ``runner_kwargs`` go
+    to ``ModelRunner`` (e.g. ``batch_invariant=True``)."""
     from services.scheduler.worker_client import build_step_request
     from services.worker.model_runner import ModelRunner
     from services.worker.server import step_input_from_pb
 
-    runner = ModelRunner(model, dtype=dtype)
+    runner = ModelRunner(model, dtype=dtype, **runner_kwargs)
     lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
     scheduler = loaded_scheduler(runner, prompts, lens)
     n, t0 = 0, time.perf_counter()

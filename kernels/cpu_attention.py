@@ -7,19 +7,22 @@ compiles once into the cache and this module loads on first use.
 
 One varlen kernel serves decode, chunked prefill and prefix-hit tails: work items of
 (sequence, query tile, KV heads, KV split) run in one OpenMP loop; each walks its K/V blocks
-through the block table (no gather of the context, no padding), holds the G query heads of a KV
-head together (GQA: one K/V load for all of them), and keeps a float32 online softmax
-(FlashAttention-2, Dao 2023). Decode-sized tiles read the blocks in place with vectorized
-loops; prefill tiles (>= 16 rows per KV head) copy 256 keys at a time into a float32 buffer and
-run Q K^T and P V as GEMMs. With a sliding window an item's keys start at the block of its
-first row's window, so out-of-window blocks are skipped (never read). Long contexts at small
-batch are split over KV ranges and merged (flash-decoding, Dao et al. 2023). The block-table
-cache is PagedAttention (Kwon et al., SOSP 2023). ``kernels/csrc/cpu_paged_attention.cpp`` has
-the details.
+through the block table (no gather of the context, no padding), block by block, holds the G
+query heads of a KV head together (GQA: one K/V load for all of them), and keeps a float32
+online softmax (FlashAttention-2, Dao 2023). With a sliding window an item's keys start at the
+block of its first row's window, so out-of-window blocks are skipped (never read). Long
+contexts are split over KV ranges cut at fixed positions (every ``split_keys`` keys) and merged
+(flash-decoding, Dao et al. 2023). The block-table cache is PagedAttention (Kwon et al., SOSP
+2023). ``kernels/csrc/cpu_paged_attention.cpp`` has the details.
+
+Row invariance: every query row is computed by the same arithmetic whatever tile or step it
+falls in (one inner path, split boundaries fixed by position), so a row's output is bitwise the
+same after a prefix-cache hit, at another chunk size or in another batch.
 
 Instruction sets: the hot loop is compiled for AVX-512, AVX2+FMA and the baseline, and the best
-the CPU has runs; ``PAGEDSERVE_CPU_ISA=scalar|avx2|avx512|auto`` forces a lower one (read at
-every call), ``cpu_isa()`` names the one in use.
+the CPU has runs; ``PAGEDSERVE_CPU_ISA=scalar|avx2|avx512|avx512_bf16|amx|auto`` forces a lower
+step of the ladder (read at every call; attention runs its AVX-512 body on the two top steps),
+``cpu_isa()`` names the one in use.
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ def _ops():
 
 
 def cpu_isa() -> str:
-    """The instruction-set path the kernels take now: ``"avx512"``, ``"avx2"`` or ``"scalar"``
-    (the best this CPU supports, unless ``PAGEDSERVE_CPU_ISA`` asks for a lower one).
+    """The instruction-set step the native kernels take now: ``"amx"``, ``"avx512_bf16"``,
+    ``"avx512"``, ``"avx2"`` or ``"scalar"`` (the best this CPU supports, unless
+    ``PAGEDSERVE_CPU_ISA`` asks for a lower one).
 
     Raises:
         ValueError: ``PAGEDSERVE_CPU_ISA`` is unknown or above what the CPU supports.
@@ -83,7 +87,7 @@ def cpu_paged_attention(
     max_seq_len: int,
     scale: float,
     plan: object = None,
-    num_splits: int = 0,
+    split_keys: int = 0,
     sliding_window: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention of each sequence's query tokens over its context.
@@ -100,9 +104,10 @@ def cpu_paged_attention(
     Args:
         scale: multiplies ``q . k`` (usually ``head_dim ** -0.5``).
         plan: ignored (the torch backend's per-step plan; this kernel plans in C++ per call).
-        num_splits: KV splits per (sequence, query tile, KV head): 0 = automatic (split long
-            contexts only while the batch leaves threads idle), 1 = never, n > 1 = up to n
-            (never more than the range has blocks).
+        split_keys: keys per KV split: each query's keys are cut at the multiples of it
+            (rounded down to whole blocks, at least one block) and the parts merged; 0 = the
+            default, 512. Fixed positions, not a count per call, so a row's result never
+            depends on the batch.
         max_query_len, max_seq_len: accepted for the common signature; the kernel reads the
             lengths themselves.
         sliding_window: 0 = full causal attention; ``W > 0`` = each query sees its last W
@@ -115,7 +120,7 @@ def cpu_paged_attention(
 
     Raises:
         ValueError: ``num_heads`` not a multiple of ``num_kv_heads``, mismatched shapes or
-            dtypes, ``query_len > seq_len``, ``sliding_window < 0``.
+            dtypes, ``query_len > seq_len``, ``split_keys < 0``, ``sliding_window < 0``.
         IndexError: a used block-table entry outside ``[0, num_blocks)``, or a table too short
             for ``seq_len``.
     """
@@ -127,7 +132,7 @@ def cpu_paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ops().paged_attention(
         out, query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens),
-        _int32(query_start_loc), float(scale), int(num_splits), int(sliding_window))
+        _int32(query_start_loc), float(scale), int(split_keys), int(sliding_window))
     return out
 
 

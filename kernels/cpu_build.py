@@ -1,4 +1,5 @@
-"""Build (once) and load the native CPU kernels, ``kernels/csrc/cpu_paged_attention.cpp``.
+"""Build (once) and load the native CPU kernels: ``kernels/csrc/*.cpp`` (paged attention, the
+KV-cache write, row-invariant linear layers) and the headers they share.
 
 The extension is a plain shared library of torch custom ops (``torch.ops.pagedserve.*``, no
 Python module), compiled by ``torch.utils.cpp_extension.load`` (g++ and ninja, ``-O3
@@ -28,7 +29,9 @@ from pathlib import Path
 import torch
 
 NAME = "pagedserve_cpu"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_paged_attention.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_linear.cpp"]
+HEADERS = [CSRC / "cpu_isa.h"]
 # NOTE: -fopenmp on both sides links libgomp.so.1, the same soname as the libgomp torch's CPU
 # wheel ships and has already loaded, so the process keeps one OpenMP runtime (one thread pool).
 CFLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
@@ -46,8 +49,10 @@ def cache_root() -> Path:
 
 
 def build_key() -> str:
-    """16 hex digits of sha256 over the source, the flags and the torch version."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    """16 hex digits of sha256 over the sources and headers, the flags and the torch version."""
+    h = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(repr((CFLAGS, LDFLAGS, torch.__version__, sys.version_info[:2])).encode())
     return h.hexdigest()[:16]
 
@@ -84,7 +89,7 @@ def build(verbose: bool = False) -> Path:
     except ImportError:
         pass
     built = cpp_extension.load(
-        name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+        name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
         build_directory=str(build_dir), is_python_module=False, verbose=verbose)
     global _loaded
     _loaded = Path(built)

@@ -86,21 +86,32 @@ _ONEDNN_LINEAR_OK = True  # cleared if this torch build's oneDNN linear op fails
 def torch_wide_linear(
     x: torch.Tensor,  # [num_tokens, hidden_size]
     weight: torch.Tensor,  # [out_features, hidden_size], out_features large (the LM head)
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T`` (``F.linear`` without bias) for a wide weight such as the LM head.
 
-    Returns ``[num_tokens, out_features]`` in ``x.dtype``. On a CPU at float32 it calls oneDNN's
-    linear (``torch.ops.mkldnn._linear_pointwise``, what Inductor's CPU freezing path uses)
-    instead of ATen's MKL sgemm: for SmolLM2's LM head (``[M, 576] x [49152, 576]^T``) it was
-    1.3-2.5x faster for M = 1..256 on an AMD EPYC with AVX2 (``docs/benchmarks.md``), where
-    sgemm streams the 113 MB weight poorly. Elsewhere (bf16 already goes through oneDNN, CUDA)
-    and if the op is missing from the build, it is plain ``F.linear``.
+    Returns ``[num_tokens, out_features]`` in ``out_dtype`` (default ``x.dtype``). On a CPU at
+    float32 it calls oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, what Inductor's CPU
+    freezing path uses) instead of ATen's MKL sgemm: for SmolLM2's LM head (``[M, 576] x
+    [49152, 576]^T``) it was 1.3-2.5x faster for M = 1..256 on an AMD EPYC with AVX2
+    (``docs/benchmarks.md``), where sgemm streams the 113 MB weight poorly. On CUDA with 16-bit
+    inputs and a float32 ``out_dtype`` it asks cuBLAS for the float32 result (``torch.mm``'s
+    ``out_dtype``), so logits are not rounded to the model dtype. Elsewhere, and if an op is
+    missing from the build, it is plain ``F.linear`` (then cast: a 16-bit CPU model's LM head
+    is ``services/worker/packed_linear.py``'s, which accumulates into float32 directly).
     """
     global _ONEDNN_LINEAR_OK
     if (_ONEDNN_LINEAR_OK and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()):
         try:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "").to(
+                out_dtype or x.dtype)
         except (RuntimeError, AttributeError, NotImplementedError):
             _ONEDNN_LINEAR_OK = False
-    return torch.nn.functional.linear(x, weight)
+    if (x.device.type == "cuda" and out_dtype == torch.float32
+            and x.dtype in (torch.bfloat16, torch.float16)):
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            pass  # an older torch or cuBLAS: the rounded product below
+    return torch.nn.functional.linear(x, weight).to(out_dtype or x.dtype)

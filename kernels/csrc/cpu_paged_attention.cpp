@@ -2,11 +2,11 @@
 //
 // Ops (namespace `pagedserve`, see TORCH_LIBRARY at the bottom for the schemas):
 //   paged_attention(out!, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-//                   scale, num_splits=0, sliding_window=0)
+//                   scale, split_keys=0, sliding_window=0)
 //                                          one varlen kernel: decode, chunked prefill and
 //                                          prefix-hit tails in one call
 //   reshape_and_cache(key, value, k_cache!, v_cache!, slot_mapping)
-//   cpu_isa() -> str                       the instruction-set path the kernels run now
+//   cpu_isa() -> str                       the instruction-set step the kernels run now
 //
 // Layout (kernels/__init__.py draws the index arithmetic):
 //   query, out        [num_tokens, num_heads, head_dim]
@@ -19,33 +19,39 @@
 // Algorithm. One work item = (sequence, query tile, KV heads, KV split); items run in one
 // OpenMP loop (dynamic schedule). An item holds the G = num_heads / num_kv_heads query heads of
 // each of its KV heads for every query token of its tile as rows, so each K/V row is read (and,
-// for 16-bit caches, converted to float32) once for all G heads (GQA sharing). It walks its key
-// range THROUGH THE BLOCK TABLE (no gather, no padded copy) with the online softmax of
-// FlashAttention-2 (Dao 2023): per row a running max m, sum l and float32 accumulator acc,
-// rescaled by exp(m_old - m_new). Keys past a row's causal limit (position context_len + j)
-// add nothing; keys past the tile's last row are never read.
+// for 16-bit caches, converted to float32) once for all of them (GQA sharing). It walks its key
+// range THROUGH THE BLOCK TABLE (no gather, no padded copy), block by block, with the online
+// softmax of FlashAttention-2 (Dao 2023): per row a running max m, sum l and float32
+// accumulator acc, rescaled by exp(m_old - m_new). Keys past a row's causal limit (position
+// context_len + j) add nothing; keys past the tile's last row are never read. Small tiles
+// (decode) take every KV head in one item, so each cache block is read in one sequential pass;
+// tiles of >= 16 rows per KV head take one KV head per item.
 // Sliding window W > 0 (Beltagy et al. 2020, "Longformer"; Jiang et al. 2023, "Mistral 7B"):
 // the row at position q sees keys max(0, q - W + 1) .. q only. An item's key range then starts
 // at the block holding its first row's window start, so blocks wholly before every window of
 // the tile are never read (their block-table entries may be -1 or any id) and the work is
-// O(W) per row, not O(position). Two inner paths:
-//   - decode-sized tiles (query tokens * G < 16 rows per KV head): one item covers every KV
-//     head, walks block by block (one sequential pass over each block, the next block
-//     prefetched), dot products and axpys vectorized over head_dim;
-//   - prefill tiles (>= 16 rows, one KV head per item): K/V of 256 keys copied as float32 into
-//     one buffer each, S = Q K^T and acc += P V as two single-threaded ATen GEMMs.
-// Long contexts at small batch are split into KV ranges (flash-decoding, Dao et al. 2023):
-// each split leaves (m, l, acc) in a workspace and a second pass merges them,
+// O(W) per row, not O(position).
+// KV splits (flash-decoding, Dao et al. 2023) at FIXED key positions: the keys are cut every
+// split_keys positions (default 512, whole blocks), an item covers one such range, and a row
+// whose keys span several ranges has its (m, l, acc) per range merged in a second pass,
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
 // The block-table cache itself is PagedAttention (Kwon et al., SOSP 2023).
+//
+// Row invariance. A row's result depends on its query, its position and its keys only, never
+// on the rest of the step: every row is computed by the same arithmetic (the same dot
+// products over the same blocks in the same order, the same split boundaries), whatever tile
+// it falls in, however the prompt was chunked and whatever else is batched. So a prefix-cache
+// hit, another chunk size or another batch gives bitwise the same output row (the engine's
+// determinism and --batch-invariant rest on it; tests/kernels/test_cpu_paged_attention.py).
+// NOTE: an earlier version ran tiles of >= 16 rows through ATen GEMMs over 256-key chunks and
+// chose the number of splits from the batch; both made a row depend on its neighbours.
 //
 // Instruction sets: the item kernel is written as plain loops (`#pragma omp simd`) and
 // compiled three times, under __attribute__((target("avx512f,..."))), target("avx2,fma") and
 // the compiler's baseline ("scalar": no extension beyond x86-64's SSE2, so it is still 4-wide
-// SSE). The best the CPU has is picked at run time (__builtin_cpu_supports);
-// PAGEDSERVE_CPU_ISA=scalar|avx2|avx512|auto forces a lower path (read at every call; asking
-// for more than the CPU has is an error). The prefill GEMMs are ATen's (its BLAS picks its own
-// instruction set, whatever PAGEDSERVE_CPU_ISA says).
+// SSE). The best the CPU has is picked at run time (cpu_isa.h; the avx512_bf16 and amx steps
+// run the avx512 body); PAGEDSERVE_CPU_ISA forces a lower path (read at every call; asking for
+// more than the CPU has is an error).
 // All offsets are int64: a cache may hold more than 2**31 elements.
 
 #include <ATen/ATen.h>
@@ -54,6 +60,8 @@
 #include <c10/util/Half.h>
 #include <omp.h>
 #include <torch/library.h>
+
+#include "cpu_isa.h"
 
 #include <algorithm>
 #include <cmath>
@@ -68,57 +76,6 @@
 
 namespace pagedserve {
 namespace {
-
-// ---------------------------------------------------------------------------------------------
-// ISA choice
-
-enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAvx512: return "avx512";
-    case Isa::kAvx2: return "avx2";
-    default: return "scalar";
-  }
-}
-
-Isa best_isa() {
-#if defined(__x86_64__)
-  static const Isa best = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-      return Isa::kAvx512;
-    }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-    return Isa::kScalar;
-  }();
-  return best;
-#else
-  return Isa::kScalar;
-#endif
-}
-
-// The path to run now: the best the CPU has, or the lower one PAGEDSERVE_CPU_ISA asks for.
-Isa active_isa() {
-  const Isa best = best_isa();
-  const char* env = std::getenv("PAGEDSERVE_CPU_ISA");
-  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) return best;
-  Isa want;
-  if (std::strcmp(env, "scalar") == 0) {
-    want = Isa::kScalar;
-  } else if (std::strcmp(env, "avx2") == 0) {
-    want = Isa::kAvx2;
-  } else if (std::strcmp(env, "avx512") == 0) {
-    want = Isa::kAvx512;
-  } else {
-    TORCH_CHECK_VALUE(false, "PAGEDSERVE_CPU_ISA=", env,
-                      " is not one of auto, scalar, avx2, avx512");
-  }
-  TORCH_CHECK_VALUE(static_cast<int>(want) <= static_cast<int>(best), "PAGEDSERVE_CPU_ISA=",
-                    env, " but this CPU supports at most ", isa_name(best));
-  return want;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Element helpers (always inlined, so each ISA variant compiles its own copy)
@@ -225,9 +182,9 @@ struct AttnParams {
 // hg = num_kv * group query heads per token, row m of the item is query token m / hg of the
 // tile and query head kv_head * group + m % hg (KV head kv_head + (m % hg) / group); it sees
 // key positions [max(key_begin, q - W + 1), min(key_end, q + 1)), q = first_pos + m / hg (no
-// lower limit but key_begin without a sliding window W). Prefill tiles (GEMM path)
-// take one KV head per item; decode-sized tiles take every KV head, so an item reads each
-// cache block (all heads of a token are adjacent) in one sequential pass.
+// lower limit but key_begin without a sliding window W). Tiles of >= kOneHeadRows rows per KV
+// head take one KV head per item; smaller (decode-sized) tiles take every KV head, so an item
+// reads each cache block (all heads of a token are adjacent) in one sequential pass.
 struct WorkItem {
   int64_t q_row;      // flat query row of the tile's first token
   int64_t first_pos;  // position of that token in its sequence (context_len + j0)
@@ -243,23 +200,17 @@ struct MergeGroup {
   int32_t kv_head, num_kv, q_count, num_splits;
 };
 
-// Items with at least this many rows (prefill tiles) take the GEMM path; smaller ones (decode:
-// G rows) the vector loops.
-constexpr int64_t kGemmMinRows = 16;
-// Keys per GEMM chunk of the prefill path (rounded down to whole blocks, at least one).
-constexpr int64_t kGemmChunkKeys = 256;
-
-int64_t gemm_chunk(int64_t block_size) {
-  return block_size * std::max<int64_t>(1, kGemmChunkKeys / block_size);
-}
+// Tiles with at least this many rows per KV head get one item per KV head (parallelism, and
+// the item's rows stay cache-sized); smaller ones one item for all KV heads.
+constexpr int64_t kOneHeadRows = 16;
+// Default keys per KV split (rounded down to whole blocks, at least one).
+constexpr int64_t kDefaultSplitKeys = 512;
 
 struct Scratch {
-  int64_t chunk;  // keys per GEMM chunk (>= block_size, the vector loops' chunk)
   std::vector<float> q, acc, m, l, scores, kbuf, vbuf;
   Scratch(int64_t rows, int64_t block_size, int64_t head_dim)
-      : chunk(gemm_chunk(block_size)),
-        q(rows * head_dim), acc(rows * head_dim), m(rows), l(rows), scores(rows * chunk),
-        kbuf(chunk * head_dim), vbuf(chunk * head_dim) {}
+      : q(rows * head_dim), acc(rows * head_dim), m(rows), l(rows), scores(rows * block_size),
+        kbuf(block_size * head_dim), vbuf(block_size * head_dim) {}
 };
 
 // Pointer to float32 rows of one cache block's `n` tokens: the cache itself for float32, else
@@ -301,53 +252,6 @@ PS_INLINE void softmax_update(float* sr, int64_t valid, int64_t n, float* mx, fl
   }
 }
 
-// Prefill tiles (many rows): K/V of `chunk` keys (whole blocks) are copied as float32 into one
-// [n, head_dim] buffer each, and S = Q K^T and acc += P V are two GEMMs (ATen's BLAS, run
-// single-threaded inside this OpenMP item), with the same online softmax between them.
-template <typename T>
-PS_INLINE void attend_chunks_gemm(const AttnParams& p, const WorkItem& it, Scratch& s,
-                                  int64_t rows) {
-  const int64_t d = p.head_dim, g = p.group, bs = p.block_size, kc = s.chunk;
-  const auto opts = at::TensorOptions().dtype(at::kFloat);
-  const at::Tensor qt = at::from_blob(s.q.data(), {rows, d}, opts);
-  at::Tensor acct = at::from_blob(s.acc.data(), {rows, d}, opts);
-  const int32_t* table = p.block_tables + static_cast<int64_t>(it.seq) * p.bt_stride;
-  const T* k_base = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
-  const T* v_base = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
-  for (int64_t start = it.key_begin; start < it.key_end; start += kc) {
-    const int64_t n = std::min(kc, it.key_end - start);
-    for (int64_t t0 = 0; t0 < n; t0 += bs) {
-      const int64_t block = table[(start + t0) / bs];
-      const T* kb = k_base + block * p.k_stride_block;
-      const T* vb = v_base + block * p.v_stride_block;
-      for (int64_t t = 0; t < std::min(bs, n - t0); ++t) {
-        load_row(kb + t * p.k_stride_tok, s.kbuf.data() + (t0 + t) * d, d, 1.0f);
-        load_row(vb + t * p.v_stride_tok, s.vbuf.data() + (t0 + t) * d, d, 1.0f);
-      }
-    }
-    const at::Tensor kt = at::from_blob(s.kbuf.data(), {n, d}, opts);
-    const at::Tensor vt = at::from_blob(s.vbuf.data(), {n, d}, opts);
-    at::Tensor st = at::from_blob(s.scores.data(), {rows, n}, opts);
-    at::mm_out(st, qt, kt.t());
-    float* scores = s.scores.data();
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = scores + r * n;
-      const int64_t q_pos = it.first_pos + r / g;
-      const int64_t valid = std::min(n, q_pos - start + 1);  // causal
-      // sliding window: keys before q_pos - W + 1 weigh nothing
-      const int64_t skip = p.window > 0 ? std::max<int64_t>(0, q_pos - p.window + 1 - start) : 0;
-      if (valid <= skip) {
-        std::fill(sr, sr + n, 0.0f);
-        continue;
-      }
-      std::fill(sr, sr + skip, 0.0f);
-      softmax_update(sr + skip, valid - skip, n - skip, s.m.data() + r, s.l.data() + r,
-                     s.acc.data() + r * d, d);
-    }
-    acct.addmm_(st, vt);
-  }
-}
-
 // One row against `valid` keys of one block: scores, online-softmax update, acc += P V.
 PS_INLINE void attend_row_block(const float* qr, const float* k, int64_t ks, const float* v,
                                 int64_t vs, int64_t valid, int64_t d, float* sr, float* mx,
@@ -356,17 +260,33 @@ PS_INLINE void attend_row_block(const float* qr, const float* k, int64_t ks, con
   for (; t + 4 <= valid; t += 4) dot4(qr, k + t * ks, ks, d, sr + t);
   for (; t < valid; ++t) sr[t] = dot(qr, k + t * ks, d);
   softmax_update(sr, valid, valid, mx, l, ar, d);
-  for (t = 0; t < valid; ++t) {
+  // acc += P V, each element summed over t in order; 16 of them held in registers across the
+  // keys (the same order as one axpy per key, without storing acc between keys)
+  int64_t i0 = 0;
+  for (; i0 + 16 <= d; i0 += 16) {
+    float a[16];
+#pragma omp simd
+    for (int64_t i = 0; i < 16; ++i) a[i] = ar[i0 + i];
+    for (t = 0; t < valid; ++t) {
+      const float pt = sr[t];
+      const float* vt = v + t * vs + i0;
+#pragma omp simd
+      for (int64_t i = 0; i < 16; ++i) a[i] += pt * vt[i];
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < 16; ++i) ar[i0 + i] = a[i];
+  }
+  for (t = 0; t < valid && i0 < d; ++t) {
     const float pt = sr[t];
     const float* vt = v + t * vs;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) ar[i] += pt * vt[i];
+    for (int64_t i = i0; i < d; ++i) ar[i] += pt * vt[i];
   }
 }
 
-// Decode-sized items (few rows per KV head): block by block and, within a block, KV head by KV
-// head (one sequential pass over the block), each K/V row read in place (float32) or converted
-// once (16-bit) for the G rows of its KV head; dots and axpys vectorized over head_dim.
+// Every item: block by block and, within a block, KV head by KV head (one sequential pass over
+// the block), each K/V row read in place (float32) or converted once (16-bit) for all the rows
+// of its KV head; dots and axpys vectorized over head_dim. A row's arithmetic depends on its
+// position alone (which keys of which block it sees), not on the item's other rows.
 template <typename T>
 PS_INLINE void attend_blocks_loop(const AttnParams& p, const WorkItem& it, Scratch& s,
                                   int64_t rows) {
@@ -435,11 +355,7 @@ PS_INLINE void attend_item(const AttnParams& p, const WorkItem& it, Scratch& s) 
     s.l[r] = 0.0f;
   }
   std::fill(acc, acc + rows * d, 0.0f);
-  if (it.q_count * g >= kGemmMinRows) {  // then num_kv == 1
-    attend_chunks_gemm<T>(p, it, s, rows);
-  } else {
-    attend_blocks_loop<T>(p, it, s, rows);
-  }
+  attend_blocks_loop<T>(p, it, s, rows);
 
   if (it.partial < 0) {  // the whole key range: normalize and write out
     T* out = static_cast<T*>(p.out);
@@ -520,11 +436,6 @@ ItemFn pick_item_fn(Isa isa, at::ScalarType dtype) {
   return table[static_cast<int>(isa)][i];
 }
 
-// Long KV ranges are split only while the items (without splits) leave threads idle, and no
-// split is shorter than this many keys (the merge is not free).
-constexpr int64_t kMinSplitKeys = 256;
-constexpr int64_t kMaxSplits = 32;
-
 void check_cache(const at::Tensor& c, const char* name) {
   TORCH_CHECK_VALUE(c.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, "
                     "head_dim], got ", c.sizes());
@@ -535,7 +446,7 @@ void check_cache(const at::Tensor& c, const char* name) {
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     int64_t num_splits, int64_t sliding_window) {
+                     int64_t split_keys, int64_t sliding_window) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache ", k_cache.sizes(),
@@ -568,7 +479,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                         block_tables.size(0) >= num_seqs,
                     "seq_lens [num_seqs], query_start_loc [num_seqs + 1] and block_tables "
                     "[num_seqs, max_blocks] disagree");
-  TORCH_CHECK_VALUE(num_splits >= 0, "num_splits must be >= 0 (0 = auto), got ", num_splits);
+  TORCH_CHECK_VALUE(split_keys >= 0, "split_keys must be >= 0 (0 = the default ",
+                    kDefaultSplitKeys, "), got ", split_keys);
   TORCH_CHECK_VALUE(sliding_window >= 0, "sliding_window must be >= 0 (0 = full), got ",
                     sliding_window);
   const int64_t window = sliding_window;
@@ -589,7 +501,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   // Validate, count the items without splits.
   TORCH_CHECK_VALUE(qsl[0] == 0 && qsl[num_seqs] <= num_tokens,
                     "query_start_loc must start at 0 and end within num_tokens");
-  int64_t base_items = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t ql = qsl[i + 1] - qsl[i], sl = lens[i];
     TORCH_CHECK_VALUE(ql >= 0 && sl >= ql, "sequence ", i, ": query_len ", ql, ", seq_len ",
@@ -604,24 +515,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       TORCH_CHECK_INDEX(id >= 0 && id < num_blocks, "sequence ", i, ": block_tables[", i, ", ",
                         b, "] = ", id, " is not a block id in [0, ", num_blocks, ")");
     }
-    for (int64_t j0 = 0; j0 < ql; j0 += tile) {
-      base_items += std::min(tile, ql - j0) * g >= kGemmMinRows ? hkv : 1;
-    }
   }
 
+  // Keys per split: whole blocks, fixed positions (a row's splits depend on its position only).
+  const int64_t split = std::max<int64_t>(
+      1, (split_keys > 0 ? split_keys : kDefaultSplitKeys) / bs) * bs;
   const int nthreads = std::max(1, at::get_num_threads());
-  // Splits per (tile, KV head) wanted: auto = enough items for ~4 per thread.
-  int64_t want = num_splits;
-  if (want == 0) {
-    want = base_items >= 2 * nthreads
-               ? 1
-               : std::min<int64_t>(kMaxSplits, (4 * nthreads + base_items - 1) /
-                                                   std::max<int64_t>(base_items, 1));
-  }
-
   std::vector<WorkItem> items;
   std::vector<MergeGroup> merges;
-  items.reserve(base_items);
   int64_t partial_floats = 0;
   int64_t max_rows = 1;  // rows of the largest item
   for (int64_t i = 0; i < num_seqs; ++i) {
@@ -630,16 +531,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       const int32_t count = static_cast<int32_t>(std::min(tile, ql - j0));
       const int64_t first_pos = sl - ql + j0;
       const int64_t key_end = first_pos + count;  // the tile's last row sees up to here
-      const int64_t block0 = window_start(first_pos) / bs;  // the tile's first block read
-      const int64_t nblocks = (key_end + bs - 1) / bs - block0;
-      int64_t splits = std::min(want, nblocks);
-      if (num_splits == 0) {
-        splits = std::min(splits, std::max<int64_t>(1, (key_end - block0 * bs) / kMinSplitKeys));
-      }
-      const int64_t per_split = (nblocks + splits - 1) / splits;  // blocks
-      splits = (nblocks + per_split - 1) / per_split;             // no empty split
-      // KV heads per item: one for the GEMM path, all of them for the vector loops
-      const int64_t num_kv = count * g >= kGemmMinRows ? 1 : hkv;
+      const int64_t key_lo = window_start(first_pos) / bs * bs;  // the tile's first block read
+      const int64_t split0 = key_lo / split;                     // its splits: split0 ..
+      const int64_t splits = (key_end - 1) / split - split0 + 1;
+      // KV heads per item: one for tiles of many rows, all of them for decode-sized tiles
+      const int64_t num_kv = count * g >= kOneHeadRows ? 1 : hkv;
       const int64_t rows_floats = count * num_kv * g * (d + 2);
       max_rows = std::max(max_rows, count * num_kv * g);
       for (int64_t h = 0; h < hkv; h += num_kv) {
@@ -648,8 +544,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
           WorkItem it;
           it.q_row = qsl[i] + j0;
           it.first_pos = first_pos;
-          it.key_begin = (block0 + sp * per_split) * bs;
-          it.key_end = std::min(key_end, (block0 + (sp + 1) * per_split) * bs);
+          it.key_begin = std::max(key_lo, (split0 + sp) * split);
+          it.key_end = std::min(key_end, (split0 + sp + 1) * split);
           it.partial = splits > 1 ? group_partial + sp * rows_floats : -1;
           it.seq = static_cast<int32_t>(i);
           it.kv_head = static_cast<int32_t>(h);
@@ -696,7 +592,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     p.partials = nullptr;
   }
 
-  const ItemFn fn = pick_item_fn(active_isa(), dtype);
+  const ItemFn fn = pick_item_fn(at_most(active_isa(), Isa::kAvx512), dtype);
   const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(nthreads) if (num_items > 1)
   {
@@ -783,7 +679,7 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-      "int num_splits=0, int sliding_window=0) -> ()");
+      "int split_keys=0, int sliding_window=0) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping) -> ()");

@@ -200,17 +200,20 @@ class CompiledForward:
 # AOT-compiled functions by artifact key, shared by the model runners of one process.
 _LOADED: dict[str, Any] = {}
 
-# The sources whose text the graph depends on (the model's math, the ops' schemas, this file).
+# The sources whose text the graph depends on (the model's math, the ops' schemas and
+# kernels, native ones included, this file).
 _SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py",
-            "services/worker/kv_cache_groups.py")
+            "services/worker/kv_cache_groups.py", "services/worker/packed_linear.py")
+_SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 
 
 def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> str:
     """A 24-hex-digit hash of everything a compiled forward was specialised on: torch, Python,
     the CPU's vector ISA, the model class and config (its layers' sliding windows too, which
     fix the KV cache groups: how many metadata objects the graph takes and which layers share a
-    K/V tensor pair), its dtype and device, the attention backend, the block size, and the text
-    of the model, kernel, compile and grouping modules."""
+    K/V tensor pair), its dtype and device, the attention backend, the block size, the classes
+    of its modules (packed linear layers under ``--batch-invariant``), and the text of the
+    model, kernel (native ones included), packing, compile and grouping modules."""
     root = Path(__file__).resolve().parents[2]
     param = next(model.parameters())
     h = hashlib.sha256()
@@ -218,10 +221,12 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> 
                  type(model).__qualname__, repr(getattr(model, "config", None)),
                  repr(getattr(getattr(model, "config", None), "sliding_windows", None)),
                  str(param.dtype), param.device.type, backend_name, str(block_size),
-                 str(len(getattr(model, "layers", ())))):
+                 str(len(getattr(model, "layers", ()))),
+                 ",".join(sorted({type(m).__qualname__ for m in model.modules()}))):
         h.update(part.encode() + b"\0")
     for rel in _SOURCES:
-        paths = sorted((root / rel).rglob("*.py")) if (root / rel).is_dir() else [root / rel]
+        paths = (sorted(p for p in (root / rel).rglob("*") if p.suffix in _SOURCE_SUFFIXES)
+                 if (root / rel).is_dir() else [root / rel])
         for path in paths:
             h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:24]

@@ -86,7 +86,8 @@ class DraftModelProposer:
 
     Args:
         model: the draft's transformers folder or ``.gguf`` file (``load_model``).
-        dtype / device / backend: as the target's (the draft runs eagerly, on one rank).
+        dtype / device / backend / batch_invariant: as the target's (the draft runs
+            eagerly, on one rank; ``load_model``).
         block_size: tokens per KV block (the target's).
         target_vocab_size: the target's logits width; the draft's must equal it.
 
@@ -102,8 +103,10 @@ class DraftModelProposer:
     """
 
     def __init__(self, model: str, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend, block_size: int, target_vocab_size: int) -> None:
-        self.model, _, info = load_model(model, dtype, device, backend)
+                 backend: AttentionBackend, block_size: int, target_vocab_size: int,
+                 batch_invariant: bool = False) -> None:
+        self.model, _, info = load_model(model, dtype, device, backend,
+                                         batch_invariant=batch_invariant)
         if info.vocab_size != target_vocab_size:
             raise ValueError(f"draft model {info.name}: vocabulary of {info.vocab_size} tokens, "
                              f"the target's has {target_vocab_size}; speculative decoding "

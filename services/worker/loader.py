@@ -33,6 +33,7 @@ from services.worker.attention import AttentionBackend, select_backend
 from services.worker.distributed import ParallelState
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
+from services.worker.packed_linear import pack_model_linears
 from services.worker.parallel import ShardPlan, shard_model
 
 log = logging.getLogger(__name__)
@@ -91,9 +92,14 @@ class ModelInfo:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str,
                attn_backend: AttentionBackend | None = None,
-               parallel: ParallelState | None = None,
+               parallel: ParallelState | None = None, batch_invariant: bool = False,
                ) -> tuple[Model, dict, ModelInfo]:
     """Build the model on ``device`` with weights cast to ``dtype``.
+
+    On a CPU the linear layers go to the native row-invariant kernel where needed
+    (``services/worker/packed_linear.py``): every linear layer and the LM head (float32 logits)
+    of a 16-bit model, and of a float32 model with ``batch_invariant``. A float32 model without
+    it keeps ATen's (MKL, faster at float32; row-variant in the last bits).
 
     Args:
         model: a transformers folder or ``.gguf`` path; None/"" = the packaged SmolLM2.
@@ -107,7 +113,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     Raises:
         FileNotFoundError: no such model, or a folder without ``*.safetensors``.
         ValueError: a model_type not in ``MODEL_TYPES``, a config the family cannot run, a
-            size the parallel split does not divide, or a weight missing / of the wrong shape.
+            size the parallel split does not divide, or a weight missing / of the wrong shape;
+            ``batch_invariant`` where the native CPU kernels cannot run (not a CPU, or they
+            cannot be built).
     """
     start = time.perf_counter()
     device = torch.device(device)
@@ -128,12 +136,38 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     except RuntimeError as e:  # missing/unexpected keys or shape mismatch
         raise ValueError(f"{folder}: weights do not fit the config: {e}") from e
     net = net.to(device).eval().requires_grad_(False)  # moves the float32 inv_freq buffer
+    _pack_linears(net, dtype, device, batch_invariant,
+                  is_last_stage=plan is None or plan.pc.is_last_stage)
     info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
                      max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", source.name,
              len(net.layers), sum(p.numel() for p in net.parameters()) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return net, config, info
+
+
+def _pack_linears(net: Model, dtype: torch.dtype, device: torch.device, batch_invariant: bool,
+                  is_last_stage: bool) -> None:
+    """Put ``PackedLinear``s where the native kernel is needed (``load_model``'s docstring).
+
+    Raises:
+        ValueError: ``batch_invariant`` off a CPU or without the native library.
+    """
+    if device.type != "cpu":
+        if batch_invariant:
+            raise ValueError(f"--batch-invariant is implemented for the CPU only, not "
+                             f"{device.type}")
+        return
+    if not (batch_invariant or dtype != torch.float32):
+        return
+    try:
+        pack_model_linears(net, lm_head=is_last_stage, decoder=True)
+    except Exception as e:  # the native library cannot be built or loaded here
+        if batch_invariant:
+            raise ValueError(f"--batch-invariant needs the native CPU kernels, which could not "
+                             f"be built or loaded: {e}") from e
+        log.warning("native CPU kernels unavailable (%s): the linear layers run on ATen and "
+                    "the logits are rounded to %s", e, str(dtype).removeprefix("torch."))
 
 
 def family_of(config: dict, where: str | Path) -> Family:

@@ -42,7 +42,7 @@ from services.worker.input_batch import InputBatch, PreparedStep
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.loader import Model, load_model
 from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
-from services.worker.models.llama import DecoderLayer
+from services.worker.models.llama import DecoderLayer, lm_head_logits
 from services.worker.ngram_proposer import NgramProposer
 from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
@@ -153,6 +153,11 @@ class ModelRunner:
             here, its KV cache beside the target's in the same block ids, so the KV memory is
             split: ``num_kv_blocks = kv_bytes // (target + draft bytes per block)``). Every
             rank verifies the drafts a step carries.
+        batch_invariant: ``--batch-invariant``: every request's tokens and logprobs bitwise the
+            same whatever else the step holds (its batch, the chunking of its prompt, a
+            prefix-cache hit). The attention kernel is row-invariant always; this also puts
+            every linear layer and the LM head on the native row-invariant kernel
+            (``services/worker/packed_linear.py``). CPU only, native attention backend.
 
     The driver also holds the structured-output state (``structured``: llguidance matchers
     over the model's tokenizer, built in the background from here on); other ranks have None.
@@ -160,7 +165,8 @@ class ModelRunner:
     Raises:
         ValueError: bad dtype/backend/max_model_len, no room for a single KV block, or
             speculation with pipeline parallelism, or a draft model the target cannot pair
-            with (another vocabulary; a target without full-attention layers).
+            with (another vocabulary; a target without full-attention layers), or
+            ``batch_invariant`` off a CPU or without the native kernels.
     """
 
     def __init__(self, model: str | None, dtype: str = "auto", device: str = "auto",
@@ -169,19 +175,24 @@ class ModelRunner:
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  max_num_seqs: int = 256, parallel: ParallelState | None = None,
                  enforce_eager: bool = False,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None,
+                 batch_invariant: bool = False) -> None:
         if speculative is not None and parallel and parallel.config.pipeline_parallel_size > 1:
             raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
                              f"{parallel.config.pipeline_parallel_size} (> 1): drafts are "
                              "verified and appended where the tokens are sampled; use tensor "
                              "parallelism or no speculation")
         self.speculative = speculative
+        self.batch_invariant = batch_invariant
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         backend = select_backend(attention_backend, self.device)
+        if batch_invariant and backend.name != "cpu":
+            raise ValueError(f"--batch-invariant needs the native CPU attention kernels "
+                             f"(--attention-backend cpu or auto on a CPU), not {backend.name!r}")
         self.attention_backend_name = backend.name  # "torch", "triton" or "cpu" ("auto" resolved)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -190,7 +201,8 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             non_torch_before = total - free - torch.cuda.memory_reserved(self.device)
         self.parallel = parallel
-        self.model, _, info = load_model(model, self.dtype, self.device, backend, parallel)
+        self.model, _, info = load_model(model, self.dtype, self.device, backend, parallel,
+                                         batch_invariant=batch_invariant)
         if max_model_len is not None and max_model_len > info.max_model_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {info.max_model_len}")
@@ -277,7 +289,8 @@ class ModelRunner:
         )
 
         return None, DraftModelProposer(speculative.model, self.dtype, self.device, backend,
-                                        self.block_size, self.vocab_size)
+                                        self.block_size, self.vocab_size,
+                                        batch_invariant=self.batch_invariant)
 
     def _plan_kv_cache_groups(self, sliding_windows: list[int]) -> None:
         """Group the model's (global) layers and lay this rank's layers out over K/V tensor
@@ -577,6 +590,6 @@ class ModelRunner:
         """``hidden [N, E]`` -> ``[N, V]`` float32; under TP gathered onto every tp rank."""
         if self.parallel is None or self.parallel.config.tensor_parallel_size == 1:
             return self.model.compute_logits(hidden)
-        head = self.model.lm_head if self.model.lm_head is not None else self.model.embed_tokens
-        return vocab_parallel_logits(hidden, head.weight, self.vocab_size, self.parallel,
+        return vocab_parallel_logits(lm_head_logits(self.model, hidden), self.vocab_size,
+                                     self.parallel,
                                      getattr(self.model.config, "final_logit_softcapping", None))

@@ -128,16 +128,15 @@ class VocabParallelEmbedding(nn.Module):
         return self.ps.all_reduce(x.masked_fill(outside[:, None], 0))
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
-                          ps: ParallelState, softcap: float | None = None) -> torch.Tensor:
-    """``hidden [S, E]`` x this rank's LM-head rows ``[Vp, E]`` -> full logits ``[S, V]``
-    float32 on every rank of the tp group (all-gather, then cut the padding); soft-capped,
-    ``softcap * tanh(logits / softcap)`` in the model dtype, when given (Gemma)."""
-    local = F.linear(hidden, weight)  # [S, Vp]
+def vocab_parallel_logits(local: torch.Tensor, vocab_size: int, ps: ParallelState,
+                          softcap: float | None = None) -> torch.Tensor:
+    """This rank's logits ``local [S, Vp]`` float32 (its LM-head rows, ``lm_head_logits``) ->
+    the full logits ``[S, V]`` float32 on every rank of the tp group (all-gather, then cut the
+    padding); soft-capped, ``softcap * tanh(logits / softcap)``, when given (Gemma)."""
     logits = ps.all_gather_last_dim(local)[:, :vocab_size]
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
-    return logits.float()
+    return logits
 
 
 def shard_model(model: LlamaForCausalLM | Gemma3ForCausalLM, plan: ShardPlan,

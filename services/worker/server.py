@@ -292,6 +292,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--enforce-eager", action="store_true",
              help="run the model eagerly: never torch.compile the forward (by default a "
                   "single-rank CPU worker compiles it at start, cached on disk)")
+    add_flag(p, "--batch-invariant", action="store_true",
+             help="every request's output bitwise the same whatever else is in the batch, "
+                  "at any dtype (vLLM's VLLM_BATCH_INVARIANT). A 16-bit model on the CPU "
+                  "already is (its linear layers run on the native row-invariant kernels); "
+                  "this puts a float32 model's there too. CPU with the native kernels only "
+                  "(docs/architecture.md#numerics)")
     add_flag(p, "--tensor-parallel-size", type=int_in(1), default=1,
              help="ranks each layer is split across (all-reduce over gloo/NCCL)")
     add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
@@ -363,6 +369,7 @@ def build_runner(args):
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                        parallel=parallel, enforce_eager=args.enforce_eager,
+                       batch_invariant=args.batch_invariant,
                        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config",
                                                                    None)))
 

@@ -2,13 +2,16 @@
 
 Same batches, cases and per-dtype tolerances as ``test_paged_attention.py`` (imported from it),
 on every instruction-set path this CPU can run (forced with ``PAGEDSERVE_CPU_ISA``; the
-AVX-512 path is compiled everywhere but runs only on a CPU that has AVX-512), with split-KV
-off, automatic and forced. Plus the KV-cache write, 64-bit offsets, custom-op schemas, and a
+AVX-512 path is compiled everywhere but runs only on a CPU that has AVX-512), with KV splits
+at every block, at the default 512 keys and none. Row invariance: a query row's output is
+bitwise the same whatever step it is computed in (whole prompt, prefix-hit tail, chunks, beside
+other sequences, one thread). Plus the KV-cache write, 64-bit offsets, custom-op schemas, and a
 tiny Llama whose greedy tokens with ``--attention-backend cpu`` equal transformers' at float32.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -16,6 +19,7 @@ import torch
 
 from kernels import reference_paged_attention, reference_reshape_and_cache
 from kernels.cpu_attention import ISA_ENV, cpu_isa, cpu_paged_attention, cpu_reshape_and_cache
+from tests.kernels.cpu_isas import BEST_ISA, ISA_ORDER, RUNNABLE_ISAS
 from tests.kernels.test_paged_attention import (
     CASES,
     TOLERANCES,
@@ -25,22 +29,10 @@ from tests.kernels.test_paged_attention import (
 )
 from tests.kernels.test_paged_attention import make_batch as _make_batch
 
-ISA_ORDER = ["scalar", "avx2", "avx512"]
-
-
-def _best_isa() -> str:
-    """The best path this CPU runs: what ``cpu_isa`` reports with no override."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(ISA_ENV, raising=False)
-        return cpu_isa()
-
-
-BEST_ISA = _best_isa()
-RUNNABLE_ISAS = ISA_ORDER[: ISA_ORDER.index(BEST_ISA) + 1]
-# every ISA path this CPU can run (the fallbacks below its best included); a path it lacks
-# cannot execute here, and test_isa_env_var checks that forcing it is refused
-ISA_PARAMS = RUNNABLE_ISAS
-SPLITS = {"nosplit": 1, "auto": 0, "split4": 4}
+# attention has no body above avx512 (avx512_bf16 and amx run it): each body once
+ISA_PARAMS = [isa for isa in RUNNABLE_ISAS if ISA_ORDER.index(isa) <= ISA_ORDER.index("avx512")]
+NO_SPLIT = 1 << 30  # split_keys past every context: one range per row
+SPLITS = {"nosplit": NO_SPLIT, "default": 0, "every_block": 1}
 
 
 @pytest.fixture(autouse=True)
@@ -92,7 +84,7 @@ def test_matches_reference_fp32(isa, case, num_queries_per_kv, block_size, split
     batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2,
                        block_size=block_size)
     garble_unused(batch)
-    check(cpu_paged_attention(**batch, num_splits=SPLITS[splits]), batch)
+    check(cpu_paged_attention(**batch, split_keys=SPLITS[splits]), batch)
 
 
 @pytest.mark.parametrize("splits", list(SPLITS))
@@ -103,7 +95,7 @@ def test_matches_reference_low_precision(isa, case, num_queries_per_kv, block_si
                                          splits):
     batch = make_batch(CASES[case], num_heads=2 * num_queries_per_kv, num_kv_heads=2,
                        block_size=block_size, dtype=dtype)
-    check(cpu_paged_attention(**batch, num_splits=SPLITS[splits]), batch)
+    check(cpu_paged_attention(**batch, split_keys=SPLITS[splits]), batch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -115,17 +107,77 @@ def test_head_dims(isa, head_dim, block_size, dtype):
     check(cpu_paged_attention(**batch), batch)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 7, 32, 1000])
-def test_split_kv_matches_reference_and_no_split(isa, num_splits):
-    """Flash-decoding splits, merged by (max, sum): a long decode beside short ones, where many
-    splits leave ranges of a single block (and forced splits of a prefill tile leave ranges some
-    of its rows see nothing of)."""
+@pytest.mark.parametrize("split_keys", [1, 16, 40, 48, 512, 1000])
+def test_split_kv_matches_reference_and_no_split(isa, split_keys):
+    """Flash-decoding splits at fixed key positions, merged by (max, sum): a long decode beside
+    short ones, where small splits leave ranges of a single block (rounded to whole blocks),
+    and a prefill tile spanning splits leaves ranges some of its rows see nothing of."""
     batch = make_batch([(1, 1328), (1, 17), (1, 1), (33, 300), (4, 20)], num_heads=9,
                        num_kv_heads=3)
-    out = cpu_paged_attention(**batch, num_splits=num_splits)
+    out = cpu_paged_attention(**batch, split_keys=split_keys)
     check(out, batch)
-    torch.testing.assert_close(out, cpu_paged_attention(**batch, num_splits=1),
+    torch.testing.assert_close(out, cpu_paged_attention(**batch, split_keys=NO_SPLIT),
                                atol=1e-6, rtol=1e-5)
+
+
+def _one_sequence(seq_len: int, dtype: torch.dtype, num_heads: int = 9, num_kv_heads: int = 3,
+                  block_size: int = 16):
+    """A sequence's filled cache (blocks in a shuffled order, spare blocks for other
+    sequences) and a query row for every position: ``(query [L, H, D], k_cache, v_cache,
+    table [1, n] int32)``."""
+    gen = torch.Generator().manual_seed(seq_len)
+    n = math.ceil(seq_len / block_size)
+    num_blocks = n + 64
+    shape = (num_blocks, block_size, num_kv_heads, 64)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    table = torch.randperm(num_blocks, generator=gen)[:n].to(torch.int32)[None]
+    query = torch.randn(seq_len, num_heads, 64, generator=gen).to(dtype)
+    return query, k_cache, v_cache, table
+
+
+def _rows(query, k_cache, v_cache, tables, seq_lens, query_lens, **kwargs):
+    qsl = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32)
+    return cpu_paged_attention(query, k_cache, v_cache, tables,
+                               torch.tensor(seq_lens, dtype=torch.int32), qsl, max(query_lens),
+                               max(seq_lens), 0.125, **kwargs)
+
+
+@pytest.mark.parametrize("sliding_window", [0, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_is_the_same_in_any_step(isa, dtype, sliding_window):
+    """Query rows of one sequence (1,300 keys: three default splits) computed as the whole
+    prompt, as prefix-hit tails of many lengths, in chunks of 1, 5, 64 and 300 tokens, beside
+    other sequences, and on one thread: bitwise the same rows every time."""
+    seq_len = 1300
+    query, k_cache, v_cache, table = _one_sequence(seq_len, dtype)
+    kw = {"sliding_window": sliding_window}
+    whole = _rows(query, k_cache, v_cache, table, [seq_len], [seq_len], **kw)
+    check(whole, {"query": query, "k_cache": k_cache, "v_cache": v_cache, "block_tables": table,
+                  "seq_lens": torch.tensor([seq_len], dtype=torch.int32),
+                  "query_start_loc": torch.tensor([0, seq_len], dtype=torch.int32),
+                  "max_query_len": seq_len, "max_seq_len": seq_len, "scale": 0.125, **kw})
+    for start in (1, 5, 16, 511, 512, 513, 700, 1024, 1299):  # prefix hit of `start` tokens
+        tail = _rows(query[start:], k_cache, v_cache, table, [seq_len], [seq_len - start], **kw)
+        assert torch.equal(tail, whole[start:]), start
+    for chunk in (1, 5, 64, 300):  # chunked prefill: each chunk sees the keys up to its end
+        for begin in range(0, seq_len, chunk * 37 if chunk < 64 else chunk):
+            end = min(seq_len, begin + chunk)
+            part = _rows(query[begin:end], k_cache, v_cache, table, [end], [end - begin], **kw)
+            assert torch.equal(part, whole[begin:end]), (chunk, begin)
+    # beside other sequences (a decode and a prefill of their own) in one step
+    other_q, _, _, _ = _one_sequence(40, dtype)
+    tables = table.expand(3, -1).contiguous()  # (the others read this one's first blocks)
+    mixed = _rows(torch.cat([other_q[:7], query[1000:], other_q[:1]]), k_cache, v_cache,
+                  tables, [40, seq_len, 33], [7, seq_len - 1000, 1], **kw)
+    assert torch.equal(mixed[7:7 + seq_len - 1000], whole[1000:])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(_rows(query, k_cache, v_cache, table, [seq_len], [seq_len], **kw),
+                           whole)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_padding_tokens_give_zero_rows(isa):
@@ -191,8 +243,8 @@ def test_cache_past_2_31_elements_uses_64_bit_offsets(isa):
              "v_cache": v_cache, "block_tables": block_tables, "seq_lens": seq_lens,
              "query_start_loc": torch.tensor([0, 5, 6], dtype=torch.int32),
              "max_query_len": 5, "max_seq_len": 40, "scale": head_dim**-0.5}
-    for num_splits in (1, 2):
-        check(cpu_paged_attention(**batch, num_splits=num_splits), batch)
+    for split_keys in (NO_SPLIT, 16):
+        check(cpu_paged_attention(**batch, split_keys=split_keys), batch)
 
 
 # --- sliding window: query p sees keys p - W + 1 .. p; blocks before every window unread ---
@@ -209,7 +261,7 @@ def test_sliding_window_matches_reference_and_skips_out_of_window_blocks(
     batch = make_batch(WINDOW_CASES[case], num_heads=6, num_kv_heads=2)
     garble_unused(batch)
     poison_out_of_window(batch, sliding_window, entry)
-    out = cpu_paged_attention(**batch, num_splits=SPLITS[splits], sliding_window=sliding_window)
+    out = cpu_paged_attention(**batch, split_keys=SPLITS[splits], sliding_window=sliding_window)
     assert torch.isfinite(out).all()
     check(out, {**batch, "sliding_window": sliding_window})
 
@@ -218,8 +270,8 @@ def test_sliding_window_matches_reference_and_skips_out_of_window_blocks(
 @pytest.mark.parametrize(("num_queries_per_kv", "block_size"), GQA_BLOCK_SIZES)
 def test_sliding_window_gqa_and_block_sizes(isa, num_queries_per_kv, block_size,
                                             sliding_window):
-    """Both inner paths (vector loops for decode-sized tiles, GEMMs for >= 16 rows) with windows
-    inside a block, across a block boundary and over several blocks."""
+    """Decode-sized tiles (one item for every KV head) and tiles of >= 16 rows per KV head (one
+    item each) with windows inside a block, across a block boundary and over several blocks."""
     batch = make_batch(WINDOW_CASES["mixed"] + [(70, 150), (2, 130)],
                        num_heads=2 * num_queries_per_kv, num_kv_heads=2, block_size=block_size)
     poison_out_of_window(batch, sliding_window, -1)
@@ -227,14 +279,14 @@ def test_sliding_window_gqa_and_block_sizes(isa, num_queries_per_kv, block_size,
     check(out, {**batch, "sliding_window": sliding_window})
 
 
-@pytest.mark.parametrize("num_splits", [0, 1, 3, 32])
+@pytest.mark.parametrize("split_keys", [0, 1, 48, NO_SPLIT])
 @pytest.mark.parametrize("sliding_window", [100, 256, 600, 5000])
-def test_sliding_window_split_kv(isa, sliding_window, num_splits):
+def test_sliding_window_split_kv(isa, sliding_window, split_keys):
     """Long contexts split over KV ranges of the window only (the splits start at the window's
     first block), beside a 130-row prefill tile whose rows' windows start in different splits."""
     batch = make_batch([(1, 1328), (1, 17), (130, 900), (4, 700)], num_heads=9, num_kv_heads=3)
     assert poison_out_of_window(batch, sliding_window, 2**30) or sliding_window == 5000
-    out = cpu_paged_attention(**batch, num_splits=num_splits, sliding_window=sliding_window)
+    out = cpu_paged_attention(**batch, split_keys=split_keys, sliding_window=sliding_window)
     check(out, {**batch, "sliding_window": sliding_window})
 
 
@@ -331,8 +383,8 @@ def test_isa_env_var(monkeypatch):
     monkeypatch.setenv(ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="PAGEDSERVE_CPU_ISA"):
         cpu_isa()
-    if BEST_ISA != "avx512":
-        monkeypatch.setenv(ISA_ENV, "avx512")
+    if BEST_ISA != ISA_ORDER[-1]:  # a step above what the CPU has is refused
+        monkeypatch.setenv(ISA_ENV, ISA_ORDER[ISA_ORDER.index(BEST_ISA) + 1])
         with pytest.raises(ValueError, match="supports at most"):
             cpu_paged_attention(**make_batch([(1, 5)]))
 

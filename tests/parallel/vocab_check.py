@@ -30,7 +30,7 @@ def check_rank(rank: int, port: int) -> None:
     ids = torch.tensor([0, 3, 4, 6, 2])
     assert torch.equal(emb(ids), F.embedding(ids, weight))
     hidden = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
-    logits = vocab_parallel_logits(hidden, shard, 7, ps)
+    logits = vocab_parallel_logits(hidden @ shard.T, 7, ps)
     assert logits.shape == (3, 7) and torch.allclose(logits, hidden @ weight.T)
     # NOTE: without this, gloo's threads can outlive the group into interpreter exit and the
     # process aborts with -6 after passing every check (see services/worker/distributed.py).

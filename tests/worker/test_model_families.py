@@ -165,6 +165,7 @@ import os, sys, json, torch
 from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
 from services.worker.loader import load_model
+from services.worker.models.llama import lm_head_logits
 from services.worker.parallel import vocab_parallel_logits
 path, tp, pp, rank, out, token_ids = sys.argv[1:]
 tp, pp, rank, token_ids = int(tp), int(pp), int(rank), json.loads(token_ids)
@@ -187,9 +188,8 @@ with torch.inference_mode():
     if not pc.is_last_stage:
         ps.send_to_next_stage(h)
     else:
-        head = model.lm_head if model.lm_head is not None else model.embed_tokens
         logits = (model.compute_logits(h) if tp == 1 else vocab_parallel_logits(
-            h, head.weight, model.config.vocab_size, ps,
+            lm_head_logits(model, h), model.config.vocab_size, ps,
             getattr(model.config, "final_logit_softcapping", None)))
         if pc.tp_rank == 0:
             torch.save(logits, out)

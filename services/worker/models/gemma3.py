@@ -33,8 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.torch_ops import torch_wide_linear
-from services.worker.models.llama import Attention, RMSNorm, rope_frequencies
+from services.worker.models.llama import Attention, RMSNorm, lm_head_logits, rope_frequencies
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -236,15 +235,15 @@ class Gemma3ForCausalLM(nn.Module):
         return self.norm(x if residual is None else x + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, E]`` -> logits ``[N, V]`` float32, soft-capped in the model dtype (as
-        transformers) when the config says so."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return softcap(torch_wide_linear(hidden, weight), self.config.final_logit_softcapping)
+        """``hidden [N, E]`` -> logits ``[N, V]`` float32 (``lm_head_logits``), soft-capped
+        when the config says so."""
+        return softcap(lm_head_logits(self, hidden), self.config.final_logit_softcapping)
 
 
 def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """``cap * tanh(logits / cap)`` (Gemma 2's final-logit soft-capping) then float32;
-    just float32 when ``cap`` is None."""
+    """``cap * tanh(logits / cap)`` (Gemma 2's final-logit soft-capping) on float32 logits
+    (transformers caps in the model dtype; ours are never rounded to it); ``logits`` as they
+    are when ``cap`` is None."""
     if cap:
         logits = torch.tanh(logits / cap) * cap
-    return logits.float()
+    return logits

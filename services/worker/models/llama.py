@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -308,7 +308,21 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x if residual is None else x + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, E]`` -> logits ``[N, V]`` float32 (matmul in the model dtype; on a CPU at
-        float32 through oneDNN, ``kernels.torch_ops.torch_wide_linear``)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch_wide_linear(hidden, weight).float()
+        """``hidden [N, E]`` -> logits ``[N, V]`` float32 (``lm_head_logits``)."""
+        return lm_head_logits(self, hidden)
+
+
+def lm_head_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden [N, E]`` (model dtype) -> ``model``'s logits ``[N, V']`` float32 (``V' = V``, or
+    this rank's vocabulary shard under tensor parallelism), never rounded to the model dtype.
+
+    ``model.lm_head`` is an ``nn.Linear``, None (tied: the embedding table's weight), or, on a
+    CPU with the native kernels, a float32-output ``PackedLinear``
+    (``services/worker/packed_linear.py``) that the loader put in its place. The first two go
+    through ``kernels.torch_ops.torch_wide_linear`` with a float32 output (exact at float32).
+    """
+    head = cast(nn.Module | None, model.lm_head)
+    if head is not None and not isinstance(head, nn.Linear):
+        return head(hidden)
+    weight = cast(nn.Module, model.embed_tokens).weight if head is None else head.weight
+    return torch_wide_linear(hidden, cast(torch.Tensor, weight), out_dtype=torch.float32)

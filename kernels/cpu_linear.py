@@ -1,0 +1,74 @@
+"""Row-invariant linear layers in native C++: ``y = x W^T (+ b)`` with ``W`` packed once.
+
+The torch custom ops of ``kernels/csrc/cpu_linear.cpp`` (``torch.ops.pagedserve.pack_linear_weight``
+/ ``linear``), loaded through ``kernels.cpu_build``. Two things ATen's CPU matmul does not give:
+
+- **float32 output from 16-bit inputs**: the LM head of a bf16 model returns float32 logits
+  (accumulated in float32, never rounded to bf16);
+- **row invariance**: each output element is one float32 accumulator over ``k = 0 .. K-1`` in
+  order, whatever the number of rows, the row's place in the batch or the thread count (work is
+  split over rows and 32-column blocks, never over K). MKL and oneDNN pick kernels and K
+  splits by M, so with them a row's result can change with the step's size.
+
+Paths by instruction set (``PAGEDSERVE_CPU_ISA`` forces a lower one; see ``cpu_attention``):
+AMX tiles through ATen's ``cpublas::brgemm`` (bf16), ``vdpbf16ps`` (AVX512-BF16, bf16), and a
+float32 FMA micro-kernel for AVX-512, AVX2 and the baseline (every dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_fake_registered = False
+
+
+def _ops():
+    global _fake_registered
+    from kernels import cpu_build  # NOTE: lazy, as in cpu_attention
+
+    cpu_build.load()
+    if not _fake_registered:
+        _register_fake()
+        _fake_registered = True
+    return torch.ops.pagedserve
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Pack ``weight [N, K]`` (float32, bfloat16 or float16, CPU) for ``cpu_linear``.
+
+    Returns a new tensor in ``weight``'s dtype: ``[ceil(N/32), ceil(K/2), 32, 2]`` for 16-bit
+    weights (VNNI-2 pairs), ``[ceil(N/32), K, 32]`` for float32; N is zero-padded to whole
+    blocks of 32 (and K to even).
+
+    Raises:
+        ValueError: not 2-D, not on the CPU, or another dtype.
+    """
+    return _ops().pack_linear_weight(weight)
+
+
+def cpu_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x [M, K] @ W^T (+ bias) -> [M, out_features]`` in ``out_dtype`` (default ``x.dtype``).
+
+    ``x`` must have the packed weight's dtype; ``bias [N]`` may have any float dtype (added in
+    float32 before the one rounding to ``out_dtype``). Accumulation is float32.
+
+    Raises:
+        ValueError: mismatched dtypes or shapes, a tensor that is not ``pack_linear_weight``'s.
+    """
+    return _ops().linear(x, packed, out_features, bias, out_dtype)
+
+
+def _register_fake() -> None:
+    """Shape functions for ``torch.compile`` (FakeTensor tracing with dynamic ``M``)."""
+    @torch.library.register_fake("pagedserve::linear")
+    def _linear_fake(x, packed_weight, out_features, bias=None, out_dtype=None):
+        return x.new_empty((x.shape[0], out_features), dtype=out_dtype or x.dtype)
+
+    @torch.library.register_fake("pagedserve::pack_linear_weight")
+    def _pack_fake(weight):
+        n, k = weight.shape
+        if weight.dtype == torch.float32:
+            return weight.new_empty(((n + 31) // 32, k, 32))
+        return weight.new_empty(((n + 31) // 32, (k + 1) // 2, 32, 2))

@@ -1,0 +1,76 @@
+// Instruction-set choice shared by the native CPU kernels (attention and linear layers).
+//
+// One ladder, each step implying the ones below it:
+//   scalar       the compiler's baseline (x86-64: SSE2)
+//   avx2         AVX2 + FMA
+//   avx512       AVX-512 F/BW/VL/DQ
+//   avx512_bf16  + AVX512-BF16 (vdpbf16ps: bf16 pairs multiplied and summed into float32)
+//   amx          + AMX-BF16 tiles, reached through ATen's cpublas::brgemm (oneDNN's ukernel)
+// The best step the CPU has is found once (__builtin_cpu_supports; AMX: cpublas::could_pack,
+// which is true where oneDNN packs bf16 for AMX, the OS permission included).
+// PAGEDSERVE_CPU_ISA=scalar|avx2|avx512|avx512_bf16|amx|auto forces a lower step (read at every
+// call; asking for more than the CPU has is an error). Each kernel takes the highest step it
+// has a body for at or below the active one: attention has none above avx512.
+#pragma once
+
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace pagedserve {
+
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+
+inline const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAmx: return "amx";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+inline Isa best_isa() {
+#if defined(__x86_64__)
+  static const Isa best = [] {
+    __builtin_cpu_init();
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))) {
+      return (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? Isa::kAvx2
+                                                                               : Isa::kScalar;
+    }
+    if (!__builtin_cpu_supports("avx512bf16")) return Isa::kAvx512;
+    return at::native::cpublas::could_pack(at::kBFloat16) ? Isa::kAmx : Isa::kAvx512Bf16;
+  }();
+  return best;
+#else
+  return Isa::kScalar;
+#endif
+}
+
+// The step to run now: the best the CPU has, or the lower one PAGEDSERVE_CPU_ISA asks for.
+inline Isa active_isa() {
+  const Isa best = best_isa();
+  const char* env = std::getenv("PAGEDSERVE_CPU_ISA");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) return best;
+  static const Isa all[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmx};
+  for (Isa want : all) {
+    if (std::strcmp(env, isa_name(want)) != 0) continue;
+    TORCH_CHECK_VALUE(static_cast<int>(want) <= static_cast<int>(best), "PAGEDSERVE_CPU_ISA=",
+                      env, " but this CPU supports at most ", isa_name(best));
+    return want;
+  }
+  TORCH_CHECK_VALUE(false, "PAGEDSERVE_CPU_ISA=", env,
+                    " is not one of auto, scalar, avx2, avx512, avx512_bf16, amx");
+  return best;  // (unreachable)
+}
+
+// `isa` capped at `top`: the step a kernel whose best body is `top` runs.
+inline Isa at_most(Isa isa, Isa top) {
+  return static_cast<int>(isa) <= static_cast<int>(top) ? isa : top;
+}
+
+}  // namespace pagedserve

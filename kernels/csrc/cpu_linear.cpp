@@ -1,0 +1,415 @@
+// Row-invariant linear layers on the CPU: y = x W^T (+ b), W prepacked once (torch custom ops).
+//
+// Ops (namespace `pagedserve`, schemas at the bottom):
+//   pack_linear_weight(weight) -> packed     weight [N, K] float32 / bfloat16 / float16
+//   linear(x, packed, out_features, bias=None, out_dtype=None) -> y
+//                                            x [M, K] in the weight's dtype, y [M, N] in
+//                                            out_dtype (default x's), bias [N] any float dtype
+//
+// Why our own: (1) a bf16 model's logits must leave the LM head in float32 (a bf16 matmul
+// rounds them to a 0.125 grid at |logit| ~ 20, which turns near-ties into exact ties), and
+// ATen's CPU matmul has no bf16 x bf16 -> float32 form; (2) a row's result must not depend on
+// how many rows the step has (prefix-cache hits, chunked prefill, --batch-invariant): MKL and
+// oneDNN choose kernels, blockings and K splits by M, so the same row can come out different.
+//
+// Row invariance, by construction: every output element is one float32 accumulator that
+// walks k = 0 .. K-1 in order (one FMA per k, or one vdpbf16ps per pair of k, or AMX tiles),
+// whatever M is, whichever M-tile the row falls in, and however many threads run. Work is
+// split over (rows chunk, 32-column block) items only, never over K.
+//
+// Packed layout: the N output features in blocks of 32 (the last zero-padded);
+//   16-bit weights: [num_blocks, K2, 32, 2], K2 = ceil(K / 2): W[n, k] sits at
+//     [n / 32, k / 2, n % 32, k % 2] (VNNI-2, the layout vdpbf16ps and AMX's tdpbf16ps read);
+//   float32 weights: [num_blocks, K, 32]: W[n, k] at [n / 32, k, n % 32].
+//
+// Instruction sets (cpu_isa.h; PAGEDSERVE_CPU_ISA forces a lower one):
+//   amx          bf16: ATen's cpublas::brgemm (oneDNN ukernel, AMX tiles) on each
+//                (rows tile <= 32, 32-column block), K whole in one call;
+//   avx512_bf16  bf16: vdpbf16ps micro-kernel (rows tile <= 8, 32 columns = 2 zmm);
+//   avx512 / avx2 / scalar: float32 FMA micro-kernel (plain loops with `omp simd`, compiled
+//                for each target), the weight block unpacked to float32 once per item;
+//                the only path for float32 and float16 weights.
+// The paths differ in rounding (vdpbf16ps sums each pair before it accumulates), so results
+// are bitwise stable per path, not across paths; each is tested against a float64 reference.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "cpu_isa.h"
+
+#define PS_INLINE inline __attribute__((always_inline))
+
+namespace pagedserve {
+namespace {
+
+constexpr int64_t kBlockN = 32;     // output features per packed block
+constexpr int64_t kChunkM = 256;    // rows per work item (bounds the per-thread x slice)
+constexpr int64_t kTileMF32 = 4;    // rows per float32 micro-kernel call
+constexpr int64_t kTileMBf16 = 8;   // rows per vdpbf16ps micro-kernel call
+constexpr int64_t kTileMAmx = 256;  // rows per brgemm call
+
+// ---------------------------------------------------------------------------------------------
+// Packing
+
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(weight.dim() == 2, "pack_linear_weight: weight must be [N, K], got ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(weight.device().is_cpu(), "pack_linear_weight: weight must be on the CPU");
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                    "pack_linear_weight supports float32, bfloat16 and float16, got ", dtype);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t nb = (n + kBlockN - 1) / kBlockN;
+  at::Tensor w = at::zeros({nb * kBlockN, k}, weight.options());  // N zero-padded
+  w.narrow(0, 0, n).copy_(weight);
+  if (dtype == at::kFloat) {  // [nb, 32, K] -> [nb, K, 32]
+    return w.view({nb, kBlockN, k}).transpose(1, 2).contiguous();
+  }
+  const int64_t k2 = (k + 1) / 2;
+  if (k2 * 2 != k) w = at::cat({w, at::zeros({nb * kBlockN, 1}, w.options())}, 1);
+  // [nb, 32, K2, 2] -> [nb, K2, 32, 2]
+  return w.view({nb, kBlockN, k2, 2}).transpose(1, 2).contiguous();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Epilogue: float32 accumulators of one (rows tile, column block) -> y (+ bias), cast
+
+template <typename Out>
+PS_INLINE void store_tile(const float* acc, int64_t rows, int64_t cols, const float* bias,
+                          Out* y, int64_t ldy) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* a = acc + m * kBlockN;
+    Out* dst = y + m * ldy;
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = bias != nullptr ? a[c] + bias[c] : a[c];
+      dst[c] = static_cast<Out>(v);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// float32 FMA path (every ISA): the item's weight block unpacked to float32 [K][32] once, then
+// tiles of rows, each element one FMA chain over k in order.
+
+PS_INLINE float half_bits_to_float(uint16_t bits) {
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+template <typename W>
+PS_INLINE void unpack_block(const W* wb, int64_t k, float* wf) {
+  if constexpr (std::is_same_v<W, float>) {
+    std::memcpy(wf, wb, k * kBlockN * sizeof(float));
+  } else {
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(wb);
+    const int64_t k2 = (k + 1) / 2;
+    for (int64_t kp = 0; kp < k2; ++kp) {
+      const uint16_t* src = w + kp * 2 * kBlockN;  // [32][2]
+      float* even = wf + 2 * kp * kBlockN;
+      float* odd = even + kBlockN;
+      const bool has_odd = 2 * kp + 1 < k;
+      if constexpr (std::is_same_v<W, c10::BFloat16>) {
+#pragma omp simd
+        for (int64_t c = 0; c < kBlockN; ++c) {
+          even[c] = __builtin_bit_cast(float, static_cast<uint32_t>(src[2 * c]) << 16);
+        }
+        if (has_odd) {
+#pragma omp simd
+          for (int64_t c = 0; c < kBlockN; ++c) {
+            odd[c] = __builtin_bit_cast(float, static_cast<uint32_t>(src[2 * c + 1]) << 16);
+          }
+        }
+      } else {
+        for (int64_t c = 0; c < kBlockN; ++c) even[c] = half_bits_to_float(src[2 * c]);
+        if (has_odd) {
+          for (int64_t c = 0; c < kBlockN; ++c) odd[c] = half_bits_to_float(src[2 * c + 1]);
+        }
+      }
+    }
+  }
+}
+
+template <int MR>
+PS_INLINE void tile_f32(const float* x, int64_t ldx, const float* wf, int64_t k, float* acc) {
+  float a[MR][kBlockN];
+  for (int m = 0; m < MR; ++m) {
+#pragma omp simd
+    for (int64_t c = 0; c < kBlockN; ++c) a[m][c] = 0.0f;
+  }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* wk = wf + kk * kBlockN;
+    for (int m = 0; m < MR; ++m) {
+      const float xv = x[m * ldx + kk];
+#pragma omp simd
+      for (int64_t c = 0; c < kBlockN; ++c) a[m][c] += xv * wk[c];
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(acc + m * kBlockN, a[m], kBlockN * sizeof(float));
+}
+
+PS_INLINE void rows_f32(const float* x, int64_t ldx, int64_t rows, const float* wf, int64_t k,
+                        float* acc) {
+  int64_t m = 0;
+  for (; m + kTileMF32 <= rows; m += kTileMF32) {
+    tile_f32<kTileMF32>(x + m * ldx, ldx, wf, k, acc + m * kBlockN);
+  }
+  switch (rows - m) {
+    case 3: tile_f32<3>(x + m * ldx, ldx, wf, k, acc + m * kBlockN); break;
+    case 2: tile_f32<2>(x + m * ldx, ldx, wf, k, acc + m * kBlockN); break;
+    case 1: tile_f32<1>(x + m * ldx, ldx, wf, k, acc + m * kBlockN); break;
+    default: break;
+  }
+}
+
+// Everything one item needs: rows [m0, m0 + rows) of x (float32 [M, K], ldx = K), column
+// block `block` of the packed weight, the output.
+struct LinearArgs {
+  const void* x;       // float32 [M, K] (f32 path) or 16-bit [M, ldx] with ldx even (bf16 paths)
+  int64_t ldx;
+  const void* packed;  // see the layout above
+  int64_t k, k2, n, m;
+  const float* bias;   // [N] float32 or nullptr
+  void* y;             // [M, N] in out_dtype
+  at::ScalarType w_dtype, out_dtype;
+};
+
+template <typename W>
+PS_INLINE void item_f32_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
+                             float* wf, float* acc) {
+  const int64_t block_elems = a.w_dtype == at::kFloat ? a.k * kBlockN : a.k2 * 2 * kBlockN;
+  unpack_block(static_cast<const W*>(a.packed) + block * block_elems, a.k, wf);
+  const float* x = static_cast<const float*>(a.x);
+  rows_f32(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc);
+}
+
+using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, float*, float*);
+
+#if defined(__x86_64__)
+#define PS_DEFINE_F32(NAME, TARGET)                                                        \
+  TARGET void NAME##_f32(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,     \
+                         float* wf, float* acc) {                                          \
+    item_f32_body<float>(a, m0, rows, block, wf, acc);                                     \
+  }                                                                                        \
+  TARGET void NAME##_bf16(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,    \
+                          float* wf, float* acc) {                                         \
+    item_f32_body<c10::BFloat16>(a, m0, rows, block, wf, acc);                             \
+  }                                                                                        \
+  TARGET void NAME##_f16(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,     \
+                         float* wf, float* acc) {                                          \
+    item_f32_body<c10::Half>(a, m0, rows, block, wf, acc);                                 \
+  }
+PS_DEFINE_F32(lin_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))))
+PS_DEFINE_F32(lin_avx2, __attribute__((target("avx2,fma"))))
+#endif
+PS_DEFINE_F32(lin_scalar, )
+
+ItemF32Fn pick_f32(Isa isa, at::ScalarType w_dtype) {
+  const int i = w_dtype == at::kFloat ? 0 : w_dtype == at::kBFloat16 ? 1 : 2;
+  static const ItemF32Fn table[3][3] = {
+      {lin_scalar_f32, lin_scalar_bf16, lin_scalar_f16},
+#if defined(__x86_64__)
+      {lin_avx2_f32, lin_avx2_bf16, lin_avx2_f16},
+      {lin_avx512_f32, lin_avx512_bf16, lin_avx512_f16},
+#else
+      {lin_scalar_f32, lin_scalar_bf16, lin_scalar_f16},
+      {lin_scalar_f32, lin_scalar_bf16, lin_scalar_f16},
+#endif
+  };
+  return table[static_cast<int>(at_most(isa, Isa::kAvx512))][i];
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX512-BF16 path: bf16 x and weights, vdpbf16ps; each element is one float32 accumulator
+// that adds x[2j] w[2j] + x[2j+1] w[2j+1] for j = 0 .. K2-1 in order.
+
+#if defined(__x86_64__)
+#define PS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+
+template <int MR>
+PS_BF16_TARGET PS_INLINE void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w,
+                                        int64_t k2, float* acc) {
+  __m512 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) {
+    a0[m] = _mm512_setzero_ps();
+    a1[m] = _mm512_setzero_ps();
+  }
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + kp * 2 * kBlockN);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kp * 2 * kBlockN + kBlockN);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      a0[m] = _mm512_dpbf16_ps(a0[m], xb, w0);
+      a1[m] = _mm512_dpbf16_ps(a1[m], xb, w1);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(acc + m * kBlockN, a0[m]);
+    _mm512_storeu_ps(acc + m * kBlockN + 16, a1[m]);
+  }
+}
+
+PS_BF16_TARGET void item_bf16_dp(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
+                                 float* acc) {
+  const uint16_t* w = static_cast<const uint16_t*>(a.packed) + block * a.k2 * 2 * kBlockN;
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.ldx;
+  int64_t m = 0;
+  for (; m + kTileMBf16 <= rows; m += kTileMBf16) {
+    tile_bf16<kTileMBf16>(x + m * a.ldx, a.ldx, w, a.k2, acc + m * kBlockN);
+  }
+  const uint16_t* xt = x + m * a.ldx;
+  float* at = acc + m * kBlockN;
+  switch (rows - m) {
+    case 7: tile_bf16<7>(xt, a.ldx, w, a.k2, at); break;
+    case 6: tile_bf16<6>(xt, a.ldx, w, a.k2, at); break;
+    case 5: tile_bf16<5>(xt, a.ldx, w, a.k2, at); break;
+    case 4: tile_bf16<4>(xt, a.ldx, w, a.k2, at); break;
+    case 3: tile_bf16<3>(xt, a.ldx, w, a.k2, at); break;
+    case 2: tile_bf16<2>(xt, a.ldx, w, a.k2, at); break;
+    case 1: tile_bf16<1>(xt, a.ldx, w, a.k2, at); break;
+    default: break;
+  }
+}
+#endif
+
+// AMX path: one brgemm per (rows tile, column block), K whole.
+void item_bf16_amx(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block, float* acc) {
+  const auto* w = static_cast<const at::BFloat16*>(a.packed) + block * a.k2 * 2 * kBlockN;
+  const auto* x = static_cast<const at::BFloat16*>(a.x) + m0 * a.ldx;
+  for (int64_t m = 0; m < rows; m += kTileMAmx) {
+    const int64_t mt = std::min(kTileMAmx, rows - m);
+    at::native::cpublas::brgemm(mt, kBlockN, a.k2 * 2, a.ldx, kBlockN, kBlockN, false,
+                                x + m * a.ldx, w, acc + m * kBlockN, /*is_vnni=*/true);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The op
+
+template <typename Out>
+void store_item(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block, const float* acc) {
+  const int64_t n0 = block * kBlockN, cols = std::min(kBlockN, a.n - n0);
+  store_tile<Out>(acc, rows, cols, a.bias != nullptr ? a.bias + n0 : nullptr,
+                  static_cast<Out*>(a.y) + m0 * a.n + n0, a.n);
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
+                  const std::optional<at::Tensor>& bias_in,
+                  std::optional<at::ScalarType> out_dtype_in) {
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "linear: x must be [M, K], got ", x_in.sizes());
+  TORCH_CHECK_VALUE(x_in.device().is_cpu() && packed.device().is_cpu(),
+                    "linear: x and the packed weight must be on the CPU");
+  const auto w_dtype = packed.scalar_type();
+  TORCH_CHECK_VALUE(x_in.scalar_type() == w_dtype, "linear: x is ", x_in.scalar_type(),
+                    " but the packed weight is ", w_dtype);
+  const int64_t m = x_in.size(0), k = x_in.size(1);
+  const bool f32_weight = w_dtype == at::kFloat;
+  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.dim() == (f32_weight ? 3 : 4) &&
+                        packed.size(2) == kBlockN &&
+                        (f32_weight || packed.size(3) == 2),
+                    "linear: packed weight of shape ", packed.sizes(),
+                    " is not pack_linear_weight's output");
+  const int64_t num_blocks = packed.size(0);
+  const int64_t k2 = f32_weight ? k : packed.size(1);
+  TORCH_CHECK_VALUE(f32_weight ? packed.size(1) == k : (k + 1) / 2 == k2, "linear: x has K = ",
+                    k, " features, the packed weight ",
+                    f32_weight ? packed.size(1) : 2 * packed.size(1));
+  TORCH_CHECK_VALUE(out_features > (num_blocks - 1) * kBlockN &&
+                        out_features <= num_blocks * kBlockN,
+                    "linear: out_features ", out_features, " does not fit ", num_blocks,
+                    " packed blocks of ", kBlockN);
+  const auto out_dtype = out_dtype_in.value_or(w_dtype);
+  TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
+                        out_dtype == at::kHalf,
+                    "linear: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK_VALUE(bias_in->dim() == 1 && bias_in->size(0) == out_features,
+                      "linear: bias must be [", out_features, "], got ", bias_in->sizes());
+    bias = bias_in->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({m, out_features}, x_in.options().dtype(out_dtype));
+  if (m == 0) return y;
+
+  const Isa isa = active_isa();
+  enum class Path { kF32, kBf16Dp, kAmx } path = Path::kF32;
+  if (w_dtype == at::kBFloat16 && isa >= Isa::kAvx512Bf16) {
+    path = isa >= Isa::kAmx ? Path::kAmx : Path::kBf16Dp;
+  }
+  at::Tensor x;  // what the items read
+  if (path == Path::kF32) {
+    x = x_in.to(at::kFloat).contiguous();
+  } else if (k % 2 != 0 || !x_in.is_contiguous()) {  // pairs: K even, rows contiguous
+    x = at::zeros({m, 2 * k2}, x_in.options());
+    x.narrow(1, 0, k).copy_(x_in);
+  } else {
+    x = x_in;
+  }
+  LinearArgs a;
+  a.x = x.data_ptr();
+  a.ldx = x.size(1);
+  a.packed = packed.data_ptr();
+  a.k = k;
+  a.k2 = k2;
+  a.n = out_features;
+  a.m = m;
+  a.bias = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  a.y = y.data_ptr();
+  a.w_dtype = w_dtype;
+  a.out_dtype = out_dtype;
+  const ItemF32Fn f32_fn = pick_f32(isa, w_dtype);
+
+  const int64_t chunks = (m + kChunkM - 1) / kChunkM;
+  const int64_t items = chunks * num_blocks;  // item i: rows chunk i / num_blocks, block i % nb
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(std::min(kChunkM, m) * kBlockN);
+    std::vector<float> wf(path == Path::kF32 ? k * kBlockN : 0);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t chunk = i / num_blocks, block = i % num_blocks;
+      const int64_t m0 = chunk * kChunkM, rows = std::min(kChunkM, m - m0);
+      switch (path) {
+        case Path::kAmx: item_bf16_amx(a, m0, rows, block, acc.data()); break;
+#if defined(__x86_64__)
+        case Path::kBf16Dp: item_bf16_dp(a, m0, rows, block, acc.data()); break;
+#endif
+        default: f32_fn(a, m0, rows, block, wf.data(), acc.data()); break;
+      }
+      switch (out_dtype) {
+        case at::kFloat: store_item<float>(a, m0, rows, block, acc.data()); break;
+        case at::kBFloat16: store_item<c10::BFloat16>(a, m0, rows, block, acc.data()); break;
+        default: store_item<c10::Half>(a, m0, rows, block, acc.data()); break;
+      }
+    }
+    if (path == Path::kAmx) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  });
+  return y;
+}
+
+}  // namespace
+}  // namespace pagedserve
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def(
+      "linear(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None, "
+      "ScalarType? out_dtype=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("pack_linear_weight", &pagedserve::pack_linear_weight);
+  m.impl("linear", &pagedserve::linear);
+}

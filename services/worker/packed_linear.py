@@ -1,0 +1,103 @@
+"""Linear layers on the native CPU kernel (``kernels.cpu_linear``): weights packed once at load.
+
+On a CPU worker with the native library:
+
+- **a 16-bit model** (always): every linear layer of the decoder, and the LM head as
+  ``PackedLinear(..., out_dtype=float32)``, which takes bf16 (or fp16) hidden states and
+  weights and returns float32 logits, accumulated in float32 and never rounded to the model
+  dtype. A bf16 matmul rounds logits of magnitude ~20 to a 0.125 grid, which turned SmolLM2's
+  near-tied first tokens into exact ties (issue 30). The kernel never splits K and never picks
+  another kernel for another number of rows, so each row's result is the same whatever else
+  the step holds; oneDNN's bf16 matmul is not (on a Xeon with AMX it takes another kernel above
+  32 rows), and a prefix-cache hit, which shrinks the step, changed a request's answer;
+- **a float32 model with ``--batch-invariant``**: the same, in place of ATen's (MKL) sgemm.
+
+Packing is a copy in the kernel's layout; the module it replaces is dropped, so an untied LM
+head or a decoder linear costs no extra memory. A tied LM head keeps the embedding table as it
+is (the embedding still reads it) and adds the packed copy beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from kernels.cpu_linear import pack_linear_weight
+
+log = logging.getLogger(__name__)
+
+
+class PackedLinear(nn.Module):
+    """``y = reduce(x W^T) + b`` through ``kernels.cpu_linear``.
+
+    Args:
+        weight: ``[N, K]`` float32 / bfloat16 / float16 on the CPU (packed here; not kept).
+        bias: ``[N]`` or None; added in float32 before the one rounding to ``out_dtype``, or,
+            with ``reduce``, after it (a row-parallel layer adds its bias once, after the sum).
+        out_dtype: the output dtype; None = ``x``'s.
+        reduce: applied to the matmul before the bias (the tensor-parallel all-reduce of a
+            row-parallel layer), or None.
+
+    ``forward``: ``x [..., K]`` in the weight's dtype -> ``[..., N]``.
+    """
+
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None,
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.out_dtype, self.reduce = out_dtype, reduce
+        self.register_buffer("packed", pack_linear_weight(weight.detach()), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: the op itself, not kernels.cpu_linear.cpu_linear, whose lazy library load
+        # torch.compile would have to trace (packing loaded it, fake kernel included)
+        linear = torch.ops.pagedserve.linear
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if self.reduce is None:
+            y = linear(flat, self.packed, self.out_features, self.bias, self.out_dtype)
+        else:
+            y = self.reduce(linear(flat, self.packed, self.out_features, None, self.out_dtype))
+            if self.bias is not None:
+                y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+
+def pack_model_linears(model: nn.Module, *, lm_head: bool, decoder: bool) -> None:
+    """Swap ``model``'s linear layers for ``PackedLinear``s, in place.
+
+    Args:
+        model: a loaded decoder (``services/worker/models``) on the CPU, in eval mode.
+        lm_head: give it a float32-output packed LM head (``model.lm_head``; for a tied model,
+            a packed copy of the embedding table). Only on the rank that computes logits (the
+            last pipeline stage); a model without an LM head or embedding here is left alone.
+        decoder: also pack every linear layer of the decoder layers (a 16-bit model, or
+            ``--batch-invariant``), the row-parallel ones with their all-reduce.
+
+    Raises:
+        RuntimeError: the native library cannot be built or loaded (``kernels.cpu_build``).
+    """
+    if decoder:
+        from services.worker.parallel import RowParallelLinear
+
+        for layer in cast(nn.ModuleList, model.layers):
+            for parent in list(layer.modules()):
+                for name, child in list(parent.named_children()):
+                    if isinstance(child, RowParallelLinear):
+                        setattr(parent, name, PackedLinear(child.weight, child.bias,
+                                                           reduce=child.ps.all_reduce))
+                    elif type(child) is nn.Linear:
+                        setattr(parent, name, PackedLinear(child.weight, child.bias))
+    if lm_head:
+        head = cast(nn.Module | None, model.lm_head)
+        source = head if head is not None else cast(nn.Module, model.embed_tokens)
+        model.lm_head = PackedLinear(cast(torch.Tensor, source.weight), out_dtype=torch.float32)

@@ -1,0 +1,142 @@
+"""The native row-invariant linear (``kernels.cpu_linear``) against a float64 reference, on
+every instruction-set step this CPU can run (``PAGEDSERVE_CPU_ISA``): float32 / bfloat16 /
+float16 weights, float32 or same-dtype output, bias, odd K and N; each row's result bitwise the
+same at any number of rows, at any place in the batch and with any thread count; the module
+that wraps it (``services/worker/packed_linear.py``) and its use as a float32 LM head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kernels.cpu_attention import ISA_ENV, cpu_isa
+from kernels.cpu_linear import cpu_linear, pack_linear_weight
+from services.worker.packed_linear import PackedLinear, pack_model_linears
+from tests.kernels.cpu_isas import RUNNABLE_ISAS
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# (N, K): SmolLM2's qkv and LM head, odd sizes (N not a multiple of 32, K odd), a tiny one
+SHAPES = [(960, 576), (5003, 576), (37, 77), (3, 5)]
+# float32 accumulation over K products of 16-bit or float32 inputs: a few ulps of the sum;
+# a 16-bit output adds one rounding to its dtype
+ACC_TOL = (2e-5, 2e-5)
+OUT_TOL = {torch.float32: ACC_TOL, torch.bfloat16: (1e-2, 8e-3), torch.float16: (1e-3, 1e-3)}
+
+
+@pytest.fixture(params=RUNNABLE_ISAS)
+def isa(request, monkeypatch) -> str:
+    monkeypatch.setenv(ISA_ENV, request.param)
+    assert cpu_isa() == request.param
+    return request.param
+
+
+def _problem(n: int, k: int, m: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    return x, w, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_float64(isa, dtype, shape):
+    n, k = shape
+    x, w, bias = _problem(n, k, 67, dtype)
+    packed = pack_linear_weight(w)
+    ref = x.double() @ w.double().T
+    out = cpu_linear(x, packed, n, out_dtype=torch.float32)
+    assert out.shape == (67, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, atol=ACC_TOL[0], rtol=ACC_TOL[1])
+    out = cpu_linear(x, packed, n, bias)  # x's dtype, bias added before the rounding
+    assert out.dtype == dtype
+    atol, rtol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.double(), ref + bias.double(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_is_the_same_at_any_batch_size_place_and_thread_count(isa, dtype):
+    n, k = 200, 96
+    x, w, bias = _problem(n, k, 300, dtype, seed=1)
+    packed = pack_linear_weight(w)
+    full = cpu_linear(x, packed, n, bias, torch.float32)
+    for m in (1, 2, 3, 5, 8, 9, 17, 33, 255, 256, 257):
+        assert torch.equal(cpu_linear(x[:m], packed, n, bias, torch.float32), full[:m]), m
+    for row in (0, 7, 255, 256, 299):  # alone, and at another place in a smaller batch
+        assert torch.equal(cpu_linear(x[row:row + 1], packed, n, bias, torch.float32)[0],
+                           full[row])
+        start = max(0, row - 4)
+        assert torch.equal(cpu_linear(x[start:row + 3], packed, n, bias, torch.float32),
+                           full[start:row + 3])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = cpu_linear(x, packed, n, bias, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, full)
+
+
+def test_non_contiguous_x_and_empty_batch():
+    x, w, _ = _problem(40, 33, 12, torch.bfloat16)
+    packed = pack_linear_weight(w)
+    wide = torch.cat([x, x], dim=1)[:, :33]  # rows strided
+    assert torch.equal(cpu_linear(wide, packed, 40, out_dtype=torch.float32),
+                       cpu_linear(x, packed, 40, out_dtype=torch.float32))
+    assert cpu_linear(x[:0], packed, 40).shape == (0, 40)
+
+
+def test_bad_input_is_refused():
+    x, w, _ = _problem(40, 32, 4, torch.bfloat16)
+    packed = pack_linear_weight(w)
+    with pytest.raises(ValueError, match="x is Float"):
+        cpu_linear(x.float(), packed, 40)
+    with pytest.raises(ValueError, match="K = 29"):
+        cpu_linear(x[:, :29], packed, 40)
+    with pytest.raises(ValueError, match="out_features 70"):
+        cpu_linear(x, packed, 70)
+    with pytest.raises(ValueError, match="bias must be"):
+        cpu_linear(x, packed, 40, torch.zeros(39))
+    with pytest.raises(ValueError, match="float32, bfloat16 and float16"):
+        pack_linear_weight(torch.zeros(4, 4, dtype=torch.float64))
+
+
+def test_packed_linear_module_with_reduce_and_leading_dims():
+    x, w, bias = _problem(24, 16, 6, torch.float32)
+    calls = []
+
+    def reduce(y: torch.Tensor) -> torch.Tensor:  # stands in for the tp all-reduce
+        calls.append(y.shape)
+        return 2 * y
+    layer = PackedLinear(w, bias, reduce=reduce)
+    out = layer(x.view(2, 3, 16))
+    assert out.shape == (2, 3, 24) and calls == [(6, 24)]
+    torch.testing.assert_close(out.view(6, 24), 2 * (x @ w.T) + bias, atol=1e-5, rtol=1e-5)
+
+
+def test_pack_model_linears_swaps_the_decoder_and_gives_a_float32_lm_head():
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(50, 8)
+            self.layers = nn.ModuleList([Layer(), Layer()])
+            self.lm_head = None  # tied
+
+    model = Model().to(torch.bfloat16)
+    embed = model.embed_tokens.weight.clone()
+    pack_model_linears(model, lm_head=True, decoder=False)
+    assert isinstance(model.lm_head, PackedLinear) and type(model.layers[0].proj) is nn.Linear
+    h = torch.randn(3, 8).bfloat16()
+    logits = model.lm_head(h)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), h.double() @ embed.double().T,
+                               atol=ACC_TOL[0], rtol=ACC_TOL[1])
+    assert torch.equal(model.embed_tokens.weight, embed)  # the embedding keeps its table
+    pack_model_linears(model, lm_head=False, decoder=True)
+    assert all(isinstance(layer.proj, PackedLinear) for layer in model.layers)
