@@ -5,7 +5,9 @@ float32 logits; torch: rounded to the model dtype, as before issue 30).
 
 Median of ``--reps`` calls per (shape, M) after warm-up; ratio = torch / native (> 1: native
 faster). The native kernel runs the best path this CPU has (``PAGEDSERVE_CPU_ISA`` forces a
-lower one).
+lower one). ``torch rows``: whether torch's M-row result equals the first M rows of its
+512-row result bitwise ("same"), or whether M rows took another kernel ("differ"): the reason
+a 16-bit model's layers run on the native kernel, which is row-invariant by construction.
 
     .venv/bin/python benchmarks/kernels/cpu_linear.py [--dtype bfloat16] [--reps 20]
 """
@@ -35,18 +37,23 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"native path {cpu_isa()}, {a.dtype}")
-    print(f"{'shape':8s} {'M':>4s} {'torch ms':>9s} {'native ms':>10s} {'ratio':>6s}")
+    print(f"{'shape':8s} {'M':>4s} {'torch ms':>9s} {'native ms':>10s} {'ratio':>6s} "
+          f"{'torch rows':>10s}")
     torch.manual_seed(0)
     for name, (n, k) in SHAPES.items():
         w = (torch.randn(n, k) / k ** 0.5).to(dtype)
         packed = pack_linear_weight(w)
         out_dtype = torch.float32 if name == "lm_head" else None
+        x_all = torch.randn(max(ROWS), k).to(dtype)
+        y_all = torch.nn.functional.linear(x_all, w)
         for m in ROWS:
-            x = torch.randn(m, k).to(dtype)
-            ref = time_ms(lambda: torch.nn.functional.linear(x, w), a.reps, "median")
-            ours = time_ms(lambda: cpu_linear(x, packed, n, out_dtype=out_dtype), a.reps,
-                           "median")
-            print(f"{name:8s} {m:4d} {ref:9.3f} {ours:10.3f} {ref / ours:6.2f}", flush=True)
+            x = x_all[:m]
+            ref = time_ms(lambda: torch.nn.functional.linear(x, w), a.reps, "median")  # noqa: B023
+            ours = time_ms(lambda: cpu_linear(x, packed, n, out_dtype=out_dtype),  # noqa: B023
+                           a.reps, "median")
+            same = torch.equal(torch.nn.functional.linear(x, w), y_all[:m])
+            print(f"{name:8s} {m:4d} {ref:9.3f} {ours:10.3f} {ref / ours:6.2f} "
+                  f"{'same' if same else 'differ':>10s}", flush=True)
 
 
 if __name__ == "__main__":
