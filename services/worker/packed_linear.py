@@ -36,11 +36,12 @@ class PackedLinear(nn.Module):
 
     Args:
         weight: ``[N, K]`` float32 / bfloat16 / float16 on the CPU (packed here; not kept).
-        bias: ``[N]`` or None; added in float32 before the one rounding to ``out_dtype``, or,
-            with ``reduce``, after it (a row-parallel layer adds its bias once, after the sum).
+        bias: ``[N]`` or None; added in float32 before the one rounding to ``out_dtype`` (with
+            ``reduce``, after the sum: a row-parallel layer adds its bias once).
         out_dtype: the output dtype; None = ``x``'s.
-        reduce: applied to the matmul before the bias (the tensor-parallel all-reduce of a
-            row-parallel layer), or None.
+        reduce: applied to the float32 matmul before the bias (the tensor-parallel all-reduce
+            of a row-parallel layer: partial sums in float32, not rounded to bf16 per rank), or
+            None.
 
     ``forward``: ``x [..., K]`` in the weight's dtype -> ``[..., N]``.
     """
@@ -65,10 +66,11 @@ class PackedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.reduce is None:
             y = linear(flat, self.packed, self.out_features, self.bias, self.out_dtype)
-        else:
-            y = self.reduce(linear(flat, self.packed, self.out_features, None, self.out_dtype))
+        else:  # the partial sums are reduced in float32, rounded once after, as one rank does
+            y = self.reduce(linear(flat, self.packed, self.out_features, None, torch.float32))
             if self.bias is not None:
                 y = y + self.bias
+            y = y.to(self.out_dtype or x.dtype)
         return y.reshape(*lead, self.out_features)
 
 

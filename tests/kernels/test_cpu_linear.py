@@ -115,6 +115,21 @@ def test_packed_linear_module_with_reduce_and_leading_dims():
     torch.testing.assert_close(out.view(6, 24), 2 * (x @ w.T) + bias, atol=1e-5, rtol=1e-5)
 
 
+def test_packed_linear_reduces_16_bit_partial_sums_in_float32():
+    """A row-parallel bf16 layer all-reduces float32 partial sums and rounds once, after the
+    bias, as one rank computing the whole sum does."""
+    x, w, bias = _problem(24, 16, 6, torch.bfloat16)
+    seen = []
+
+    def reduce(y: torch.Tensor) -> torch.Tensor:
+        seen.append(y.dtype)
+        return 2 * y
+    out = PackedLinear(w, bias, reduce=reduce)(x)
+    assert seen == [torch.float32] and out.dtype == torch.bfloat16
+    full = cpu_linear(x, pack_linear_weight(w), 24, out_dtype=torch.float32)
+    assert torch.equal(out, (2 * full + bias).to(torch.bfloat16))
+
+
 def test_pack_model_linears_swaps_the_decoder_and_gives_a_float32_lm_head():
     class Layer(nn.Module):
         def __init__(self):
