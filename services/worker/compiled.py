@@ -212,8 +212,9 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> 
     the CPU's vector ISA, the model class and config (its layers' sliding windows too, which
     fix the KV cache groups: how many metadata objects the graph takes and which layers share a
     K/V tensor pair), its dtype and device, the attention backend, the block size, the classes
-    of its modules (packed linear layers under ``--batch-invariant``), and the text of the
-    model, kernel (native ones included), packing, compile and grouping modules."""
+    of its modules (packed linear layers: a 16-bit model's, or ``--batch-invariant``'s), and
+    the text of the model, kernel (native ones included), packing, compile and grouping
+    modules."""
     root = Path(__file__).resolve().parents[2]
     param = next(model.parameters())
     h = hashlib.sha256()

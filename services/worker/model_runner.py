@@ -155,9 +155,10 @@ class ModelRunner:
             rank verifies the drafts a step carries.
         batch_invariant: ``--batch-invariant``: every request's tokens and logprobs bitwise the
             same whatever else the step holds (its batch, the chunking of its prompt, a
-            prefix-cache hit). The attention kernel is row-invariant always; this also puts
-            every linear layer and the LM head on the native row-invariant kernel
-            (``services/worker/packed_linear.py``). CPU only, native attention backend.
+            prefix-cache hit). The attention kernel, and a 16-bit model's linear layers, are
+            row-invariant always; this also puts a float32 model's linear layers and LM head on
+            the native row-invariant kernel (``services/worker/packed_linear.py``). CPU only,
+            native attention backend.
 
     The driver also holds the structured-output state (``structured``: llguidance matchers
     over the model's tokenizer, built in the background from here on); other ranks have None.
