@@ -73,4 +73,28 @@ inline Isa at_most(Isa isa, Isa top) {
   return static_cast<int>(isa) <= static_cast<int>(top) ? isa : top;
 }
 
+// The targets a kernel body is compiled for besides the baseline (every body is compiled on
+// every x86-64 machine and picked at run time).
+#define PS_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#define PS_TARGET_AVX2 __attribute__((target("avx2,fma")))
+
+// A body's column in the dispatch tables below: float32 0, bfloat16 1, float16 2.
+inline int dtype_index(at::ScalarType dtype) {
+  return dtype == at::kFloat ? 0 : dtype == at::kBFloat16 ? 1 : 2;
+}
+
+// `static const FN name[3][3]`, indexed [scalar / avx2 / avx512][dtype_index]: the functions
+// SCALAR_f32, SCALAR_bf16, SCALAR_f16, AVX2_..., AVX512_... (the scalar ones off x86-64).
+#if defined(__x86_64__)
+#define PS_ISA_DTYPE_TABLE(FN, name, SCALAR, AVX2, AVX512)           \
+  static const FN name[3][3] = {{SCALAR##_f32, SCALAR##_bf16, SCALAR##_f16}, \
+                                {AVX2##_f32, AVX2##_bf16, AVX2##_f16},       \
+                                {AVX512##_f32, AVX512##_bf16, AVX512##_f16}}
+#else
+#define PS_ISA_DTYPE_TABLE(FN, name, SCALAR, AVX2, AVX512)           \
+  static const FN name[3][3] = {{SCALAR##_f32, SCALAR##_bf16, SCALAR##_f16}, \
+                                {SCALAR##_f32, SCALAR##_bf16, SCALAR##_f16}, \
+                                {SCALAR##_f32, SCALAR##_bf16, SCALAR##_f16}}
+#endif
+
 }  // namespace pagedserve

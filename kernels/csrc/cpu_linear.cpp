@@ -211,24 +211,14 @@ using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, float*,
                          float* wf, float* acc) {                                          \
     item_f32_body<c10::Half>(a, m0, rows, block, wf, acc);                                 \
   }
-PS_DEFINE_F32(lin_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))))
-PS_DEFINE_F32(lin_avx2, __attribute__((target("avx2,fma"))))
+PS_DEFINE_F32(lin_avx512, PS_TARGET_AVX512)
+PS_DEFINE_F32(lin_avx2, PS_TARGET_AVX2)
 #endif
 PS_DEFINE_F32(lin_scalar, )
 
 ItemF32Fn pick_f32(Isa isa, at::ScalarType w_dtype) {
-  const int i = w_dtype == at::kFloat ? 0 : w_dtype == at::kBFloat16 ? 1 : 2;
-  static const ItemF32Fn table[3][3] = {
-      {lin_scalar_f32, lin_scalar_bf16, lin_scalar_f16},
-#if defined(__x86_64__)
-      {lin_avx2_f32, lin_avx2_bf16, lin_avx2_f16},
-      {lin_avx512_f32, lin_avx512_bf16, lin_avx512_f16},
-#else
-      {lin_scalar_f32, lin_scalar_bf16, lin_scalar_f16},
-      {lin_scalar_f32, lin_scalar_bf16, lin_scalar_f16},
-#endif
-  };
-  return table[static_cast<int>(at_most(isa, Isa::kAvx512))][i];
+  PS_ISA_DTYPE_TABLE(ItemF32Fn, table, lin_scalar, lin_avx2, lin_avx512);
+  return table[static_cast<int>(at_most(isa, Isa::kAvx512))][dtype_index(w_dtype)];
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -416,24 +416,14 @@ using ItemFn = void (*)(const AttnParams&, const WorkItem&, Scratch&);
   TARGET void NAME##_f16(const AttnParams& p, const WorkItem& it, Scratch& s) {           \
     attend_item<c10::Half>(p, it, s);                                                     \
   }
-PS_DEFINE_ITEM(item_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma"))))
-PS_DEFINE_ITEM(item_avx2, __attribute__((target("avx2,fma"))))
+PS_DEFINE_ITEM(item_avx512, PS_TARGET_AVX512)
+PS_DEFINE_ITEM(item_avx2, PS_TARGET_AVX2)
 #endif
 PS_DEFINE_ITEM(item_scalar, )
 
 ItemFn pick_item_fn(Isa isa, at::ScalarType dtype) {
-  const int i = dtype == at::kFloat ? 0 : dtype == at::kBFloat16 ? 1 : 2;
-  static const ItemFn table[3][3] = {
-      {item_scalar_f32, item_scalar_bf16, item_scalar_f16},
-#if defined(__x86_64__)
-      {item_avx2_f32, item_avx2_bf16, item_avx2_f16},
-      {item_avx512_f32, item_avx512_bf16, item_avx512_f16},
-#else
-      {item_scalar_f32, item_scalar_bf16, item_scalar_f16},
-      {item_scalar_f32, item_scalar_bf16, item_scalar_f16},
-#endif
-  };
-  return table[static_cast<int>(isa)][i];
+  PS_ISA_DTYPE_TABLE(ItemFn, table, item_scalar, item_avx2, item_avx512);
+  return table[static_cast<int>(isa)][dtype_index(dtype)];
 }
 
 void check_cache(const at::Tensor& c, const char* name) {
