@@ -90,7 +90,8 @@ def loaded_scheduler(runner, prompts, output_lens: list[int]):
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler, SchedulerConfig
 
-    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
+    scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
+                                          block_size=runner.block_size),
                           runner.num_kv_blocks, runner.eos_token_ids,
                           sliding_windows=[g.sliding_window for g in runner.kv_cache_groups])
     for i, (p, n) in enumerate(zip(prompts, output_lens, strict=True)):

@@ -34,7 +34,10 @@ SOURCES = [CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_linear.cpp"]
 HEADERS = [CSRC / "cpu_isa.h"]
 # NOTE: -fopenmp on both sides links libgomp.so.1, the same soname as the libgomp torch's CPU
 # wheel ships and has already loaded, so the process keeps one OpenMP runtime (one thread pool).
-CFLAGS = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
+# -fno-trapping-math: without it GCC will not turn the clamps and selects of the kernels' exp
+# into vector blends (a float compare may raise an FP exception), and the softmax loops stay
+# scalar; no result changes (nothing reads the FP exception flags).
+CFLAGS = ["-O3", "-fno-trapping-math", "-fopenmp", "-Wall", "-Wno-unknown-pragmas"]
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()

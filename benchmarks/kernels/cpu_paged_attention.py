@@ -4,7 +4,19 @@ One attention call of one layer, SmolLM2-135M shapes by default (9 query heads, 
 head_dim 64, block 16), float32, blocks scattered over the cache by a random permutation:
 
 - decode steps: batch 1, 8, 64 at contexts 128 .. 2048 tokens;
-- mixed steps: a prefill chunk and prefix-hit tails next to decodes (chunked prefill).
+- mixed steps: a prefill chunk and prefix-hit tails next to decodes (chunked prefill), and
+  whole prompts of 512 and 2048 tokens.
+
+Next to the times, each row reports what the native kernel achieves against this machine's
+ceilings, both measured in the same run:
+
+- ``GB/s`` and ``% copy``: the K/V bytes the step must read (every context token's K and V
+  rows of every KV head, once) over the native time, and the time ``Tensor.copy_`` takes to
+  copy that many bytes over the native time (the decode goal: >= 60 %);
+- ``GFLOP/s`` and ``% mm``: the attention's multiply-adds (2 x 2 x head_dim per query head and
+  visible key: Q K^T and P V, causal) over the native time, against ``torch.mm`` of
+  1024 x 1024 x 1024 at the same dtype (oneDNN / MKL: AMX where the CPU has it; the prefill
+  goal: >= 40 % at 512 tokens).
 
 The torch backend gets its per-step plan built beforehand (the model builds it once per step and
 every layer reuses it), so both columns time only what a layer pays. Minimum (or ``--stat
@@ -30,6 +42,7 @@ from kernels.torch_attention import plan_paged_attention, torch_paged_attention
 
 DECODE = [(batch, ctx) for batch in (1, 8, 64) for ctx in (128, 512, 2048)]
 MIXED = {
+    "prefill 512": [(512, 512)],
     "prefill 512 + 16 decodes @1024": [(512, 512)] + [(1, 1024)] * 16,
     "chunk 256 @768 + 2 tails + 8 decodes": [(256, 768), (32, 700), (5, 300)] + [(1, 2048)] * 8,
     "prefill 2048": [(2048, 2048)],
@@ -72,6 +85,32 @@ def time_ms(fn, reps: int, stat: str) -> float:
     return 1e3 * (min(times) if stat == "min" else statistics.median(times))
 
 
+def step_bytes(pairs, num_kv_heads, head_dim, elem) -> int:
+    """K/V bytes a step must read: every context token's K and V rows, once."""
+    return sum(s for _, s in pairs) * num_kv_heads * head_dim * 2 * elem
+
+
+def step_flops(pairs, num_heads, head_dim) -> int:
+    """Multiply-adds x 2 of Q K^T and P V: each query row against the keys it sees (causal)."""
+    visible = sum(q * (s - q) + q * (q + 1) // 2 for q, s in pairs)
+    return 2 * 2 * head_dim * num_heads * visible
+
+
+def copy_ms(nbytes: int, reps: int) -> float:
+    """Time of ``Tensor.copy_`` of ``nbytes`` bytes (min of ``reps``), ms."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    return time_ms(lambda: dst.copy_(src), reps, "min")
+
+
+def matmul_gflops(dtype: torch.dtype, reps: int) -> float:
+    """``torch.mm`` of 1024 x 1024 x 1024 at ``dtype``: this machine's matmul ceiling."""
+    a = torch.randn(1024, 1024).to(dtype)
+    b = torch.randn(1024, 1024).to(dtype)
+    ms = time_ms(lambda: torch.mm(a, b), reps, "min")
+    return 2 * 1024**3 / ms / 1e6
+
+
 def bench(name: str, pairs, args) -> None:
     step = make_step(pairs, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
                      getattr(torch, args.dtype))
@@ -82,8 +121,13 @@ def bench(name: str, pairs, args) -> None:
         ref = time_ms(lambda: torch_paged_attention(**step, plan=plan), args.reps, args.stat)
         diff = (cpu_paged_attention(**step).float()
                 - torch_paged_attention(**step, plan=plan).float()).abs().max().item()
-    print(f"| {name:<38} | {ref:9.3f} | {native:9.3f} | {ref / native:6.2f}x | {diff:.1e} |",
-          flush=True)
+    dtype = getattr(torch, args.dtype)
+    nbytes = step_bytes(pairs, args.num_kv_heads, args.head_dim, dtype.itemsize)
+    copy = copy_ms(nbytes, args.reps)
+    gflops = step_flops(pairs, args.num_heads, args.head_dim) / native / 1e6
+    print(f"| {name:<38} | {ref:9.3f} | {native:9.3f} | {ref / native:6.2f}x | {diff:.1e} "
+          f"| {nbytes / native / 1e6:6.1f} | {100 * copy / native:5.0f} % | {gflops:7.1f} "
+          f"| {100 * gflops / args.mm_gflops:4.0f} % |", flush=True)
 
 
 def main() -> None:
@@ -107,8 +151,13 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, isa {cpu_isa()}, "
           f"{args.dtype}, H={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
           f"block={args.block_size}, {args.stat} of {args.reps}")
-    print("| step (query_len, seq_len)              |  torch ms | native ms |  ratio | max diff |")
-    print("|----------------------------------------|-----------|-----------|--------|----------|")
+    with torch.inference_mode():
+        args.mm_gflops = matmul_gflops(getattr(torch, args.dtype), args.reps)
+    print(f"# matmul ceiling: torch.mm 1024^3 {args.dtype} {args.mm_gflops:.0f} GFLOP/s")
+    print("| step (query_len, seq_len)              |  torch ms | native ms |  ratio | max diff "
+          "|   GB/s | % copy | GFLOP/s | % mm |")
+    print("|----------------------------------------|-----------|-----------|--------|----------"
+          "|--------|--------|---------|------|")
     for batch, ctx in DECODE:
         bench(f"decode batch {batch} @ {ctx}", [(1, ctx)] * batch, args)
     for name, pairs in MIXED.items():

@@ -226,7 +226,6 @@ ItemF32Fn pick_f32(Isa isa, at::ScalarType w_dtype) {
 // that adds x[2j] w[2j] + x[2j+1] w[2j+1] for j = 0 .. K2-1 in order.
 
 #if defined(__x86_64__)
-#define PS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
 
 template <int MR>
 PS_BF16_TARGET PS_INLINE void tile_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w,

@@ -16,42 +16,56 @@
 //   block_tables      [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32;
 //   query_start_loc   [num_seqs + 1] int32
 //
-// Algorithm. One work item = (sequence, query tile, KV heads, KV split); items run in one
-// OpenMP loop (dynamic schedule). An item holds the G = num_heads / num_kv_heads query heads of
-// each of its KV heads for every query token of its tile as rows, so each K/V row is read (and,
-// for 16-bit caches, converted to float32) once for all of them (GQA sharing). It walks its key
-// range THROUGH THE BLOCK TABLE (no gather, no padded copy), block by block, with the online
-// softmax of FlashAttention-2 (Dao 2023): per row a running max m, sum l and float32
-// accumulator acc, rescaled by exp(m_old - m_new). Keys past a row's causal limit (position
-// context_len + j) add nothing; keys past the tile's last row are never read. Small tiles
-// (decode) take every KV head in one item, so each cache block is read in one sequential pass;
-// tiles of >= 16 rows per KV head take one KV head per item.
+// Algorithm. One work item = (sequence, query tile, KV head, KV split); items run in one
+// OpenMP loop (dynamic schedule). An item's rows are the G = num_heads / num_kv_heads query
+// heads of its KV head for every query token of its tile (about 192 rows; GQA: each K/V row
+// is read once for all G heads). It walks its key range THROUGH THE BLOCK TABLE (no gather of
+// the context, no padded copy) in chunks of 512 keys at fixed positions (FlashAttention-2,
+// Dao 2023): per chunk the rows of its keys are collected block by block, then
+//   S = Q K^T         a [rows x keys] product, float32 accumulation
+//   online softmax    per row a running max m, sum l and float32 accumulator acc, rescaled
+//                     by exp(m_old - m_new); keys a row may not see weigh exactly 0
+//   acc += P V        a [rows x head_dim] product over the chunk's keys
+// and the next chunk's blocks are prefetched (they lie anywhere in the cache). Keys past a
+// row's causal limit (position context_len + j) are never weighed; keys past the tile's last
+// row are never read.
+// The products, by path (pick_path: the CPU step, the dtype and head_dim decide, nothing else):
+//   amx          bf16, head_dim % 32 == 0: ATen's cpublas::brgemm (oneDNN's ukernel on AMX
+//                tiles), K^T and V packed per chunk into bf16 pairs (VNNI-2) with AVX-512
+//                transposes / permutes, P rounded to bf16;
+//   avx512_bf16  the same packing and P, vdpbf16ps micro-kernels;
+//   avx512 / avx2 / scalar (and float32 / float16 everywhere): float32 FMA micro-kernels in
+//                plain loops compiled per target: S from K^T (prefill tiles) or, for fewer
+//                than 16 rows (decode), from the key rows in place with the rows across the
+//                vector lanes (the same FMA chain per element either way); P V with
+//                head_dim across the lanes.
 // Sliding window W > 0 (Beltagy et al. 2020, "Longformer"; Jiang et al. 2023, "Mistral 7B"):
 // the row at position q sees keys max(0, q - W + 1) .. q only. An item's key range then starts
 // at the block holding its first row's window start, so blocks wholly before every window of
 // the tile are never read (their block-table entries may be -1 or any id) and the work is
 // O(W) per row, not O(position).
 // KV splits (flash-decoding, Dao et al. 2023) at FIXED key positions: the keys are cut every
-// split_keys positions (default 512, whole blocks), an item covers one such range, and a row
+// split_keys positions (default 512, whole chunks), an item covers one such range, and a row
 // whose keys span several ranges has its (m, l, acc) per range merged in a second pass,
 //   out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s,   M = max_s m_s.
+// So a long context keeps both cores busy when few sequences run.
 // The block-table cache itself is PagedAttention (Kwon et al., SOSP 2023).
 //
 // Row invariance. A row's result depends on its query, its position and its keys only, never
-// on the rest of the step: every row is computed by the same arithmetic (the same dot
-// products over the same blocks in the same order, the same split boundaries), whatever tile
-// it falls in, however the prompt was chunked and whatever else is batched. So a prefix-cache
-// hit, another chunk size or another batch gives bitwise the same output row (the engine's
-// determinism and --batch-invariant rest on it; tests/kernels/test_cpu_paged_attention.py).
-// NOTE: an earlier version ran tiles of >= 16 rows through ATen GEMMs over 256-key chunks and
-// chose the number of splits from the batch; both made a row depend on its neighbours.
+// on the rest of the step: its chunks and splits sit at fixed positions, each score is one
+// float32 accumulator over the head dims in order, its softmax sums run in a fixed order over
+// its own keys (a fixed 16-lane order), and each accumulator of P V adds the chunk's keys in order from the
+// chunk's first key (zeros where it sees none). So a prefix-cache hit, another chunk size or
+// another batch gives bitwise the same output row (the engine's determinism and
+// --batch-invariant rest on it; tests/kernels/test_cpu_paged_attention.py checks every path).
+// NOTE: oneDNN's AMX kernel sums a K with a tail, or from another start, differently, so the
+// AMX P V always starts at the chunk's first key and runs over whole 32-key tiles.
+// NOTE: the paths differ in rounding from each other (vdpbf16ps and AMX pair their products,
+// P is bf16 on both); each is tested against the float64 reference.
 //
-// Instruction sets: the item kernel is written as plain loops (`#pragma omp simd`) and
-// compiled three times, under __attribute__((target("avx512f,..."))), target("avx2,fma") and
-// the compiler's baseline ("scalar": no extension beyond x86-64's SSE2, so it is still 4-wide
-// SSE). The best the CPU has is picked at run time (cpu_isa.h; the avx512_bf16 and amx steps
-// run the avx512 body); PAGEDSERVE_CPU_ISA forces a lower path (read at every call; asking for
-// more than the CPU has is an error).
+// Instruction sets: the best the CPU has is picked at run time (cpu_isa.h); PAGEDSERVE_CPU_ISA
+// forces a lower step (read at every call; asking for more than the CPU has is an error). The
+// scalar body is the compiler's baseline (x86-64: SSE2, 4 wide).
 // All offsets are int64: a cache may hold more than 2**31 elements.
 
 #include <ATen/ATen.h>
@@ -59,6 +73,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include "cpu_isa.h"
@@ -107,32 +124,16 @@ PS_INLINE void store_row(const float* src, float* dst, int64_t n, float mul) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * mul;
 }
 
-PS_INLINE float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-// Four dot products of `a` with rows b, b + stride, b + 2 stride, b + 3 stride: four independent
-// vector accumulators (one reduction chain would wait on FMA latency).
-PS_INLINE void dot4(const float* a, const float* b, int64_t stride, int64_t n, float* out) {
-  const float* b0 = b;
-  const float* b1 = b + stride;
-  const float* b2 = b + 2 * stride;
-  const float* b3 = b + 3 * stride;
-  float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
+// float32 -> bf16 with c10::BFloat16's rounding (nearest even, NaN -> 0x7FC0), vectorizable.
+PS_INLINE void store_row(const float* src, c10::BFloat16* dst, int64_t n, float mul) {
+  uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    s0 += a[i] * b0[i];
-    s1 += a[i] * b1[i];
-    s2 += a[i] * b2[i];
-    s3 += a[i] * b3[i];
+    const float v = src[i] * mul;
+    const uint32_t u = __builtin_bit_cast(uint32_t, v);
+    const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    d[i] = v != v ? uint16_t{0x7FC0} : rounded;
   }
-  out[0] = s0;
-  out[1] = s1;
-  out[2] = s2;
-  out[3] = s3;
 }
 
 // exp(x) in float32, vectorizable (Cephes expf: range reduction x = n ln2 + r, degree-6
@@ -155,11 +156,13 @@ PS_INLINE float exp_approx(float x) {
   y = y * r + 5.0000001201e-1f;
   y = y * (r * r) + r + 1.0f;
   const float pow2n = __builtin_bit_cast(float, static_cast<uint32_t>(n + 127) << 23);
-  return x < lo ? 0.0f : y * pow2n;
+  // x < lo as a mask, not a select of two products: GCC keeps a loop with that select scalar
+  const uint32_t keep = x < lo ? 0u : 0xFFFFFFFFu;
+  return __builtin_bit_cast(float, __builtin_bit_cast(uint32_t, y * pow2n) & keep);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Paged attention: work items and the per-item kernel
+// Paged attention: work items, chunks and the tile products
 
 struct AttnParams {
   const void* query;
@@ -173,78 +176,127 @@ struct AttnParams {
   const int32_t* block_tables;
   int64_t bt_stride;
   int64_t block_size, head_dim, group;  // group = num_heads / num_kv_heads
+  int64_t chunk;    // keys per online-softmax step (whole blocks; splits are whole chunks)
+  int64_t ldk;      // columns of the per-chunk buffers (>= chunk + 32, a multiple of 16)
   float scale;
   int64_t window;   // sliding window in keys, 0 = full causal attention
   float* partials;  // split workspace, (m, l, acc[head_dim]) per row and split
 };
 
-// One (sequence, query tile, KV heads kv_head .. kv_head + num_kv - 1, KV split). With
-// hg = num_kv * group query heads per token, row m of the item is query token m / hg of the
-// tile and query head kv_head * group + m % hg (KV head kv_head + (m % hg) / group); it sees
-// key positions [max(key_begin, q - W + 1), min(key_end, q + 1)), q = first_pos + m / hg (no
-// lower limit but key_begin without a sliding window W). Tiles of >= kOneHeadRows rows per KV
-// head take one KV head per item; smaller (decode-sized) tiles take every KV head, so an item
-// reads each cache block (all heads of a token are adjacent) in one sequential pass.
+// One (sequence, query tile, KV head, KV split). Row r of the item is query token r / group of
+// the tile and query head kv_head * group + r % group; it sees key positions
+// [max(key_begin, q - W + 1), min(key_end, q + 1)), q = first_pos + r / group (no lower limit
+// but key_begin without a sliding window W). Both bounds depend on the row alone: key_begin is
+// the split's start or, when later, the tile's first window start rounded down to a block,
+// which no row's window starts before.
 struct WorkItem {
   int64_t q_row;      // flat query row of the tile's first token
   int64_t first_pos;  // position of that token in its sequence (context_len + j0)
-  int64_t key_begin;  // first key position of the split (a multiple of block_size)
-  int64_t key_end;    // one past its last key position
+  int64_t key_begin;  // first key position read (a multiple of block_size)
+  int64_t key_end;    // one past the last
   int64_t partial;    // workspace offset of this split's (m, l, acc) rows; -1 = write `out`
-  int32_t seq, kv_head, num_kv, q_count;
+  int32_t seq, kv_head, q_count;
 };
 
 // The splits of one (sequence, query tile, KV head) that must be merged.
 struct MergeGroup {
   int64_t q_row, partial;
-  int32_t kv_head, num_kv, q_count, num_splits;
+  int32_t kv_head, q_count, num_splits;
 };
 
-// Tiles with at least this many rows per KV head get one item per KV head (parallelism, and
-// the item's rows stay cache-sized); smaller ones one item for all KV heads.
-constexpr int64_t kOneHeadRows = 16;
-// Default keys per KV split (rounded down to whole blocks, at least one).
+// Query rows per tile (whole tokens, so group * tokens), about an L2's worth of scores.
+constexpr int64_t kTileRows = 192;
+constexpr int64_t kMaxTileTokens = 64;
+// Keys per online-softmax step (rounded down to whole blocks, at least one).
+constexpr int64_t kChunkKeys = 512;
+// Default keys per KV split (rounded down to whole chunks, at least one).
 constexpr int64_t kDefaultSplitKeys = 512;
 
+// The three bodies of a chunk's products. kF32: float32 FMAs (float32 caches on every ISA,
+// 16-bit ones below avx512_bf16 or with head_dim % 32 != 0); kBf16Dp: vdpbf16ps; kAmx: AMX
+// tiles through cpublas::brgemm. All three share the chunk loop and the softmax.
+enum class Path : int { kF32 = 0, kBf16Dp = 1, kAmx = 2 };
+
+// 64-byte aligned per-thread buffers of one item (sized for the call's largest item), carved
+// out of one thread-local allocation that only ever grows (no allocation per layer call).
 struct Scratch {
-  std::vector<float> q, acc, m, l, scores, kbuf, vbuf;
-  Scratch(int64_t rows, int64_t block_size, int64_t head_dim)
-      : q(rows * head_dim), acc(rows * head_dim), m(rows), l(rows), scores(rows * block_size),
-        kbuf(block_size * head_dim), vbuf(block_size * head_dim) {}
+  float* s;          // [rows][ldk] scores; probabilities in place on the kF32 path
+  uint16_t* p16;     // [rows][ldk] bf16 probabilities (kBf16Dp, kAmx)
+  float* acc;        // [rows][d]
+  float* m;          // [rows]
+  float* l;          // [rows]
+  float* qf;         // [rows][d] float32 query (kF32)
+  uint16_t* q16;     // [rows][d] bf16 query (kBf16Dp, kAmx)
+  float* kt;         // [d][ldk] K^T float32 (kF32)
+  uint32_t* kp;      // [d / 2][ldk] K^T in bf16 pairs (VNNI-2: dims 2j, 2j+1 of key t at [j][t])
+  float* vf;         // [ldk][d] V converted to float32 (kF32 with a 16-bit cache)
+  uint16_t* vp;      // [ldk / 2][d][2] V in bf16 pairs (keys 2i, 2i+1 of dim e at [i][e])
+  float* zero;       // [d] zeros: the row of a key outside the chunk's range
+  int64_t* lo;       // [rows] the chunk's columns [lo, hi) a row sees (lo == hi: none)
+  int64_t* hi;       // [rows]
+  float* bmax;       // [rows] scratch of the bf16 softmax: a row's largest raw score
+  float* alpha;      // [rows] and its rescale factor
+  const void** krow;  // [ldk] K rows of the chunk's keys (nullptr: outside the range)
+  const void** vrow;  // [ldk]
+  Scratch(int64_t rows, int64_t d, int64_t ldk) {
+    size_t off = 0;
+    std::vector<std::pair<void**, size_t>> parts = {
+        {reinterpret_cast<void**>(&s), rows * ldk * 4}, {reinterpret_cast<void**>(&p16), rows * ldk * 2},
+        {reinterpret_cast<void**>(&acc), rows * d * 4}, {reinterpret_cast<void**>(&m), rows * 4},
+        {reinterpret_cast<void**>(&l), rows * 4}, {reinterpret_cast<void**>(&qf), rows * d * 4},
+        {reinterpret_cast<void**>(&q16), rows * d * 2}, {reinterpret_cast<void**>(&kt), d * ldk * 4},
+        {reinterpret_cast<void**>(&kp), d * ldk * 2}, {reinterpret_cast<void**>(&vf), ldk * d * 4},
+        {reinterpret_cast<void**>(&vp), ldk * d * 2}, {reinterpret_cast<void**>(&zero), d * 4},
+        {reinterpret_cast<void**>(&lo), rows * 8}, {reinterpret_cast<void**>(&hi), rows * 8},
+        {reinterpret_cast<void**>(&bmax), rows * 4}, {reinterpret_cast<void**>(&alpha), rows * 4},
+        {reinterpret_cast<void**>(&krow), ldk * sizeof(void*)},
+        {reinterpret_cast<void**>(&vrow), ldk * sizeof(void*)}};
+    std::vector<size_t> offs;
+    for (auto& part : parts) {
+      offs.push_back(off);
+      off += (part.second + 63) / 64 * 64;
+    }
+    static thread_local std::vector<char> mem;
+    if (mem.size() < off + 64) mem.resize(off + 64);
+    char* base = mem.data() + (64 - reinterpret_cast<uintptr_t>(mem.data()) % 64) % 64;
+    for (size_t i = 0; i < parts.size(); ++i) *parts[i].first = base + offs[i];
+    std::fill(zero, zero + d, 0.0f);
+  }
 };
 
-// Pointer to float32 rows of one cache block's `n` tokens: the cache itself for float32, else
-// the block converted once into `buf` (shared by all the item's rows).
-template <typename T>
-PS_INLINE const float* block_rows(const T* base, int64_t stride_tok, int64_t n, int64_t d,
-                                  float* buf, int64_t* row_stride) {
-  if constexpr (std::is_same_v<T, float>) {
-    *row_stride = stride_tok;
-    return base;
-  } else {
-    for (int64_t t = 0; t < n; ++t) load_row(base + t * stride_tok, buf + t * d, d, 1.0f);
-    *row_stride = d;
-    return buf;
-  }
-}
-
-// Online-softmax update of row r with `valid` scores sr[0..valid) of a new key chunk: sr
-// becomes the probabilities exp(s - m_new) (0 for t in [valid, n)), l and m advance, and the
-// row's accumulator is rescaled by exp(m_old - m_new). valid >= 1.
-PS_INLINE void softmax_update(float* sr, int64_t valid, int64_t n, float* mx, float* l,
-                              float* ar, int64_t d) {
+// Online-softmax step of row r (float32 path) over the chunk's columns [c0, c1), which it sees
+// at [lo, hi) (lo < hi): the raw dots sr[lo .. hi) become probabilities exp(scale s - m_new)
+// in place, the columns of [c0, c1) it does not see 0; l and m advance, the row's accumulator
+// is rescaled by exp(m_old - m_new). Every step depends on the row's own columns [lo, hi)
+// only: l adds its probabilities in a fixed order (16 lanes, lane i taking columns lo + i,
+// lo + i + 16, ..., then a fixed tree), never one that depends on the address or on how the
+// loop vectorizes.
+PS_INLINE void softmax_row(float* sr, int64_t c0, int64_t c1, int64_t lo, int64_t hi,
+                           float scale, float* mx, float* l, float* ar, int64_t d) {
   float block_max = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < valid; ++t) block_max = std::max(block_max, sr[t]);
-  const float m_new = std::max(*mx, block_max);
-  const float alpha = exp_approx(*mx - m_new);  // 0 on the first chunk (mx = -inf)
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < valid; ++t) {
-    sr[t] = exp_approx(sr[t] - m_new);
-    sum += sr[t];
+#pragma omp simd reduction(max : block_max)
+  for (int64_t t = lo; t < hi; ++t) block_max = block_max < sr[t] ? sr[t] : block_max;
+  const float m_new = std::max(*mx, block_max * scale);  // (scale > 0: max commutes)
+  const float alpha = exp_approx(*mx - m_new);            // 0 on the row's first keys
+  float lanes[16] = {0.0f};
+  int64_t t = lo;
+  for (; t + 16 <= hi; t += 16) {
+#pragma omp simd
+    for (int i = 0; i < 16; ++i) {
+      sr[t + i] = exp_approx(sr[t + i] * scale - m_new);
+      lanes[i] += sr[t + i];
+    }
   }
-  for (int64_t t = valid; t < n; ++t) sr[t] = 0.0f;
-  *l = *l * alpha + sum;
+  for (int i = 0; t + i < hi; ++i) {
+    sr[t + i] = exp_approx(sr[t + i] * scale - m_new);
+    lanes[i] += sr[t + i];
+  }
+  for (int w = 8; w > 0; w /= 2) {
+    for (int i = 0; i < w; ++i) lanes[i] += lanes[i + w];
+  }
+  std::fill(sr + c0, sr + lo, 0.0f);
+  std::fill(sr + hi, sr + c1, 0.0f);
+  *l = *l * alpha + lanes[0];
   *mx = m_new;
   if (alpha != 1.0f) {
 #pragma omp simd
@@ -252,134 +304,545 @@ PS_INLINE void softmax_update(float* sr, int64_t valid, int64_t n, float* mx, fl
   }
 }
 
-// One row against `valid` keys of one block: scores, online-softmax update, acc += P V.
-PS_INLINE void attend_row_block(const float* qr, const float* k, int64_t ks, const float* v,
-                                int64_t vs, int64_t valid, int64_t d, float* sr, float* mx,
-                                float* l, float* ar) {
-  int64_t t = 0;
-  for (; t + 4 <= valid; t += 4) dot4(qr, k + t * ks, ks, d, sr + t);
-  for (; t < valid; ++t) sr[t] = dot(qr, k + t * ks, d);
-  softmax_update(sr, valid, valid, mx, l, ar, d);
-  // acc += P V, each element summed over t in order; 16 of them held in registers across the
-  // keys (the same order as one axpy per key, without storing acc between keys)
-  int64_t i0 = 0;
-  for (; i0 + 16 <= d; i0 += 16) {
-    float a[16];
+// --- kF32 body: K^T and V as float32, FMA tiles (plain loops, vectorized per target) ---------
+
+// s[m][j0 .. j0 + 32) = q[m] . K^T[:, j0 ..] for MR rows: each element one FMA chain over the
+// head dims in order.
+template <int MR>
+PS_INLINE void qk_tile_f32(const float* q, int64_t d, const float* kt, int64_t ldk, int64_t j0,
+                           float* s) {
+  float a[MR][32];
+  for (int m = 0; m < MR; ++m) {
 #pragma omp simd
-    for (int64_t i = 0; i < 16; ++i) a[i] = ar[i0 + i];
-    for (t = 0; t < valid; ++t) {
-      const float pt = sr[t];
-      const float* vt = v + t * vs + i0;
-#pragma omp simd
-      for (int64_t i = 0; i < 16; ++i) a[i] += pt * vt[i];
-    }
-#pragma omp simd
-    for (int64_t i = 0; i < 16; ++i) ar[i0 + i] = a[i];
+    for (int c = 0; c < 32; ++c) a[m][c] = 0.0f;
   }
-  for (t = 0; t < valid && i0 < d; ++t) {
-    const float pt = sr[t];
-    const float* vt = v + t * vs;
-    for (int64_t i = i0; i < d; ++i) ar[i] += pt * vt[i];
+  for (int64_t e = 0; e < d; ++e) {
+    const float* kv = kt + e * ldk + j0;
+    for (int m = 0; m < MR; ++m) {
+      const float qv = q[m * d + e];
+#pragma omp simd
+      for (int c = 0; c < 32; ++c) a[m][c] += qv * kv[c];
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(s + m * ldk + j0, a[m], 32 * sizeof(float));
+}
+
+// acc[m][e0 .. e0 + 32) += sum over keys t in [c0, c1), in order, of p[m][t] V[t][e0 ..].
+template <int MR>
+PS_INLINE void pv_tile_f32(const float* p, int64_t ldk, const void* const* vrow, int64_t c0,
+                           int64_t c1, int64_t e0, float* acc, int64_t d) {
+  float a[MR][32];
+  for (int m = 0; m < MR; ++m) {
+#pragma omp simd
+    for (int c = 0; c < 32; ++c) a[m][c] = acc[m * d + e0 + c];
+  }
+  for (int64_t t = c0; t < c1; ++t) {
+    const float* vt = static_cast<const float*>(vrow[t]) + e0;
+    for (int m = 0; m < MR; ++m) {
+      const float pm = p[m * ldk + t];
+#pragma omp simd
+      for (int c = 0; c < 32; ++c) a[m][c] += pm * vt[c];
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(acc + m * d + e0, a[m], 32 * sizeof(float));
+}
+
+// The same, one element column at a time: head dims past the last multiple of 32.
+PS_INLINE void pv_tail_f32(const float* p, int64_t ldk, const void* const* vrow, int64_t c0,
+                           int64_t c1, int64_t e0, int64_t rows, float* acc, int64_t d) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t e = e0; e < d; ++e) {
+      float a = acc[m * d + e];
+      for (int64_t t = c0; t < c1; ++t) a += p[m * ldk + t] * static_cast<const float*>(vrow[t])[e];
+      acc[m * d + e] = a;
+    }
   }
 }
 
-// Every item: block by block and, within a block, KV head by KV head (one sequential pass over
-// the block), each K/V row read in place (float32) or converted once (16-bit) for all the rows
-// of its KV head; dots and axpys vectorized over head_dim. A row's arithmetic depends on its
-// position alone (which keys of which block it sees), not on the item's other rows.
+// Few rows (decode): s[r][t .. t + 4) for up to 16 rows held across the vector lanes, the
+// keys' rows read in place (no K^T): each element is the same FMA chain over the head dims in
+// order as qk_tile_f32's, so a row's scores do not depend on which of the two ran.
 template <typename T>
-PS_INLINE void attend_blocks_loop(const AttnParams& p, const WorkItem& it, Scratch& s,
-                                  int64_t rows) {
-  const int64_t d = p.head_dim, g = p.group, bs = p.block_size;
-  const int64_t hg = static_cast<int64_t>(it.num_kv) * g;  // query heads per token
-  const int32_t* table = p.block_tables + static_cast<int64_t>(it.seq) * p.bt_stride;
-  const T* k_base = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
-  const T* v_base = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
-  const int64_t head_bytes = it.num_kv * d * static_cast<int64_t>(sizeof(T));
-  for (int64_t start = it.key_begin; start < it.key_end; start += bs) {
-    const int64_t block = table[start / bs];
-    const int64_t n = std::min(bs, it.key_end - start);  // tokens of this block in range
-    if (start + bs < it.key_end) {
-      // NOTE: blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead
-      // across them: fetch the next block's rows of this item's heads while this one computes.
-      const int64_t next = table[start / bs + 1];
-      const int64_t n_next = std::min(bs, it.key_end - start - bs);
-      for (int64_t t = 0; t < n_next; ++t) {
-        const char* kr = reinterpret_cast<const char*>(
-            k_base + next * p.k_stride_block + t * p.k_stride_tok);
-        const char* vr = reinterpret_cast<const char*>(
-            v_base + next * p.v_stride_block + t * p.v_stride_tok);
-        for (int64_t off = 0; off < head_bytes; off += 64) {
-          __builtin_prefetch(kr + off);
-          __builtin_prefetch(vr + off);
+PS_INLINE void qk_keys4_rows16(const float* qt, int64_t d, const T* const* k, int64_t rows,
+                               float* s, int64_t ldk, int64_t t) {
+  float a[4][16];
+  for (int kb = 0; kb < 4; ++kb) {
+#pragma omp simd
+    for (int i = 0; i < 16; ++i) a[kb][i] = 0.0f;
+  }
+  for (int64_t e = 0; e < d; ++e) {
+    const float* qe = qt + e * 16;
+    for (int kb = 0; kb < 4; ++kb) {
+      const float kv = static_cast<float>(k[kb][e]);
+#pragma omp simd
+      for (int i = 0; i < 16; ++i) a[kb][i] += qe[i] * kv;
+    }
+  }
+  for (int kb = 0; kb < 4; ++kb) {
+    for (int64_t r = 0; r < rows; ++r) s[r * ldk + t + kb] = a[kb][r];
+  }
+}
+
+template <typename T>
+PS_INLINE void chunk_products_f32_qk(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
+                                     int64_t c1p) {
+  const int64_t d = p.head_dim, ldk = p.ldk;
+  if (rows < 16) {  // Q^T [d][16] (rows zero-padded) in the K^T buffer, keys read in place
+    float* qt = s.kt;
+    for (int64_t e = 0; e < d; ++e) {
+      for (int64_t r = 0; r < 16; ++r) qt[e * 16 + r] = r < rows ? s.qf[r * d + e] : 0.0f;
+    }
+    const T* zero = reinterpret_cast<const T*>(s.zero);  // (all-zero bits: 0 in every dtype)
+    for (int64_t t = c0; t < c1p; t += 4) {
+      const T* k[4];
+      for (int kb = 0; kb < 4; ++kb) {
+        const void* row = s.krow[t + kb];
+        k[kb] = row != nullptr ? static_cast<const T*>(row) : zero;
+      }
+      qk_keys4_rows16<T>(qt, d, k, rows, s.s, ldk, t);
+    }
+    return;
+  }
+  // K^T, float32, columns [c0, c1p) (zeros outside the range), in 16 x 16 blocks
+  for (int64_t t0 = c0; t0 < c1p; t0 += 16) {
+    for (int64_t e0 = 0; e0 < d; e0 += 16) {
+      const int64_t e1 = std::min(e0 + 16, d);
+      for (int64_t i = 0; i < 16; ++i) {
+        const T* kr = static_cast<const T*>(s.krow[t0 + i]);
+        float* dst = s.kt + t0 + i;
+        if (kr == nullptr) {
+          for (int64_t e = e0; e < e1; ++e) dst[e * ldk] = 0.0f;
+        } else {
+          for (int64_t e = e0; e < e1; ++e) dst[e * ldk] = static_cast<float>(kr[e]);
         }
       }
     }
-    for (int64_t h = 0; h < it.num_kv; ++h) {
-      int64_t ks, vs;
-      const float* k = block_rows(k_base + block * p.k_stride_block + h * p.k_stride_head,
-                                  p.k_stride_tok, n, d, s.kbuf.data(), &ks);
-      const float* v = block_rows(v_base + block * p.v_stride_block + h * p.v_stride_head,
-                                  p.v_stride_tok, n, d, s.vbuf.data(), &vs);
-      for (int64_t r = h * g; r < rows; r += (r % g == g - 1) ? hg - g + 1 : 1) {
-        // rows of KV head h: h*g .. h*g+g-1 of every token; this row's token is r / hg and it
-        // may see block offsets skip .. valid - 1: positions up to q_pos (causal) and, with a
-        // sliding window W, from q_pos - W + 1
-        const int64_t q_pos = it.first_pos + r / hg;
-        const int64_t valid = std::min(n, q_pos - start + 1);
-        const int64_t skip =
-            p.window > 0 ? std::max<int64_t>(0, q_pos - p.window + 1 - start) : 0;
-        if (valid <= skip) continue;
-        attend_row_block(s.q.data() + r * d, k + skip * ks, ks, v + skip * vs, vs, valid - skip,
-                         d, s.scores.data() + r * bs, s.m.data() + r, s.l.data() + r,
-                         s.acc.data() + r * d);
+  }
+  for (int64_t j0 = c0; j0 < c1p; j0 += 32) {
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) qk_tile_f32<4>(s.qf + m * d, d, s.kt, ldk, j0, s.s + m * ldk);
+    for (; m < rows; ++m) qk_tile_f32<1>(s.qf + m * d, d, s.kt, ldk, j0, s.s + m * ldk);
+  }
+}
+
+template <typename T>
+PS_INLINE void chunk_products_f32_pv(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
+                                     int64_t c1) {
+  const int64_t d = p.head_dim, ldk = p.ldk;
+  const void** vrow = s.vrow;  // float32 rows: the cache's own, converted ones or zeros
+  for (int64_t t = c0; t < c1; ++t) {
+    const T* vr = static_cast<const T*>(s.vrow[t]);
+    if (vr == nullptr) {
+      vrow[t] = s.zero;
+    } else if constexpr (!std::is_same_v<T, float>) {
+      float* dst = s.vf + t * d;
+      load_row(vr, dst, d, 1.0f);
+      vrow[t] = dst;
+    }
+  }
+  const int64_t d32 = d / 32 * 32;
+  for (int64_t e0 = 0; e0 < d32; e0 += 32) {
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) {
+      pv_tile_f32<4>(s.s + m * ldk, ldk, vrow, c0, c1, e0, s.acc + m * d, d);
+    }
+    float* const sm = s.s + m * ldk;
+    float* const am = s.acc + m * d;
+    switch (rows - m) {  // (decode: all of a KV head's rows in one pass over V)
+      case 3: pv_tile_f32<3>(sm, ldk, vrow, c0, c1, e0, am, d); break;
+      case 2: pv_tile_f32<2>(sm, ldk, vrow, c0, c1, e0, am, d); break;
+      case 1: pv_tile_f32<1>(sm, ldk, vrow, c0, c1, e0, am, d); break;
+      default: break;
+    }
+  }
+  if (d32 < d) pv_tail_f32(s.s, ldk, vrow, c0, c1, d32, rows, s.acc, d);
+}
+
+// --- kBf16Dp and kAmx bodies: bf16 pairs (VNNI-2), AVX-512 packing ---------------------------
+
+#if defined(__x86_64__)
+
+// In-register transpose of a 16 x 16 matrix of 32-bit words (r[i] = row i in, column i out).
+PS_BF16_TARGET PS_INLINE void transpose16x16_u32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// K^T of the chunk's columns [c0, c1p) in bf16 pairs: kp[j][t] = (K[t][2j], K[t][2j + 1]) as
+// one 32-bit word; 16 keys x 16 pairs at a time, transposed in registers; keys outside the
+// range are zero. head_dim % 32 == 0.
+PS_BF16_TARGET void pack_k_pairs(const void* const* krow, int64_t c0, int64_t c1p, int64_t d,
+                                 uint32_t* kp, int64_t ldk) {
+  const int64_t d2 = d / 2;
+  for (int64_t t0 = c0; t0 < c1p; t0 += 16) {
+    for (int64_t j0 = 0; j0 < d2; j0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t* row = static_cast<const uint32_t*>(krow[t0 + i]);
+        r[i] = row != nullptr ? _mm512_loadu_si512(row + j0) : _mm512_setzero_si512();
+      }
+      transpose16x16_u32(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kp + (j0 + j) * ldk + t0, r[j]);
+    }
+  }
+}
+
+// V of the chunk's key pairs [c0 / 2, c1 / 2) in bf16 pairs: vp[i][e] = (V[2i][e], V[2i+1][e]).
+PS_BF16_TARGET void pack_v_pairs(const void* const* vrow, int64_t c0, int64_t c1, int64_t d,
+                                 uint16_t* vp) {
+  const __m512i lo_idx = _mm512_setr_epi32(
+      0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005, 0x00260006,
+      0x00270007, 0x00280008, 0x00290009, 0x002a000a, 0x002b000b, 0x002c000c, 0x002d000d,
+      0x002e000e, 0x002f000f);
+  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t t = c0; t < c1; t += 2) {
+    const uint16_t* a = static_cast<const uint16_t*>(vrow[t]);
+    const uint16_t* b = static_cast<const uint16_t*>(vrow[t + 1]);
+    uint16_t* dst = vp + (t / 2) * d * 2;
+    for (int64_t e = 0; e < d; e += 32) {
+      const __m512i va = a != nullptr ? _mm512_loadu_si512(a + e) : zero;
+      const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + e) : zero;
+      _mm512_storeu_si512(dst + 2 * e, _mm512_permutex2var_epi16(va, lo_idx, vb));
+      _mm512_storeu_si512(dst + 2 * e + 32, _mm512_permutex2var_epi16(va, hi_idx, vb));
+    }
+  }
+}
+
+// s[m][j0 .. j0 + 32) for MR rows by vdpbf16ps: each element one float32 accumulator over the
+// head dims' pairs in order.
+template <int MR>
+PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const uint32_t* kp,
+                                         int64_t ldk, int64_t j0, float* s) {
+  __m512 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) {
+    a0[m] = _mm512_setzero_ps();
+    a1[m] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < d / 2; ++j) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + j * ldk + j0);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + j * ldk + j0 + 16);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, q + m * d + 2 * j, sizeof(pair));
+      const __m512bh qb = (__m512bh)_mm512_set1_epi32(pair);
+      a0[m] = _mm512_dpbf16_ps(a0[m], qb, k0);
+      a1[m] = _mm512_dpbf16_ps(a1[m], qb, k1);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(s + m * ldk + j0, a0[m]);
+    _mm512_storeu_ps(s + m * ldk + j0 + 16, a1[m]);
+  }
+}
+
+// acc[m][e0 .. e0 + 32) += P V over the key pairs [c0 / 2, c1 / 2) in order, by vdpbf16ps.
+template <int MR>
+PS_BF16_TARGET PS_INLINE void pv_tile_dp(const uint16_t* p, int64_t ldk, const uint16_t* vp,
+                                         int64_t c0, int64_t c1, int64_t e0, float* acc,
+                                         int64_t d) {
+  __m512 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) {
+    a0[m] = _mm512_loadu_ps(acc + m * d + e0);
+    a1[m] = _mm512_loadu_ps(acc + m * d + e0 + 16);
+  }
+  for (int64_t t = c0; t < c1; t += 2) {
+    const uint16_t* v = vp + (t / 2) * d * 2 + 2 * e0;
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
+    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + 32);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
+      std::memcpy(&pair, p + m * ldk + t, sizeof(pair));
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
+      a0[m] = _mm512_dpbf16_ps(a0[m], pb, v0);
+      a1[m] = _mm512_dpbf16_ps(a1[m], pb, v1);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(acc + m * d + e0, a0[m]);
+    _mm512_storeu_ps(acc + m * d + e0 + 16, a1[m]);
+  }
+}
+
+// exp(x) of 16 floats for bf16 probabilities: x = n ln2 + r with n = round(x log2 e) (so
+// |r| <= ln2 / 2), e^r by Taylor to r^4 (relative error < 5e-5, below bf16's 2^-9), 2^n by
+// vscalefps. x >= -87 (clamped; scores are finite, so no -inf reaches it).
+PS_BF16_TARGET PS_INLINE __m512 exp_bf16_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(4.1666666667e-2f), r, _mm512_set1_ps(1.6666666667e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// softmax_row for the bf16 pair paths, all rows of a chunk in three passes (each row's max,
+// then every row's new max and rescale factor, then the probabilities), so that the short
+// serial chain of one row (max, exp of the rescale) overlaps the others'. 16 columns per step,
+// the tail masked, so every column of a row takes the same instructions; probabilities rounded
+// to bf16 by vcvtneps2bf16 into p16, l adding the rounded values in softmax_row's fixed
+// 16-lane order.
+PS_BF16_TARGET void softmax_rows_bf16(Scratch& s, int64_t rows, int64_t ldk, int64_t c0,
+                                      int64_t c1, float scale, int64_t d) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const auto tail = [](int64_t n) -> __mmask16 {
+    return n >= 16 ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << n) - 1);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sr = s.s + r * ldk;
+    __m512 vmax = ninf;
+    for (int64_t t = s.lo[r]; t < s.hi[r]; t += 16) {
+      vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(ninf, tail(s.hi[r] - t), sr + t));
+    }
+    s.bmax[r] = _mm512_reduce_max_ps(vmax);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (s.hi[r] <= s.lo[r]) continue;
+    const float m_new = std::max(s.m[r], s.bmax[r] * scale);  // (scale > 0: max commutes)
+    s.alpha[r] = exp_approx(s.m[r] - m_new);                  // 0 on the row's first keys
+    s.m[r] = m_new;
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* sr = s.s + r * ldk;
+    uint16_t* pr = s.p16 + r * ldk;
+    const int64_t lo = s.lo[r], hi = s.hi[r];
+    if (hi <= lo) {  // the row sees none of this chunk: weight 0 for every column
+      std::fill(pr + c0, pr + c1, uint16_t{0});
+      continue;
+    }
+    const __m512 vm = _mm512_set1_ps(s.m[r]);
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t t = lo; t < hi; t += 16) {
+      const __mmask16 mask = tail(hi - t);
+      const __m512 x = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(mask, sr + t), vscale, vm);
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(exp_bf16_ps(x));
+      _mm256_mask_storeu_epi16(pr + t, mask, h);
+      const __m512 e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      lanes = _mm512_mask_add_ps(lanes, mask, lanes, e);
+    }
+    alignas(64) float lane[16];
+    _mm512_store_ps(lane, lanes);
+    for (int w = 8; w > 0; w /= 2) {
+      for (int i = 0; i < w; ++i) lane[i] += lane[i + w];
+    }
+    std::fill(pr + c0, pr + lo, uint16_t{0});
+    std::fill(pr + hi, pr + c1, uint16_t{0});
+    const float alpha = s.alpha[r];
+    s.l[r] = s.l[r] * alpha + lane[0];
+    if (alpha != 1.0f) {
+      float* ar = s.acc + r * d;
+      for (int64_t i = 0; i < d; i += 16) {
+        _mm512_storeu_ps(ar + i, _mm512_mul_ps(_mm512_loadu_ps(ar + i), _mm512_set1_ps(alpha)));
       }
     }
   }
 }
 
-template <typename T>
-PS_INLINE void attend_item(const AttnParams& p, const WorkItem& it, Scratch& s) {
-  const int64_t d = p.head_dim, g = p.group;
-  const int64_t hg = static_cast<int64_t>(it.num_kv) * g;  // query heads per token
-  const int64_t rows = it.q_count * hg;
-  float* acc = s.acc.data();
-  const float* mx = s.m.data();
-  const float* l = s.l.data();
+// The chunk's two products on the kBf16Dp and kAmx paths (plain calls from the chunk loop).
+PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
+                                int64_t c1p) {
+  const int64_t d = p.head_dim, ldk = p.ldk;
+  pack_k_pairs(s.krow, c0, c1p, d, s.kp, ldk);
+  for (int64_t j0 = c0; j0 < c1p; j0 += 32) {
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) qk_tile_dp<4>(s.q16 + m * d, d, s.kp, ldk, j0, s.s + m * ldk);
+    for (; m < rows; ++m) qk_tile_dp<1>(s.q16 + m * d, d, s.kp, ldk, j0, s.s + m * ldk);
+  }
+}
+
+PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
+                                int64_t c1) {
+  const int64_t d = p.head_dim, ldk = p.ldk;
+  pack_v_pairs(s.vrow, c0, c1, d, s.vp);
+  for (int64_t e0 = 0; e0 < d; e0 += 32) {
+    int64_t m = 0;
+    for (; m + 4 <= rows; m += 4) {
+      pv_tile_dp<4>(s.p16 + m * ldk, ldk, s.vp, c0, c1, e0, s.acc + m * d, d);
+    }
+    for (; m < rows; ++m) pv_tile_dp<1>(s.p16 + m * ldk, ldk, s.vp, c0, c1, e0, s.acc + m * d, d);
+  }
+}
+
+// AMX: the same two products as one brgemm each (oneDNN's ukernel on AMX tiles; every element
+// one float32 accumulator over its pairs in order, whatever the number of rows).
+PS_BF16_TARGET void chunk_qk_amx(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
+                                 int64_t c1, int64_t c1p) {
+  const int64_t d = p.head_dim, ldk = p.ldk;
+  pack_k_pairs(s.krow, c0, c1p, d, s.kp, ldk);
+  at::native::cpublas::brgemm(rows, c1 - c0, d, d, ldk, ldk, /*add_C=*/false,
+                              reinterpret_cast<const at::BFloat16*>(s.q16),
+                              reinterpret_cast<const at::BFloat16*>(s.kp + c0), s.s + c0,
+                              /*is_vnni=*/true);
+}
+
+PS_BF16_TARGET void chunk_pv_amx(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
+                                 int64_t c1) {
+  // NOTE: the sum always starts at the chunk's first key and runs over whole 32-key tiles,
+  // zeros outside [c0, c1): oneDNN's kernel for a K with a tail (or another start) sums the
+  // same products differently, and a row's output then depended on how many keys its step's
+  // chunk held (tests/kernels/test_cpu_paged_attention.py caught it).
+  const int64_t d = p.head_dim, ldk = p.ldk;
+  const int64_t C = (c1 + 31) / 32 * 32;
+  for (int64_t r = 0; r < rows; ++r) {
+    std::fill(s.p16 + r * ldk, s.p16 + r * ldk + c0, uint16_t{0});
+    std::fill(s.p16 + r * ldk + c1, s.p16 + r * ldk + C, uint16_t{0});
+  }
+  pack_v_pairs(s.vrow, 0, C, d, s.vp);
+  at::native::cpublas::brgemm(rows, d, C, ldk, d, d, /*add_C=*/true,
+                              reinterpret_cast<const at::BFloat16*>(s.p16),
+                              reinterpret_cast<const at::BFloat16*>(s.vp), s.acc,
+                              /*is_vnni=*/true);
+}
+#endif
+
+// One item on any path: the query tile in, then chunk by chunk (fixed key positions, every
+// `chunk` keys): the rows of the chunk's keys through the block table, S = Q K^T, the
+// online-softmax step of each row, acc += P V; finally out = acc / l, or (m, l, acc) for the
+// merge of a split.
+template <typename T, Path kPath>
+PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scratch& s) {
+  const int64_t d = p.head_dim, g = p.group, bs = p.block_size, C = p.chunk;
+  const int64_t rows = it.q_count * g;
   const T* query = static_cast<const T*>(p.query);
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = query + (it.q_row + r / hg) * p.q_stride_tok +
-                   (static_cast<int64_t>(it.kv_head) * g + r % hg) * p.q_stride_head;
-    load_row(src, s.q.data() + r * d, d, p.scale);
+    const T* src = query + (it.q_row + r / g) * p.q_stride_tok +
+                   (static_cast<int64_t>(it.kv_head) * g + r % g) * p.q_stride_head;
+    if constexpr (kPath == Path::kF32) {
+      load_row(src, s.qf + r * d, d, 1.0f);
+    } else {
+      std::memcpy(s.q16 + r * d, src, d * sizeof(uint16_t));
+    }
     s.m[r] = -std::numeric_limits<float>::infinity();
     s.l[r] = 0.0f;
   }
-  std::fill(acc, acc + rows * d, 0.0f);
-  attend_blocks_loop<T>(p, it, s, rows);
+  std::fill(s.acc, s.acc + rows * d, 0.0f);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(it.seq) * p.bt_stride;
+  const T* k_base = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
+  const T* v_base = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
+  for (int64_t cs = it.key_begin / C * C; cs < it.key_end; cs += C) {
+    const int64_t lo_abs = std::max(cs, it.key_begin), hi_abs = std::min(cs + C, it.key_end);
+    // the chunk's columns: [c0, c1) in whole key pairs, [c0, c1p) in whole 32-key tiles
+    const int64_t c0 = (lo_abs - cs) & ~int64_t{1};
+    const int64_t c1 = (hi_abs - cs + 1) & ~int64_t{1};
+    const int64_t c1p = c0 + (c1 - c0 + 31) / 32 * 32;
+    // the rows of the chunk's keys, block by block (nullptr outside [lo_abs, hi_abs); the AMX
+    // path reads whole 32-key tiles from column 0)
+    const int64_t t_end = std::max(c1p, (c1 + 31) / 32 * 32);
+    std::fill(s.krow, s.krow + t_end, nullptr);
+    std::fill(s.vrow, s.vrow + t_end, nullptr);
+    for (int64_t pos = lo_abs; pos < hi_abs;) {
+      const int64_t block = table[pos / bs], off = pos % bs;
+      const int64_t n = std::min(bs - off, hi_abs - pos);
+      const T* kb = k_base + block * p.k_stride_block + off * p.k_stride_tok;
+      const T* vb = v_base + block * p.v_stride_block + off * p.v_stride_tok;
+      for (int64_t i = 0; i < n; ++i) {
+        s.krow[pos - cs + i] = kb + i * p.k_stride_tok;
+        s.vrow[pos - cs + i] = vb + i * p.v_stride_tok;
+      }
+      pos += n;
+    }
+    // NOTE: blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead
+    // across them: fetch the next chunk's rows while this one computes.
+    for (int64_t pos = cs + C; pos < std::min(cs + 2 * C, it.key_end); pos += bs) {
+      const int64_t block = table[pos / bs];
+      const int64_t n = std::min(bs, it.key_end - pos);
+      const char* kb = reinterpret_cast<const char*>(k_base + block * p.k_stride_block);
+      const char* vb = reinterpret_cast<const char*>(v_base + block * p.v_stride_block);
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) {
+          __builtin_prefetch(kb + i * p.k_stride_tok * static_cast<int64_t>(sizeof(T)) + off);
+          __builtin_prefetch(vb + i * p.v_stride_tok * static_cast<int64_t>(sizeof(T)) + off);
+        }
+      }
+    }
+    if constexpr (kPath == Path::kF32) {
+      chunk_products_f32_qk<T>(p, s, rows, c0, c1p);
+    }
+#if defined(__x86_64__)
+    if constexpr (kPath == Path::kBf16Dp) chunk_qk_dp(p, s, rows, c0, c1p);
+    if constexpr (kPath == Path::kAmx) chunk_qk_amx(p, s, rows, c0, c1, c1p);
+#endif
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t q_pos = it.first_pos + r / g;
+      int64_t row_lo = it.key_begin;
+      if (p.window > 0) row_lo = std::max(row_lo, q_pos - p.window + 1);
+      const int64_t row_hi = std::min(it.key_end, q_pos + 1);
+      s.lo[r] = std::max(row_lo, cs) - cs;
+      s.hi[r] = std::max(s.lo[r], std::min(row_hi, cs + C) - cs);
+    }
+    if constexpr (kPath == Path::kF32) {
+      for (int64_t r = 0; r < rows; ++r) {
+        float* sr = s.s + r * p.ldk;
+        if (s.hi[r] <= s.lo[r]) {  // the row sees none of this chunk: weight 0 everywhere
+          std::fill(sr + c0, sr + c1, 0.0f);
+          continue;
+        }
+        softmax_row(sr, c0, c1, s.lo[r], s.hi[r], p.scale, s.m + r, s.l + r, s.acc + r * d, d);
+      }
+    }
+#if defined(__x86_64__)
+    if constexpr (kPath != Path::kF32) softmax_rows_bf16(s, rows, p.ldk, c0, c1, p.scale, d);
+#endif
+    if constexpr (kPath == Path::kF32) {
+      chunk_products_f32_pv<T>(p, s, rows, c0, c1);
+    }
+#if defined(__x86_64__)
+    if constexpr (kPath == Path::kBf16Dp) chunk_pv_dp(p, s, rows, c0, c1);
+    if constexpr (kPath == Path::kAmx) chunk_pv_amx(p, s, rows, c0, c1);
+#endif
+  }
 
   if (it.partial < 0) {  // the whole key range: normalize and write out
     T* out = static_cast<T*>(p.out);
     for (int64_t r = 0; r < rows; ++r) {
-      T* dst = out + (it.q_row + r / hg) * p.o_stride_tok +
-               (static_cast<int64_t>(it.kv_head) * g + r % hg) * p.o_stride_head;
-      store_row(acc + r * d, dst, d, 1.0f / l[r]);
+      T* dst = out + (it.q_row + r / g) * p.o_stride_tok +
+               (static_cast<int64_t>(it.kv_head) * g + r % g) * p.o_stride_head;
+      store_row(s.acc + r * d, dst, d, 1.0f / s.l[r]);
     }
   } else {  // one split: leave (m, l, acc) for the merge
     float* part = p.partials + it.partial;
     for (int64_t r = 0; r < rows; ++r) {
       float* pr = part + r * (d + 2);
-      pr[0] = mx[r];
-      pr[1] = l[r];
-      std::memcpy(pr + 2, acc + r * d, d * sizeof(float));
+      pr[0] = s.m[r];
+      pr[1] = s.l[r];
+      std::memcpy(pr + 2, s.acc + r * d, d * sizeof(float));
     }
   }
 }
 
 template <typename T>
+PS_INLINE void attend_item_f32(const AttnParams& p, const WorkItem& it, Scratch& s) {
+  attend_item_chunks<T, Path::kF32>(p, it, s);
+}
+
+template <typename T>
 void merge_group(const AttnParams& p, const MergeGroup& mg) {
   const int64_t d = p.head_dim, g = p.group;
-  const int64_t hg = static_cast<int64_t>(mg.num_kv) * g;
-  const int64_t rows = mg.q_count * hg;
+  const int64_t rows = mg.q_count * g;
   const int64_t split_stride = rows * (d + 2);
   std::vector<float> acc(d);
   T* out = static_cast<T*>(p.out);
@@ -396,34 +859,54 @@ void merge_group(const AttnParams& p, const MergeGroup& mg) {
       l += w * pr[1];
       for (int64_t i = 0; i < d; ++i) acc[i] += w * pr[2 + i];
     }
-    T* dst = out + (mg.q_row + r / hg) * p.o_stride_tok +
-             (static_cast<int64_t>(mg.kv_head) * g + r % hg) * p.o_stride_head;
+    T* dst = out + (mg.q_row + r / g) * p.o_stride_tok +
+             (static_cast<int64_t>(mg.kv_head) * g + r % g) * p.o_stride_head;
     store_row(acc.data(), dst, d, 1.0f / l);
   }
 }
 
-// One function per (ISA, dtype); the always-inline body is vectorized under each target.
+// One function per (ISA, dtype) of the float32 body; the always-inline body is vectorized
+// under each target.
 using ItemFn = void (*)(const AttnParams&, const WorkItem&, Scratch&);
 
 #if defined(__x86_64__)
 #define PS_DEFINE_ITEM(NAME, TARGET)                                                      \
   TARGET void NAME##_f32(const AttnParams& p, const WorkItem& it, Scratch& s) {           \
-    attend_item<float>(p, it, s);                                                         \
+    attend_item_f32<float>(p, it, s);                                                     \
   }                                                                                       \
   TARGET void NAME##_bf16(const AttnParams& p, const WorkItem& it, Scratch& s) {          \
-    attend_item<c10::BFloat16>(p, it, s);                                                 \
+    attend_item_f32<c10::BFloat16>(p, it, s);                                             \
   }                                                                                       \
   TARGET void NAME##_f16(const AttnParams& p, const WorkItem& it, Scratch& s) {           \
-    attend_item<c10::Half>(p, it, s);                                                     \
+    attend_item_f32<c10::Half>(p, it, s);                                                 \
   }
 PS_DEFINE_ITEM(item_avx512, PS_TARGET_AVX512)
 PS_DEFINE_ITEM(item_avx2, PS_TARGET_AVX2)
 #endif
 PS_DEFINE_ITEM(item_scalar, )
 
+#if defined(__x86_64__)
+PS_BF16_TARGET void item_bf16_dp(const AttnParams& p, const WorkItem& it, Scratch& s) {
+  attend_item_chunks<c10::BFloat16, Path::kBf16Dp>(p, it, s);
+}
+
+PS_BF16_TARGET void item_bf16_amx(const AttnParams& p, const WorkItem& it, Scratch& s) {
+  attend_item_chunks<c10::BFloat16, Path::kAmx>(p, it, s);
+}
+#endif
+
 ItemFn pick_item_fn(Isa isa, at::ScalarType dtype) {
   PS_ISA_DTYPE_TABLE(ItemFn, table, item_scalar, item_avx2, item_avx512);
   return table[static_cast<int>(isa)][dtype_index(dtype)];
+}
+
+// The body a call runs: the bf16 pair paths for bf16 with head_dim a multiple of 32 (up to
+// 256) on a CPU step that has them, the float32 body otherwise. A function of the CPU, the
+// dtype and head_dim only, so every row of a model takes the same path in every step.
+Path pick_path(Isa isa, at::ScalarType dtype, int64_t head_dim) {
+  if (dtype != at::kBFloat16 || head_dim % 32 != 0 || head_dim > 256) return Path::kF32;
+  if (isa == Isa::kAmx) return Path::kAmx;
+  return isa == Isa::kAvx512Bf16 ? Path::kBf16Dp : Path::kF32;
 }
 
 void check_cache(const at::Tensor& c, const char* name) {
@@ -485,8 +968,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int64_t bt_stride = block_tables.stride(0), max_blocks = block_tables.size(1);
   const int64_t g = num_heads / hkv;
 
-  // Query tile: about 256 rows x 64 dims of q + acc per item (L2-sized), whole query tokens.
-  const int64_t tile = std::clamp<int64_t>((256 * 64 / std::max<int64_t>(d, 1)) / g, 1, 64);
+  // Query tile: about kTileRows rows (whole tokens, g rows each).
+  const int64_t tile = std::clamp<int64_t>(kTileRows / g, 1, kMaxTileTokens);
 
   // Validate, count the items without splits.
   TORCH_CHECK_VALUE(qsl[0] == 0 && qsl[num_seqs] <= num_tokens,
@@ -507,9 +990,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     }
   }
 
-  // Keys per split: whole blocks, fixed positions (a row's splits depend on its position only).
-  const int64_t split = std::max<int64_t>(
-      1, (split_keys > 0 ? split_keys : kDefaultSplitKeys) / bs) * bs;
+  // Keys per online-softmax chunk and per split: whole blocks, fixed positions (a row's chunks
+  // and splits depend on its position only); a split is whole chunks.
+  int64_t chunk_blocks = std::max<int64_t>(1, kChunkKeys / bs);
+  int64_t split_blocks =
+      std::max<int64_t>(1, (split_keys > 0 ? split_keys : kDefaultSplitKeys) / bs);
+  if (split_blocks < chunk_blocks) {
+    chunk_blocks = split_blocks;
+  } else {
+    split_blocks -= split_blocks % chunk_blocks;
+  }
+  const int64_t chunk = chunk_blocks * bs, split = split_blocks * bs;
   const int nthreads = std::max(1, at::get_num_threads());
   std::vector<WorkItem> items;
   std::vector<MergeGroup> merges;
@@ -524,11 +1015,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       const int64_t key_lo = window_start(first_pos) / bs * bs;  // the tile's first block read
       const int64_t split0 = key_lo / split;                     // its splits: split0 ..
       const int64_t splits = (key_end - 1) / split - split0 + 1;
-      // KV heads per item: one for tiles of many rows, all of them for decode-sized tiles
-      const int64_t num_kv = count * g >= kOneHeadRows ? 1 : hkv;
-      const int64_t rows_floats = count * num_kv * g * (d + 2);
-      max_rows = std::max(max_rows, count * num_kv * g);
-      for (int64_t h = 0; h < hkv; h += num_kv) {
+      const int64_t rows_floats = count * g * (d + 2);
+      max_rows = std::max(max_rows, count * g);
+      for (int64_t h = 0; h < hkv; ++h) {
         const int64_t group_partial = splits > 1 ? partial_floats : -1;
         for (int64_t sp = 0; sp < splits; ++sp) {
           WorkItem it;
@@ -539,13 +1028,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
           it.partial = splits > 1 ? group_partial + sp * rows_floats : -1;
           it.seq = static_cast<int32_t>(i);
           it.kv_head = static_cast<int32_t>(h);
-          it.num_kv = static_cast<int32_t>(num_kv);
           it.q_count = count;
           items.push_back(it);
         }
         if (splits > 1) {
-          merges.push_back({qsl[i] + j0, group_partial, static_cast<int32_t>(h),
-                            static_cast<int32_t>(num_kv), count, static_cast<int32_t>(splits)});
+          merges.push_back({qsl[i] + j0, group_partial, static_cast<int32_t>(h), count,
+                            static_cast<int32_t>(splits)});
           partial_floats += splits * rows_floats;
         }
       }
@@ -572,6 +1060,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.block_size = bs;
   p.head_dim = d;
   p.group = g;
+  p.chunk = chunk;
+  p.ldk = (chunk + 32 + 15) / 16 * 16;
   p.scale = static_cast<float>(scale);
   p.window = window;
   at::Tensor workspace;
@@ -582,13 +1072,20 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     p.partials = nullptr;
   }
 
-  const ItemFn fn = pick_item_fn(at_most(active_isa(), Isa::kAvx512), dtype);
+  const Path path = pick_path(active_isa(), dtype, d);
+  const ItemFn fn = path == Path::kF32 ? pick_item_fn(at_most(active_isa(), Isa::kAvx512), dtype)
+#if defined(__x86_64__)
+                    : path == Path::kBf16Dp ? item_bf16_dp : item_bf16_amx;
+#else
+                    : nullptr;
+#endif
   const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel num_threads(nthreads) if (num_items > 1)
   {
-    Scratch scratch(max_rows, bs, d);
+    Scratch scratch(max_rows, d, p.ldk);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < num_items; ++w) fn(p, items[w], scratch);
+    if (path == Path::kAmx) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   }
   if (!merges.empty()) {
     const int64_t num_merges = static_cast<int64_t>(merges.size());
