@@ -6,23 +6,26 @@ the index arithmetic), computed by the torch custom ops of ``kernels/csrc/cpu_pa
 compiles once into the cache and this module loads on first use.
 
 One varlen kernel serves decode, chunked prefill and prefix-hit tails: work items of
-(sequence, query tile, KV heads, KV split) run in one OpenMP loop; each walks its K/V blocks
-through the block table (no gather of the context, no padding), block by block, holds the G
-query heads of a KV head together (GQA: one K/V load for all of them), and keeps a float32
-online softmax (FlashAttention-2, Dao 2023). With a sliding window an item's keys start at the
-block of its first row's window, so out-of-window blocks are skipped (never read). Long
-contexts are split over KV ranges cut at fixed positions (every ``split_keys`` keys) and merged
-(flash-decoding, Dao et al. 2023). The block-table cache is PagedAttention (Kwon et al., SOSP
-2023). ``kernels/csrc/cpu_paged_attention.cpp`` has the details.
+(sequence, query tile, KV head, KV split) run in one OpenMP loop. An item holds the G query
+heads of its KV head for every token of its tile (GQA: one K/V load for all of them) and walks
+its keys through the block table (no gather of the context, no padding) in 512-key chunks, each
+as two small matrix products, ``S = Q K^T`` and ``acc += P V``, with a float32 online softmax
+between them (FlashAttention-2, Dao 2023): AMX tiles through ATen's ``cpublas::brgemm`` for bf16
+on a CPU with AMX, ``vdpbf16ps`` on AVX512-BF16, float32 FMA tiles otherwise. With a sliding
+window an item's keys start at the block of its first row's window, so out-of-window blocks are
+skipped (never read). Long contexts are split over KV ranges cut at fixed positions (every
+``split_keys`` keys) and merged (flash-decoding, Dao et al. 2023). The block-table cache is
+PagedAttention (Kwon et al., SOSP 2023). ``kernels/csrc/cpu_paged_attention.cpp`` has the
+details.
 
-Row invariance: every query row is computed by the same arithmetic whatever tile or step it
-falls in (one inner path, split boundaries fixed by position), so a row's output is bitwise the
-same after a prefix-cache hit, at another chunk size or in another batch.
+Row invariance: a row's chunks and splits sit at fixed positions and each of its sums runs in a
+fixed order over its own keys, whatever tile or step it falls in, so a row's output is bitwise
+the same after a prefix-cache hit, at another chunk size or in another batch.
 
-Instruction sets: the hot loop is compiled for AVX-512, AVX2+FMA and the baseline, and the best
-the CPU has runs; ``PAGEDSERVE_CPU_ISA=scalar|avx2|avx512|avx512_bf16|amx|auto`` forces a lower
-step of the ladder (read at every call; attention runs its AVX-512 body on the two top steps),
-``cpu_isa()`` names the one in use.
+Instruction sets: the float32 body is compiled for AVX-512, AVX2+FMA and the baseline, the bf16
+bodies for AVX512-BF16 (and AMX through oneDNN), and the best the CPU has runs;
+``PAGEDSERVE_CPU_ISA=scalar|avx2|avx512|avx512_bf16|amx|auto`` forces a lower step of the ladder
+(read at every call), ``cpu_isa()`` names the one in use.
 """
 
 from __future__ import annotations
@@ -105,8 +108,8 @@ def cpu_paged_attention(
         scale: multiplies ``q . k`` (usually ``head_dim ** -0.5``).
         plan: ignored (the torch backend's per-step plan; this kernel plans in C++ per call).
         split_keys: keys per KV split: each query's keys are cut at the multiples of it
-            (rounded down to whole blocks, at least one block) and the parts merged; 0 = the
-            default, 512. Fixed positions, not a count per call, so a row's result never
+            (rounded down to whole 512-key chunks, or to whole blocks below one chunk; at least
+            one block) and the parts merged; 0 = the default, 512. Fixed positions, not a count per call, so a row's result never
             depends on the batch.
         max_query_len, max_seq_len: accepted for the common signature; the kernel reads the
             lengths themselves.
