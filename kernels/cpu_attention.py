@@ -109,8 +109,8 @@ def cpu_paged_attention(
         plan: ignored (the torch backend's per-step plan; this kernel plans in C++ per call).
         split_keys: keys per KV split: each query's keys are cut at the multiples of it
             (rounded down to whole 512-key chunks, or to whole blocks below one chunk; at least
-            one block) and the parts merged; 0 = the default, 512. Fixed positions, not a count per call, so a row's result never
-            depends on the batch.
+            one block) and the parts merged; 0 = the default, 512. Fixed positions, not a
+            count per call, so a row's result never depends on the batch.
         max_query_len, max_seq_len: accepted for the common signature; the kernel reads the
             lengths themselves.
         sliding_window: 0 = full causal attention; ``W > 0`` = each query sees its last W

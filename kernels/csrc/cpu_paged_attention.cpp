@@ -691,9 +691,12 @@ PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, i
 // one float32 accumulator over its pairs in order, whatever the number of rows).
 PS_BF16_TARGET void chunk_qk_amx(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                  int64_t c1, int64_t c1p) {
+  // NOTE: N = whole 32-key tiles (zero keys past c1): ATen keeps every (M, N, K, ...) kernel
+  // it JITs, per thread and forever, so N takes 17 values, not one per key count.
+  (void)c1;
   const int64_t d = p.head_dim, ldk = p.ldk;
   pack_k_pairs(s.krow, c0, c1p, d, s.kp, ldk);
-  at::native::cpublas::brgemm(rows, c1 - c0, d, d, ldk, ldk, /*add_C=*/false,
+  at::native::cpublas::brgemm(rows, c1p - c0, d, d, ldk, ldk, /*add_C=*/false,
                               reinterpret_cast<const at::BFloat16*>(s.q16),
                               reinterpret_cast<const at::BFloat16*>(s.kp + c0), s.s + c0,
                               /*is_vnni=*/true);
