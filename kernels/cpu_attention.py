@@ -10,9 +10,9 @@ One varlen kernel serves decode, chunked prefill and prefix-hit tails: work item
 heads of its KV head for every token of its tile (GQA: one K/V load for all of them) and walks
 its keys through the block table (no gather of the context, no padding) in 512-key chunks, each
 as two small matrix products, ``S = Q K^T`` and ``acc += P V``, with a float32 online softmax
-between them (FlashAttention-2, Dao 2023): ``vdpbf16ps`` for bf16 on AVX512-BF16 (AMX CPUs
-included; AMX tiles through ATen's ``cpublas::brgemm`` with ``PAGEDSERVE_ATTENTION_AMX=1``),
-float32 FMA tiles otherwise. With a sliding
+between them (FlashAttention-2, Dao 2023): for bf16, AMX tiles through ATen's
+``cpublas::brgemm`` on a CPU with AMX, ``vdpbf16ps`` on AVX512-BF16; float32 FMA tiles
+otherwise. With a sliding
 window an item's keys start at the block of its first row's window, so out-of-window blocks are
 skipped (never read). Long contexts are split over KV ranges cut at fixed positions (every
 ``split_keys`` keys) and merged (flash-decoding, Dao et al. 2023). The block-table cache is

@@ -100,10 +100,12 @@ def reference_rms_norm(
 
     Returns ``(out, residual_out)`` in float64: ``residual_out = x + residual`` (None without a
     residual), ``out = weight * h / sqrt(mean(h**2) + eps)`` where ``h`` is the residual stream
-    as the model keeps it, in ``x.dtype`` (``residual_out`` rounded once to ``x.dtype``).
+    as the model keeps it, in the wider of ``x``'s and ``residual``'s dtypes (``residual_out``
+    rounded once to it).
     """
     residual_out = None if residual is None else x.double() + residual.double()
-    h = (x if residual_out is None else residual_out.to(x.dtype)).double()
+    stream = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    h = (x if residual_out is None else residual_out.to(stream)).double()
     out = weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return out, residual_out
 

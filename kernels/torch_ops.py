@@ -18,30 +18,34 @@ def torch_rms_norm(
     weight: torch.Tensor,  # [hidden_size]
     eps: float,
 ) -> torch.Tensor:
-    """``weight * (x / sqrt(mean(x**2) + eps))``, normalised in float32, scaled in ``x.dtype``.
+    """``weight * (x / sqrt(mean(x**2) + eps))``, normalised in float32, scaled in the weight's
+    dtype (the model dtype).
 
-    Returns a new ``[num_tokens, hidden_size]`` tensor in the promoted dtype of ``x`` and
-    ``weight`` (the model dtype when both are). Math order (transformers' ``LlamaRMSNorm``)::
+    Returns a new ``[num_tokens, hidden_size]`` tensor in ``weight.dtype``; ``x`` may be wider
+    (the float32 residual stream of a bfloat16 model, at the final norm). Math order
+    (transformers' ``LlamaRMSNorm`` when ``x`` has the weight's dtype)::
 
-        x32 = x.float();  x32 = x32 * rsqrt(mean(x32**2) + eps);  out = weight * x32.to(x.dtype)
+        x32 = x.float();  x32 = x32 * rsqrt(mean(x32**2) + eps)
+        out = weight * x32.to(weight.dtype)
     """
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return weight * x32.to(weight.dtype)
 
 
 def torch_fused_add_rms_norm(
-    x: torch.Tensor,  # [num_tokens, hidden_size]
-    residual: torch.Tensor,  # [num_tokens, hidden_size]
+    x: torch.Tensor,  # [num_tokens, hidden_size], the model dtype
+    residual: torch.Tensor,  # [num_tokens, hidden_size], float32 or x's dtype
     weight: torch.Tensor,  # [hidden_size]
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pre-norm block boundary: ``residual = x + residual``, then ``rms_norm(residual)``.
 
     Returns new tensors ``(out, residual_out)``, both ``[num_tokens, hidden_size]``:
-    ``residual_out = x + residual`` in the input dtype (rounded once, as the model's
-    ``h = h + attn_out``), ``out = torch_rms_norm(residual_out, weight, eps)``. The inputs are
-    not modified (vLLM's ``fused_add_rms_norm`` works in place; ours does not).
+    ``residual_out = x + residual`` in the wider of the two dtypes (the models keep the residual
+    stream in float32, so a bfloat16 branch output is added without rounding the sum to
+    bfloat16), ``out = torch_rms_norm(residual_out, weight, eps)`` in ``weight.dtype``. The
+    inputs are not modified (vLLM's ``fused_add_rms_norm`` works in place; ours does not).
     """
     residual = x + residual
     return torch_rms_norm(residual, weight, eps), residual

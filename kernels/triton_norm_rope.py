@@ -5,8 +5,9 @@ The same contracts and math order as ``kernels.torch_ops`` (the model's torch ma
 rotary embedding (query and key together).
 
 - ``_rms_norm_kernel``: one program per token row; the row (``hidden_size`` padded to a power of
-  2, masked) stays in registers: load ``x`` (+ ``residual``, store the sum), sum of squares in
-  float32, scale by ``rsqrt(mean + eps)``, cast to the input dtype, multiply by ``weight``.
+  2, masked) stays in registers: load ``x`` (+ ``residual``, store the sum in the residual's
+  dtype: the models keep that stream in float32), sum of squares in float32, scale by
+  ``rsqrt(mean + eps)``, cast to the weight's dtype, multiply by ``weight``.
   RMSNorm: Zhang & Sennrich, "Root Mean Square Layer Normalization", 2019.
 - ``_rotary_embedding_kernel``: one program per token; ``theta = position * inv_freq`` and its
   cos/sin are computed once in float32 (``[head_dim / 2]``), cast to the tensor dtype, and applied
@@ -49,7 +50,7 @@ def _rms_norm_kernel(
     mean_sq = tl.sum(h32 * h32, axis=0) / hidden_size  # padding columns are 0
     h32 = h32 * tl.rsqrt(mean_sq + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = w * h32.to(h.dtype)  # in the input dtype, like the model's weight * x32.to(dtype)
+    out = w * h32.to(w.dtype)  # in the weight's dtype, like torch_rms_norm
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,12 +62,12 @@ def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tens
     _check(hidden_size <= _MAX_HIDDEN, f"hidden_size {hidden_size} > {_MAX_HIDDEN}")
     tensors = [x, weight]
     if residual is not None:
-        _check(residual.shape == x.shape and residual.dtype == x.dtype,
-               "residual must have x's shape and dtype")
+        _check(residual.shape == x.shape and residual.dtype in (x.dtype, torch.float32),
+               "residual must have x's shape, and x's dtype or float32")
         tensors.append(residual)
     _check(all(t.stride(-1) == 1 for t in tensors), "hidden_size must be contiguous")
-    out = torch.empty_like(x, dtype=torch.promote_types(x.dtype, weight.dtype))
-    residual_out = None if residual is None else torch.empty_like(x)
+    out = torch.empty_like(x, dtype=weight.dtype)
+    residual_out = None if residual is None else torch.empty_like(x, dtype=residual.dtype)
     if num_tokens == 0:
         return out, residual_out
     block_n = triton.next_power_of_2(hidden_size)
@@ -88,12 +89,13 @@ def triton_rms_norm(
     weight: torch.Tensor,  # [hidden_size]
     eps: float,
 ) -> torch.Tensor:
-    """``weight * (x / sqrt(mean(x**2) + eps))``: normalised in float32, scaled in ``x.dtype``.
+    """``weight * (x / sqrt(mean(x**2) + eps))``: normalised in float32, scaled in the weight's
+    dtype.
 
-    Returns a new ``[num_tokens, hidden_size]`` tensor in the promoted dtype of ``x`` and
-    ``weight``; same math order as ``kernels.torch_ops.torch_rms_norm`` (RMSNorm, Zhang &
-    Sennrich 2019). Raises ``ValueError`` if ``x`` is not 2-D, ``weight`` is not
-    ``[hidden_size]``, ``hidden_size > 65536`` or the last dimension is not contiguous.
+    Returns a new ``[num_tokens, hidden_size]`` tensor in ``weight.dtype``; same math order as
+    ``kernels.torch_ops.torch_rms_norm`` (RMSNorm, Zhang & Sennrich 2019). Raises
+    ``ValueError`` if ``x`` is not 2-D, ``weight`` is not ``[hidden_size]``,
+    ``hidden_size > 65536`` or the last dimension is not contiguous.
     """
     out, _ = _rms_norm(x, None, weight, eps)
     return out
@@ -101,16 +103,17 @@ def triton_rms_norm(
 
 def triton_fused_add_rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden_size]
-    residual: torch.Tensor,  # [num_tokens, hidden_size], same dtype as x
+    residual: torch.Tensor,  # [num_tokens, hidden_size], x's dtype or float32
     weight: torch.Tensor,  # [hidden_size]
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``residual_out = x + residual`` (``x.dtype``), ``out = rms_norm(residual_out)``: one launch.
+    """``residual_out = x + residual`` (``residual.dtype``), ``out = rms_norm(residual_out)``
+    (``weight.dtype``): one launch.
 
     Returns NEW tensors ``(out, residual_out)``, both ``[num_tokens, hidden_size]``; the inputs
     are not modified (unlike vLLM's in-place ``fused_add_rms_norm``). Same math as
     ``kernels.torch_ops.torch_fused_add_rms_norm``. Raises ``ValueError`` as ``triton_rms_norm``
-    does, and if ``residual`` differs from ``x`` in shape or dtype.
+    does, and if ``residual`` differs from ``x`` in shape, or in dtype and is not float32.
     """
     out, residual_out = _rms_norm(x, residual, weight, eps)
     assert residual_out is not None  # made whenever there is a residual

@@ -30,11 +30,11 @@
 // row's causal limit (position context_len + j) are never weighed; keys past the tile's last
 // row are never read.
 // The products, by path (pick_path: the CPU step, the dtype and head_dim decide, nothing else):
-//   amx          bf16, head_dim % 32 == 0, PAGEDSERVE_ATTENTION_AMX=1 (opt-in: see pick_path):
+//   amx          bf16, head_dim % 32 == 0, on a CPU with AMX tiles:
 //                ATen's cpublas::brgemm (oneDNN's ukernel on AMX tiles), K^T and V packed
 //                per chunk into bf16 pairs (VNNI-2) with AVX-512 transposes / permutes, P as
 //                two bf16 parts (high, and the rest);
-//   avx512_bf16  (and amx by default) the same packing and P, vdpbf16ps micro-kernels;
+//   avx512_bf16  the same packing and P, vdpbf16ps micro-kernels;
 //   avx512 / avx2 / scalar (and float32 / float16 everywhere): float32 FMA micro-kernels in
 //                plain loops compiled per target: S from K^T (prefill tiles) or, for fewer
 //                than 16 rows (decode), from the key rows in place with the rows across the
@@ -923,20 +923,12 @@ ItemFn pick_item_fn(Isa isa, at::ScalarType dtype) {
 }
 
 // The body a call runs: the bf16 pair paths for bf16 with head_dim a multiple of 32 (up to
-// 256) on a CPU step that has them, the float32 body otherwise. A function of the CPU, the
-// dtype, head_dim and PAGEDSERVE_ATTENTION_AMX only, so every row of a model takes the same
-// path in every step.
-// NOTE: the AMX body is opt-in (PAGEDSERVE_ATTENTION_AMX=1): it is ~4x faster at prefill than
-// vdpbf16ps and as accurate against the float64 reference, but with it the default model's
-// greedy answer to the demo prompt at bf16 changed ("Paris" became another continuation:
-// tests/e2e/test_serve.py), a near-tie that the vdpbf16ps body resolves as float32 does. Until
-// that is understood the default on an AMX CPU is the vdpbf16ps body.
+// 256) on a CPU step that has them (AMX tiles, else vdpbf16ps), the float32 body otherwise. A
+// function of the CPU step, the dtype and head_dim only, so every row of a model takes the same
+// path in every step (PAGEDSERVE_CPU_ISA=avx512_bf16 picks the vdpbf16ps body on an AMX CPU).
 Path pick_path(Isa isa, at::ScalarType dtype, int64_t head_dim) {
   if (dtype != at::kBFloat16 || head_dim % 32 != 0 || head_dim > 256) return Path::kF32;
-  if (isa == Isa::kAmx) {
-    const char* env = std::getenv("PAGEDSERVE_ATTENTION_AMX");
-    return env != nullptr && std::strcmp(env, "1") == 0 ? Path::kAmx : Path::kBf16Dp;
-  }
+  if (isa == Isa::kAmx) return Path::kAmx;
   return isa == Isa::kAvx512Bf16 ? Path::kBf16Dp : Path::kF32;
 }
 

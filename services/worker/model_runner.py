@@ -435,8 +435,8 @@ class ModelRunner:
         ps = self.parallel
         received = None
         if ps and not ps.config.is_first_stage:
-            received = ps.recv_from_prev_stage(
-                (batch.input_ids.shape[0], self.model.config.hidden_size), self.dtype)
+            received = ps.recv_from_prev_stage(  # the residual stream: float32
+                (batch.input_ids.shape[0], self.model.config.hidden_size), torch.float32)
         hidden = self.forward(batch.input_ids, batch.positions, self.kv_caches,
                               self.layer_metadata(batch), received)  # [T, E]
         if ps and not ps.config.is_last_stage:

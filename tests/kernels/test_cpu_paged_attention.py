@@ -43,8 +43,6 @@ def _seed():
 @pytest.fixture(params=ISA_PARAMS)
 def isa(request, monkeypatch) -> str:
     monkeypatch.setenv(ISA_ENV, request.param)
-    # amx: the opt-in AMX body (without it an AMX CPU runs the avx512_bf16 body, tested there)
-    monkeypatch.setenv("PAGEDSERVE_ATTENTION_AMX", "1" if request.param == "amx" else "0")
     assert cpu_isa() == request.param
     return request.param
 

@@ -50,6 +50,19 @@ def make_inputs(num_tokens: int, hidden_size: int, dtype: torch.dtype):
 
 @pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
 @pytest.mark.parametrize("backend,dtype", DTYPE_PARAMS)
+def test_rms_norm_of_the_float32_stream(backend, dtype, hidden_size):
+    """The final norm reads the float32 residual stream and answers in the weight's dtype."""
+    x, _, weight = make_inputs(5, hidden_size, torch.float32)
+    weight = weight.to(dtype)
+    out = BACKENDS[backend][0](x, weight, EPS)
+    expected, _ = reference_rms_norm(x, weight, EPS)
+    atol, rtol = TOLERANCES[dtype]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
+@pytest.mark.parametrize("backend,dtype", DTYPE_PARAMS)
 def test_rms_norm(backend, dtype, hidden_size):
     x, _, weight = make_inputs(5, hidden_size, dtype)
     x_before = x.clone()
@@ -61,15 +74,21 @@ def test_rms_norm(backend, dtype, hidden_size):
     assert torch.equal(x, x_before)
 
 
+@pytest.mark.parametrize("stream", ["model_dtype", "float32"])
 @pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
 @pytest.mark.parametrize("backend,dtype", DTYPE_PARAMS)
-def test_fused_add_rms_norm(backend, dtype, hidden_size):
+def test_fused_add_rms_norm(backend, dtype, hidden_size, stream):
+    """``stream="float32"``: the models' residual stream, float32 beside a narrower branch."""
     x, residual, weight = make_inputs(5, hidden_size, dtype)
+    if stream == "float32":
+        residual = residual.float() + 0.01 * torch.randn_like(residual, dtype=torch.float32)
     x_before, residual_before = x.clone(), residual.clone()
     out, residual_out = BACKENDS[backend][1](x, residual, weight, EPS)
     expected, expected_residual = reference_rms_norm(x, weight, EPS, residual)
     atol, rtol = TOLERANCES[dtype]
-    assert out.dtype == residual_out.dtype == dtype
+    assert out.dtype == dtype and residual_out.dtype == residual.dtype
+    if stream == "float32":  # one float32 rounding of the exact sum, not one of x's dtype
+        assert torch.equal(residual_out, (x.double() + residual.double()).float())
     torch.testing.assert_close(residual_out.double(), expected_residual, atol=atol, rtol=rtol)
     torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
     # out of place: the inputs are untouched

@@ -71,40 +71,34 @@ def test_logits_match_transformers(variant, tiny_llama, tmp_path):
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_bfloat16_logits_match_transformers_bfloat16(tiny_llama):
-    """The model's own op order is transformers': the torch (reference) backend, whose
-    attention is transformers' SDPA."""
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_bfloat16_logits_are_as_accurate_as_transformers_bfloat16(tiny_llama, backend):
+    """At bf16 the model keeps its residual stream in float32 (transformers rounds it to bf16
+    at every add), and the native CPU kernels accumulate attention in float32 in their own
+    order, so the logits are not transformers' bf16 logits bit for bit; they must be at least
+    as close to the float32 truth as transformers' bf16 run is (measured on logits up to 5:
+    max 0.115 (torch) / 0.121 (cpu) vs 0.153, mean 0.0158 / 0.0159 vs 0.0166)."""
     ours, _, _ = load_model(str(tiny_llama), torch.bfloat16, "cpu",
-                            attn_backend=select_backend("torch", "cpu"))
+                            attn_backend=select_backend(backend, "cpu"))
     assert ours.embed_tokens.weight.dtype == torch.bfloat16
     assert ours.inv_freq.dtype == torch.float32
-    ref = HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16).eval()
+    streams = []
+    for layer in ours.layers:  # each returns (branch output, residual stream)
+        layer.register_forward_hook(lambda m, args, out: streams.append(out[1].dtype))
     token_ids = list(range(3, 80))
     logits = run_ours(ours, token_ids)
-    with torch.inference_mode():
-        expected = ref(torch.tensor([token_ids])).logits[0].float()
     assert logits.dtype == torch.float32
-    # same op order as transformers, so far tighter than bf16's ~1e-2 relative step
-    torch.testing.assert_close(logits, expected, atol=2e-2, rtol=1.6e-2)
-
-
-def test_bfloat16_native_kernels_are_as_accurate_as_transformers_bfloat16(tiny_llama):
-    """The native CPU kernels accumulate attention in float32 in their own order, so their
-    bf16 logits are not transformers' bf16 logits bit for bit; they must be as close to the
-    float32 truth as transformers' bf16 run is (measured: max 0.143 vs 0.155, mean 0.0166 vs
-    0.0166 on logits up to 5)."""
-    ours, _, _ = load_model(str(tiny_llama), torch.bfloat16, "cpu",
-                            attn_backend=select_backend("cpu", "cpu"))
-    token_ids = list(range(3, 80))
-    logits = run_ours(ours, token_ids)
+    assert streams == [torch.float32] * len(ours.layers)
     with torch.inference_mode():
         truth, hf_bf16 = (
             HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=dtype).eval()(
                 torch.tensor([token_ids])).logits[0].float()
             for dtype in (torch.float32, torch.bfloat16))
     ours_err, hf_err = (logits - truth).abs(), (hf_bf16 - truth).abs()
-    assert ours_err.max() <= 1.25 * hf_err.max()
-    assert ours_err.mean() <= 1.25 * hf_err.mean()
+    assert ours_err.max() <= hf_err.max()
+    assert ours_err.mean() <= hf_err.mean()
+    # and still the same model: within bf16's ~1e-2 relative step of transformers' bf16 run
+    torch.testing.assert_close(logits, hf_bf16, atol=0.1, rtol=1.6e-2)
 
 
 def test_config_from_transformers4_dict():

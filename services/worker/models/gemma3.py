@@ -173,9 +173,10 @@ class DecoderLayer(nn.Module):
                 meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' ``h = h + post_attn(attn(pre(h))); h = h + post_ff(mlp(pre_ff(h)))``
         in vLLM's fused form: the residual stream is ``x + residual`` (``x`` alone at the first
-        layer). Returns ``(post_ff(mlp_out), residual)``, both ``[T, E]``."""
+        layer), in float32 as Llama's. Returns ``(post_ff(mlp_out), residual)``, both
+        ``[T, E]``, model dtype and float32."""
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x), x.float()
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.post_attention_layernorm(self.attn(x, positions, inv_freq, kv_cache, meta))
@@ -216,10 +217,11 @@ class Gemma3ForCausalLM(nn.Module):
             kv_caches: per local layer ``(k_cache, v_cache)``, each
                 ``[num_blocks, block_size, K, D]`` in the model dtype.
             attn_metadata: per local layer, the ``AttentionMetadata`` of its KV cache group.
-            hidden_states: ``[T, E]`` the previous pipeline stage's output (already scaled),
-                used instead of embedding ``input_ids``.
+            hidden_states: ``[T, E]`` the previous pipeline stage's output (already scaled;
+                the float32 residual stream), used instead of embedding ``input_ids``.
         Returns:
-            ``[T, E]`` final hidden states (after the last norm), model dtype.
+            ``[T, E]`` final hidden states (after the last norm), model dtype; a stage before
+            the last returns the float32 residual stream.
         """
         if hidden_states is None:
             x = self.embed_tokens(input_ids)  # [T, E]

@@ -244,9 +244,12 @@ class DecoderLayer(nn.Module):
                 meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's pre-norm form: the residual stream is ``x + residual`` (``x`` alone, with
         ``residual=None``, at the first layer); each norm adds the pending branch output into
-        it in the same fused op. Returns ``(mlp_out, residual)``, both ``[T, E]``."""
+        it in the same fused op. The stream is kept in float32 whatever the model dtype (a
+        bfloat16 sum rounded at every layer was the largest error of a bf16 step:
+        docs/benchmarks.md, "Numerics"); the branches and the norms' outputs are in the model
+        dtype. Returns ``(mlp_out, residual)``, both ``[T, E]``, model dtype and float32."""
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x), x.float()
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.attn(x, positions, inv_freq, kv_cache, meta)
@@ -294,10 +297,12 @@ class LlamaForCausalLM(nn.Module):
             attn_metadata: per layer, the ``AttentionMetadata`` of this step (slot mapping,
                 block tables, ...) of the layer's KV cache group; layers of one group share
                 one object.
-            hidden_states: ``[T, E]`` the previous pipeline stage's output, used instead of
-                embedding ``input_ids`` (``services/worker/parallel.py`` splits the layers).
+            hidden_states: ``[T, E]`` the previous pipeline stage's output (the float32
+                residual stream), used instead of embedding ``input_ids``
+                (``services/worker/parallel.py`` splits the layers).
         Returns:
-            ``[T, E]`` final hidden states (after the last norm), model dtype.
+            ``[T, E]`` final hidden states (after the last norm), model dtype; a stage before
+            the last (norm = Identity) returns the float32 residual stream.
         """
         x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # [T, E]
         residual = None
