@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -88,17 +89,39 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 // ---------------------------------------------------------------------------------------------
 // Epilogue: float32 accumulators of one (rows tile, column block) -> y (+ bias), cast
 
+// float32 -> bf16 bits with c10::BFloat16's rounding (nearest even, NaN -> 0x7FC0), in a form
+// the compiler vectorizes (a scalar c10 conversion per element cost as much as the AMX product
+// of a 128-row tile).
+PS_INLINE uint16_t bf16_bits(float v) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return v != v ? uint16_t{0x7FC0} : rounded;
+}
+
+template <typename Out>
+PS_INLINE void store_row(const float* a, int64_t cols, const float* bias, Out* dst) {
+  if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    if (bias != nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits(a[c] + bias[c]);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits(a[c]);
+    }
+  } else if (bias != nullptr) {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c] + bias[c]);
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c]);
+  }
+}
+
 template <typename Out>
 PS_INLINE void store_tile(const float* acc, int64_t rows, int64_t cols, const float* bias,
                           Out* y, int64_t ldy) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* a = acc + m * kBlockN;
-    Out* dst = y + m * ldy;
-    for (int64_t c = 0; c < cols; ++c) {
-      const float v = bias != nullptr ? a[c] + bias[c] : a[c];
-      dst[c] = static_cast<Out>(v);
-    }
-  }
+  for (int64_t m = 0; m < rows; ++m) store_row<Out>(acc + m * kBlockN, cols, bias, y + m * ldy);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -289,12 +312,31 @@ void item_bf16_amx(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
 // ---------------------------------------------------------------------------------------------
 // The op
 
+// The epilogue of one item: its float32 accumulators (+ bias) -> y in out_dtype. Compiled for
+// AVX-512 too (the bf16 paths run only where the CPU has it) and for the baseline.
 template <typename Out>
-void store_item(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block, const float* acc) {
+PS_INLINE void store_item_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
+                               const float* acc) {
   const int64_t n0 = block * kBlockN, cols = std::min(kBlockN, a.n - n0);
   store_tile<Out>(acc, rows, cols, a.bias != nullptr ? a.bias + n0 : nullptr,
                   static_cast<Out*>(a.y) + m0 * a.n + n0, a.n);
 }
+
+using StoreFn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, const float*);
+
+#define PS_DEFINE_STORE(NAME, TARGET)                                                       \
+  TARGET void NAME(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,            \
+                   const float* acc) {                                                      \
+    switch (a.out_dtype) {                                                                  \
+      case at::kFloat: store_item_body<float>(a, m0, rows, block, acc); break;              \
+      case at::kBFloat16: store_item_body<c10::BFloat16>(a, m0, rows, block, acc); break;   \
+      default: store_item_body<c10::Half>(a, m0, rows, block, acc); break;                  \
+    }                                                                                       \
+  }
+#if defined(__x86_64__)
+PS_DEFINE_STORE(store_item_avx512, PS_TARGET_AVX512)
+#endif
+PS_DEFINE_STORE(store_item_baseline, )
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias_in,
@@ -361,6 +403,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   a.w_dtype = w_dtype;
   a.out_dtype = out_dtype;
   const ItemF32Fn f32_fn = pick_f32(isa, w_dtype);
+#if defined(__x86_64__)
+  const StoreFn store_fn = isa >= Isa::kAvx512 ? store_item_avx512 : store_item_baseline;
+#else
+  const StoreFn store_fn = store_item_baseline;
+#endif
 
   const int64_t chunks = (m + kChunkM - 1) / kChunkM;
   const int64_t items = chunks * num_blocks;  // item i: rows chunk i / num_blocks, block i % nb
@@ -377,11 +424,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
 #endif
         default: f32_fn(a, m0, rows, block, wf.data(), acc.data()); break;
       }
-      switch (out_dtype) {
-        case at::kFloat: store_item<float>(a, m0, rows, block, acc.data()); break;
-        case at::kBFloat16: store_item<c10::BFloat16>(a, m0, rows, block, acc.data()); break;
-        default: store_item<c10::Half>(a, m0, rows, block, acc.data()); break;
-      }
+      store_fn(a, m0, rows, block, acc.data());
     }
     if (path == Path::kAmx) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   });
