@@ -18,12 +18,17 @@ ceilings, both measured in the same run:
   1024 x 1024 x 1024 at the same dtype (oneDNN / MKL: AMX where the CPU has it; the prefill
   goal: >= 40 % at 512 tokens).
 
+``--layers N`` times each call round-robin over N copies of the step (distinct caches, as a
+model's layers are) and the copy over N distinct buffers: once their bytes exceed the last-level
+cache, both read from memory, as in serving, where a layer's K/V is evicted by the other
+layers' before its next call (with the default of 1 both are timed on cache-resident bytes).
+
 The torch backend gets its per-step plan built beforehand (the model builds it once per step and
 every layer reuses it), so both columns time only what a layer pays. Minimum (or ``--stat
 median``) of ``--reps`` calls after warm-up; the ratio is torch / native (> 1: native faster).
 
     .venv/bin/python benchmarks/kernels/cpu_paged_attention.py [--dtype float32] [--reps 30]
-        [--stat min] [--threads N]
+        [--stat min] [--threads N] [--layers N] [--only SUBSTRING]
 """
 
 from __future__ import annotations
@@ -96,11 +101,11 @@ def step_flops(pairs, num_heads, head_dim) -> int:
     return 2 * 2 * head_dim * num_heads * visible
 
 
-def copy_ms(nbytes: int, reps: int) -> float:
-    """Time of ``Tensor.copy_`` of ``nbytes`` bytes (min of ``reps``), ms."""
-    src = torch.randn(nbytes // 4)
-    dst = torch.empty_like(src)
-    return time_ms(lambda: dst.copy_(src), reps, "min")
+def copy_ms(nbytes: int, reps: int, layers: int = 1) -> float:
+    """Time of ``Tensor.copy_`` of ``nbytes`` bytes (min of ``reps``), ms; with ``layers`` > 1,
+    per copy of a round over that many distinct buffers."""
+    pairs = [(torch.randn(nbytes // 4), torch.empty(nbytes // 4)) for _ in range(layers)]
+    return time_ms(lambda: [dst.copy_(src) for src, dst in pairs], reps, "min") / layers
 
 
 def matmul_gflops(dtype: torch.dtype, reps: int) -> float:
@@ -112,18 +117,21 @@ def matmul_gflops(dtype: torch.dtype, reps: int) -> float:
 
 
 def bench(name: str, pairs, args) -> None:
-    step = make_step(pairs, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
-                     getattr(torch, args.dtype))
+    steps = [make_step(pairs, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
+                       getattr(torch, args.dtype)) for _ in range(args.layers)]
+    step = steps[0]
     plan = plan_paged_attention(step["block_tables"], step["seq_lens"], step["query_start_loc"],
                                 step["max_query_len"], step["max_seq_len"], args.block_size)
     with torch.inference_mode():
-        native = time_ms(lambda: cpu_paged_attention(**step), args.reps, args.stat)
-        ref = time_ms(lambda: torch_paged_attention(**step, plan=plan), args.reps, args.stat)
+        native = time_ms(lambda: [cpu_paged_attention(**st) for st in steps], args.reps,
+                         args.stat) / args.layers
+        ref = time_ms(lambda: [torch_paged_attention(**st, plan=plan) for st in steps],
+                      args.reps, args.stat) / args.layers
         diff = (cpu_paged_attention(**step).float()
                 - torch_paged_attention(**step, plan=plan).float()).abs().max().item()
     dtype = getattr(torch, args.dtype)
     nbytes = step_bytes(pairs, args.num_kv_heads, args.head_dim, dtype.itemsize)
-    copy = copy_ms(nbytes, args.reps)
+    copy = copy_ms(nbytes, args.reps, args.layers)
     gflops = step_flops(pairs, args.num_heads, args.head_dim) / native / 1e6
     print(f"| {name:<38} | {ref:9.3f} | {native:9.3f} | {ref / native:6.2f}x | {diff:.1e} "
           f"| {nbytes / native / 1e6:6.1f} | {100 * copy / native:5.0f} % | {gflops:7.1f} "
@@ -141,6 +149,9 @@ def main() -> None:
     p.add_argument("--num-kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=1,
+                   help="distinct copies of each step timed round-robin (30: SmolLM2's layers)")
+    p.add_argument("--only", default="", help="run only the steps whose name contains this")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -150,7 +161,7 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, isa {cpu_isa()}, "
           f"{args.dtype}, H={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
-          f"block={args.block_size}, {args.stat} of {args.reps}")
+          f"block={args.block_size}, {args.stat} of {args.reps}, {args.layers} layer(s)")
     with torch.inference_mode():
         args.mm_gflops = matmul_gflops(getattr(torch, args.dtype), args.reps)
     print(f"# matmul ceiling: torch.mm 1024^3 {args.dtype} {args.mm_gflops:.0f} GFLOP/s")
@@ -158,10 +169,10 @@ def main() -> None:
           "|   GB/s | % copy | GFLOP/s | % mm |")
     print("|----------------------------------------|-----------|-----------|--------|----------"
           "|--------|--------|---------|------|")
-    for batch, ctx in DECODE:
-        bench(f"decode batch {batch} @ {ctx}", [(1, ctx)] * batch, args)
-    for name, pairs in MIXED.items():
-        bench(name, pairs, args)
+    steps = {f"decode batch {batch} @ {ctx}": [(1, ctx)] * batch for batch, ctx in DECODE}
+    for name, pairs in {**steps, **MIXED}.items():
+        if args.only in name:
+            bench(name, pairs, args)
 
 
 if __name__ == "__main__":
