@@ -609,9 +609,8 @@ PS_BF16_TARGET PS_INLINE __m512 exp_ps(__m512 x) {
 // serial chain of one row (max, exp of the rescale) overlaps the others'. 16 columns per step,
 // the tail masked, so every column of a row takes the same instructions. Each probability p
 // is stored as two bf16 numbers, hi = bf16(p) in p16 and lo = bf16(p - hi) in p16lo (P V then
-// runs over both: ~16 significant bits, where one bf16 P turned the default model's first
-// demo answer from "Paris" into another), l adding the float32 p in softmax_row's fixed
-// 16-lane order.
+// runs over both: ~16 significant bits of p where one bf16 keeps 8), l adding the float32 p in
+// softmax_row's fixed 16-lane order.
 PS_BF16_TARGET void softmax_rows_bf16(Scratch& s, int64_t rows, int64_t ldk, int64_t c0,
                                       int64_t c1, float scale, int64_t d) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -705,10 +704,9 @@ PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, i
 // AMX: the same two products as one brgemm each (oneDNN's ukernel on AMX tiles; every element
 // one float32 accumulator over its pairs in order, whatever the number of rows).
 PS_BF16_TARGET void chunk_qk_amx(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
-                                 int64_t c1, int64_t c1p) {
-  // NOTE: N = whole 32-key tiles (zero keys past c1): ATen keeps every (M, N, K, ...) kernel
-  // it JITs, per thread and forever, so N takes 17 values, not one per key count.
-  (void)c1;
+                                 int64_t c1p) {
+  // NOTE: N = whole 32-key tiles (zero keys past the chunk's last): ATen keeps every (M, N,
+  // K, ...) kernel it JITs, per thread and forever, so N takes 17 values, not one per key count.
   const int64_t d = p.head_dim, ldk = p.ldk;
   pack_k_pairs(s.krow, c0, c1p, d, s.kp, ldk);
   at::native::cpublas::brgemm(rows, c1p - c0, d, d, ldk, ldk, /*add_C=*/false,
@@ -806,7 +804,7 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
     }
 #if defined(__x86_64__)
     if constexpr (kPath == Path::kBf16Dp) chunk_qk_dp(p, s, rows, c0, c1p);
-    if constexpr (kPath == Path::kAmx) chunk_qk_amx(p, s, rows, c0, c1, c1p);
+    if constexpr (kPath == Path::kAmx) chunk_qk_amx(p, s, rows, c0, c1p);
 #endif
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t q_pos = it.first_pos + r / g;
