@@ -38,4 +38,6 @@ def copy_blocks(
             a device-side assert, so callers check ids first).
     """
     for cache in caches:
+        if cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            cache = cache.view(torch.uint8)  # (CPU index_copy_ has no float8 kernel)
         cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import is_quantized
+
 # Environment variable that forces a lower instruction-set path (tests, debugging).
 ISA_ENV = "PAGEDSERVE_CPU_ISA"
 
@@ -64,15 +66,17 @@ def cpu_reshape_and_cache(
 ) -> None:
     """Write each token's K/V into its slot ``block_id * block_size + offset``; slot < 0 = skip.
 
-    Values are cast to the cache dtype. Slots must be unique (the scheduler guarantees it). The
-    caches may have any strides with ``head_dim`` contiguous (e.g. halves of one combined K/V
-    tensor); offsets are 64-bit.
+    Values are cast to the cache dtype, or quantized for an int8 / float8 cache
+    (``kernels.kv_quant``: an int8 cache is ``[..., head_dim + 2]``, each row's float16 scale
+    in its last two bytes; ``key`` / ``value`` then stay float32 / bfloat16 / float16). Slots
+    must be unique (the scheduler guarantees it). The caches may have any strides with
+    ``head_dim`` contiguous (e.g. halves of one combined K/V tensor); offsets are 64-bit.
 
     Raises:
         ValueError: shapes, dtypes or layouts that do not fit.
         IndexError: a slot past ``num_blocks * block_size``.
     """
-    dtype = k_cache.dtype
+    dtype = key.dtype if is_quantized(k_cache.dtype) else k_cache.dtype
     if key.dtype != dtype or key.stride(-1) != 1:
         key = key.to(dtype).contiguous()
     if value.dtype != dtype or value.stride(-1) != 1:
@@ -102,7 +106,9 @@ def cpu_paged_attention(
     "Mistral 7B"; transformers' ``kv_idx > q_idx - W``), read through ``block_tables[i]``.
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype`` (float32, bfloat16 or
-    float16; the caches must have the same dtype; softmax and accumulation in float32). Rows of
+    float16; the caches must have the same dtype, or be int8 / float8 (``kernels.kv_quant``),
+    read as their dequantized values rounded to ``query.dtype``; softmax and accumulation in
+    float32). Rows of
     tokens past ``query_start_loc[-1]`` (padding) are zero.
 
     Args:

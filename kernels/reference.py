@@ -9,6 +9,8 @@ cast back. The index arithmetic (context_len / query_len / seq_len) is drawn in
 
 import torch
 
+from kernels.kv_quant import dequantize_kv, is_quantized, quantize_kv
+
 
 def reference_reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -19,14 +21,19 @@ def reference_reshape_and_cache(
 ) -> None:
     """Write each token's K/V into its slot; ``slot = block_id * block_size + offset``, < 0 = skip.
 
-    Values are cast to the cache dtype. One token at a time.
+    Values are cast to the cache dtype, or quantized for an int8 / float8 cache
+    (``kernels.kv_quant``; an int8 cache's rows are ``head_dim + 2`` wide). One token at a time.
     """
     block_size = k_cache.shape[1]
+    quantized = is_quantized(k_cache.dtype)
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        k_cache[slot // block_size, slot % block_size] = key[t]
-        v_cache[slot // block_size, slot % block_size] = value[t]
+        k, v = key[t], value[t]
+        if quantized:
+            k, v = quantize_kv(k, k_cache.dtype), quantize_kv(v, v_cache.dtype)
+        k_cache[slot // block_size, slot % block_size] = k
+        v_cache[slot // block_size, slot % block_size] = v
 
 
 def reference_paged_attention(
@@ -51,7 +58,9 @@ def reference_paged_attention(
     entries of blocks wholly before it are never read (they may hold -1 or any id).
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype``; rows of tokens past
-    ``query_start_loc[-1]`` (padding) are zero. ``max_query_len``/``max_seq_len`` are only
+    ``query_start_loc[-1]`` (padding) are zero. An int8 / float8 cache (``kernels.kv_quant``)
+    is read as its dequantized values, each rounded once to ``query.dtype`` (as the kernels
+    read it). ``max_query_len``/``max_seq_len`` are only
     checked, as bounds. Raises ``ValueError`` if ``num_heads`` is not a multiple of
     ``num_kv_heads``, a sequence has ``query_len > seq_len`` or ``sliding_window < 0``.
     """
@@ -74,8 +83,11 @@ def reference_paged_attention(
         first = max(0, seq_len - query_len - sliding_window + 1) if sliding_window else 0
         pos = torch.arange(first, seq_len, device=query.device)  # the key positions read
         blocks = block_tables[i, pos // block_size].long()
-        k = k_cache[blocks, pos % block_size].double()  # [num_keys, num_kv_heads, head_dim]
-        v = v_cache[blocks, pos % block_size].double()
+        k = k_cache[blocks, pos % block_size]  # [num_keys, num_kv_heads, head_dim(+2)]
+        v = v_cache[blocks, pos % block_size]
+        if is_quantized(k_cache.dtype):
+            k, v = dequantize_kv(k, query.dtype), dequantize_kv(v, query.dtype)
+        k, v = k.double(), v.double()
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [seq_len, num_heads, head_dim]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [num_keys, ...]
         q = query[start:end].double()  # [query_len, num_heads, head_dim]

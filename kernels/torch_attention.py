@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import dequantize_kv, is_quantized, quantize_kv
+
 
 def torch_reshape_and_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -46,8 +48,10 @@ def torch_reshape_and_cache(
 ) -> None:
     """Write each token's K/V into its slot ``block_id * block_size + offset``; slot < 0 = skip.
 
-    Values are cast to the cache dtype. Slots must be unique (the scheduler guarantees it).
-    The caches may have any strides (e.g. halves of one combined K/V tensor).
+    Values are cast to the cache dtype, or quantized for an int8 / float8 cache
+    (``kernels.kv_quant``; an int8 cache's rows are ``head_dim + 2`` wide). Slots must be unique
+    (the scheduler guarantees it). The caches may have any strides (e.g. halves of one combined
+    K/V tensor).
     """
     block_size = k_cache.shape[1]
     slots = slot_mapping.long()
@@ -56,6 +60,8 @@ def torch_reshape_and_cache(
     if not bool(valid.all()):
         slots, key, value = slots[valid], key[valid], value[valid]
     blocks, offsets = slots // block_size, slots % block_size
+    if is_quantized(k_cache.dtype):
+        key, value = quantize_kv(key, k_cache.dtype), quantize_kv(value, v_cache.dtype)
     k_cache[blocks, offsets] = key.to(k_cache.dtype)
     v_cache[blocks, offsets] = value.to(v_cache.dtype)
 
@@ -90,24 +96,28 @@ def _workspace(name: str, numel: int, dtype: torch.dtype, device: torch.device) 
 
 def _gather_kv(
     name: str,  # workspace name ("k" or "v")
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim(+2)]
     slots: torch.Tensor,  # [n, max_seq_len] int64 slot of every key position
+    dtype: torch.dtype,  # the query's: a quantized cache's rows are dequantized to it
 ) -> torch.Tensor:
-    """Padded K or V of n sequences: ``[n, num_kv_heads, max_seq_len, head_dim]``, a strided view
-    of the workspace ``name``, valid until the next gather into it."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    """Padded K or V of n sequences: ``[n, num_kv_heads, max_seq_len, head_dim]`` in ``dtype``,
+    a strided view of the workspace ``name`` (or, for an int8 / float8 cache, of a new
+    dequantized tensor), valid until the next gather into it."""
+    num_blocks, block_size, num_kv_heads, row = cache.shape
     n, seq_len = slots.shape
-    out = _workspace(name, n * seq_len * num_kv_heads * head_dim, cache.dtype, cache.device)
-    out = out.view(n * seq_len, num_kv_heads, head_dim)
+    out = _workspace(name, n * seq_len * num_kv_heads * row, cache.dtype, cache.device)
+    out = out.view(n * seq_len, num_kv_heads, row)
     if cache.stride(0) == block_size * cache.stride(1):
         # NOTE: one index_select over [num_slots, Hkv, D] rows is several times faster on CPU
         # than advanced indexing with (block, offset) pairs; the latter serves any other layout.
-        flat = cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+        flat = cache.view(num_blocks * block_size, num_kv_heads, row)
         torch.index_select(flat, 0, slots.flatten(), out=out)
     else:
         flat_slots = slots.flatten()
         out.copy_(cache[flat_slots // block_size, flat_slots % block_size])
-    return out.view(n, seq_len, num_kv_heads, head_dim).transpose(1, 2)
+    if is_quantized(cache.dtype):
+        out = dequantize_kv(out, dtype)
+    return out.view(n, seq_len, num_kv_heads, out.shape[-1]).transpose(1, 2)
 
 
 def torch_paged_attention(
@@ -163,8 +173,8 @@ def torch_paged_attention(
     out = torch.empty_like(query) if full_decode else torch.zeros_like(query)
     for group in plan.decode:
         # Decode group: one query row per sequence against all its keys; mask = key padding.
-        k = _gather_kv("k", k_cache, group.slots)  # [b, Hkv, S, D]
-        v = _gather_kv("v", v_cache, group.slots)
+        k = _gather_kv("k", k_cache, group.slots, query.dtype)  # [b, Hkv, S, D]
+        v = _gather_kv("v", v_cache, group.slots, query.dtype)
         q = query[group.rows]  # [b, H, D]
         if gqa and query.dtype != torch.float32:
             # NOTE: 16-bit: the G query heads of a KV head become G query rows of that head
@@ -180,8 +190,8 @@ def torch_paged_attention(
         out[group.rows] = o.reshape(q.shape[0], num_heads, head_dim)
     for group in plan.prefill:
         # Prefill group: ONE SDPA call over padded [b, H, max_query_len, D] query rows.
-        k = _gather_kv("k", k_cache, group.slots)  # [b, Hkv, S, D]
-        v = _gather_kv("v", v_cache, group.slots)
+        k = _gather_kv("k", k_cache, group.slots, query.dtype)  # [b, Hkv, S, D]
+        v = _gather_kv("v", v_cache, group.slots, query.dtype)
         o = F.scaled_dot_product_attention(
             query[group.rows].transpose(1, 2), k, v, attn_mask=group.mask, scale=scale,
             enable_gqa=gqa,

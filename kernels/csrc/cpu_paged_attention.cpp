@@ -12,7 +12,8 @@
 //   query, out        [num_tokens, num_heads, head_dim]
 //   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], any strides on the
 //                     first three dims, head_dim contiguous (so K and V may be halves of one
-//                     combined tensor)
+//                     combined tensor); the query's dtype, or quantized (--kv-cache-dtype, see
+//                     KvQuant: int8 rows [.., head_dim + 2] with their float16 scale, float8)
 //   block_tables      [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32;
 //   query_start_loc   [num_seqs + 1] int32
 //
@@ -72,6 +73,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <omp.h>
 #if defined(__x86_64__)
@@ -137,6 +140,63 @@ PS_INLINE void store_row(const float* src, c10::BFloat16* dst, int64_t n, float 
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Quantized KV cache (--kv-cache-dtype): how a cache row stores its head_dim values.
+//   kInt8      head_dim int8 values, then the row's scale as float16 (2 bytes): the row is
+//              [num_blocks, block_size, num_kv_heads, head_dim + 2] int8; value = q * scale,
+//              scale = fp16(amax / 127) per (token, KV head), q = round-half-even(x / scale)
+//              clamped to [-127, 127] (symmetric, per token and head)
+//   kFp8E4m3   float8_e4m3fn, kFp8E5m2 float8_e5m2: [..., head_dim], per-tensor scale 1.0
+//              (vLLM's default k_scale / v_scale); writes saturate to the finite range
+// Reads dequantize a chunk's rows to the query's dtype once (dequant_row), then the same
+// products run as for an unquantized cache.
+enum class KvQuant : int { kNone = 0, kInt8 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };
+
+// float8_e4m3fn bits -> float32, exact and branch-free (vectorizes); NaN (0x7F) never stored.
+PS_INLINE float e4m3_to_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t e = (b >> 3) & 0xFu, m = b & 0x7u;
+  const uint32_t normal = ((e + 120u) << 23) | (m << 20);
+  const uint32_t sub = __builtin_bit_cast(uint32_t, static_cast<float>(m) * 0x1p-9f);
+  return __builtin_bit_cast(float, (e == 0 ? sub : normal) | sign);
+}
+
+// float8_e5m2 bits -> float32, exact and branch-free; inf / NaN never stored.
+PS_INLINE float e5m2_to_float(uint8_t b) {
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80u) << 24;
+  const uint32_t e = (b >> 2) & 0x1Fu, m = b & 0x3u;
+  const uint32_t normal = ((e + 112u) << 23) | (m << 21);
+  const uint32_t sub = __builtin_bit_cast(uint32_t, static_cast<float>(m) * 0x1p-16f);
+  return __builtin_bit_cast(float, (e == 0 ? sub : normal) | sign);
+}
+
+// float32 -> T with c10's rounding (nearest even), one element (inlined into vector loops).
+PS_INLINE void put(float v, float* dst) { *dst = v; }
+PS_INLINE void put(float v, c10::BFloat16* dst) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  *reinterpret_cast<uint16_t*>(dst) = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+PS_INLINE void put(float v, c10::Half* dst) { *dst = c10::Half(v); }
+
+// One cache row (d values of a quantized cache, see KvQuant) as T.
+template <typename T>
+PS_INLINE void dequant_row(KvQuant q, const uint8_t* src, int64_t d, T* dst) {
+  if (q == KvQuant::kInt8) {
+    uint16_t bits;
+    std::memcpy(&bits, src + d, sizeof(bits));
+    const float scale = c10::detail::fp16_ieee_to_fp32_value(bits);
+    const int8_t* v = reinterpret_cast<const int8_t*>(src);
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) put(static_cast<float>(v[i]) * scale, dst + i);
+  } else if (q == KvQuant::kFp8E4m3) {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) put(e4m3_to_float(src[i]), dst + i);
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) put(e5m2_to_float(src[i]), dst + i);
+  }
+}
+
 // exp(x) in float32, vectorizable (Cephes expf: range reduction x = n ln2 + r, degree-6
 // polynomial, 2^n through the exponent bits; ~1 ulp). Exactly 0 below -87.33 (and for -inf),
 // so masked or far-below-max scores weigh nothing.
@@ -172,8 +232,10 @@ struct AttnParams {
   int64_t o_stride_tok, o_stride_head;
   const void* k_cache;
   const void* v_cache;
-  int64_t k_stride_block, k_stride_tok, k_stride_head;
+  int64_t k_stride_block, k_stride_tok, k_stride_head;  // in BYTES (the cache may be int8/fp8)
   int64_t v_stride_block, v_stride_tok, v_stride_head;
+  KvQuant kv_quant;     // how the caches store K/V (kNone: as the query's dtype)
+  int64_t kv_row_bytes;  // bytes of one (token, head) row in the cache (the int8 scale included)
   const int32_t* block_tables;
   int64_t bt_stride;
   int64_t block_size, head_dim, group;  // group = num_heads / num_kv_heads
@@ -240,6 +302,8 @@ struct Scratch {
   float* alpha;      // [rows] and its rescale factor
   const void** krow;  // [ldk] K rows of the chunk's keys (nullptr: outside the range)
   const void** vrow;  // [ldk]
+  float* kst;         // [ldk][d] (as the query's dtype) K rows dequantized from an int8/fp8 cache
+  float* vst;         // [ldk][d] and V's
   Scratch(int64_t rows, int64_t d, int64_t ldk) {
     size_t off = 0;
     std::vector<std::pair<void**, size_t>> parts = {
@@ -253,7 +317,8 @@ struct Scratch {
         {reinterpret_cast<void**>(&lo), rows * 8}, {reinterpret_cast<void**>(&hi), rows * 8},
         {reinterpret_cast<void**>(&bmax), rows * 4}, {reinterpret_cast<void**>(&alpha), rows * 4},
         {reinterpret_cast<void**>(&krow), ldk * sizeof(void*)},
-        {reinterpret_cast<void**>(&vrow), ldk * sizeof(void*)}};
+        {reinterpret_cast<void**>(&vrow), ldk * sizeof(void*)},
+        {reinterpret_cast<void**>(&kst), ldk * d * 4}, {reinterpret_cast<void**>(&vst), ldk * d * 4}};
     std::vector<size_t> offs;
     for (auto& part : parts) {
       offs.push_back(off);
@@ -761,8 +826,8 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
   }
   std::fill(s.acc, s.acc + rows * d, 0.0f);
   const int32_t* table = p.block_tables + static_cast<int64_t>(it.seq) * p.bt_stride;
-  const T* k_base = static_cast<const T*>(p.k_cache) + it.kv_head * p.k_stride_head;
-  const T* v_base = static_cast<const T*>(p.v_cache) + it.kv_head * p.v_stride_head;
+  const char* k_base = static_cast<const char*>(p.k_cache) + it.kv_head * p.k_stride_head;
+  const char* v_base = static_cast<const char*>(p.v_cache) + it.kv_head * p.v_stride_head;
   for (int64_t cs = it.key_begin / C * C; cs < it.key_end; cs += C) {
     const int64_t lo_abs = std::max(cs, it.key_begin), hi_abs = std::min(cs + C, it.key_end);
     // the chunk's columns: [c0, c1) in whole key pairs, [c0, c1p) in whole 32-key tiles
@@ -777,25 +842,36 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
     for (int64_t pos = lo_abs; pos < hi_abs;) {
       const int64_t block = table[pos / bs], off = pos % bs;
       const int64_t n = std::min(bs - off, hi_abs - pos);
-      const T* kb = k_base + block * p.k_stride_block + off * p.k_stride_tok;
-      const T* vb = v_base + block * p.v_stride_block + off * p.v_stride_tok;
+      const char* kb = k_base + block * p.k_stride_block + off * p.k_stride_tok;
+      const char* vb = v_base + block * p.v_stride_block + off * p.v_stride_tok;
       for (int64_t i = 0; i < n; ++i) {
         s.krow[pos - cs + i] = kb + i * p.k_stride_tok;
         s.vrow[pos - cs + i] = vb + i * p.v_stride_tok;
       }
       pos += n;
     }
+    // a quantized cache: the chunk's rows dequantized to T once, into the scratch
+    if (p.kv_quant != KvQuant::kNone) {
+      for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
+        T* kd = reinterpret_cast<T*>(s.kst) + t * d;
+        T* vd = reinterpret_cast<T*>(s.vst) + t * d;
+        dequant_row(p.kv_quant, static_cast<const uint8_t*>(s.krow[t]), d, kd);
+        dequant_row(p.kv_quant, static_cast<const uint8_t*>(s.vrow[t]), d, vd);
+        s.krow[t] = kd;
+        s.vrow[t] = vd;
+      }
+    }
     // NOTE: blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead
     // across them: fetch the next chunk's rows while this one computes.
     for (int64_t pos = cs + C; pos < std::min(cs + 2 * C, it.key_end); pos += bs) {
       const int64_t block = table[pos / bs];
       const int64_t n = std::min(bs, it.key_end - pos);
-      const char* kb = reinterpret_cast<const char*>(k_base + block * p.k_stride_block);
-      const char* vb = reinterpret_cast<const char*>(v_base + block * p.v_stride_block);
+      const char* kb = k_base + block * p.k_stride_block;
+      const char* vb = v_base + block * p.v_stride_block;
       for (int64_t i = 0; i < n; ++i) {
-        for (int64_t off = 0; off < d * static_cast<int64_t>(sizeof(T)); off += 64) {
-          __builtin_prefetch(kb + i * p.k_stride_tok * static_cast<int64_t>(sizeof(T)) + off);
-          __builtin_prefetch(vb + i * p.v_stride_tok * static_cast<int64_t>(sizeof(T)) + off);
+        for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
+          __builtin_prefetch(kb + i * p.k_stride_tok + off);
+          __builtin_prefetch(vb + i * p.v_stride_tok + off);
         }
       }
     }
@@ -930,6 +1006,21 @@ Path pick_path(Isa isa, at::ScalarType dtype, int64_t head_dim) {
   return isa == Isa::kAvx512Bf16 ? Path::kBf16Dp : Path::kF32;
 }
 
+// How a cache of this dtype stores K/V; kNone for a float dtype (checked against the query's).
+KvQuant kv_quant_of(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kChar: return KvQuant::kInt8;
+    case at::kFloat8_e4m3fn: return KvQuant::kFp8E4m3;
+    case at::kFloat8_e5m2: return KvQuant::kFp8E5m2;
+    default: return KvQuant::kNone;
+  }
+}
+
+// The head_dim of a cache's rows (an int8 cache's rows end in their 2-byte scale).
+int64_t cache_head_dim(const at::Tensor& c) {
+  return c.scalar_type() == at::kChar ? c.size(3) - 2 : c.size(3);
+}
+
 void check_cache(const at::Tensor& c, const char* name) {
   TORCH_CHECK_VALUE(c.dim() == 4, name, " must be [num_blocks, block_size, num_kv_heads, "
                     "head_dim], got ", c.sizes());
@@ -952,13 +1043,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const auto dtype = query.scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                     "paged_attention supports float32, bfloat16 and float16, got ", dtype);
-  TORCH_CHECK_VALUE(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
-                        out.scalar_type() == dtype,
-                    "query, out, k_cache and v_cache must share one dtype");
+  const KvQuant quant = kv_quant_of(k_cache.scalar_type());
+  TORCH_CHECK_VALUE(out.scalar_type() == dtype && v_cache.scalar_type() == k_cache.scalar_type() &&
+                        (quant != KvQuant::kNone || k_cache.scalar_type() == dtype),
+                    "query and out must share one dtype, and k_cache and v_cache either that "
+                    "one or int8 / float8_e4m3fn / float8_e5m2 (a quantized cache), got query ",
+                    dtype, ", out ", out.scalar_type(), ", caches ", k_cache.scalar_type(), " / ",
+                    v_cache.scalar_type());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), d = query.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
-  TORCH_CHECK_VALUE(k_cache.size(3) == d, "head_dim of query (", d, ") and cache (",
-                    k_cache.size(3), ") differ");
+  TORCH_CHECK_VALUE(cache_head_dim(k_cache) == d, "head_dim of query (", d, ") and cache (",
+                    cache_head_dim(k_cache), quant == KvQuant::kInt8 ? " + 2 scale bytes" : "",
+                    ") differ");
   TORCH_CHECK_VALUE(hkv > 0 && num_heads % hkv == 0, "num_heads ", num_heads,
                     " is not a multiple of num_kv_heads ", hkv);
   for (const at::Tensor* t : {&block_tables, &seq_lens, &query_start_loc}) {
@@ -1070,12 +1166,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.o_stride_head = out.stride(1);
   p.k_cache = k_cache.data_ptr();
   p.v_cache = v_cache.data_ptr();
-  p.k_stride_block = k_cache.stride(0);
-  p.k_stride_tok = k_cache.stride(1);
-  p.k_stride_head = k_cache.stride(2);
-  p.v_stride_block = v_cache.stride(0);
-  p.v_stride_tok = v_cache.stride(1);
-  p.v_stride_head = v_cache.stride(2);
+  const int64_t kv_elem = k_cache.element_size();
+  p.k_stride_block = k_cache.stride(0) * kv_elem;
+  p.k_stride_tok = k_cache.stride(1) * kv_elem;
+  p.k_stride_head = k_cache.stride(2) * kv_elem;
+  p.v_stride_block = v_cache.stride(0) * kv_elem;
+  p.v_stride_tok = v_cache.stride(1) * kv_elem;
+  p.v_stride_head = v_cache.stride(2) * kv_elem;
+  p.kv_quant = quant;
+  p.kv_row_bytes = k_cache.size(3) * kv_elem;
   p.block_tables = tables;
   p.bt_stride = bt_stride;
   p.block_size = bs;
@@ -1129,25 +1228,67 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 // ---------------------------------------------------------------------------------------------
 // KV-cache write
 
+// One (token, head) row of d values into a quantized cache row (KvQuant), from T.
+template <typename T>
+void quantize_row(KvQuant q, const T* src, int64_t d, uint8_t* dst) {
+  if (q == KvQuant::kInt8) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(static_cast<float>(src[i])));
+    const c10::Half scale16(amax / 127.0f);
+    const float scale = static_cast<float>(scale16);
+    int8_t* v = reinterpret_cast<int8_t*>(dst);
+    for (int64_t i = 0; i < d; ++i) {
+      const float r = std::nearbyint(static_cast<float>(src[i]) / scale);
+      v[i] = scale > 0.0f ? static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f)) : int8_t{0};
+    }
+    std::memcpy(dst + d, &scale16.x, sizeof(scale16.x));
+  } else if (q == KvQuant::kFp8E4m3) {
+    for (int64_t i = 0; i < d; ++i) {
+      const float x = std::clamp(static_cast<float>(src[i]), -448.0f, 448.0f);
+      dst[i] = c10::Float8_e4m3fn(x).x;
+    }
+  } else {
+    for (int64_t i = 0; i < d; ++i) {
+      const float x = std::clamp(static_cast<float>(src[i]), -57344.0f, 57344.0f);
+      dst[i] = c10::Float8_e5m2(x).x;
+    }
+  }
+}
+
+template <typename T>
+void quantize_rows(KvQuant q, const T* src, int64_t stride_head, int64_t hkv, int64_t d,
+                   uint8_t* dst, int64_t dst_stride_head) {
+  for (int64_t h = 0; h < hkv; ++h) quantize_row(q, src + h * stride_head, d, dst + h * dst_stride_head);
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                        at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
-  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes() &&
+                        k_cache.scalar_type() == v_cache.scalar_type(),
+                    "k_cache and v_cache shapes or dtypes differ");
+  const KvQuant quant = kv_quant_of(k_cache.scalar_type());
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2),
-                d = k_cache.size(3);
+                d = cache_head_dim(k_cache);
   const int64_t num_tokens = slot_mapping.size(0);
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                         slot_mapping.is_contiguous(),
                     "slot_mapping must be a contiguous [num_tokens] int64 tensor");
+  const auto dtype = key.scalar_type();
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK_VALUE(t->dim() == 3 && t->size(0) == num_tokens && t->size(1) == hkv &&
                           t->size(2) == d && t->stride(2) == 1,
                       "key and value must be [num_tokens, num_kv_heads, head_dim] with "
                       "head_dim contiguous, got ", t->sizes());
-    TORCH_CHECK_VALUE(t->scalar_type() == k_cache.scalar_type() &&
-                          v_cache.scalar_type() == k_cache.scalar_type(),
-                      "key, value and the caches must share one dtype");
+    TORCH_CHECK_VALUE(t->scalar_type() == dtype &&
+                          (quant == KvQuant::kNone ? dtype == k_cache.scalar_type()
+                                                   : (dtype == at::kFloat ||
+                                                      dtype == at::kBFloat16 ||
+                                                      dtype == at::kHalf)),
+                      "key and value must share the caches' dtype (or be float32 / bfloat16 / "
+                      "float16 for an int8 / float8 cache), got ", t->scalar_type(), " for a ",
+                      k_cache.scalar_type(), " cache");
   }
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -1155,6 +1296,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                       " is past the cache's ", num_blocks * bs, " slots");
   }
   const int64_t elem = key.element_size(), row_bytes = d * elem;
+  const int64_t celem = k_cache.element_size();
   const char* kp = static_cast<const char*>(key.data_ptr());
   const char* vp = static_cast<const char*>(value.data_ptr());
   char* kc = static_cast<char*>(k_cache.data_ptr());
@@ -1168,11 +1310,26 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // padding token: no slot
       const int64_t block = slot / bs, off = slot % bs;
+      char* kdst = kc + (block * kc0 + off * kc1) * celem;
+      char* vdst = vc + (block * vc0 + off * vc1) * celem;
+      if (quant != KvQuant::kNone) {
+        auto* kd = reinterpret_cast<uint8_t*>(kdst);
+        auto* vd = reinterpret_cast<uint8_t*>(vdst);
+        if (dtype == at::kFloat) {
+          quantize_rows(quant, key.data_ptr<float>() + t * ks0, ks1, hkv, d, kd, kc2);
+          quantize_rows(quant, value.data_ptr<float>() + t * vs0, vs1, hkv, d, vd, vc2);
+        } else if (dtype == at::kBFloat16) {
+          quantize_rows(quant, key.data_ptr<c10::BFloat16>() + t * ks0, ks1, hkv, d, kd, kc2);
+          quantize_rows(quant, value.data_ptr<c10::BFloat16>() + t * vs0, vs1, hkv, d, vd, vc2);
+        } else {
+          quantize_rows(quant, key.data_ptr<c10::Half>() + t * ks0, ks1, hkv, d, kd, kc2);
+          quantize_rows(quant, value.data_ptr<c10::Half>() + t * vs0, vs1, hkv, d, vd, vc2);
+        }
+        continue;
+      }
       for (int64_t h = 0; h < hkv; ++h) {
-        std::memcpy(kc + (block * kc0 + off * kc1 + h * kc2) * elem,
-                    kp + (t * ks0 + h * ks1) * elem, row_bytes);
-        std::memcpy(vc + (block * vc0 + off * vc1 + h * vc2) * elem,
-                    vp + (t * vs0 + h * vs1) * elem, row_bytes);
+        std::memcpy(kdst + h * kc2 * celem, kp + (t * ks0 + h * ks1) * elem, row_bytes);
+        std::memcpy(vdst + h * vc2 * celem, vp + (t * vs0 + h * vs1) * elem, row_bytes);
       }
     }
   });

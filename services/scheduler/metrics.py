@@ -4,6 +4,8 @@ Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
 
 - gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (used KV
   blocks / all blocks, 0..1 as in vLLM);
+- the info gauge ``cache_config_info{block_size, num_gpu_blocks, cache_dtype}`` = 1 (vLLM's;
+  ``num_gpu_blocks`` is the KV cache's block count on a CPU too);
 - counters ``num_preemptions_total``, ``prefix_cache_queries_total`` and
   ``prefix_cache_hits_total`` (tokens looked up / found at admission);
 - speculative decoding (with ``--speculative-config``), vLLM's counters
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
@@ -110,10 +112,17 @@ class SchedulerMetrics:
     Args:
         scheduler: the core scheduler whose state the gauges read.
         model_name: value of the ``model_name`` label on every metric, as in vLLM.
+        cache_config: the labels of vLLM's info gauge ``cache_config_info`` (value 1):
+            ``block_size``, ``num_gpu_blocks`` (the KV cache's block count, on a CPU too) and
+            ``cache_dtype`` (``--kv-cache-dtype``); None = no such gauge.
     """
 
-    def __init__(self, scheduler: Scheduler, model_name: str = ""):
+    def __init__(self, scheduler: Scheduler, model_name: str = "",
+                 cache_config: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
+        if cache_config is not None:
+            Gauge(PREFIX + "cache_config_info", "Information of the KV cache config (value 1).",
+                  list(cache_config), registry=self.registry).labels(**cache_config).set(1)
         labels = {"model_name": model_name}
         names = list(labels)
         self.registry.register(_CoreCollector(scheduler, labels))

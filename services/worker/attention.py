@@ -28,7 +28,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from kernels.kv_quant import KV_CACHE_DTYPES
+
 log = logging.getLogger(__name__)
+
+# Backends whose kernels read an int8 / float8 KV cache (kernels/kv_quant.py).
+QUANTIZED_KV_BACKENDS = ("cpu", "torch")
 
 
 @dataclass(slots=True)
@@ -177,6 +182,28 @@ def _native_cpu_kernels_load() -> bool:
     except Exception as e:  # noqa: BLE001 - any build/load failure means "use torch"
         log.warning("native CPU kernels unavailable (%s); using the torch attention backend", e)
         return False
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
+    """The KV cache tensors' dtype for ``--kv-cache-dtype name`` (vLLM's values): ``"auto"`` =
+    ``model_dtype``; ``"int8"``, ``"fp8"`` (= ``"fp8_e4m3"``) and ``"fp8_e5m2"`` =
+    ``torch.int8`` / ``float8_e4m3fn`` / ``float8_e5m2`` (``kernels/kv_quant.py``).
+
+    Raises:
+        ValueError: an unknown name, or a quantized cache with a ``backend`` (resolved name)
+            whose kernels cannot read it (triton).
+    """
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    dtype = KV_CACHE_DTYPES[name]
+    if dtype is None:
+        return model_dtype
+    if backend not in QUANTIZED_KV_BACKENDS:
+        raise ValueError(f"--kv-cache-dtype {name}: the {backend} attention backend reads an "
+                         f"unquantized KV cache only (--kv-cache-dtype auto); a quantized one "
+                         f"is read by the {' and '.join(QUANTIZED_KV_BACKENDS)} backends "
+                         f"(--attention-backend)")
+    return dtype
 
 
 def select_backend(name: str, device: torch.device | str) -> AttentionBackend:

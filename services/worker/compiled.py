@@ -119,6 +119,8 @@ class CompiledForward:
         backend: its ``AttentionBackend``; its ops are resolved before tracing, so Dynamo never
             sees the lazy import.
         block_size: tokens per KV block (the caches' second dimension is static in the graph).
+        kv_cache_dtype: the KV cache tensors' dtype (``--kv-cache-dtype``; an int8 cache's rows
+            are 2 elements wider, static in the graph too); None = the model's.
 
     Compilation (or loading the saved artifact) happens at the first call; the model runner's
     warm-up makes that call. ``compile_seconds`` is how long it took, ``source`` how the
@@ -126,14 +128,15 @@ class CompiledForward:
     this process), or "jit" (the plain ``torch.compile`` fallback).
     """
 
-    def __init__(self, model: torch.nn.Module, backend: Any, block_size: int) -> None:
+    def __init__(self, model: torch.nn.Module, backend: Any, block_size: int,
+                 kv_cache_dtype: torch.dtype | None = None) -> None:
         import torch.fx.experimental._config as fx_config
 
         fx_config.backed_size_oblivious = True
         fx_config.use_duck_shape = False
         backend.load()
         self.model = model
-        self.key = artifact_key(model, backend.name, block_size)
+        self.key = artifact_key(model, backend.name, block_size, kv_cache_dtype)
         self.path = Path(inductor_cache_dir()) / "aot" / f"{self.key}.bin"
         self._fn: Any = None  # (model, input_ids, positions, kv_caches, metas, hidden) -> [T, E]
         self.compile_seconds: float | None = None
@@ -207,11 +210,13 @@ _SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py",
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 
 
-def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> str:
+def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
+                 kv_cache_dtype: torch.dtype | None = None) -> str:
     """A 24-hex-digit hash of everything a compiled forward was specialised on: torch, Python,
     the CPU's vector ISA, the model class and config (its layers' sliding windows too, which
     fix the KV cache groups: how many metadata objects the graph takes and which layers share a
-    K/V tensor pair), its dtype and device, the attention backend, the block size, the classes
+    K/V tensor pair), its dtype and device, the attention backend, the block size and KV cache
+    dtype (None = the model's), the classes
     of its modules (packed linear layers: a 16-bit model's, or ``--batch-invariant``'s), and
     the text of the model, kernel (native ones included), packing, compile and grouping
     modules."""
@@ -222,6 +227,7 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int) -> 
                  type(model).__qualname__, repr(getattr(model, "config", None)),
                  repr(getattr(getattr(model, "config", None), "sliding_windows", None)),
                  str(param.dtype), param.device.type, backend_name, str(block_size),
+                 str(kv_cache_dtype or param.dtype),
                  str(len(getattr(model, "layers", ()))),
                  ",".join(sorted({type(m).__qualname__ for m in model.modules()}))):
         h.update(part.encode() + b"\0")

@@ -32,10 +32,11 @@ import numpy as np
 import torch
 
 from kernels.copy_blocks import copy_blocks
+from kernels.kv_quant import cache_row_size
 from services.common.sampling_params import EngineSamplingParams
 from services.common.speculative import SpeculativeConfig
 from services.common.tokenizer_loading import load_tokenizer
-from services.worker.attention import AttentionMetadata, select_backend
+from services.worker.attention import AttentionMetadata, resolve_kv_cache_dtype, select_backend
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.distributed import ParallelState
 from services.worker.input_batch import InputBatch, PreparedStep
@@ -132,6 +133,12 @@ class ModelRunner:
         device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
         block_size: tokens per KV block.
         kv_cache_memory: KV cache bytes on CPU (default 2 GiB); ignored on CUDA.
+        kv_cache_dtype: how the KV cache stores K/V (vLLM's ``--kv-cache-dtype``): ``"auto"``
+            = the model dtype; ``"int8"`` (per token and head, the scale in the row),
+            ``"fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (per-tensor scale 1.0): half the bytes
+            of bf16, a quarter of float32's, so about twice / four times the blocks
+            (``kernels/kv_quant.py``). The torch and cpu attention backends read them; the
+            draft model of speculative decoding keeps its own K/V at the model dtype.
         gpu_memory_utilization: fraction of the GPU's total memory this worker may use (weights,
             activations and KV cache); the KV cache gets what the profiled peak leaves.
         max_num_batched_tokens: tokens of the largest step, used to profile peak memory on CUDA.
@@ -172,6 +179,7 @@ class ModelRunner:
 
     def __init__(self, model: str | None, dtype: str = "auto", device: str = "auto",
                  block_size: int = 16, kv_cache_memory: int | None = None,
+                 kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  max_num_seqs: int = 256, parallel: ParallelState | None = None,
@@ -191,6 +199,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         backend = select_backend(attention_backend, self.device)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, backend.name)
+        self.kv_cache_dtype_name = kv_cache_dtype
         if batch_invariant and backend.name != "cpu":
             raise ValueError(f"--batch-invariant needs the native CPU attention kernels "
                              f"(--attention-backend cpu or auto on a CPU), not {backend.name!r}")
@@ -215,8 +225,9 @@ class ModelRunner:
         self.num_layers = len(self.model.layers)
         self.num_kv_heads: int = cast(DecoderLayer, self.model.layers[0]).attn.n_kv_heads
         self._plan_kv_cache_groups(list(cfg.sliding_windows))
+        self.kv_row = cache_row_size(cfg.head_dim, self.kv_cache_dtype)  # elements per row
         self.bytes_per_block = (2 * self.num_kv_pairs * block_size * self.num_kv_heads
-                                * cfg.head_dim * self.dtype.itemsize)
+                                * self.kv_row * self.kv_cache_dtype.itemsize)
         self.ngram, self.draft = self._build_proposer(speculative, backend)
         draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
         self.sampler = Sampler()
@@ -247,9 +258,11 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.allocate_kv_cache(num_blocks)
         self.input_batch.num_kv_blocks = num_blocks
-        log.info("KV cache: %d blocks x %d tokens (%.2f GiB, %s) on %s; %d KV cache groups "
-                 "(windows %s, 0 = full), %d K/V tensor pairs for %d layers", num_blocks,
-                 block_size, num_blocks * self.bytes_per_block / 2**30, self.dtype_name,
+        log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s, --kv-cache-dtype "
+                 "%s) on %s; %d KV cache groups (windows %s, 0 = full), %d K/V tensor pairs for "
+                 "%d layers", num_blocks, block_size, num_blocks * block_size,
+                 num_blocks * self.bytes_per_block / 2**30,
+                 str(self.kv_cache_dtype).removeprefix("torch."), kv_cache_dtype,
                  self.device, len(self.kv_cache_groups),
                  [g.sliding_window for g in self.kv_cache_groups], self.num_kv_pairs,
                  self.num_layers)
@@ -257,7 +270,8 @@ class ModelRunner:
         self.eager_reason = why_eager(enforce_eager, self.device, backend.name, world)
         self.forward: Model | CompiledForward = self.model
         if self.eager_reason is None:
-            self.forward = CompiledForward(self.model, backend, self.block_size)
+            self.forward = CompiledForward(self.model, backend, self.block_size,
+                                           self.kv_cache_dtype)
             self._warm_up()
         else:
             log.info("forward runs eagerly: %s", self.eager_reason)
@@ -316,12 +330,12 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per local layer, its ``(k, v)`` pair (one object for every layer that shares it)."""
-        cfg = self.model.config
-        shape = (num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.kv_row)
         # NOTE: zeros, not empty: kernels that load whole blocks and mask afterwards would turn
         # garbage NaNs in unused slots into NaN outputs (0 * NaN).
-        pairs = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                  torch.zeros(shape, dtype=self.dtype, device=self.device))
+        dtype = self.kv_cache_dtype
+        pairs = [(torch.zeros(shape, dtype=dtype, device=self.device),
+                  torch.zeros(shape, dtype=dtype, device=self.device))
                  for _ in range(self.num_kv_pairs)]
         return [pairs[i] for i in self._layer_pairs]
 

@@ -275,6 +275,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="tokens per KV block (worker and scheduler must agree)")
     add_flag(p, "--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
              help="KV cache size on CPU, e.g. 4GiB")
+    add_flag(p, "--kv-cache-dtype", default="auto",
+             choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+             help="how the KV cache stores K/V: auto = the model dtype; int8 = per token and "
+                  "head with a float16 scale; fp8 (= fp8_e4m3) / fp8_e5m2 = float8 with scale "
+                  "1.0. Half the bytes of bfloat16 (about twice the tokens in --kv-cache-memory, "
+                  "half the bytes read per decoded token); cpu and torch attention backends")
     add_flag(p, "--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9,
              help="fraction of GPU memory for weights, activations and KV cache")
     add_flag(p, "--max-num-seqs", type=int_in(1), default=256,
@@ -364,6 +370,7 @@ def build_runner(args):
         parallel = init_distributed(pc, resolved, args.distributed_timeout)
     return ModelRunner(model=args.model, dtype=args.dtype, device=device,
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+                       kv_cache_dtype=args.kv_cache_dtype,
                        gpu_memory_utilization=args.gpu_memory_utilization,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
@@ -388,6 +395,7 @@ def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
         attention_backend=runner.attention_backend_name, tensor_parallel_size=tp,
         pipeline_parallel_size=pp, group_id=ps.group_id if ps else "",
         max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
+        kv_cache_dtype=runner.kv_cache_dtype_name,
         kv_cache_groups=[worker_pb2.KVCacheGroup(sliding_window=g.sliding_window,
                                                  layer_ids=g.layer_ids)
                          for g in runner.kv_cache_groups])

@@ -65,7 +65,10 @@ def test_scheduler_and_worker_metrics_follow_the_requests(tiny):
             assert r.usage.completion_tokens == 5
     tiny.wait_idle()
     after, wafter = scrape(sched_port), scrape(worker_port)
-    m = {"model_name": tiny.info().model}
+    info = tiny.info()
+    m = {"model_name": info.model}
+    assert get(after, "pagedserve:cache_config_info", block_size=str(info.block_size),
+               num_gpu_blocks=str(info.num_kv_blocks), cache_dtype="auto") == 1
 
     def delta(name, **labels):
         return get(after, name, **m, **labels) - get(before, name, **m, **labels)
