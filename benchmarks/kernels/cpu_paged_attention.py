@@ -18,6 +18,9 @@ ceilings, both measured in the same run:
   1024 x 1024 x 1024 at the same dtype (oneDNN / MKL: AMX where the CPU has it; the prefill
   goal: >= 40 % at 512 tokens).
 
+``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`` stores the caches quantized (``kernels/kv_quant.py``):
+``GB/s`` and ``% copy`` then count the cache's own bytes (int8: head_dim + 2 per row).
+
 ``--layers N`` times each call round-robin over N copies of the step (distinct caches, as a
 model's layers are) and the copy over N distinct buffers: once their bytes exceed the last-level
 cache, both read from memory, as in serving, where a layer's K/V is evicted by the other
@@ -28,7 +31,7 @@ every layer reuses it), so both columns time only what a layer pays. Minimum (or
 median``) of ``--reps`` calls after warm-up; the ratio is torch / native (> 1: native faster).
 
     .venv/bin/python benchmarks/kernels/cpu_paged_attention.py [--dtype float32] [--reps 30]
-        [--stat min] [--threads N] [--layers N] [--only SUBSTRING]
+        [--stat min] [--threads N] [--layers N] [--only SUBSTRING] [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import time
 import torch
 
 from kernels.cpu_attention import cpu_isa, cpu_paged_attention
+from kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv
 from kernels.torch_attention import plan_paged_attention, torch_paged_attention
 
 DECODE = [(batch, ctx) for batch in (1, 8, 64) for ctx in (128, 512, 2048)]
@@ -54,8 +58,10 @@ MIXED = {
 }
 
 
-def make_step(pairs, num_heads, num_kv_heads, head_dim, block_size, dtype) -> dict:
-    """Query, filled caches and metadata of one step; ``pairs`` = (query_len, seq_len)."""
+def make_step(pairs, num_heads, num_kv_heads, head_dim, block_size, dtype,
+              cache_dtype=None) -> dict:
+    """Query, filled caches (quantized to ``cache_dtype`` unless None) and metadata of one
+    step; ``pairs`` = (query_len, seq_len)."""
     blocks = [math.ceil(s / block_size) for _, s in pairs]
     num_blocks = sum(blocks) + 8
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -67,9 +73,12 @@ def make_step(pairs, num_heads, num_kv_heads, head_dim, block_size, dtype) -> di
         used += n
     qsl = torch.zeros(len(pairs) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor([q for q, _ in pairs]), 0)
+    k_cache, v_cache = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    if cache_dtype is not None:
+        k_cache, v_cache = quantize_kv(k_cache, cache_dtype), quantize_kv(v_cache, cache_dtype)
     return dict(
         query=torch.randn(int(qsl[-1]), num_heads, head_dim, dtype=dtype),
-        k_cache=torch.randn(shape, dtype=dtype), v_cache=torch.randn(shape, dtype=dtype),
+        k_cache=k_cache, v_cache=v_cache,
         block_tables=table, seq_lens=torch.tensor([s for _, s in pairs], dtype=torch.int32),
         query_start_loc=qsl, max_query_len=max(q for q, _ in pairs),
         max_seq_len=max(s for _, s in pairs), scale=head_dim**-0.5)
@@ -117,8 +126,9 @@ def matmul_gflops(dtype: torch.dtype, reps: int) -> float:
 
 
 def bench(name: str, pairs, args) -> None:
+    cache_dtype = KV_CACHE_DTYPES[args.kv_cache_dtype]
     steps = [make_step(pairs, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
-                       getattr(torch, args.dtype)) for _ in range(args.layers)]
+                       getattr(torch, args.dtype), cache_dtype) for _ in range(args.layers)]
     step = steps[0]
     plan = plan_paged_attention(step["block_tables"], step["seq_lens"], step["query_start_loc"],
                                 step["max_query_len"], step["max_seq_len"], args.block_size)
@@ -129,8 +139,8 @@ def bench(name: str, pairs, args) -> None:
                       args.reps, args.stat) / args.layers
         diff = (cpu_paged_attention(**step).float()
                 - torch_paged_attention(**step, plan=plan).float()).abs().max().item()
-    dtype = getattr(torch, args.dtype)
-    nbytes = step_bytes(pairs, args.num_kv_heads, args.head_dim, dtype.itemsize)
+    row = step["k_cache"].shape[-1]  # head_dim (+ an int8 row's 2 scale bytes)
+    nbytes = step_bytes(pairs, args.num_kv_heads, row, step["k_cache"].dtype.itemsize)
     copy = copy_ms(nbytes, args.reps, args.layers)
     gflops = step_flops(pairs, args.num_heads, args.head_dim) / native / 1e6
     print(f"| {name:<38} | {ref:9.3f} | {native:9.3f} | {ref / native:6.2f}x | {diff:.1e} "
@@ -152,6 +162,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=1,
                    help="distinct copies of each step timed round-robin (30: SmolLM2's layers)")
     p.add_argument("--only", default="", help="run only the steps whose name contains this")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="the caches' storage (auto = --dtype)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -161,7 +173,8 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, isa {cpu_isa()}, "
           f"{args.dtype}, H={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
-          f"block={args.block_size}, {args.stat} of {args.reps}, {args.layers} layer(s)")
+          f"block={args.block_size}, {args.stat} of {args.reps}, {args.layers} layer(s), "
+          f"--kv-cache-dtype {args.kv_cache_dtype}")
     with torch.inference_mode():
         args.mm_gflops = matmul_gflops(getattr(torch, args.dtype), args.reps)
     print(f"# matmul ceiling: torch.mm 1024^3 {args.dtype} {args.mm_gflops:.0f} GFLOP/s")

@@ -555,9 +555,51 @@ PS_BF16_TARGET PS_INLINE void transpose16x16_u32(__m512i r[16]) {
   }
 }
 
+// 32 values of a cache row from dim e on, as bf16 in order (one 512-bit register): the row's
+// own bf16 values, or a quantized row's (KvQuant) dequantized in float32 and rounded to
+// nearest even, the same bits as dequant_row. `row` is the cache row (its scale at byte d).
+template <KvQuant Q>
+PS_BF16_TARGET PS_INLINE __m512i load32_bf16(const void* row, int64_t e, int64_t d) {
+  if constexpr (Q == KvQuant::kNone) {
+    return _mm512_loadu_si512(static_cast<const uint16_t*>(row) + e);
+  } else {
+    const __m256i b = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(row) + e));
+    __m512 lo, hi;  // values e .. e + 15 and e + 16 .. e + 31 in float32
+    if constexpr (Q == KvQuant::kInt8) {
+      uint16_t bits;
+      std::memcpy(&bits, static_cast<const uint8_t*>(row) + d, sizeof(bits));
+      const __m512 scale = _mm512_set1_ps(c10::detail::fp16_ieee_to_fp32_value(bits));
+      lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
+                         scale);
+      hi = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))), scale);
+    } else {
+      // float8 -> float16 bits (exact), then float32: e5m2 is float16's high byte; e4m3's
+      // exponent and mantissa shift into float16's with the bias 8 short, made up by 2^8
+      const __m512i w = _mm512_cvtepu8_epi16(b);
+      __m512i h;
+      if constexpr (Q == KvQuant::kFp8E5m2) {
+        h = _mm512_slli_epi16(w, 8);
+      } else {
+        h = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7F)), 7),
+                            _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+      }
+      lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+      hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      if constexpr (Q == KvQuant::kFp8E4m3) {
+        lo = _mm512_mul_ps(lo, _mm512_set1_ps(256.0f));
+        hi = _mm512_mul_ps(hi, _mm512_set1_ps(256.0f));
+      }
+    }
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
 // K^T of the chunk's columns [c0, c1p) in bf16 pairs: kp[j][t] = (K[t][2j], K[t][2j + 1]) as
 // one 32-bit word; 16 keys x 16 pairs at a time, transposed in registers; keys outside the
-// range are zero. head_dim % 32 == 0.
+// range are zero. head_dim % 32 == 0. Quantized rows are dequantized on the way (load32_bf16).
+template <KvQuant Q>
 PS_BF16_TARGET void pack_k_pairs(const void* const* krow, int64_t c0, int64_t c1p, int64_t d,
                                  uint32_t* kp, int64_t ldk) {
   const int64_t d2 = d / 2;
@@ -565,8 +607,8 @@ PS_BF16_TARGET void pack_k_pairs(const void* const* krow, int64_t c0, int64_t c1
     for (int64_t j0 = 0; j0 < d2; j0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) {
-        const uint32_t* row = static_cast<const uint32_t*>(krow[t0 + i]);
-        r[i] = row != nullptr ? _mm512_loadu_si512(row + j0) : _mm512_setzero_si512();
+        const void* row = krow[t0 + i];
+        r[i] = row != nullptr ? load32_bf16<Q>(row, 2 * j0, d) : _mm512_setzero_si512();
       }
       transpose16x16_u32(r);
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kp + (j0 + j) * ldk + t0, r[j]);
@@ -575,6 +617,7 @@ PS_BF16_TARGET void pack_k_pairs(const void* const* krow, int64_t c0, int64_t c1
 }
 
 // V of the chunk's key pairs [c0 / 2, c1 / 2) in bf16 pairs: vp[i][e] = (V[2i][e], V[2i+1][e]).
+template <KvQuant Q>
 PS_BF16_TARGET void pack_v_pairs(const void* const* vrow, int64_t c0, int64_t c1, int64_t d,
                                  uint16_t* vp) {
   const __m512i lo_idx = _mm512_setr_epi32(
@@ -584,15 +627,36 @@ PS_BF16_TARGET void pack_v_pairs(const void* const* vrow, int64_t c0, int64_t c1
   const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t t = c0; t < c1; t += 2) {
-    const uint16_t* a = static_cast<const uint16_t*>(vrow[t]);
-    const uint16_t* b = static_cast<const uint16_t*>(vrow[t + 1]);
+    const void* a = vrow[t];
+    const void* b = vrow[t + 1];
     uint16_t* dst = vp + (t / 2) * d * 2;
     for (int64_t e = 0; e < d; e += 32) {
-      const __m512i va = a != nullptr ? _mm512_loadu_si512(a + e) : zero;
-      const __m512i vb = b != nullptr ? _mm512_loadu_si512(b + e) : zero;
+      const __m512i va = a != nullptr ? load32_bf16<Q>(a, e, d) : zero;
+      const __m512i vb = b != nullptr ? load32_bf16<Q>(b, e, d) : zero;
       _mm512_storeu_si512(dst + 2 * e, _mm512_permutex2var_epi16(va, lo_idx, vb));
       _mm512_storeu_si512(dst + 2 * e + 32, _mm512_permutex2var_epi16(va, hi_idx, vb));
     }
+  }
+}
+
+// The packers for the call's cache storage.
+PS_BF16_TARGET void pack_k(KvQuant q, const void* const* krow, int64_t c0, int64_t c1p,
+                           int64_t d, uint32_t* kp, int64_t ldk) {
+  switch (q) {
+    case KvQuant::kInt8: return pack_k_pairs<KvQuant::kInt8>(krow, c0, c1p, d, kp, ldk);
+    case KvQuant::kFp8E4m3: return pack_k_pairs<KvQuant::kFp8E4m3>(krow, c0, c1p, d, kp, ldk);
+    case KvQuant::kFp8E5m2: return pack_k_pairs<KvQuant::kFp8E5m2>(krow, c0, c1p, d, kp, ldk);
+    default: return pack_k_pairs<KvQuant::kNone>(krow, c0, c1p, d, kp, ldk);
+  }
+}
+
+PS_BF16_TARGET void pack_v(KvQuant q, const void* const* vrow, int64_t c0, int64_t c1, int64_t d,
+                           uint16_t* vp) {
+  switch (q) {
+    case KvQuant::kInt8: return pack_v_pairs<KvQuant::kInt8>(vrow, c0, c1, d, vp);
+    case KvQuant::kFp8E4m3: return pack_v_pairs<KvQuant::kFp8E4m3>(vrow, c0, c1, d, vp);
+    case KvQuant::kFp8E5m2: return pack_v_pairs<KvQuant::kFp8E5m2>(vrow, c0, c1, d, vp);
+    default: return pack_v_pairs<KvQuant::kNone>(vrow, c0, c1, d, vp);
   }
 }
 
@@ -743,7 +807,7 @@ PS_BF16_TARGET void softmax_rows_bf16(Scratch& s, int64_t rows, int64_t ldk, int
 PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                 int64_t c1p) {
   const int64_t d = p.head_dim, ldk = p.ldk;
-  pack_k_pairs(s.krow, c0, c1p, d, s.kp, ldk);
+  pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
   for (int64_t j0 = c0; j0 < c1p; j0 += 32) {
     int64_t m = 0;
     for (; m + 4 <= rows; m += 4) qk_tile_dp<4>(s.q16 + m * d, d, s.kp, ldk, j0, s.s + m * ldk);
@@ -754,7 +818,7 @@ PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, i
 PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                 int64_t c1) {
   const int64_t d = p.head_dim, ldk = p.ldk;
-  pack_v_pairs(s.vrow, c0, c1, d, s.vp);
+  pack_v(p.kv_quant, s.vrow, c0, c1, d, s.vp);
   for (const uint16_t* pp : {s.p16, s.p16lo}) {  // P's high part, then its low part
     for (int64_t e0 = 0; e0 < d; e0 += 32) {
       int64_t m = 0;
@@ -773,7 +837,7 @@ PS_BF16_TARGET void chunk_qk_amx(const AttnParams& p, Scratch& s, int64_t rows, 
   // NOTE: N = whole 32-key tiles (zero keys past the chunk's last): ATen keeps every (M, N,
   // K, ...) kernel it JITs, per thread and forever, so N takes 17 values, not one per key count.
   const int64_t d = p.head_dim, ldk = p.ldk;
-  pack_k_pairs(s.krow, c0, c1p, d, s.kp, ldk);
+  pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
   at::native::cpublas::brgemm(rows, c1p - c0, d, d, ldk, ldk, /*add_C=*/false,
                               reinterpret_cast<const at::BFloat16*>(s.q16),
                               reinterpret_cast<const at::BFloat16*>(s.kp + c0), s.s + c0,
@@ -794,7 +858,7 @@ PS_BF16_TARGET void chunk_pv_amx(const AttnParams& p, Scratch& s, int64_t rows, 
       std::fill(pp + r * ldk + c1, pp + r * ldk + C, uint16_t{0});
     }
   }
-  pack_v_pairs(s.vrow, 0, C, d, s.vp);
+  pack_v(p.kv_quant, s.vrow, 0, C, d, s.vp);
   for (const uint16_t* pp : {s.p16, s.p16lo}) {  // P's high part, then its low part
     at::native::cpublas::brgemm(rows, d, C, ldk, d, d, /*add_C=*/true,
                                 reinterpret_cast<const at::BFloat16*>(pp),
@@ -850,8 +914,9 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
       }
       pos += n;
     }
-    // a quantized cache: the chunk's rows dequantized to T once, into the scratch
-    if (p.kv_quant != KvQuant::kNone) {
+    // a quantized cache on the float32 body: the chunk's rows dequantized to T once, into the
+    // scratch (the bf16 pair bodies dequantize while they pack)
+    if (kPath == Path::kF32 && p.kv_quant != KvQuant::kNone) {
       for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
         T* kd = reinterpret_cast<T*>(s.kst) + t * d;
         T* vd = reinterpret_cast<T*>(s.vst) + t * d;
