@@ -914,6 +914,22 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
       }
       pos += n;
     }
+    // NOTE: blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead
+    // across them. The item's first chunk (a decode's only one, up to 512 keys): ask for all
+    // its rows now, K before V, so their misses overlap instead of stalling the packing row
+    // by row; then fetch the next chunk's rows while this one computes.
+    if (cs == it.key_begin / C * C) {
+      for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
+        for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
+          __builtin_prefetch(static_cast<const char*>(s.krow[t]) + off, 0, 3);
+        }
+      }
+      for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
+        for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
+          __builtin_prefetch(static_cast<const char*>(s.vrow[t]) + off, 0, 2);
+        }
+      }
+    }
     // a quantized cache on the float32 body: the chunk's rows dequantized to T once, into the
     // scratch (the bf16 pair bodies dequantize while they pack)
     if (kPath == Path::kF32 && p.kv_quant != KvQuant::kNone) {
@@ -926,8 +942,6 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
         s.vrow[t] = vd;
       }
     }
-    // NOTE: blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead
-    // across them: fetch the next chunk's rows while this one computes.
     for (int64_t pos = cs + C; pos < std::min(cs + 2 * C, it.key_end); pos += bs) {
       const int64_t block = table[pos / bs];
       const int64_t n = std::min(bs, it.key_end - pos);

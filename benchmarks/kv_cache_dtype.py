@@ -1,0 +1,86 @@
+"""What ``--kv-cache-dtype`` costs and buys on SmolLM2: capacity and quality per mode.
+
+For each compute dtype (``--dtypes``) and KV cache mode (auto, int8, fp8_e4m3, fp8_e5m2):
+
+- **capacity**: KV tokens that fit in ``--kv-cache-memory`` (2 GiB; the worker's sizing rule,
+  ``ModelRunner.bytes_per_block``), and the ratio to ``auto`` at that dtype;
+- **first-step logprobs**: the first generated token's top-5 logprobs of the 16 chat prompts
+  of ``tests/stack/test_same_answer.py``, mean |logprob - transformers float32|;
+- **greedy agreement**: how many of the 16 chats' greedy answers (``--max-tokens`` tokens) are
+  identical to ``auto``'s at that dtype, and the mean length of the common prefix.
+
+pagedserve runs eagerly in process (``ModelRunner(enforce_eager=True)``, the native kernels).
+
+    .venv/bin/python benchmarks/kv_cache_dtype.py [--dtypes bfloat16,float32] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="bytes")
+    a = p.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.common.model_files import resolve_model
+    from services.worker.model_runner import ModelRunner
+    from tests.stack.test_same_answer import (
+        PROBE_CHATS,
+        TOP,
+        _hf_first_logprobs,
+        _mean_distance,
+    )
+    from tests.stack.test_smollm2 import chat_prompts
+    from tests.worker.invariance_driver import generate
+
+    prompts = chat_prompts(PROBE_CHATS)
+    src = resolve_model(None)
+    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
+                                              dtype=torch.float32).eval()
+    fp32 = _hf_first_logprobs(hf, prompts)
+    del hf
+    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
+          f"{torch.__version__}, SmolLM2-135M, {len(prompts)} chats, top {TOP}, "
+          f"{a.max_tokens} greedy tokens, KV memory {a.kv_cache_memory / 2**30:.2f} GiB")
+    print("| dtype | --kv-cache-dtype | KV tokens | x auto | mean abs dlogprob vs transformers "
+          "fp32 | answers = auto's | mean common prefix |")
+    print("|---|---|---|---|---|---|---|")
+    for dtype in a.dtypes.split(","):
+        base_tokens = base_answers = None
+        for mode in MODES:
+            runner = ModelRunner(None, dtype=dtype, enforce_eager=True, kv_cache_memory=64 << 20,
+                                 kv_cache_dtype=mode)
+            tokens = a.kv_cache_memory // runner.bytes_per_block * runner.block_size
+            tops, answers = [], []
+            for prompt in prompts:
+                out, logprobs = generate(runner, prompt, a.max_tokens)
+                tops.append(list(zip(*logprobs[0][1:], strict=True)))
+                answers.append(out)
+            del runner
+            base_tokens = base_tokens or tokens
+            base_answers = base_answers or answers
+            same = sum(x == y for x, y in zip(answers, base_answers, strict=True))
+            prefix = sum(next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t),
+                              len(x)) for x, y in zip(answers, base_answers, strict=True))
+            print(f"| {dtype} | {mode} | {tokens:,} | {tokens / base_tokens:.2f}x | "
+                  f"{_mean_distance(tops, fp32):.4f} | {same}/{len(prompts)} | "
+                  f"{prefix / len(prompts):.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
