@@ -76,9 +76,9 @@ inline Isa at_most(Isa isa, Isa top) {
 // The targets a kernel body is compiled for besides the baseline (every body is compiled on
 // every x86-64 machine and picked at run time).
 #define PS_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
-// AVX-512 + AVX512-BF16 (vdpbf16ps): the bf16 bodies, and the AMX path's packing.
+// AVX-512 + AVX512-BF16 (vdpbf16ps) + F16C: the bf16 bodies, and the AMX path's packing.
 #define PS_BF16_TARGET \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
 #define PS_TARGET_AVX2 __attribute__((target("avx2,fma")))
 
 // A body's column in the dispatch tables below: float32 0, bfloat16 1, float16 2.

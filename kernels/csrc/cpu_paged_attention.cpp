@@ -569,7 +569,7 @@ PS_BF16_TARGET PS_INLINE __m512i load32_bf16(const void* row, int64_t e, int64_t
     if constexpr (Q == KvQuant::kInt8) {
       uint16_t bits;
       std::memcpy(&bits, static_cast<const uint8_t*>(row) + d, sizeof(bits));
-      const __m512 scale = _mm512_set1_ps(c10::detail::fp16_ieee_to_fp32_value(bits));
+      const __m512 scale = _mm512_set1_ps(_cvtsh_ss(bits));  // (F16C: exact)
       lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
                          scale);
       hi = _mm512_mul_ps(
