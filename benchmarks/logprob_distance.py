@@ -9,6 +9,13 @@ The prompts and helpers are ``tests/stack/test_same_answer.py``'s, which asserts
 the first, second and fourth.
 
     .venv/bin/python benchmarks/logprob_distance.py
+
+``--quantization MODE`` (``int8`` or ``w8a8``; repeat it for both) measures the weight modes
+instead: per ``--dtypes`` (default bfloat16,float32), pagedserve eager unquantized and with
+each mode, the mean |logprob - reference| of each run's own top 5, against transformers'
+float32 and against pagedserve's unquantized run at that dtype (its full log_softmax).
+
+    .venv/bin/python benchmarks/logprob_distance.py --quantization int8 --quantization w8a8
 """
 
 from __future__ import annotations
@@ -21,6 +28,16 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quantization", action="append", choices=["int8", "w8a8"], default=[])
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    a = p.parse_args()
+    if a.quantization:
+        quantized(a.quantization, a.dtypes.split(","))
+        return
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -56,6 +73,42 @@ def main() -> None:
     print(f"mean |logprob - transformers float32| of the top {TOP}, {len(prompts)} chats:")
     for name, tops in runs.items():
         print(f"  {name:42s} {_mean_distance(tops, fp32):.4f}")
+
+
+
+
+def quantized(modes: list[str], dtypes: list[str]) -> None:
+    """The ``--quantization`` table (the module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.common.model_files import resolve_model
+    from services.worker.model_runner import ModelRunner
+    from tests.stack.test_same_answer import PROBE_CHATS, TOP, _hf_first_logprobs, _mean_distance
+    from tests.stack.test_smollm2 import chat_prompts
+    from tests.worker.test_model import run_ours
+
+    prompts = chat_prompts(PROBE_CHATS)
+    src = resolve_model(None)
+    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
+                                              dtype=torch.float32).eval()
+    fp32 = _hf_first_logprobs(hf, prompts)
+    del hf
+    print(f"mean |logprob - reference| of each run's top {TOP}, first step, {len(prompts)} "
+          f"chats (pagedserve eager)")
+    print(f"  {'run':34s} {'vs transformers fp32':>21s} {'vs unquantized':>15s}")
+    for dtype in dtypes:
+        unquantized = None
+        for mode in [None, *modes]:
+            runner = ModelRunner(None, dtype=dtype, enforce_eager=True, kv_cache_memory=64 << 20,
+                                 quantization=mode)
+            full = [torch.log_softmax(run_ours(runner.model, p)[-1], dim=-1) for p in prompts]
+            del runner
+            tops = [[(t, lp[t].item()) for t in lp.topk(TOP).indices.tolist()] for lp in full]
+            unquantized = unquantized or full
+            print(f"  {dtype + ', ' + (mode or 'unquantized'):34s} "
+                  f"{_mean_distance(tops, fp32):21.4f} {_mean_distance(tops, unquantized):15.4f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ The torch custom ops of ``kernels/csrc/cpu_linear.cpp`` (``torch.ops.pagedserve.
 Paths by instruction set (``PAGEDSERVE_CPU_ISA`` forces a lower one; see ``cpu_attention``):
 AMX tiles through ATen's ``cpublas::brgemm`` (bf16), ``vdpbf16ps`` (AVX512-BF16, bf16), and a
 float32 FMA micro-kernel for AVX-512, AVX2 and the baseline (every dtype).
+
+int8 weights (``--quantization int8``, GGUF Q8_0; ``services/worker/quantized_linear.py``) take
+the same paths: each packed block is dequantized inside the GEMM, to bf16 for a bf16 ``x`` on
+the bf16 paths, to float32 otherwise, with a float32 scale per output channel (applied to the
+float32 sums) or per group of K (GGUF Q8_0's 32; applied to each weight as it is dequantized).
 """
 
 from __future__ import annotations
@@ -34,11 +39,11 @@ def _ops():
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """Pack ``weight [N, K]`` (float32, bfloat16 or float16, CPU) for ``cpu_linear``.
+    """Pack ``weight [N, K]`` (float32, bfloat16, float16 or int8, CPU) for ``cpu_linear``.
 
     Returns a new tensor in ``weight``'s dtype: ``[ceil(N/32), ceil(K/2), 32, 2]`` for 16-bit
-    weights (VNNI-2 pairs), ``[ceil(N/32), K, 32]`` for float32; N is zero-padded to whole
-    blocks of 32 (and K to even).
+    and int8 weights (VNNI-2 pairs), ``[ceil(N/32), K, 32]`` for float32; N is zero-padded to
+    whole blocks of 32 (and K to even).
 
     Raises:
         ValueError: not 2-D, not on the CPU, or another dtype.
@@ -48,22 +53,42 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def cpu_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None,
+               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias) -> [M, out_features]`` in ``out_dtype`` (default ``x.dtype``).
 
-    ``x`` must have the packed weight's dtype; ``bias [N]`` may have any float dtype (added in
-    float32 before the one rounding to ``out_dtype``). Accumulation is float32.
+    ``x`` must have the packed weight's dtype (int8 weights: float32, bfloat16 or float16);
+    ``bias [N]`` may have any float dtype (added in float32 before the one rounding to
+    ``out_dtype``). Accumulation is float32.
+
+    ``weight_scale`` (int8 weights only; float32): ``[N]``, a scale per output channel,
+    ``W = q * scale[:, None]``, applied to the float32 sums before the bias; or
+    ``pack_group_scale``'s ``[ceil(N/32), K/G, 32]``, a scale per group of G consecutive k (G
+    even), ``W[n, k] = q[n, k] * scale[n, k // G]``, applied to each weight as it is
+    dequantized (then rounded to ``x``'s dtype, as a model in that dtype holds its weights).
 
     Raises:
-        ValueError: mismatched dtypes or shapes, a tensor that is not ``pack_linear_weight``'s.
+        ValueError: mismatched dtypes or shapes, a tensor that is not ``pack_linear_weight``'s,
+            int8 weights without ``weight_scale`` or another weight with one.
     """
-    return _ops().linear(x, packed, out_features, bias, out_dtype)
+    return _ops().linear(x, packed, out_features, bias, out_dtype, weight_scale)
+
+
+def pack_group_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Per-group scales ``[N, K/G]`` (float32) -> ``cpu_linear``'s ``[ceil(N/32), K/G, 32]``:
+    group g of row n at ``[n // 32, g, n % 32]`` (N zero-padded to whole blocks of 32)."""
+    n, groups = scale.shape
+    blocks = -(-n // 32)
+    padded = torch.zeros(blocks * 32, groups, dtype=torch.float32)
+    padded[:n] = scale
+    return padded.view(blocks, 32, groups).transpose(1, 2).contiguous()
 
 
 def _register_fake() -> None:
     """Shape functions for ``torch.compile`` (FakeTensor tracing with dynamic ``M``)."""
     @torch.library.register_fake("pagedserve::linear")
-    def _linear_fake(x, packed_weight, out_features, bias=None, out_dtype=None):
+    def _linear_fake(x, packed_weight, out_features, bias=None, out_dtype=None,
+                     weight_scale=None):
         return x.new_empty((x.shape[0], out_features), dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("pagedserve::pack_linear_weight")

@@ -139,12 +139,15 @@ _GGUF_NAMES = {
 }
 
 
-def make_tiny_gguf(path: str | Path, hf_folder: str | Path, eos_token_id: int = 2) -> Path:
-    """Write the Llama of ``hf_folder`` (from ``make_tiny_llama``) as an F32 GGUF file at ``path``.
+def make_tiny_gguf(path: str | Path, hf_folder: str | Path, eos_token_id: int = 2,
+                   linear_type: str = "F32") -> Path:
+    """Write the Llama of ``hf_folder`` (from ``make_tiny_llama``) as a GGUF file at ``path``.
 
     Tensors are named and Q/K-permuted the way llama.cpp's ``convert_hf_to_gguf.py`` does, so
-    transformers' GGUF loader must undo the permutation to get the original model back. No
-    tokenizer is stored (the model loads without one). Returns ``path``.
+    transformers' GGUF loader must undo the permutation to get the original model back. The
+    decoder's linear weights are stored as ``linear_type`` (a ``GGMLQuantizationType`` name
+    that gguf-py can quantize, e.g. ``Q8_0``, ``Q4_0``), everything else as F32. No tokenizer
+    is stored (the model loads without one). Returns ``path``.
     """
     import json
 
@@ -183,6 +186,11 @@ def make_tiny_gguf(path: str | Path, hf_folder: str | Path, eos_token_id: int = 
             elif module == "self_attn.k_proj":
                 tensor = _permute_for_gguf(tensor, cfg["num_key_value_heads"])
             name = f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+            if linear_type != "F32" and "norm" not in module:
+                qtype = gguf.GGMLQuantizationType[linear_type]
+                writer.add_tensor(name, gguf.quants.quantize(tensor.numpy(), qtype),
+                                  raw_dtype=qtype)
+                continue
         writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

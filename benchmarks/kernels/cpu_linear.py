@@ -10,6 +10,21 @@ lower one). ``torch rows``: whether torch's M-row result equals the first M rows
 a 16-bit model's layers run on the native kernel, which is row-invariant by construction.
 
     .venv/bin/python benchmarks/kernels/cpu_linear.py [--dtype bfloat16] [--reps 20]
+
+``--quantization int8|w8a8`` (the decoder's shapes; the LM head is not quantized): the int8
+layers (``services/worker/quantized_linear.py``) against the unquantized ones, the minimum of
+``--reps`` calls (a shared machine), ms per call, at ``--rows`` (default 1,128), with
+``--layers N`` distinct weight copies called in turn (N = 30: weights from memory or L3, as a
+30-layer model reads them; 1: from L2). Columns: ``torch`` = ``F.linear`` on the float weights
+(a float32 model's layers), ``native`` = ``kernels.cpu_linear`` on them (a bf16 model's);
+``int8``: ``native int8`` = the native kernel on int8 weights (what ``--quantization int8``
+runs), and two weight-only forms torch has, ``torch._weight_int8pack_mm`` and ``dequant+F.linear``
+(the float weights rebuilt each call); ``w8a8``: ``w8a8`` = ``kernels.int8_linear.w8a8_linear``
+(per-token quantization + ``torch._int_mm`` + scales) eager, ``w8a8 compiled`` = the same
+through ``torch.compile`` (its elementwise ops fused, as in the compiled forward), ``_int_mm``
+= the int8 product alone.
+
+    .venv/bin/python benchmarks/kernels/cpu_linear.py --quantization int8 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ from cpu_paged_attention import time_ms  # (this folder is on sys.path when run 
 
 from kernels.cpu_attention import cpu_isa
 from kernels.cpu_linear import cpu_linear, pack_linear_weight
+from kernels.int8_linear import quantize_symmetric, w8a8_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "lm_head": (49152, 576)}
@@ -33,10 +49,17 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--quantization", choices=["int8", "w8a8"], default=None)
+    p.add_argument("--rows", default="1,128", help="with --quantization: rows per call")
+    p.add_argument("--layers", type=int, default=1,
+                   help="with --quantization: distinct weight copies, called in turn")
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"native path {cpu_isa()}, {a.dtype}")
+    if a.quantization:
+        quantized(a, dtype)
+        return
     print(f"{'shape':8s} {'M':>4s} {'torch ms':>9s} {'native ms':>10s} {'ratio':>6s} "
           f"{'torch rows':>10s}")
     torch.manual_seed(0)
@@ -54,6 +77,56 @@ def main() -> None:
             same = torch.equal(torch.nn.functional.linear(x, w), y_all[:m])
             print(f"{name:8s} {m:4d} {ref:9.3f} {ours:10.3f} {ref / ours:6.2f} "
                   f"{'same' if same else 'differ':>10s}", flush=True)
+
+
+
+def quantized(a: argparse.Namespace, dtype: torch.dtype) -> None:
+    """The ``--quantization`` table (the module docstring)."""
+    import torch.nn.functional as F
+
+    names = (["torch", "native", "native int8", "_weight_int8pack_mm", "dequant+F.linear"]
+             if a.quantization == "int8" else ["torch", "native", "w8a8", "w8a8 compiled",
+                                               "_int_mm"])
+    compiled = torch.compile(w8a8_linear, dynamic=True)
+    print(f"min of {a.reps} calls, ms per call, {a.layers} distinct weight copies in turn")
+    print(f"{'shape':8s} {'M':>4s} " + " ".join(f"{n:>19s}" for n in names))
+    torch.manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        if name == "lm_head":
+            continue
+        ws = [torch.randn(n, k) / k ** 0.5 for _ in range(a.layers)]
+        qs = [quantize_symmetric(w) for w in ws]
+        floats = [w.to(dtype) for w in ws]
+        packed = [pack_linear_weight(w) for w in floats]
+        packed_q = [pack_linear_weight(q) for q, _ in qs]
+        scales = [s.to(dtype) for _, s in qs]  # _weight_int8pack_mm takes x's dtype
+        for m in (int(r) for r in a.rows.split(",")):
+            x = torch.randn(m, k).to(dtype)
+            xq, _ = quantize_symmetric(x)
+            calls = {
+                "torch": [lambda w=w: F.linear(x, w) for w in floats],  # noqa: B023
+                "native": [lambda p=p: cpu_linear(x, p, n) for p in packed],  # noqa: B023
+                "native int8": [lambda p=p, s=s: cpu_linear(x, p, n, None, None, s)  # noqa: B023
+                                for p, (_, s) in zip(packed_q, qs, strict=True)],
+                "_weight_int8pack_mm": [
+                    lambda q=q, s=s: torch._weight_int8pack_mm(x, q, s)  # noqa: B023
+                    for (q, _), s in zip(qs, scales, strict=True)],
+                "dequant+F.linear": [
+                    lambda q=q, s=s: F.linear(x, q.to(dtype) * s[:, None])  # noqa: B023
+                    for (q, _), s in zip(qs, scales, strict=True)],
+                "w8a8": [lambda q=q, s=s: w8a8_linear(x, q, s) for q, s in qs],  # noqa: B023
+                "w8a8 compiled": [lambda q=q, s=s: compiled(x, q, s)  # noqa: B023
+                                  for q, s in qs],
+                "_int_mm": [lambda q=q: torch._int_mm(xq, q.t()) for q, _ in qs],  # noqa: B023
+            }
+            row = []
+            with torch.no_grad():
+                compiled(x, *qs[0])  # (compiled here, not timed)
+            for col in names:
+                fns = calls[col]
+                row.append(time_ms(lambda fns=fns: [f() for f in fns], a.reps, "min")
+                           / len(fns))
+            print(f"{name:8s} {m:4d} " + " ".join(f"{t:19.3f}" for t in row), flush=True)
 
 
 if __name__ == "__main__":

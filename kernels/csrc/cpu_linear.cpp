@@ -1,10 +1,12 @@
 // Row-invariant linear layers on the CPU: y = x W^T (+ b), W prepacked once (torch custom ops).
 //
 // Ops (namespace `pagedserve`, schemas at the bottom):
-//   pack_linear_weight(weight) -> packed     weight [N, K] float32 / bfloat16 / float16
-//   linear(x, packed, out_features, bias=None, out_dtype=None) -> y
-//                                            x [M, K] in the weight's dtype, y [M, N] in
-//                                            out_dtype (default x's), bias [N] any float dtype
+//   pack_linear_weight(weight) -> packed     weight [N, K] float32 / bfloat16 / float16 / int8
+//   linear(x, packed, out_features, bias=None, out_dtype=None, weight_scale=None) -> y
+//                                            x [M, K] in the weight's dtype (int8 weights: x
+//                                            float32 / bfloat16 / float16), y [M, N] in
+//                                            out_dtype (default x's), bias [N] any float dtype,
+//                                            weight_scale float32: int8 weights only (below)
 //
 // Why our own: (1) a bf16 model's logits must leave the LM head in float32 (a bf16 matmul
 // rounds them to a 0.125 grid at |logit| ~ 20, which turns near-ties into exact ties), and
@@ -20,7 +22,22 @@
 // Packed layout: the N output features in blocks of 32 (the last zero-padded);
 //   16-bit weights: [num_blocks, K2, 32, 2], K2 = ceil(K / 2): W[n, k] sits at
 //     [n / 32, k / 2, n % 32, k % 2] (VNNI-2, the layout vdpbf16ps and AMX's tdpbf16ps read);
-//   float32 weights: [num_blocks, K, 32]: W[n, k] at [n / 32, k, n % 32].
+//   float32 weights: [num_blocks, K, 32]: W[n, k] at [n / 32, k, n % 32];
+//   int8 weights: as 16-bit ones, [num_blocks, K2, 32, 2] int8.
+//
+// int8 weights (`--quantization int8`, GGUF Q8_0) are dequantized inside the GEMM, one packed
+// block per work item: to float32 for the FMA path (x float32 or float16), to bf16 for the
+// AVX512-BF16 and AMX paths (x bf16), into a per-thread buffer in the VNNI-2 layout on which
+// the bf16 bodies then run as on bf16 weights. So an int8 layer computes what the same path
+// computes for its dequantized weights, from half (bf16) or a quarter (float32) of the bytes.
+// `weight_scale`, float32, is either
+//   per output channel: [N]; the block is dequantized to the int8 values themselves (exact in
+//     bf16 and float32) and the epilogue scales the float32 accumulators, y = (x q^T) s + b;
+//   per group of G consecutive k (GGUF Q8_0: G = 32): [num_blocks, K / G, 32] (group g of
+//     W[n, :] at [n / 32, g, n % 32]), G even; each weight is dequantized as q * s (exact in
+//     float32: an fp16 scale times an int8) and rounded to x's dtype (nearest even) as a model
+//     in that dtype holds its weights, so every path computes exactly what it computes for
+//     the float copy of the model.
 //
 // Instruction sets (cpu_isa.h; PAGEDSERVE_CPU_ISA forces a lower one):
 //   amx          bf16: ATen's cpublas::brgemm (oneDNN ukernel, AMX tiles) on each
@@ -71,8 +88,10 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
                     weight.sizes());
   TORCH_CHECK_VALUE(weight.device().is_cpu(), "pack_linear_weight: weight must be on the CPU");
   const auto dtype = weight.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                    "pack_linear_weight supports float32, bfloat16 and float16, got ", dtype);
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
+                        dtype == at::kChar,
+                    "pack_linear_weight supports float32, bfloat16, float16 and int8, got ",
+                    dtype);
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t nb = (n + kBlockN - 1) / kBlockN;
   at::Tensor w = at::zeros({nb * kBlockN, k}, weight.options());  // N zero-padded
@@ -165,6 +184,55 @@ PS_INLINE void unpack_block(const W* wb, int64_t k, float* wf) {
   }
 }
 
+// How a dequantized weight q * s is rounded before the product: as a model in x's dtype holds
+// its weights (group scales only; the int8 values alone are exact in every dtype).
+enum class Round { kNone, kBf16, kHalf };
+
+PS_INLINE float round_weight(float v, Round round) {
+  if (round == Round::kBf16) return __builtin_bit_cast(float, uint32_t{bf16_bits(v)} << 16);
+  if (round == Round::kHalf) return static_cast<float>(c10::Half(v));
+  return v;
+}
+
+// An int8 block [K2][32][2] -> float32 [K][32]: the int8 values, or, when `group_scale`
+// ([K / group][32] of this block) is given, each times its group's scale, rounded by `round`.
+PS_INLINE void unpack_block_i8(const int8_t* w, int64_t k, const float* group_scale,
+                               int64_t group, Round round, float* wf) {
+  const int64_t k2 = (k + 1) / 2;
+  const float* s = group_scale;  // this k pair's group's scales
+  int64_t left = group / 2;       // k pairs left in the group of `s`
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    const int8_t* src = w + kp * 2 * kBlockN;  // [32][2]
+    float* even = wf + 2 * kp * kBlockN;
+    float* odd = even + kBlockN;
+    const bool has_odd = 2 * kp + 1 < k;
+    if (group_scale == nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < kBlockN; ++c) even[c] = static_cast<float>(src[2 * c]);
+      if (has_odd) {
+#pragma omp simd
+        for (int64_t c = 0; c < kBlockN; ++c) odd[c] = static_cast<float>(src[2 * c + 1]);
+      }
+    } else {  // k = 2 kp and 2 kp + 1 share a group (the group size is even)
+      if (left == 0) {
+        s += kBlockN;
+        left = group / 2;
+      }
+      --left;
+#pragma omp simd
+      for (int64_t c = 0; c < kBlockN; ++c) {
+        even[c] = round_weight(static_cast<float>(src[2 * c]) * s[c], round);
+      }
+      if (has_odd) {
+#pragma omp simd
+        for (int64_t c = 0; c < kBlockN; ++c) {
+          odd[c] = round_weight(static_cast<float>(src[2 * c + 1]) * s[c], round);
+        }
+      }
+    }
+  }
+}
+
 template <int MR>
 PS_INLINE void tile_f32(const float* x, int64_t ldx, const float* wf, int64_t k, float* acc) {
   float a[MR][kBlockN];
@@ -207,6 +275,10 @@ struct LinearArgs {
   const float* bias;   // [N] float32 or nullptr
   void* y;             // [M, N] in out_dtype
   at::ScalarType w_dtype, out_dtype;
+  at::ScalarType x_dtype;    // the op's x (the f32 path reads it converted to float32)
+  const float* scale;        // int8 weights: per output channel [N], or nullptr
+  const float* group_scale;  // int8 weights: per group [num_blocks, K / group, 32], or nullptr
+  int64_t group;             // k per group (group_scale), else 0
 };
 
 template <typename W>
@@ -214,6 +286,21 @@ PS_INLINE void item_f32_body(const LinearArgs& a, int64_t m0, int64_t rows, int6
                              float* wf, float* acc) {
   const int64_t block_elems = a.w_dtype == at::kFloat ? a.k * kBlockN : a.k2 * 2 * kBlockN;
   unpack_block(static_cast<const W*>(a.packed) + block * block_elems, a.k, wf);
+  const float* x = static_cast<const float*>(a.x);
+  rows_f32(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc);
+}
+
+PS_INLINE void item_f32_i8_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
+                                 float* wf, float* acc) {
+  const int64_t num_groups = a.group > 0 ? a.k / a.group : 0;
+  unpack_block_i8(static_cast<const int8_t*>(a.packed) + block * a.k2 * 2 * kBlockN, a.k,
+                  a.group_scale != nullptr ? a.group_scale + block * num_groups * kBlockN
+                                           : nullptr,
+                  a.group,
+                  a.x_dtype == at::kBFloat16 ? Round::kBf16
+                  : a.x_dtype == at::kHalf   ? Round::kHalf
+                                             : Round::kNone,
+                  wf);
   const float* x = static_cast<const float*>(a.x);
   rows_f32(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc);
 }
@@ -233,6 +320,10 @@ using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, float*,
   TARGET void NAME##_f16(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,     \
                          float* wf, float* acc) {                                          \
     item_f32_body<c10::Half>(a, m0, rows, block, wf, acc);                                 \
+  }                                                                                        \
+  TARGET void NAME##_i8(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,      \
+                        float* wf, float* acc) {                                           \
+    item_f32_i8_body(a, m0, rows, block, wf, acc);                                         \
   }
 PS_DEFINE_F32(lin_avx512, PS_TARGET_AVX512)
 PS_DEFINE_F32(lin_avx2, PS_TARGET_AVX2)
@@ -240,6 +331,13 @@ PS_DEFINE_F32(lin_avx2, PS_TARGET_AVX2)
 PS_DEFINE_F32(lin_scalar, )
 
 ItemF32Fn pick_f32(Isa isa, at::ScalarType w_dtype) {
+  if (w_dtype == at::kChar) {
+#if defined(__x86_64__)
+    if (isa >= Isa::kAvx512) return lin_avx512_i8;
+    if (isa >= Isa::kAvx2) return lin_avx2_i8;
+#endif
+    return lin_scalar_i8;
+  }
   PS_ISA_DTYPE_TABLE(ItemF32Fn, table, lin_scalar, lin_avx2, lin_avx512);
   return table[static_cast<int>(at_most(isa, Isa::kAvx512))][dtype_index(w_dtype)];
 }
@@ -275,9 +373,9 @@ PS_BF16_TARGET PS_INLINE void tile_bf16(const uint16_t* x, int64_t ldx, const ui
   }
 }
 
-PS_BF16_TARGET void item_bf16_dp(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
-                                 float* acc) {
-  const uint16_t* w = static_cast<const uint16_t*>(a.packed) + block * a.k2 * 2 * kBlockN;
+// One item on bf16 weights `w` (a packed block, or an int8 block converted to bf16).
+PS_BF16_TARGET void item_bf16_dp(const LinearArgs& a, int64_t m0, int64_t rows,
+                                 const uint16_t* w, float* acc) {
   const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.ldx;
   int64_t m = 0;
   for (; m + kTileMBf16 <= rows; m += kTileMBf16) {
@@ -296,11 +394,47 @@ PS_BF16_TARGET void item_bf16_dp(const LinearArgs& a, int64_t m0, int64_t rows, 
     default: break;
   }
 }
+
+// An int8 block [K2][32][2] -> bf16 in the same layout (the bf16 bodies' weights): the int8
+// values (exact), or each times its group's scale (`group_scale`: [K / group][32] of this
+// block), rounded to nearest even as a float32 -> bf16 cast rounds.
+PS_BF16_TARGET void convert_block_i8_bf16(const int8_t* w, int64_t k2, const float* group_scale,
+                                          int64_t group, uint16_t* dst) {
+  // element j of a k pair's 64 is column j / 2: the 16 floats of quarter i are columns
+  // 8 i .. 8 i + 7, each twice
+  const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const float* s = group_scale;  // this k pair's group's scales
+  const int64_t pairs_per_group = group / 2;
+  int64_t left = pairs_per_group;  // k pairs left in the group of `s`
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    const int8_t* src = w + kp * 2 * kBlockN;
+    __m512 f[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
+      f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+    }
+    if (group_scale != nullptr) {
+      if (left == 0) {
+        s += kBlockN;
+        left = pairs_per_group;
+      }
+      --left;
+      for (int i = 0; i < 4; ++i) {
+        const __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * i));
+        f[i] = _mm512_mul_ps(f[i], _mm512_permutexvar_ps(twice, s8));
+      }
+    }
+    _mm512_storeu_si512(dst + kp * 2 * kBlockN, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
+    _mm512_storeu_si512(dst + kp * 2 * kBlockN + kBlockN,
+                        (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+  }
+}
 #endif
 
-// AMX path: one brgemm per (rows tile, column block), K whole.
-void item_bf16_amx(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block, float* acc) {
-  const auto* w = static_cast<const at::BFloat16*>(a.packed) + block * a.k2 * 2 * kBlockN;
+// AMX path: one brgemm per (rows tile, column block), K whole, on bf16 weights `w_bits`.
+void item_bf16_amx(const LinearArgs& a, int64_t m0, int64_t rows, const uint16_t* w_bits,
+                   float* acc) {
+  const auto* w = reinterpret_cast<const at::BFloat16*>(w_bits);
   const auto* x = static_cast<const at::BFloat16*>(a.x) + m0 * a.ldx;
   for (int64_t m = 0; m < rows; m += kTileMAmx) {
     const int64_t mt = std::min(kTileMAmx, rows - m);
@@ -316,17 +450,25 @@ void item_bf16_amx(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
 // AVX-512 too (the bf16 paths run only where the CPU has it) and for the baseline.
 template <typename Out>
 PS_INLINE void store_item_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
-                               const float* acc) {
+                               float* acc) {
   const int64_t n0 = block * kBlockN, cols = std::min(kBlockN, a.n - n0);
+  if (a.scale != nullptr) {  // int8 weights, a scale per output channel
+    const float* s = a.scale + n0;
+    for (int64_t m = 0; m < rows; ++m) {
+      float* row = acc + m * kBlockN;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) row[c] *= s[c];
+    }
+  }
   store_tile<Out>(acc, rows, cols, a.bias != nullptr ? a.bias + n0 : nullptr,
                   static_cast<Out*>(a.y) + m0 * a.n + n0, a.n);
 }
 
-using StoreFn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, const float*);
+using StoreFn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, float*);
 
 #define PS_DEFINE_STORE(NAME, TARGET)                                                       \
   TARGET void NAME(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,            \
-                   const float* acc) {                                                      \
+                   float* acc) {                                                            \
     switch (a.out_dtype) {                                                                  \
       case at::kFloat: store_item_body<float>(a, m0, rows, block, acc); break;              \
       case at::kBFloat16: store_item_body<c10::BFloat16>(a, m0, rows, block, acc); break;   \
@@ -340,13 +482,25 @@ PS_DEFINE_STORE(store_item_baseline, )
 
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias_in,
-                  std::optional<at::ScalarType> out_dtype_in) {
+                  std::optional<at::ScalarType> out_dtype_in,
+                  const std::optional<at::Tensor>& weight_scale) {
   TORCH_CHECK_VALUE(x_in.dim() == 2, "linear: x must be [M, K], got ", x_in.sizes());
   TORCH_CHECK_VALUE(x_in.device().is_cpu() && packed.device().is_cpu(),
                     "linear: x and the packed weight must be on the CPU");
   const auto w_dtype = packed.scalar_type();
-  TORCH_CHECK_VALUE(x_in.scalar_type() == w_dtype, "linear: x is ", x_in.scalar_type(),
-                    " but the packed weight is ", w_dtype);
+  const auto x_dtype = x_in.scalar_type();
+  const bool int8_weight = w_dtype == at::kChar;
+  const bool has_scale = weight_scale.has_value() && weight_scale->defined();
+  if (int8_weight) {
+    TORCH_CHECK_VALUE(x_dtype == at::kFloat || x_dtype == at::kBFloat16 || x_dtype == at::kHalf,
+                      "linear: x must be float32, bfloat16 or float16 with int8 weights, got ",
+                      x_dtype);
+    TORCH_CHECK_VALUE(has_scale, "linear: int8 weights need weight_scale");
+  } else {
+    TORCH_CHECK_VALUE(x_dtype == w_dtype, "linear: x is ", x_dtype, " but the packed weight is ",
+                      w_dtype);
+    TORCH_CHECK_VALUE(!has_scale, "linear: weight_scale is for int8 weights, not ", w_dtype);
+  }
   const int64_t m = x_in.size(0), k = x_in.size(1);
   const bool f32_weight = w_dtype == at::kFloat;
   TORCH_CHECK_VALUE(packed.is_contiguous() && packed.dim() == (f32_weight ? 3 : 4) &&
@@ -363,7 +517,28 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
                         out_features <= num_blocks * kBlockN,
                     "linear: out_features ", out_features, " does not fit ", num_blocks,
                     " packed blocks of ", kBlockN);
-  const auto out_dtype = out_dtype_in.value_or(w_dtype);
+  const float* scale = nullptr;
+  const float* group_scale = nullptr;
+  int64_t group = 0;
+  if (int8_weight) {
+    const at::Tensor& s = *weight_scale;
+    TORCH_CHECK_VALUE(s.scalar_type() == at::kFloat && s.is_contiguous() && s.device().is_cpu(),
+                      "linear: weight_scale must be a contiguous float32 CPU tensor");
+    if (s.dim() == 1) {
+      TORCH_CHECK_VALUE(s.size(0) == out_features, "linear: weight_scale per output channel "
+                        "must be [", out_features, "], got ", s.sizes());
+      scale = s.data_ptr<float>();
+    } else {
+      TORCH_CHECK_VALUE(s.dim() == 3 && s.size(0) == num_blocks && s.size(2) == kBlockN &&
+                            s.size(1) > 0 && k % s.size(1) == 0 && (k / s.size(1)) % 2 == 0,
+                        "linear: weight_scale per group must be [", num_blocks,
+                        ", K / G, 32] with an even group size G dividing K = ", k, ", got ",
+                        s.sizes());
+      group_scale = s.data_ptr<float>();
+      group = k / s.size(1);
+    }
+  }
+  const auto out_dtype = out_dtype_in.value_or(x_dtype);
   TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
                         out_dtype == at::kHalf,
                     "linear: out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
@@ -378,7 +553,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
 
   const Isa isa = active_isa();
   enum class Path { kF32, kBf16Dp, kAmx } path = Path::kF32;
-  if (w_dtype == at::kBFloat16 && isa >= Isa::kAvx512Bf16) {
+  if ((w_dtype == at::kBFloat16 || (int8_weight && x_dtype == at::kBFloat16)) &&
+      isa >= Isa::kAvx512Bf16) {
     path = isa >= Isa::kAmx ? Path::kAmx : Path::kBf16Dp;
   }
   at::Tensor x;  // what the items read
@@ -402,6 +578,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   a.y = y.data_ptr();
   a.w_dtype = w_dtype;
   a.out_dtype = out_dtype;
+  a.x_dtype = x_dtype;
+  a.scale = scale;
+  a.group_scale = group_scale;
+  a.group = group;
   const ItemF32Fn f32_fn = pick_f32(isa, w_dtype);
 #if defined(__x86_64__)
   const StoreFn store_fn = isa >= Isa::kAvx512 ? store_item_avx512 : store_item_baseline;
@@ -414,13 +594,29 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(std::min(kChunkM, m) * kBlockN);
     std::vector<float> wf(path == Path::kF32 ? k * kBlockN : 0);
+    // int8 weights on a bf16 path: the item's block converted to bf16
+    std::vector<uint16_t> wbf(path != Path::kF32 && int8_weight ? k2 * 2 * kBlockN : 0);
+    const int64_t num_groups = group > 0 ? k / group : 0;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t chunk = i / num_blocks, block = i % num_blocks;
       const int64_t m0 = chunk * kChunkM, rows = std::min(kChunkM, m - m0);
-      switch (path) {
-        case Path::kAmx: item_bf16_amx(a, m0, rows, block, acc.data()); break;
+      const uint16_t* w = nullptr;  // the bf16 paths' weights
+      if (path != Path::kF32 && !int8_weight) {
+        w = static_cast<const uint16_t*>(a.packed) + block * k2 * 2 * kBlockN;
+      }
 #if defined(__x86_64__)
-        case Path::kBf16Dp: item_bf16_dp(a, m0, rows, block, acc.data()); break;
+      if (path != Path::kF32 && int8_weight) {
+        convert_block_i8_bf16(
+            static_cast<const int8_t*>(a.packed) + block * k2 * 2 * kBlockN, k2,
+            group_scale != nullptr ? group_scale + block * num_groups * kBlockN : nullptr, group,
+            wbf.data());
+        w = wbf.data();
+      }
+#endif
+      switch (path) {
+        case Path::kAmx: item_bf16_amx(a, m0, rows, w, acc.data()); break;
+#if defined(__x86_64__)
+        case Path::kBf16Dp: item_bf16_dp(a, m0, rows, w, acc.data()); break;
 #endif
         default: f32_fn(a, m0, rows, block, wf.data(), acc.data()); break;
       }
@@ -438,7 +634,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def(
       "linear(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None, "
-      "ScalarType? out_dtype=None) -> Tensor");
+      "ScalarType? out_dtype=None, Tensor? weight_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

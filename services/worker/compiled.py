@@ -206,7 +206,8 @@ _LOADED: dict[str, Any] = {}
 # The sources whose text the graph depends on (the model's math, the ops' schemas and
 # kernels, native ones included, this file).
 _SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py",
-            "services/worker/kv_cache_groups.py", "services/worker/packed_linear.py")
+            "services/worker/kv_cache_groups.py", "services/worker/packed_linear.py",
+            "services/worker/quantized_linear.py")
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 
 

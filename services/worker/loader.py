@@ -10,6 +10,13 @@ norm weights) and cached as a float32 safetensors
 folder under ``ModelSource.cache_dir("weights")``; every later start reads that folder.
 
 The hot path never uses transformers' modeling code: only the one-off GGUF conversion does.
+
+Weights are stored in the compute dtype, except (on a CPU; ``quantized_linear.py``):
+``--quantization int8|w8a8`` quantizes the decoder's linear layers per output channel at load,
+and a GGUF's ``Q8_0`` linear layers are served from the file's int8 values and per-32 scales
+(``gguf_q8_0.py``) rather than from the float32 conversion. One log line at start says what the
+weights are stored as, and a GGUF is only re-quantized when ``--quantization`` asks, with a
+warning.
 """
 
 from __future__ import annotations
@@ -20,21 +27,31 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from services.common.model_files import ModelSource, resolve_model
 from services.worker.attention import AttentionBackend, select_backend
 from services.worker.distributed import ParallelState
+from services.worker.gguf_q8_0 import Q8_0Weight, read_q8_0_linears, tensor_type_counts
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
-from services.worker.packed_linear import pack_model_linears
+from services.worker.packed_linear import PackedLinear, pack_model_linears
 from services.worker.parallel import ShardPlan, shard_model
+from services.worker.quantized_linear import (
+    QUANTIZATIONS,
+    GroupInt8Linear,
+    Int8Linear,
+    W8A8Linear,
+    quantize_model_linears,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +88,9 @@ MODEL_TYPES: dict[str, Family] = {
     "gemma3_text": _GEMMA3,
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
+# The decoder's linear weights (the ends of our names), which --quantization replaces.
+_LINEAR_WEIGHTS = (".qkv_proj.weight", ".o_proj.weight", ".gate_up_proj.weight",
+                   ".down_proj.weight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +113,7 @@ class ModelInfo:
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str,
                attn_backend: AttentionBackend | None = None,
                parallel: ParallelState | None = None, batch_invariant: bool = False,
-               ) -> tuple[Model, dict, ModelInfo]:
+               quantization: str | None = None) -> tuple[Model, dict, ModelInfo]:
     """Build the model on ``device`` with weights cast to ``dtype``.
 
     On a CPU the linear layers go to the native row-invariant kernel where needed
@@ -108,17 +128,23 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         attn_backend: attention kernels; default ``select_backend("auto", device)``.
         parallel: this rank's groups; the model is then this rank's shard
             (``services/worker/parallel.py``) and only that part of the weights is read.
+        quantization: ``--quantization``: None, ``"int8"`` or ``"w8a8"``
+            (``services/worker/quantized_linear.py``; the CPU only). Without it a GGUF's
+            ``Q8_0`` linear layers are still served as int8 (their values as stored) on a
+            single-rank-per-stage CPU worker.
     Returns:
         ``(model in eval mode, config.json dict, ModelInfo)``.
     Raises:
         FileNotFoundError: no such model, or a folder without ``*.safetensors``.
         ValueError: a model_type not in ``MODEL_TYPES``, a config the family cannot run, a
             size the parallel split does not divide, or a weight missing / of the wrong shape;
-            ``batch_invariant`` where the native CPU kernels cannot run (not a CPU, or they
-            cannot be built).
+            ``batch_invariant`` or ``quantization`` where the native CPU kernels cannot run
+            (not a CPU, or they cannot be built; ``w8a8`` needs only a CPU), or another
+            ``quantization``.
     """
     start = time.perf_counter()
     device = torch.device(device)
+    check_quantization(quantization, device)
     source = resolve_model(model)
     folder = convert_gguf(source) if source.is_gguf else Path(source.path)
     config = json.loads((folder / "config.json").read_text())
@@ -130,20 +156,170 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         if plan:
             assert parallel is not None  # a plan is made only for a parallel state
             shard_model(net, plan, parallel)
-    state = _read_state_dict(folder, cfg, family, dtype, device, plan)
+    q8 = _gguf_q8_0(source, folder, cfg, device, plan, quantization)
+    # NOTE: safetensors hands out tensors on the file's memory map, which a float32 model keeps
+    # as its weights; one that keeps few of them (int8) copies those few (not the linear
+    # weights it quantizes), or the whole map, its pages read by the quantization, would stay
+    # resident.
+    state = _read_state_dict(folder, cfg, family, dtype, device, plan, skip=set(q8),
+                             copy=(lambda name: not name.endswith(_LINEAR_WEIGHTS))
+                             if quantization else (lambda name: True) if q8 else None)
     try:
         net.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # missing/unexpected keys or shape mismatch
         raise ValueError(f"{folder}: weights do not fit the config: {e}") from e
+    for name, weight in q8.items():  # before .to(): their float weights were never read
+        parent, _, attr = name.rpartition(".")
+        old = cast(nn.Linear, net.get_submodule(name))
+        net.get_submodule(parent).register_module(
+            attr, GroupInt8Linear(weight.q, weight.scale, old.bias))
     net = net.to(device).eval().requires_grad_(False)  # moves the float32 inv_freq buffer
+    if quantization:
+        quantize_model_linears(net, quantization, skip=lambda m: isinstance(m, Int8Linear))
     _pack_linears(net, dtype, device, batch_invariant,
                   is_last_stage=plan is None or plan.pc.is_last_stage)
+    if quantization or q8:
+        _return_freed_memory()
+    log.info("weights: %s", describe_weights(net, dtype, quantization,
+                                             tensor_type_counts(source.path)
+                                             if source.is_gguf else None))
     info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
                      max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", source.name,
              len(net.layers), sum(p.numel() for p in net.parameters()) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return net, config, info
+
+
+def _return_freed_memory() -> None:
+    """Hand the memory freed at load back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    NOTE: quantization frees the float weights it replaces and many temporaries of a few MB;
+    glibc keeps such blocks in its heap (its mmap threshold rises as large blocks are freed),
+    so without this a worker that quantized SmolLM2 to W8A8 at bf16 held 765 MiB of RSS over
+    its imports, with it 553 (``benchmarks/weight_modes.py``).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def check_quantization(quantization: str | None, device: torch.device) -> None:
+    """ValueError, naming ``--quantization``, for a mode we do not have or cannot run here:
+    both are CPU-only; ``int8`` needs the native kernels (``kernels.cpu_build``)."""
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r} is not one of "
+                         f"{', '.join(QUANTIZATIONS)}")
+    if device.type != "cpu":
+        raise ValueError(f"--quantization {quantization} is implemented for the CPU only, not "
+                         f"{device.type}")
+    if quantization == "int8":
+        try:
+            from kernels import cpu_build
+
+            cpu_build.load()
+        except Exception as e:  # no compiler, a failed build, an unloadable library
+            raise ValueError(f"--quantization int8 needs the native CPU kernels, which could "
+                             f"not be built or loaded: {e}") from e
+
+
+def _gguf_q8_0(source: ModelSource, folder: Path, cfg: ModelConfig, device: torch.device,
+               plan: ShardPlan | None, quantization: str | None) -> dict[str, Q8_0Weight]:
+    """The GGUF's ``Q8_0`` linear layers this rank serves as stored (``gguf_q8_0.py``), or
+    ``{}``: not a GGUF, none of them ``Q8_0``, or not servable here (not a CPU, tensor
+    parallel, no native kernels, ``--quantization w8a8``: per-output-channel int8 instead),
+    each said in the log. The first layer is checked against the float conversion."""
+    if not source.is_gguf or device.type != "cpu":
+        return {}
+    layers = plan.layers if plan else range(cfg.num_hidden_layers)
+    q8 = read_q8_0_linears(source.path, cfg.num_attention_heads, cfg.num_key_value_heads,
+                           layers)
+    if not q8:
+        return {}
+    why_not = None
+    if quantization == "w8a8":
+        why_not = ("--quantization w8a8 re-quantizes them per output channel from their "
+                   "dequantized values")
+    elif plan is not None and plan.pc.tensor_parallel_size > 1:
+        why_not = "tensor parallelism slices them (served from the float conversion)"
+    else:
+        try:
+            from kernels import cpu_build
+
+            cpu_build.load()
+        except Exception as e:  # noqa: BLE001 - any build/load failure: the float path
+            why_not = f"the native CPU kernels could not be built or loaded ({e})"
+    if why_not is None and not _q8_0_matches_conversion(folder, q8, layers[0]):
+        why_not = "their first layer differs from the float conversion's (an unknown layout)"
+    if why_not is not None:
+        log.warning("%s: %d GGUF Q8_0 linear layers not served as stored: %s", source.name,
+                    len(q8), why_not)
+        return {}
+    return q8
+
+
+def _q8_0_matches_conversion(folder: Path, q8: dict[str, Q8_0Weight], layer: int) -> bool:
+    """Whether local layer 0's ``Q8_0`` weights, dequantized, equal the float32 conversion's
+    (checkpoint layer ``layer``) value for value: the names and row order are right."""
+    parts = {"attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "attn.o_proj": ("self_attn.o_proj",),
+             "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "mlp.down_proj": ("mlp.down_proj",)}
+    with ExitStack() as stack:
+        handles = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            for name in f.keys():  # noqa: SIM118 - a safetensors file, not a dict
+                handles[name.removeprefix("model.")] = (f, name)
+        for module, names in parts.items():
+            weight = q8.get(f"layers.0.{module}")
+            if weight is None:
+                continue
+            keys = [f"layers.{layer}.{n}.weight" for n in names]
+            if any(k not in handles for k in keys):
+                return False
+            ref = torch.cat([handles[k][0].get_tensor(handles[k][1]).float() for k in keys])
+            if not torch.equal(weight.dequantize(), ref):
+                return False
+    return True
+
+
+def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | None,
+                     gguf_types: dict[str, int] | None) -> str:
+    """One line on what the weights are stored as: the decoder's linear layers (how many are
+    int8, and of which kind), the embedding and LM head, and a GGUF's tensor types."""
+    name = str(dtype).removeprefix("torch.")
+    kinds: dict[str, int] = {}
+    for layer in cast(nn.ModuleList, net.layers):
+        for m in layer.modules():
+            kind = ("GGUF Q8_0 as stored (int8, an fp16 scale per 32 weights)"
+                    if isinstance(m, GroupInt8Linear) else
+                    "int8 per output channel, weight-only (--quantization int8)"
+                    if isinstance(m, Int8Linear) else
+                    "int8 per output channel, activations int8 per token (--quantization w8a8)"
+                    if isinstance(m, W8A8Linear) else
+                    name if isinstance(m, (nn.Linear, PackedLinear)) else None)
+            if kind:
+                kinds[kind] = kinds.get(kind, 0) + 1
+    total = sum(kinds.values())
+    linear = ", ".join(f"{n} of {total} {k}" for k, n in kinds.items()) or "none"
+    size = sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
+    text = (f"decoder linear layers: {linear}; embedding and LM head {name}; "
+            f"{size / 2**20:.1f} MiB of weights")
+    if gguf_types:
+        text += " (GGUF tensors: " + ", ".join(f"{t} x{n}" for t, n in gguf_types.items()) + ")"
+        requantized = [t for t in gguf_types if t not in ("F32", "F16", "BF16", "Q8_0")]
+        if quantization and requantized:
+            log.warning("--quantization %s: the GGUF's %s weights, dequantized by the "
+                        "conversion, are quantized again to int8 per output channel",
+                        quantization, "/".join(requantized))
+    return text
 
 
 def _pack_linears(net: Model, dtype: torch.dtype, device: torch.device, batch_invariant: bool,
@@ -219,12 +395,15 @@ def convert_gguf(source: ModelSource) -> Path:
 
 def _read_state_dict(folder: Path, cfg: ModelConfig, family: Family, dtype: torch.dtype,
                      device: torch.device, plan: ShardPlan | None = None,
-                     ) -> dict[str, torch.Tensor]:
+                     skip: set[str] | None = None,
+                     copy: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """Read transformers-named safetensors into our names, fusing q/k/v and gate/up.
 
     With a ``plan`` only this rank's layers and slices are read (``safe_open.get_slice``), so a
     rank never holds the whole model in memory; local layer j is checkpoint layer
-    ``plan.layers[j]``.
+    ``plan.layers[j]``. The weights of the modules in ``skip`` (``"layers.{j}.attn.qkv_proj"``:
+    served from elsewhere) are not read; they get meta tensors of their shape. The tensors
+    whose names ``copy`` accepts are copies, not views of the file's memory map.
     """
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -235,16 +414,23 @@ def _read_state_dict(folder: Path, cfg: ModelConfig, family: Family, dtype: torc
             f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             for name in f.keys():  # noqa: SIM118 - a safetensors file, not a dict
                 handles[name.removeprefix("model.")] = (f, name)
-        return _build_state(folder, cfg, family, handles, plan, dtype, device)
+        return _build_state(folder, cfg, family, handles, plan, dtype, device, skip or set(),
+                            copy)
 
 
 def _build_state(folder: Path, cfg: ModelConfig, family: Family, handles: dict,
                  plan: ShardPlan | None, dtype: torch.dtype, device: torch.device,
+                 skip: set[str], copy: Callable[[str], bool] | None,
                  ) -> dict[str, torch.Tensor]:
+    reading = True  # False: the weight's shape only, as a meta tensor (a skipped module)
+
     def take(name: str) -> torch.Tensor:
         if name not in handles:
             raise ValueError(f"{folder}: weight {name!r} is missing")
         f, full_name = handles.pop(name)
+        if not reading:
+            rows, cols = f.get_slice(full_name).get_shape()
+            return torch.empty(rows, cols, device="meta")
         part = plan.slice_of(name) if plan else None
         if part is None:
             return f.get_tensor(full_name)
@@ -263,17 +449,23 @@ def _build_state(folder: Path, cfg: ModelConfig, family: Family, handles: dict,
     for j, i in enumerate(layers):
         p, q, ours = f"layers.{i}.", f"layers.{i}.self_attn.", f"layers.{j}."
         for s in ["weight"] + (["bias"] if cfg.qkv_proj_bias else []):
+            reading = s == "bias" or ours + "attn.qkv_proj" not in skip
             state[ours + f"attn.qkv_proj.{s}"] = torch.cat(
                 [take(q + f"q_proj.{s}"), take(q + f"k_proj.{s}"), take(q + f"v_proj.{s}")])
         for s in ["weight"] + (["bias"] if cfg.attention_bias else []):
+            reading = s == "bias" or ours + "attn.o_proj" not in skip
             state[ours + f"attn.o_proj.{s}"] = take(q + f"o_proj.{s}")
+        reading = True
         if cfg.qk_norm:
             for n in ("q_norm", "k_norm"):
                 state[ours + f"attn.{n}.weight"] = norm(q + f"{n}.weight")
         for s in ["weight"] + (["bias"] if cfg.mlp_bias else []):
+            reading = s == "bias" or ours + "mlp.gate_up_proj" not in skip
             state[ours + f"mlp.gate_up_proj.{s}"] = torch.cat(
                 [take(p + f"mlp.gate_proj.{s}"), take(p + f"mlp.up_proj.{s}")])
+            reading = s == "bias" or ours + "mlp.down_proj" not in skip
             state[ours + f"mlp.down_proj.{s}"] = take(p + f"mlp.down_proj.{s}")
+        reading = True
         for n in family.layer_norms:
             state[ours + f"{n}.weight"] = norm(p + f"{n}.weight")
     last = plan is None or plan.pc.is_last_stage
@@ -290,7 +482,9 @@ def _build_state(folder: Path, cfg: ModelConfig, family: Family, handles: dict,
               and not (k.startswith("layers.") and int(k.split(".")[1]) not in layers)]
     if unused:
         log.warning("ignoring %d unused weights, e.g. %s", len(unused), unused[0])
-    return {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    return {k: v if v.is_meta else v.to(device=device, dtype=dtype,
+                                         copy=copy is not None and copy(k))
+            for k, v in state.items()}
 
 
 def _eos_token_ids(folder: Path, config: dict) -> list[int]:

@@ -166,6 +166,10 @@ class ModelRunner:
             row-invariant always; this also puts a float32 model's linear layers and LM head on
             the native row-invariant kernel (``services/worker/packed_linear.py``). CPU only,
             native attention backend.
+        quantization: ``--quantization`` (vLLM's flag): None (weights in ``dtype``; a GGUF's
+            ``Q8_0`` linear layers stay int8 on a CPU), ``"int8"`` (the decoder's linear
+            weights int8 per output channel, weight-only) or ``"w8a8"`` (int8 weights and
+            per-token int8 activations); ``services/worker/quantized_linear.py``. CPU only.
 
     The driver also holds the structured-output state (``structured``: llguidance matchers
     over the model's tokenizer, built in the background from here on); other ranks have None.
@@ -174,7 +178,8 @@ class ModelRunner:
         ValueError: bad dtype/backend/max_model_len, no room for a single KV block, or
             speculation with pipeline parallelism, or a draft model the target cannot pair
             with (another vocabulary; a target without full-attention layers), or
-            ``batch_invariant`` off a CPU or without the native kernels.
+            ``batch_invariant`` off a CPU or without the native kernels, or a ``quantization``
+            that is unknown or cannot run here (its message names ``--quantization``).
     """
 
     def __init__(self, model: str | None, dtype: str = "auto", device: str = "auto",
@@ -185,7 +190,7 @@ class ModelRunner:
                  max_num_seqs: int = 256, parallel: ParallelState | None = None,
                  enforce_eager: bool = False,
                  speculative: SpeculativeConfig | None = None,
-                 batch_invariant: bool = False) -> None:
+                 batch_invariant: bool = False, quantization: str | None = None) -> None:
         if speculative is not None and parallel and parallel.config.pipeline_parallel_size > 1:
             raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
                              f"{parallel.config.pipeline_parallel_size} (> 1): drafts are "
@@ -193,6 +198,7 @@ class ModelRunner:
                              "parallelism or no speculation")
         self.speculative = speculative
         self.batch_invariant = batch_invariant
+        self.quantization = quantization
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
@@ -213,7 +219,8 @@ class ModelRunner:
             non_torch_before = total - free - torch.cuda.memory_reserved(self.device)
         self.parallel = parallel
         self.model, _, info = load_model(model, self.dtype, self.device, backend, parallel,
-                                         batch_invariant=batch_invariant)
+                                         batch_invariant=batch_invariant,
+                                         quantization=quantization)
         if max_model_len is not None and max_model_len > info.max_model_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {info.max_model_len}")

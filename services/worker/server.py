@@ -304,6 +304,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "already is (its linear layers run on the native row-invariant kernels); "
                   "this puts a float32 model's there too. CPU with the native kernels only "
                   "(docs/architecture.md#numerics)")
+    add_flag(p, "--quantization", default=None, choices=["int8", "w8a8"],
+             help="int8 weights for the decoder's linear layers, quantized at load per output "
+                  "channel (symmetric; embedding and LM head stay in --dtype). int8: "
+                  "weight-only, dequantized inside the native GEMM (activations in --dtype); "
+                  "w8a8: activations quantized per token too, int8 x int8 -> int32 products "
+                  "(torch._int_mm: oneDNN, VNNI / AMX-INT8). Unset: weights in --dtype, but a "
+                  "GGUF's Q8_0 linear layers are served as stored (int8, a scale per 32). CPU "
+                  "only")
     add_flag(p, "--tensor-parallel-size", type=int_in(1), default=1,
              help="ranks each layer is split across (all-reduce over gloo/NCCL)")
     add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
@@ -377,6 +385,7 @@ def build_runner(args):
                        max_model_len=args.max_model_len, attention_backend=args.attention_backend,
                        parallel=parallel, enforce_eager=args.enforce_eager,
                        batch_invariant=args.batch_invariant,
+                       quantization=getattr(args, "quantization", None),
                        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config",
                                                                    None)))
 

@@ -98,7 +98,7 @@ def test_bad_input_is_refused():
         cpu_linear(x, packed, 70)
     with pytest.raises(ValueError, match="bias must be"):
         cpu_linear(x, packed, 40, torch.zeros(39))
-    with pytest.raises(ValueError, match="float32, bfloat16 and float16"):
+    with pytest.raises(ValueError, match="float32, bfloat16, float16 and int8"):
         pack_linear_weight(torch.zeros(4, 4, dtype=torch.float64))
 
 

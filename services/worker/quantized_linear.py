@@ -1,0 +1,176 @@
+"""int8 weights for the decoder's linear layers (``--quantization``, GGUF Q8_0), on the CPU.
+
+``quantize_model_linears`` swaps every linear layer of the decoder layers (q/k/v, o, gate/up,
+down; the tensor-parallel row-parallel ones with their all-reduce) for one of:
+
+- ``Int8Linear`` (``--quantization int8``, weight-only): int8 weights, a float32 scale per
+  output channel (symmetric, ``kernels.int8_linear.quantize_symmetric``); activations stay in
+  the compute dtype and the native kernel (``kernels.cpu_linear``) dequantizes each block of
+  weights inside the GEMM (to bf16 for a bf16 model, on AMX / AVX512-BF16; to float32
+  otherwise). A layer computes what the same kernel computes for the dequantized weights
+  ``q * s``, from half (bf16) or a quarter (float32) of the bytes, row-invariant as the
+  unquantized layers are.
+- ``GroupInt8Linear``: the same kernel with a scale per group of 32 weights along K: a GGUF
+  ``Q8_0`` tensor as stored (``gguf_q8_0.py``), never re-quantized. Each weight is dequantized
+  to exactly the value the float conversion of the file gives (rounded to bf16 for a bf16
+  model, as that conversion's weights are), so the logits equal the float path's on the same
+  kernel: bitwise at bf16, and at float32 with ``--batch-invariant`` (without it the float
+  path's float32 layers are MKL's).
+- ``W8A8Linear`` (``--quantization w8a8``): int8 weights per output channel and int8
+  activations per token, quantized dynamically each step; ``torch._int_mm`` (oneDNN: VNNI,
+  AMX-INT8 where present) and a float32 epilogue (``kernels.int8_linear.w8a8_linear``).
+
+Rows: the native kernel is row-invariant, and W8A8's int32 sums are exact and its scales per
+token, so an int8 layer's result for a row never depends on the other rows of the step (as the
+unquantized layers', ``packed_linear.py``; ``--batch-invariant`` holds). Under tensor
+parallelism each rank quantizes its own shard: a row-parallel layer's weight scales (and
+W8A8's activation scales) are taken over the rank's slice of K, so the result is not the
+single-rank one (close: int8 gave the same greedy tokens on the tiny test model at TP=2, W8A8
+not).
+
+NOTE: the embedding and the LM head stay in the compute dtype: the embedding is a row gather
+(no matmul to speed up), and the LM head (tied to it in SmolLM2 and Gemma) gives the logits
+that sampling and logprobs read; a 16-bit model's LM head stays the float32-output
+``PackedLinear``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+from torch import nn
+
+from kernels.cpu_linear import pack_group_scale, pack_linear_weight
+from kernels.int8_linear import quantize_symmetric, w8a8_linear
+
+QUANTIZATIONS = ("int8", "w8a8")
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Int8Linear(nn.Module):
+    """``y = reduce(x dequantize(q)^T) + b`` on the native kernel, weights int8.
+
+    Args:
+        q: ``[N, K]`` int8 (packed here; not kept).
+        scale: ``[N]`` float32, ``W = q * scale[:, None]``.
+        bias: ``[N]`` or None; added in float32 (after ``reduce``).
+        reduce: the tensor-parallel all-reduce of a row-parallel layer (on the float32
+            product), or None.
+
+    ``forward``: ``x [..., K]`` float32 / bf16 / fp16 -> ``[..., N]`` in ``x``'s dtype.
+    """
+
+    packed: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 reduce: Reduce | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.reduce = reduce
+        self.register_buffer("packed", pack_linear_weight(q.detach()), persistent=False)
+        self.register_buffer("weight_scale", self._kernel_scale(scale), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    @staticmethod
+    def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
+        return scale.detach().float().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: the op itself, as PackedLinear (no lazy library load for torch.compile to trace)
+        linear = torch.ops.pagedserve.linear
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        if self.reduce is None:
+            y = linear(flat, self.packed, self.out_features, self.bias, None, self.weight_scale)
+        else:  # partial sums reduced in float32, the bias added once, rounded once
+            y = self.reduce(linear(flat, self.packed, self.out_features, None, torch.float32,
+                                   self.weight_scale))
+            if self.bias is not None:
+                y = y + self.bias
+            y = y.to(x.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+class GroupInt8Linear(Int8Linear):
+    """``Int8Linear`` with a scale per group of ``G`` consecutive weights of a row (GGUF
+    ``Q8_0``: G = 32): ``scale [N, K/G]`` float32, ``W[n, k] = q[n, k] * scale[n, k // G]``."""
+
+    @staticmethod
+    def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
+        return pack_group_scale(scale.detach().float())
+
+
+class W8A8Linear(nn.Module):
+    """``kernels.int8_linear.w8a8_linear``: int8 weights per output channel, activations
+    quantized per token each call, int32 products (``torch._int_mm``).
+
+    Args:
+        q: ``[N, K]`` int8; scale: ``[N]`` float32; bias: ``[N]`` or None;
+        reduce: the tensor-parallel all-reduce of a row-parallel layer, or None.
+
+    ``forward``: ``x [..., K]`` float32 / bf16 / fp16 -> ``[..., N]`` in ``x``'s dtype.
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 reduce: Reduce | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.reduce = reduce
+        self.register_buffer("weight", q.detach().contiguous(), persistent=False)
+        self.register_buffer("weight_scale", scale.detach().float().contiguous(),
+                             persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = w8a8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
+                        self.bias, reduce=self.reduce)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+
+def quantize_model_linears(model: nn.Module, quantization: str,
+                           skip: Callable[[nn.Module], bool] = lambda m: False) -> int:
+    """Swap the linear layers of ``model.layers`` for int8 ones, in place; return how many.
+
+    Args:
+        model: a loaded decoder (``services/worker/models``) on the CPU, in eval mode.
+        quantization: ``"int8"`` (``Int8Linear``) or ``"w8a8"`` (``W8A8Linear``); weights
+            quantized per output channel from their current values.
+        skip: layers to leave as they are (those already int8, e.g. GGUF Q8_0 ones).
+
+    Raises:
+        ValueError: another ``quantization``.
+        RuntimeError: ``int8`` where the native library cannot be built or loaded.
+    """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {quantization!r}: choose one of "
+                         f"{', '.join(QUANTIZATIONS)}")
+    from services.worker.parallel import RowParallelLinear
+
+    cls = Int8Linear if quantization == "int8" else W8A8Linear
+    swapped = 0
+    for layer in cast(nn.ModuleList, model.layers):
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if skip(child) or not (isinstance(child, RowParallelLinear)
+                                       or type(child) is nn.Linear):
+                    continue
+                q, scale = quantize_symmetric(child.weight.detach())
+                reduce = child.ps.all_reduce if isinstance(child, RowParallelLinear) else None
+                setattr(parent, name, cls(q, scale, child.bias, reduce=reduce))
+                swapped += 1
+    return swapped
