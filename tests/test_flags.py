@@ -148,7 +148,7 @@ def test_serve_forwards_no_replica_routing_or_supervision_flags(monkeypatch):
 def test_device_cuda_without_cuda_is_a_clear_error():
     import torch
 
-    from services.worker.model_runner import resolve_device
+    from services.worker.device import resolve_device
 
     if torch.cuda.is_available():
         assert resolve_device("cuda").type == "cuda"

@@ -24,7 +24,6 @@ appending, it proposes the next drafts (``StepInput.num_speculative_tokens``) by
 from __future__ import annotations
 
 import logging
-import re
 import time
 from typing import Protocol, cast
 
@@ -38,6 +37,7 @@ from services.common.speculative import SpeculativeConfig
 from services.common.tokenizer_loading import load_tokenizer
 from services.worker.attention import AttentionMetadata, resolve_kv_cache_dtype, select_backend
 from services.worker.compiled import CompiledForward, why_eager
+from services.worker.device import resolve_device, resolve_dtype
 from services.worker.distributed import ParallelState
 from services.worker.input_batch import InputBatch, PreparedStep
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
@@ -59,7 +59,6 @@ from services.worker.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # bytes
 # The dummy requests sample with top-k and top-p, so the sort those take is in the profile.
 _WARMUP_SAMPLING = EngineSamplingParams(temperature=1.0, top_p=0.9, top_k=50)
@@ -77,51 +76,6 @@ class DraftProposer(Protocol):
                 block_tables: list[np.ndarray], k: int) -> list[list[int]]: ...
 
     def drop(self, request_id: str) -> None: ...
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU has bf16 matmul instructions (AVX512-BF16 or AMX)."""
-    capability = torch.backends.cpu.get_cpu_capability().upper()
-    if "AMX" in capability or "BF16" in capability:
-        return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` = CUDA when available, else CPU; anything else as torch spells it. A CUDA
-    device always gets an index (the current device when none is given).
-
-    Raises:
-        ValueError: CUDA asked for where torch sees no CUDA device.
-        RuntimeError: a device string torch does not know.
-    """
-    resolved = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: torch sees no CUDA device on this machine "
-                         f"(torch {torch.__version__}); use --device cpu or auto")
-    if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` = bfloat16 on CUDA or a CPU with native bf16, else float32.
-
-    Raises:
-        ValueError: an unknown dtype name.
-    """
-    if dtype == "auto":
-        native_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
-        return torch.bfloat16 if native_bf16 else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 class ModelRunner:

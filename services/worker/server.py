@@ -360,8 +360,9 @@ def world_size(args) -> int:
 def build_runner(args):
     """Join the rank group (if any), load this rank's part of the model and allocate the KV
     cache (slow: seconds to minutes)."""
+    from services.worker.device import resolve_device
     from services.worker.distributed import ParallelConfig, init_distributed
-    from services.worker.model_runner import ModelRunner, resolve_device
+    from services.worker.model_runner import ModelRunner
     world_size(args)
     if getattr(args, "speculative_config", None) and args.pipeline_parallel_size > 1:
         raise ValueError("--speculative-config does not work with --pipeline-parallel-size "

@@ -17,7 +17,8 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from services.common.sampling_params import EngineSamplingParams
 from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.loader import load_model
-from services.worker.model_runner import ModelRunner, resolve_dtype
+from services.worker.device import resolve_dtype
+from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaConfig
 from services.worker.step_input import CachedRequest, NewRequest, StepInput
 from tests.helpers import make_tiny_llama
