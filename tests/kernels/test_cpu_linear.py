@@ -10,10 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.cpu_attention import ISA_ENV, cpu_isa
 from kernels.cpu_linear import cpu_linear, pack_linear_weight
 from services.worker.packed_linear import PackedLinear, pack_model_linears
-from tests.kernels.cpu_isas import RUNNABLE_ISAS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (N, K): SmolLM2's qkv and LM head, odd sizes (N not a multiple of 32, K odd), a tiny one
@@ -22,13 +20,6 @@ SHAPES = [(960, 576), (5003, 576), (37, 77), (3, 5)]
 # a 16-bit output adds one rounding to its dtype
 ACC_TOL = (2e-5, 2e-5)
 OUT_TOL = {torch.float32: ACC_TOL, torch.bfloat16: (1e-2, 8e-3), torch.float16: (1e-3, 1e-3)}
-
-
-@pytest.fixture(params=RUNNABLE_ISAS)
-def isa(request, monkeypatch) -> str:
-    monkeypatch.setenv(ISA_ENV, request.param)
-    assert cpu_isa() == request.param
-    return request.param
 
 
 def _problem(n: int, k: int, m: int, dtype: torch.dtype, seed: int = 0):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu_attention import ISA_ENV, cpu_isa
 from kernels.cpu_linear import cpu_linear, pack_group_scale, pack_linear_weight
 from kernels.int8_linear import (
     dequantize,
@@ -29,19 +28,11 @@ from kernels.int8_linear import (
     w8a8_linear,
 )
 from services.worker.quantized_linear import GroupInt8Linear, Int8Linear, W8A8Linear
-from tests.kernels.cpu_isas import RUNNABLE_ISAS
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (N, K): SmolLM2's qkv and down, N not a multiple of 32, K odd (per channel only), tiny
 SHAPES = [(960, 576), (576, 1536), (37, 96), (3, 5)]
 TOL = {"channel": 2e-5, "group": 2e-5, "w8a8": 1e-5}
-
-
-@pytest.fixture(params=RUNNABLE_ISAS)
-def isa(request, monkeypatch) -> str:
-    monkeypatch.setenv(ISA_ENV, request.param)
-    assert cpu_isa() == request.param
-    return request.param
 
 
 def _weights(n: int, k: int, seed: int = 0):

@@ -23,7 +23,7 @@ from kernels import (
     torch_paged_attention,
     torch_reshape_and_cache,
 )
-from kernels.cpu_attention import ISA_ENV, cpu_isa, cpu_paged_attention, cpu_reshape_and_cache
+from kernels.cpu_attention import cpu_paged_attention, cpu_reshape_and_cache
 from kernels.kv_quant import (
     KV_CACHE_DTYPES,
     cache_head_dim,
@@ -31,7 +31,6 @@ from kernels.kv_quant import (
     dequantize_kv,
     quantize_kv,
 )
-from tests.kernels.cpu_isas import RUNNABLE_ISAS
 from tests.kernels.test_cpu_paged_attention import SPLITS, make_batch
 from tests.kernels.test_paged_attention import CASES, TOLERANCES
 
@@ -42,13 +41,6 @@ CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn,
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture(params=RUNNABLE_ISAS)
-def isa(request, monkeypatch) -> str:
-    monkeypatch.setenv(ISA_ENV, request.param)
-    assert cpu_isa() == request.param
-    return request.param
 
 
 def test_flag_values_are_vllms():

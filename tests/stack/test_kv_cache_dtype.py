@@ -18,20 +18,20 @@ import torch
 
 from services.worker.attention import resolve_kv_cache_dtype
 from services.worker.model_runner import ModelRunner
-from tests.stack.conftest import _leak_check, generate_at_once
-from tests.stack.test_equivalence import kv_bytes_per_block
+from tests.stack.conftest import _leak_check
+from tests.stack.test_equivalence import MAX_NEW, _generate_all, kv_bytes_per_block
 from tests.stack.test_metrics import get, scrape
 from tests.stack_harness import InProcessStack
 from tests.worker.invariance_driver import Shape, generate
 
-MAX_NEW = 16
 LENGTHS = [5, 9, 40, 300]
 
 
 def int8_bytes_per_block(model_dir: str, block_size: int = 16) -> int:
     """K and V bytes of one int8 block over all layers: head_dim int8 values + a 2-byte scale
     per (token, KV head) row."""
-    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * (head_dim + 2)
 
@@ -40,14 +40,6 @@ def int8_bytes_per_block(model_dir: str, block_size: int = 16) -> int:
 def prompts():
     rng = random.Random(0)
     return [[rng.randrange(3, 500) for _ in range(n)] for n in LENGTHS]
-
-
-def _generate(address: str, prompts: list[list[int]]) -> list[list[int]]:
-    results = generate_at_once(address, [dict(prompt_token_ids=ids, temperature=0,
-                                              max_tokens=MAX_NEW, ignore_eos=True)
-                                         for ids in prompts])
-    assert all(r.usage.completion_tokens == MAX_NEW for r in results)
-    return [r.token_ids for r in results]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
@@ -72,11 +64,11 @@ def test_quantized_cache_capacity_metrics_and_same_tokens_in_any_batch(
         assert get(samples, "pagedserve:cache_config_info", block_size="16",
                    num_gpu_blocks=str(info.num_kv_blocks), cache_dtype=kv_cache_dtype) == 1
 
-        together = _generate(stack.address, prompts)
-        alone = [_generate(stack.address, [p])[0] for p in prompts]
+        together = _generate_all(stack.address, prompts)
+        alone = [_generate_all(stack.address, [p])[0] for p in prompts]
         assert alone == together
         # the 300-token prompt again: a prefix-cache hit of its first 18 blocks
-        assert _generate(stack.address, [prompts[-1]])[0] == together[-1]
+        assert _generate_all(stack.address, [prompts[-1]])[0] == together[-1]
         assert stack.stats().prefix_cache_hits_total > 0
         _leak_check(stack)
     finally:
@@ -90,7 +82,7 @@ def test_quantized_cache_capacity_metrics_and_same_tokens_in_any_batch(
                                            "--max-model-len", "384"]).start()
     try:
         assert small.info().num_kv_blocks == 24
-        assert _generate(small.address, prompts) == together
+        assert _generate_all(small.address, prompts) == together
         assert small.stats().num_preemptions_total > 0
         _leak_check(small)
     finally:
