@@ -18,7 +18,10 @@ conversion, value for value, before serving any of it.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -81,15 +84,31 @@ def read_q8_0_linears(path: str, num_heads: int, num_kv_heads: int,
     return out
 
 
-def tensor_type_counts(path: str) -> dict[str, int]:
+def tensor_type_counts(path: str, cache: Path) -> tuple[dict[str, int], int]:
     """How many tensors of each GGML type the GGUF at ``path`` holds, most first (for the
-    start-up log line on what the weights are stored as)."""
+    start-up log line on what the weights are stored as), and how many of its decoder layers'
+    tensors (``blk.*``) are ``Q8_0`` (none: no reason to read the file for them).
+
+    NOTE: kept in the JSON file ``cache`` (beside the converted weights) after the first call:
+    ``GGUFReader`` parses every metadata field, the tokenizer's 49k strings included, ~4 s for
+    SmolLM2, which a cached start must not pay.
+    """
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        return saved["counts"], saved["q8_0_layer_tensors"]
     import gguf
 
     counts: dict[str, int] = {}
+    q8_0_layer_tensors = 0
     for tensor in gguf.GGUFReader(path).tensors:
         counts[tensor.tensor_type.name] = counts.get(tensor.tensor_type.name, 0) + 1
-    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+        q8_0_layer_tensors += (tensor.name.startswith("blk.")
+                               and tensor.tensor_type == gguf.GGMLQuantizationType.Q8_0)
+    counts = dict(sorted(counts.items(), key=lambda item: -item[1]))
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+    tmp.write_text(json.dumps({"counts": counts, "q8_0_layer_tensors": q8_0_layer_tensors}))
+    os.replace(tmp, cache)  # (atomic: a concurrent start reads the whole file or none)
+    return counts, q8_0_layer_tensors
 
 
 def _blocks(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

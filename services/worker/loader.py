@@ -156,7 +156,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         if plan:
             assert parallel is not None  # a plan is made only for a parallel state
             shard_model(net, plan, parallel)
-    q8 = _gguf_q8_0(source, folder, cfg, device, plan, quantization)
+    type_counts, q8_0_layer_tensors = (
+        tensor_type_counts(source.path, folder / "gguf_tensor_types.json")
+        if source.is_gguf else (None, 0))
+    q8 = _gguf_q8_0(source, folder, cfg, device, plan, quantization, q8_0_layer_tensors)
     # NOTE: safetensors hands out tensors on the file's memory map, which a float32 model keeps
     # as its weights; one that keeps few of them (int8) copies those few (not the linear
     # weights it quantizes), or the whole map, its pages read by the quantization, would stay
@@ -180,9 +183,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
                   is_last_stage=plan is None or plan.pc.is_last_stage)
     if quantization or q8:
         _return_freed_memory()
-    log.info("weights: %s", describe_weights(net, dtype, quantization,
-                                             tensor_type_counts(source.path)
-                                             if source.is_gguf else None))
+    log.info("weights: %s", describe_weights(net, dtype, quantization, type_counts))
     info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
                      max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", source.name,
@@ -230,12 +231,15 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
 
 
 def _gguf_q8_0(source: ModelSource, folder: Path, cfg: ModelConfig, device: torch.device,
-               plan: ShardPlan | None, quantization: str | None) -> dict[str, Q8_0Weight]:
+               plan: ShardPlan | None, quantization: str | None,
+               q8_0_layer_tensors: int) -> dict[str, Q8_0Weight]:
     """The GGUF's ``Q8_0`` linear layers this rank serves as stored (``gguf_q8_0.py``), or
     ``{}``: not a GGUF, none of them ``Q8_0``, or not servable here (not a CPU, tensor
     parallel, no native kernels, ``--quantization w8a8``: per-output-channel int8 instead),
-    each said in the log. The first layer is checked against the float conversion."""
-    if not source.is_gguf or device.type != "cpu":
+    each said in the log. The first layer is checked against the float conversion.
+    ``q8_0_layer_tensors``: how many of its decoder layers' tensors are ``Q8_0``
+    (``tensor_type_counts``; 0: the file is not read)."""
+    if not source.is_gguf or device.type != "cpu" or not q8_0_layer_tensors:
         return {}
     layers = plan.layers if plan else range(cfg.num_hidden_layers)
     q8 = read_q8_0_linears(source.path, cfg.num_attention_heads, cfg.num_key_value_heads,
