@@ -148,8 +148,9 @@ PS_INLINE void store_row(const float* src, c10::BFloat16* dst, int64_t n, float 
 //              clamped to [-127, 127] (symmetric, per token and head)
 //   kFp8E4m3   float8_e4m3fn, kFp8E5m2 float8_e5m2: [..., head_dim], per-tensor scale 1.0
 //              (vLLM's default k_scale / v_scale); writes saturate to the finite range
-// Reads dequantize a chunk's rows to the query's dtype once (dequant_row), then the same
-// products run as for an unquantized cache.
+// Reads dequantize to the query's dtype, then the same products run as for an unquantized
+// cache: the bf16 pair bodies while they pack K^T / V (load32_bf16), the float32 body a
+// chunk's rows once into the scratch (dequant_row); both round the same bits.
 enum class KvQuant : int { kNone = 0, kInt8 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };
 
 // float8_e4m3fn bits -> float32, exact and branch-free (vectorizes); NaN (0x7F) never stored.
