@@ -51,6 +51,11 @@ Work split of ``_paged_attention_kernel``, grid ``(num_q_tiles, num_kv_heads, nu
 
 Block ids are cast to int64 before multiplying by the block stride, so caches with more than
 2**31 elements index correctly.
+
+A quantized cache (``--kv-cache-dtype``, formats in ``kernels/kv_quant.py``) is dequantized
+tile by tile after the load, as every backend reads it: an int8 row times the float16 scale in
+its last two bytes (read through a float16 view of the same memory), float8 bytes bitcast and
+widened; then rounded once to the query dtype, so the products see the dequantized values.
 """
 
 import functools
@@ -58,6 +63,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from kernels.kv_quant import cache_head_dim, is_quantized
+from kernels.torch_attention import torch_reshape_and_cache
 
 
 @triton.jit
@@ -107,9 +115,17 @@ def triton_reshape_and_cache(
     """Write each token's K/V into its slot ``block_id * block_size + offset``; slot < 0 = skip.
 
     Values are cast to the cache dtype; any strides are accepted as long as ``head_dim`` is
-    contiguous. Raises ``ValueError`` on mismatched shapes, a non-power-of-2 ``head_dim``
-    or ``block_size``, or a non-contiguous ``head_dim``.
+    contiguous. An int8 / float8 cache (``--kv-cache-dtype``) is written by
+    ``kernels.torch_attention.torch_reshape_and_cache``'s quantizer (``kernels/kv_quant.py``),
+    bitwise what every backend writes. Raises ``ValueError`` on mismatched shapes, a
+    non-power-of-2 ``head_dim`` or ``block_size``, or a non-contiguous ``head_dim``.
     """
+    if is_quantized(k_cache.dtype):
+        # NOTE: torch ops, not a Triton kernel: the interpreter's float32 -> float8 cast does
+        # not round to nearest (2.11 became 0.25 in one try), so a Triton quantizer could not
+        # be tested off a GPU; the write is one token per sequence in a decode step.
+        torch_reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        return
     num_tokens, num_kv_heads, head_dim = key.shape
     _, block_size, _, _ = k_cache.shape
     _check(value.shape == key.shape, "key and value shapes differ")
@@ -162,8 +178,10 @@ def _paged_attention_kernel(
     part_out_ptr,  # [NUM_SPLITS, num_tokens, num_heads, head_dim] fp32 (NUM_SPLITS > 1)
     part_ml_ptr,  # [NUM_SPLITS, num_tokens, num_heads, 2] fp32: running max m, sum l
     query_ptr,  # [num_tokens, num_heads, head_dim]
-    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 2 bytes for int8)]
+    v_cache_ptr,  # same as k_cache_ptr
+    k_scale_ptr,  # KV_QUANT == 1: k_cache's bytes as float16 (the row scales); else unused
+    v_scale_ptr,  # KV_QUANT == 1: v_cache's bytes as float16
     block_tables_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -186,6 +204,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens of a program
     NUM_SPLITS: tl.constexpr,  # 1 = whole context per program; > 1 = split-KV partials
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32), else the default
+    KV_QUANT: tl.constexpr,  # 0 = float cache, 1 = int8 + float16 row scale, 2 = e4m3, 3 = e5m2
 ):
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -241,8 +260,21 @@ def _paged_attention_kernel(
         block_id = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         k_off = block_id * stride_kc_block + (k_pos % BLOCK_SIZE) * stride_kc_tok  # [TILE_N]
         v_off = block_id * stride_vc_block + (k_pos % BLOCK_SIZE) * stride_vc_tok
-        k = tl.load(kc_head + k_off[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0.0)
-        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0.0)
+        k = tl.load(kc_head + k_off[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0)
+        v = tl.load(vc_head + v_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0)
+        if KV_QUANT == 1:  # int8 rows end in their float16 scale (byte offsets are even)
+            k_scale = tl.load(k_scale_ptr + (kv_head * stride_kc_head + k_off + HEAD_DIM) // 2,
+                              mask=k_valid, other=0.0).to(tl.float32)  # [TILE_N]
+            v_scale = tl.load(v_scale_ptr + (kv_head * stride_vc_head + v_off + HEAD_DIM) // 2,
+                              mask=k_valid, other=0.0).to(tl.float32)
+            k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        elif KV_QUANT == 2:  # float8 bytes, scale 1.0: exact in every query dtype
+            k = k.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(q.dtype)
+            v = v.to(tl.float8e4nv, bitcast=True).to(tl.float32).to(q.dtype)
+        elif KV_QUANT == 3:
+            k = k.to(tl.float8e5, bitcast=True).to(tl.float32).to(q.dtype)
+            v = v.to(tl.float8e5, bitcast=True).to(tl.float32).to(q.dtype)
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
         keep = ((k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= q_lo[:, None])
@@ -367,6 +399,9 @@ def triton_paged_attention(
     with ``(j + 1) * block_size <= context_len - W + 1``) are never read: they may hold -1 or
     any id, and the work per row is O(W).
 
+    ``k_cache`` / ``v_cache`` may be int8 (``head_dim + 2`` bytes a row) or float8
+    (``kernels/kv_quant.py``): read dequantized to ``query.dtype``.
+
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype``, accumulated in fp32
     (fp32 inputs use IEEE fp32 dots, not TF32). Rows of tokens past ``query_start_loc[-1]``
     (padding) are zero. ``max_query_len`` picks the tile shape (decode or prefill);
@@ -376,13 +411,16 @@ def triton_paged_attention(
     (flash-decoding); ``None`` lets ``choose_num_splits`` decide from the GPU's SM count (long
     contexts at small batch split; no split on CPU); else a power of 2.
 
-    Raises ``ValueError`` if ``num_heads`` is not a multiple of ``num_kv_heads``, ``head_dim``
-    or ``block_size`` is not a power of 2 >= 16, ``num_splits`` is not a power of 2,
-    ``head_dim`` is not contiguous, or ``sliding_window < 0``.
+    Raises ``ValueError`` if ``num_heads`` is not a multiple of ``num_kv_heads``, the cache
+    rows hold another ``head_dim``, ``head_dim`` or ``block_size`` is not a power of 2 >= 16,
+    ``num_splits`` is not a power of 2, ``head_dim`` is not contiguous, or
+    ``sliding_window < 0``.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
+    _check(cache_head_dim(k_cache) == head_dim,
+           f"the cache rows hold head_dim {cache_head_dim(k_cache)}, the query {head_dim}")
     _check(
         num_heads % num_kv_heads == 0,
         f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
@@ -425,8 +463,14 @@ def triton_paged_attention(
                               device=query.device)
     else:
         part_out = part_ml = out  # unused
+    kv_quant = _KV_QUANT.get(k_cache.dtype, 0)
+    k_scales, v_scales = ((k_cache.view(torch.float16), v_cache.view(torch.float16))
+                          if kv_quant == 1 else (k_cache, v_cache))  # unused unless int8
+    if kv_quant >= 2:  # float8 read as bytes and bitcast in the kernel
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[(grid0, num_kv_heads, num_splits)](
-        out, part_out, part_ml, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        out, part_out, part_ml, query, k_cache, v_cache, k_scales, v_scales,
+        block_tables, seq_lens, query_start_loc,
         num_seqs, num_tokens, tiles_per_split, scale, sliding_window,
         query.stride(0), query.stride(1),
         out.stride(0), out.stride(1),
@@ -442,6 +486,7 @@ def triton_paged_attention(
         BLOCK_Q=block_q,
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        KV_QUANT=kv_quant,
         num_warps=4,
     )
     if split:
@@ -456,6 +501,10 @@ def triton_paged_attention(
             num_warps=4,
         )
     return out
+
+
+# A quantized cache's dtype -> the kernel's KV_QUANT (``kernels/kv_quant.py`` has the formats).
+_KV_QUANT = {torch.int8: 1, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
 
 
 def _is_pow2(n: int) -> bool:

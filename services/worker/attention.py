@@ -32,8 +32,8 @@ from kernels.kv_quant import KV_CACHE_DTYPES
 
 log = logging.getLogger(__name__)
 
-# Backends whose kernels read an int8 / float8 KV cache (kernels/kv_quant.py).
-QUANTIZED_KV_BACKENDS = ("cpu", "torch")
+# Triton's float8e4nv conversions are native from compute capability 8.9 (Ada, Hopper) on.
+FP8_E4M3_MIN_CUDA_CAPABILITY = (8, 9)
 
 
 @dataclass(slots=True)
@@ -184,25 +184,29 @@ def _native_cpu_kernels_load() -> bool:
         return False
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: str) -> torch.dtype:
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, backend: str,
+                           cuda_capability: tuple[int, int] | None = None) -> torch.dtype:
     """The KV cache tensors' dtype for ``--kv-cache-dtype name`` (vLLM's values): ``"auto"`` =
     ``model_dtype``; ``"int8"``, ``"fp8"`` (= ``"fp8_e4m3"``) and ``"fp8_e5m2"`` =
-    ``torch.int8`` / ``float8_e4m3fn`` / ``float8_e5m2`` (``kernels/kv_quant.py``).
+    ``torch.int8`` / ``float8_e4m3fn`` / ``float8_e5m2`` (``kernels/kv_quant.py``). Every
+    backend (``backend``: the resolved name) reads and writes them.
 
     Raises:
-        ValueError: an unknown name, or a quantized cache with a ``backend`` (resolved name)
-            whose kernels cannot read it (triton).
+        ValueError: an unknown name, or an e4m3 cache on the triton backend of a GPU whose
+            ``cuda_capability`` (major, minor) is below 8.9 (no native float8e4nv).
     """
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
     dtype = KV_CACHE_DTYPES[name]
     if dtype is None:
         return model_dtype
-    if backend not in QUANTIZED_KV_BACKENDS:
-        raise ValueError(f"--kv-cache-dtype {name}: the {backend} attention backend reads an "
-                         f"unquantized KV cache only (--kv-cache-dtype auto); a quantized one "
-                         f"is read by the {' and '.join(QUANTIZED_KV_BACKENDS)} backends "
-                         f"(--attention-backend)")
+    if (dtype == torch.float8_e4m3fn and backend == "triton" and cuda_capability is not None
+            and cuda_capability < FP8_E4M3_MIN_CUDA_CAPABILITY):
+        need = ".".join(map(str, FP8_E4M3_MIN_CUDA_CAPABILITY))
+        raise ValueError(f"--kv-cache-dtype {name}: the triton attention backend reads "
+                         f"float8_e4m3 on GPUs of compute capability >= {need} only, this one "
+                         f"is {cuda_capability[0]}.{cuda_capability[1]}; use "
+                         f"--kv-cache-dtype fp8_e5m2 or int8")
     return dtype
 
 

@@ -159,7 +159,9 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         backend = select_backend(attention_backend, self.device)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, backend.name)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            kv_cache_dtype, self.dtype, backend.name,
+            torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None)
         self.kv_cache_dtype_name = kv_cache_dtype
         if batch_invariant and backend.name != "cpu":
             raise ValueError(f"--batch-invariant needs the native CPU attention kernels "

@@ -31,8 +31,10 @@ from kernels.kv_quant import (
     dequantize_kv,
     quantize_kv,
 )
+from kernels.triton_attention import triton_paged_attention, triton_reshape_and_cache
+from tests.kernels import test_paged_attention
 from tests.kernels.test_cpu_paged_attention import SPLITS, make_batch
-from tests.kernels.test_paged_attention import CASES, TOLERANCES
+from tests.kernels.test_paged_attention import CASES, CUDA, TOLERANCES
 
 CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn,
                 "fp8_e5m2": torch.float8_e5m2}
@@ -143,6 +145,45 @@ def test_native_sliding_window_over_quantized_cache(isa, cache, sliding_window):
 def test_torch_backend_matches_reference_of_dequantized_cache(cache, dtype):
     batch = quantized(make_batch(CASES["mixed"], dtype=dtype), CACHE_DTYPES[cache])
     check(torch_paged_attention(**batch), batch)
+
+
+# NOTE: the Triton interpreter multiplies bfloat16 operands' raw bits in tl.dot (see
+# test_paged_attention.DTYPE_PARAMS): float16 stands for the 16-bit path off a GPU.
+TRITON_DTYPES = [torch.float32, torch.float16, *([torch.bfloat16] if CUDA else [])]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("dtype", TRITON_DTYPES, ids=str)
+@pytest.mark.parametrize("cache", list(CACHE_DTYPES))
+def test_triton_matches_reference_of_dequantized_cache(cache, dtype, num_splits):
+    batch = quantized(test_paged_attention.make_batch(CASES["mixed"], num_heads=6,
+                                                      num_kv_heads=2, dtype=dtype),
+                      CACHE_DTYPES[cache])
+    check(triton_paged_attention(**batch, num_splits=num_splits), batch)
+
+
+@pytest.mark.parametrize("cache", list(CACHE_DTYPES))
+def test_triton_sliding_window_over_quantized_cache(cache):
+    batch = quantized(test_paged_attention.make_batch(CASES["decode"], num_heads=6,
+                                                      num_kv_heads=2, dtype=torch.float16),
+                      CACHE_DTYPES[cache])
+    check(triton_paged_attention(**batch, sliding_window=7), {**batch, "sliding_window": 7})
+
+
+@pytest.mark.parametrize("cache", list(CACHE_DTYPES))
+def test_triton_write_is_bitwise_the_references(cache):
+    cache_dtype = CACHE_DTYPES[cache]
+    key, value = torch.randn(2, 20, 2, 64).to(torch.float16) * 3
+    slots = torch.randperm(6 * 16)[:20]
+    slots[4] = -1
+    shape = (6, 16, 2, cache_row_size(64, cache_dtype))
+    caches = []
+    for write in (triton_reshape_and_cache, reference_reshape_and_cache):
+        k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(
+            shape, dtype=cache_dtype)
+        write(key, value, k_cache, v_cache, slots)
+        caches.append(torch.cat([k_cache.view(torch.uint8), v_cache.view(torch.uint8)]))
+    assert torch.equal(caches[0], caches[1]) and caches[0].any()
 
 
 @pytest.mark.parametrize("cache", list(CACHE_DTYPES))

@@ -118,8 +118,13 @@ def test_native_and_torch_backends_read_an_int8_cache_alike(tiny_model_dir, prom
 
 
 def test_refused_where_the_backend_cannot_read_it():
-    with pytest.raises(ValueError, match="--kv-cache-dtype int8: the triton attention backend"):
-        resolve_kv_cache_dtype("int8", torch.bfloat16, "triton")
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8: the triton attention backend "
+                                         "reads float8_e4m3 on GPUs of compute capability >= 8.9"):
+        resolve_kv_cache_dtype("fp8", torch.bfloat16, "triton", (8, 0))
+    assert resolve_kv_cache_dtype("fp8", torch.bfloat16, "triton", (9, 0)) == torch.float8_e4m3fn
+    assert resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16, "triton", (8, 0)) == \
+        torch.float8_e5m2
+    assert resolve_kv_cache_dtype("int8", torch.bfloat16, "triton", (7, 5)) == torch.int8
     with pytest.raises(ValueError, match="--kv-cache-dtype 'fp4'"):
         resolve_kv_cache_dtype("fp4", torch.bfloat16, "cpu")
     assert resolve_kv_cache_dtype("auto", torch.bfloat16, "triton") == torch.bfloat16

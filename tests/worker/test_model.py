@@ -307,15 +307,17 @@ import json, sys, torch
 from services.worker.model_runner import ModelRunner
 from tests.worker.test_model import drive_greedy
 runner = ModelRunner(sys.argv[1], dtype="float32", device="cpu", kv_cache_memory=1 << 20,
-                     attention_backend="triton")
+                     attention_backend="triton", kv_cache_dtype=sys.argv[3])
 assert runner.model.layers[0].attn.backend.name == "triton"
 print(json.dumps(drive_greedy(runner, json.loads(sys.argv[2]), 4, token_budget=24)))
 """
 
 
-def test_triton_backend_greedy_interpreted(tiny_llama):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8_e5m2"])
+def test_triton_backend_greedy_interpreted(tiny_llama, kv_cache_dtype):
     """The CUDA attention path (Triton kernels) wired into the model, run by Triton's CPU
-    interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported)."""
+    interpreter in a subprocess (TRITON_INTERPRET must be set before triton is imported):
+    transformers' greedy tokens, and over a quantized cache the native CPU kernels' tokens."""
     import json
     import os
     import subprocess
@@ -326,10 +328,16 @@ def test_triton_backend_greedy_interpreted(tiny_llama):
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 37)]
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run(
-        [sys.executable, "-c", _TRITON_SCRIPT, str(tiny_llama), json.dumps(prompts)],
+        [sys.executable, "-c", _TRITON_SCRIPT, str(tiny_llama), json.dumps(prompts),
+         kv_cache_dtype],
         cwd=root, env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)},
         capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     outputs = json.loads(result.stdout.strip().splitlines()[-1])
-    ref = HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    assert outputs == [hf_greedy(ref, p, 4) for p in prompts]
+    if kv_cache_dtype == "auto":
+        ref = HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+        assert outputs == [hf_greedy(ref, p, 4) for p in prompts]
+    else:
+        native = ModelRunner(str(tiny_llama), dtype="float32", kv_cache_memory=1 << 20,
+                             attention_backend="cpu", kv_cache_dtype=kv_cache_dtype)
+        assert outputs == drive_greedy(native, prompts, 4, token_budget=24)
