@@ -8,6 +8,9 @@
     # start the stack itself, sweep rates, write JSON and the latency-vs-load plot
     .venv/bin/python benchmarks/serving.py --launch --request-rate 1 2 4 inf \\
         --num-prompts 100 --json serving.json --plot serving.png
+    # the same workload against vLLM's OpenAI server (its own venv, the same weights; over HTTP)
+    .venv/bin/python benchmarks/serving.py --vllm-python VENV/bin/python --max-concurrency 1 \
+        --num-prompts 8 --vllm-args="--kv-cache-dtype fp8"
     # the same workload over the OpenAI-compatible HTTP API
     .venv/bin/python benchmarks/serving.py --backend http --http-url http://127.0.0.1:8000 ...
 
@@ -35,7 +38,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,6 +289,10 @@ def main() -> None:
     p.add_argument("--serve-args", default="",
                    help="with --launch: extra flags for pagedserve serve, e.g. "
                         "'--no-async-scheduling'")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="start vLLM's OpenAI server from this venv's python instead (HTTP; "
+                        "compare.py's launcher: both cores, 2 GiB of KV cache, --dtype)")
+    p.add_argument("--vllm-args", default="", help="with --vllm-python: extra vLLM flags")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests/s of the Poisson arrivals; several = a sweep; inf = at once")
@@ -307,7 +314,20 @@ def main() -> None:
           f"{sum(len(i.prompt_token_ids) for i in items) / len(items):.0f}, output tokens mean "
           f"{sum(i.output_len for i in items) / len(items):.0f}", flush=True)
     model = a.model or "SmolLM2-135M-Instruct"
-    if a.launch:
+    if a.vllm_python:
+        import tempfile
+
+        from compare import running_vllm, vllm_model_folder, vllm_preload
+
+        a.backend = "http"
+        log_path = Path(tempfile.mkstemp(prefix="serving-vllm-", suffix=".log")[1])
+        with running_vllm(a.vllm_python, vllm_model_folder(a.model), a.dtype, threads_bind="0-1",
+                          kvcache_gib=2, max_model_len=a.max_prompt_len + a.max_output_len,
+                          extra=a.vllm_args.split(), log_path=log_path,
+                          preload=vllm_preload(a.vllm_python)) as url:
+            a.http_url = url
+            rows = asyncio.run(bench(a, url, items, model))
+    elif a.launch:
         from throughput import running_stack
 
         extra = ["--http-port", a.http_url.rsplit(":", 1)[1] if a.backend == "http" else "-1",
