@@ -67,8 +67,8 @@ def cpu_reshape_and_cache(
     """Write each token's K/V into its slot ``block_id * block_size + offset``; slot < 0 = skip.
 
     Values are cast to the cache dtype, or quantized for an int8 / float8 cache
-    (``kernels.kv_quant``: an int8 cache is ``[..., head_dim + 2]``, each row's float16 scale
-    in its last two bytes; ``key`` / ``value`` then stay float32 / bfloat16 / float16). Slots
+    (``kernels.kv_quant``: an int8 cache is ``[..., head_dim + 1]``, each row's scale code in
+    its last byte; ``key`` / ``value`` then stay float32 / bfloat16 / float16). Slots
     must be unique (the scheduler guarantees it). The caches may have any strides with
     ``head_dim`` contiguous (e.g. halves of one combined K/V tensor); offsets are 64-bit.
 

@@ -22,7 +22,7 @@ def reference_reshape_and_cache(
     """Write each token's K/V into its slot; ``slot = block_id * block_size + offset``, < 0 = skip.
 
     Values are cast to the cache dtype, or quantized for an int8 / float8 cache
-    (``kernels.kv_quant``; an int8 cache's rows are ``head_dim + 2`` wide). One token at a time.
+    (``kernels.kv_quant``; an int8 cache's rows are ``head_dim + 1`` wide). One token at a time.
     """
     block_size = k_cache.shape[1]
     quantized = is_quantized(k_cache.dtype)

@@ -49,7 +49,7 @@ def torch_reshape_and_cache(
     """Write each token's K/V into its slot ``block_id * block_size + offset``; slot < 0 = skip.
 
     Values are cast to the cache dtype, or quantized for an int8 / float8 cache
-    (``kernels.kv_quant``; an int8 cache's rows are ``head_dim + 2`` wide). Slots must be unique
+    (``kernels.kv_quant``; an int8 cache's rows are ``head_dim + 1`` wide). Slots must be unique
     (the scheduler guarantees it). The caches may have any strides (e.g. halves of one combined
     K/V tensor).
     """

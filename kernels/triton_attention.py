@@ -53,9 +53,9 @@ Block ids are cast to int64 before multiplying by the block stride, so caches wi
 2**31 elements index correctly.
 
 A quantized cache (``--kv-cache-dtype``, formats in ``kernels/kv_quant.py``) is dequantized
-tile by tile after the load, as every backend reads it: an int8 row times the float16 scale in
-its last two bytes (read through a float16 view of the same memory), float8 bytes bitcast and
-widened; then rounded once to the query dtype, so the products see the dequantized values.
+tile by tile after the load, as every backend reads it: an int8 row times the scale its last
+byte encodes (read through a uint8 view of the same memory), float8 bytes bitcast and widened;
+then rounded once to the query dtype, so the products see the dequantized values.
 """
 
 import functools
@@ -152,6 +152,14 @@ def triton_reshape_and_cache(
 
 
 @triton.jit
+def _code_scale(code):
+    """int8 rows' scale codes (uint8) -> float32 scales: bits (c << 20) + 0x35000000, 0 for 0."""
+    c = code.to(tl.int32)
+    bits = tl.where(c > 0, (c << 20) + 0x35000000, 0)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _find_seq_idx(
     query_start_loc_ptr,  # [num_seqs + 1] int32
     tile_idx,
@@ -180,8 +188,8 @@ def _paged_attention_kernel(
     query_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim (+ 2 bytes for int8)]
     v_cache_ptr,  # same as k_cache_ptr
-    k_scale_ptr,  # KV_QUANT == 1: k_cache's bytes as float16 (the row scales); else unused
-    v_scale_ptr,  # KV_QUANT == 1: v_cache's bytes as float16
+    k_code_ptr,  # KV_QUANT == 1: k_cache's bytes as uint8 (the row scale codes); else unused
+    v_code_ptr,  # KV_QUANT == 1: v_cache's bytes as uint8
     block_tables_ptr,  # [num_seqs, max_num_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     query_start_loc_ptr,  # [num_seqs + 1] int32
@@ -262,11 +270,11 @@ def _paged_attention_kernel(
         v_off = block_id * stride_vc_block + (k_pos % BLOCK_SIZE) * stride_vc_tok
         k = tl.load(kc_head + k_off[None, :] + offs_d[:, None], mask=k_valid[None, :], other=0)
         v = tl.load(vc_head + v_off[:, None] + offs_d[None, :], mask=k_valid[:, None], other=0)
-        if KV_QUANT == 1:  # int8 rows end in their float16 scale (byte offsets are even)
-            k_scale = tl.load(k_scale_ptr + (kv_head * stride_kc_head + k_off + HEAD_DIM) // 2,
-                              mask=k_valid, other=0.0).to(tl.float32)  # [TILE_N]
-            v_scale = tl.load(v_scale_ptr + (kv_head * stride_vc_head + v_off + HEAD_DIM) // 2,
-                              mask=k_valid, other=0.0).to(tl.float32)
+        if KV_QUANT == 1:  # int8 rows end in their scale code (kernels/kv_quant.py)
+            k_scale = _code_scale(tl.load(k_code_ptr + kv_head * stride_kc_head + k_off
+                                          + HEAD_DIM, mask=k_valid, other=0))  # [TILE_N]
+            v_scale = _code_scale(tl.load(v_code_ptr + kv_head * stride_vc_head + v_off
+                                          + HEAD_DIM, mask=k_valid, other=0))
             k = (k.to(tl.float32) * k_scale[None, :]).to(q.dtype)
             v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         elif KV_QUANT == 2:  # float8 bytes, scale 1.0: exact in every query dtype
@@ -399,7 +407,7 @@ def triton_paged_attention(
     with ``(j + 1) * block_size <= context_len - W + 1``) are never read: they may hold -1 or
     any id, and the work per row is O(W).
 
-    ``k_cache`` / ``v_cache`` may be int8 (``head_dim + 2`` bytes a row) or float8
+    ``k_cache`` / ``v_cache`` may be int8 (``head_dim + 1`` bytes a row) or float8
     (``kernels/kv_quant.py``): read dequantized to ``query.dtype``.
 
     Returns ``out: [num_tokens, num_heads, head_dim]`` in ``query.dtype``, accumulated in fp32
@@ -464,12 +472,12 @@ def triton_paged_attention(
     else:
         part_out = part_ml = out  # unused
     kv_quant = _KV_QUANT.get(k_cache.dtype, 0)
-    k_scales, v_scales = ((k_cache.view(torch.float16), v_cache.view(torch.float16))
-                          if kv_quant == 1 else (k_cache, v_cache))  # unused unless int8
+    k_codes, v_codes = ((k_cache.view(torch.uint8), v_cache.view(torch.uint8))
+                        if kv_quant == 1 else (k_cache, v_cache))  # unused unless int8
     if kv_quant >= 2:  # float8 read as bytes and bitcast in the kernel
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     _paged_attention_kernel[(grid0, num_kv_heads, num_splits)](
-        out, part_out, part_ml, query, k_cache, v_cache, k_scales, v_scales,
+        out, part_out, part_ml, query, k_cache, v_cache, k_codes, v_codes,
         block_tables, seq_lens, query_start_loc,
         num_seqs, num_tokens, tiles_per_split, scale, sliding_window,
         query.stride(0), query.stride(1),

@@ -19,7 +19,7 @@ ceilings, both measured in the same run:
   goal: >= 40 % at 512 tokens).
 
 ``--kv-cache-dtype int8|fp8_e4m3|fp8_e5m2`` stores the caches quantized (``kernels/kv_quant.py``):
-``GB/s`` and ``% copy`` then count the cache's own bytes (int8: head_dim + 2 per row).
+``GB/s`` and ``% copy`` then count the cache's own bytes (int8: head_dim + 1 per row).
 
 ``--layers N`` times each call round-robin over N copies of the step (distinct caches, as a
 model's layers are) and the copy over N distinct buffers: once their bytes exceed the last-level

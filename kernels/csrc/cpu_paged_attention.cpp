@@ -13,7 +13,7 @@
 //   k_cache, v_cache  [num_blocks, block_size, num_kv_heads, head_dim], any strides on the
 //                     first three dims, head_dim contiguous (so K and V may be halves of one
 //                     combined tensor); the query's dtype, or quantized (--kv-cache-dtype, see
-//                     KvQuant: int8 rows [.., head_dim + 2] with their float16 scale, float8)
+//                     KvQuant: int8 rows [.., head_dim + 1] with their scale code, float8)
 //   block_tables      [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32;
 //   query_start_loc   [num_seqs + 1] int32
 //
@@ -142,16 +142,32 @@ PS_INLINE void store_row(const float* src, c10::BFloat16* dst, int64_t n, float 
 
 // ---------------------------------------------------------------------------------------------
 // Quantized KV cache (--kv-cache-dtype): how a cache row stores its head_dim values.
-//   kInt8      head_dim int8 values, then the row's scale as float16 (2 bytes): the row is
-//              [num_blocks, block_size, num_kv_heads, head_dim + 2] int8; value = q * scale,
-//              scale = fp16(amax / 127) per (token, KV head), q = round-half-even(x / scale)
-//              clamped to [-127, 127] (symmetric, per token and head)
+//   kInt8      head_dim int8 values, then the row's scale code c (1 byte): the row is
+//              [num_blocks, block_size, num_kv_heads, head_dim + 1] int8; value = q * scale,
+//              scale = code_scale(c), c the smallest code >= amax / 127 (scale_code) per
+//              (token, KV head), q = round-half-even(x / scale) clamped to [-127, 127]
+//              (symmetric, per token and head; kernels/kv_quant.py has the code's format)
 //   kFp8E4m3   float8_e4m3fn, kFp8E5m2 float8_e5m2: [..., head_dim], per-tensor scale 1.0
 //              (vLLM's default k_scale / v_scale); writes saturate to the finite range
 // Reads dequantize to the query's dtype, then the same products run as for an unquantized
 // cache: the bf16 pair bodies while they pack K^T / V (load32_bf16), the float32 body a
 // chunk's rows once into the scratch (dequant_row); both round the same bits.
 enum class KvQuant : int { kNone = 0, kInt8 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };
+
+// An int8 row's scale code -> its float32 scale: an unsigned 8-bit float (5 exponent, 3
+// mantissa bits), bits (c << 20) + 0x35000000, 0 for code 0 (kernels/kv_quant.py).
+PS_INLINE float code_scale(uint8_t c) {
+  const uint32_t bits = (static_cast<uint32_t>(c) << 20) + 0x35000000u;
+  return __builtin_bit_cast(float, c == 0 ? 0u : bits);
+}
+
+// float32 scale >= 0 -> the smallest code whose scale is >= it, clamped to 1 .. 255; 0 for 0.
+PS_INLINE uint8_t scale_code(float scale) {
+  if (!(scale > 0.0f)) return 0;
+  const int32_t t = static_cast<int32_t>(__builtin_bit_cast(uint32_t, scale) - 0x35000000u);
+  const int32_t c = (t >> 20) + ((t & 0xFFFFF) != 0 ? 1 : 0);
+  return static_cast<uint8_t>(std::clamp(c, 1, 255));
+}
 
 // float8_e4m3fn bits -> float32, exact and branch-free (vectorizes); NaN (0x7F) never stored.
 PS_INLINE float e4m3_to_float(uint8_t b) {
@@ -183,9 +199,7 @@ PS_INLINE void put(float v, c10::Half* dst) { *dst = c10::Half(v); }
 template <typename T>
 PS_INLINE void dequant_row(KvQuant q, const uint8_t* src, int64_t d, T* dst) {
   if (q == KvQuant::kInt8) {
-    uint16_t bits;
-    std::memcpy(&bits, src + d, sizeof(bits));
-    const float scale = c10::detail::fp16_ieee_to_fp32_value(bits);
+    const float scale = code_scale(src[d]);
     const int8_t* v = reinterpret_cast<const int8_t*>(src);
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) put(static_cast<float>(v[i]) * scale, dst + i);
@@ -558,7 +572,8 @@ PS_BF16_TARGET PS_INLINE void transpose16x16_u32(__m512i r[16]) {
 
 // 32 values of a cache row from dim e on, as bf16 in order (one 512-bit register): the row's
 // own bf16 values, or a quantized row's (KvQuant) dequantized in float32 and rounded to
-// nearest even, the same bits as dequant_row. `row` is the cache row (its scale at byte d).
+// nearest even, the same bits as dequant_row. `row` is the cache row (its scale code at byte
+// d).
 template <KvQuant Q>
 PS_BF16_TARGET PS_INLINE __m512i load32_bf16(const void* row, int64_t e, int64_t d) {
   if constexpr (Q == KvQuant::kNone) {
@@ -568,9 +583,7 @@ PS_BF16_TARGET PS_INLINE __m512i load32_bf16(const void* row, int64_t e, int64_t
         reinterpret_cast<const __m256i*>(static_cast<const uint8_t*>(row) + e));
     __m512 lo, hi;  // values e .. e + 15 and e + 16 .. e + 31 in float32
     if constexpr (Q == KvQuant::kInt8) {
-      uint16_t bits;
-      std::memcpy(&bits, static_cast<const uint8_t*>(row) + d, sizeof(bits));
-      const __m512 scale = _mm512_set1_ps(_cvtsh_ss(bits));  // (F16C: exact)
+      const __m512 scale = _mm512_set1_ps(code_scale(static_cast<const uint8_t*>(row)[d]));
       lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))),
                          scale);
       hi = _mm512_mul_ps(
@@ -1096,9 +1109,9 @@ KvQuant kv_quant_of(at::ScalarType dtype) {
   }
 }
 
-// The head_dim of a cache's rows (an int8 cache's rows end in their 2-byte scale).
+// The head_dim of a cache's rows (an int8 cache's rows end in their scale code).
 int64_t cache_head_dim(const at::Tensor& c) {
-  return c.scalar_type() == at::kChar ? c.size(3) - 2 : c.size(3);
+  return c.scalar_type() == at::kChar ? c.size(3) - 1 : c.size(3);
 }
 
 void check_cache(const at::Tensor& c, const char* name) {
@@ -1133,7 +1146,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), d = query.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), hkv = k_cache.size(2);
   TORCH_CHECK_VALUE(cache_head_dim(k_cache) == d, "head_dim of query (", d, ") and cache (",
-                    cache_head_dim(k_cache), quant == KvQuant::kInt8 ? " + 2 scale bytes" : "",
+                    cache_head_dim(k_cache), quant == KvQuant::kInt8 ? " + 1 scale byte" : "",
                     ") differ");
   TORCH_CHECK_VALUE(hkv > 0 && num_heads % hkv == 0, "num_heads ", num_heads,
                     " is not a multiple of num_kv_heads ", hkv);
@@ -1314,14 +1327,14 @@ void quantize_row(KvQuant q, const T* src, int64_t d, uint8_t* dst) {
   if (q == KvQuant::kInt8) {
     float amax = 0.0f;
     for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(static_cast<float>(src[i])));
-    const c10::Half scale16(amax / 127.0f);
-    const float scale = static_cast<float>(scale16);
+    const uint8_t code = scale_code(amax / 127.0f);
+    const float scale = code_scale(code);
     int8_t* v = reinterpret_cast<int8_t*>(dst);
     for (int64_t i = 0; i < d; ++i) {
       const float r = std::nearbyint(static_cast<float>(src[i]) / scale);
       v[i] = scale > 0.0f ? static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f)) : int8_t{0};
     }
-    std::memcpy(dst + d, &scale16.x, sizeof(scale16.x));
+    dst[d] = code;
   } else if (q == KvQuant::kFp8E4m3) {
     for (int64_t i = 0; i < d; ++i) {
       const float x = std::clamp(static_cast<float>(src[i]), -448.0f, 448.0f);

@@ -278,9 +278,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--kv-cache-dtype", default="auto",
              choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
              help="how the KV cache stores K/V: auto = the model dtype; int8 = per token and "
-                  "head with a float16 scale; fp8 (= fp8_e4m3) / fp8_e5m2 = float8 with scale "
+                  "head with a one-byte scale; fp8 (= fp8_e4m3) / fp8_e5m2 = float8 with scale "
                   "1.0. Half the bytes of bfloat16 (about twice the tokens in --kv-cache-memory, "
-                  "half the bytes read per decoded token); cpu and torch attention backends")
+                  "half the bytes read per decoded token); every attention backend")
     add_flag(p, "--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9,
              help="fraction of GPU memory for weights, activations and KV cache")
     add_flag(p, "--max-num-seqs", type=int_in(1), default=256,

@@ -28,8 +28,10 @@ from kernels.kv_quant import (
     KV_CACHE_DTYPES,
     cache_head_dim,
     cache_row_size,
+    code_scale,
     dequantize_kv,
     quantize_kv,
+    scale_code,
 )
 from kernels.triton_attention import triton_paged_attention, triton_reshape_and_cache
 from tests.kernels import test_paged_attention
@@ -50,19 +52,34 @@ def test_flag_values_are_vllms():
     assert KV_CACHE_DTYPES["fp8"] == KV_CACHE_DTYPES["fp8_e4m3"] == torch.float8_e4m3fn
 
 
-def test_int8_rows_within_half_a_step_of_their_scale():
+def test_scale_codes_are_an_unsigned_8_bit_float_rounded_up():
+    codes = torch.arange(256).to(torch.uint8)
+    table = code_scale(codes).double()
+    expected = [0.0] + [(1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 21) for c in range(1, 256)]
+    assert table.tolist() == expected
+    assert torch.equal(scale_code(table.float()), codes)  # every scale is its own code
+    wanted = torch.rand(20000) * 10 ** torch.empty(20000).uniform_(-7, 4)
+    code = scale_code(wanted)
+    # the smallest code at or above the wanted scale, else the largest (saturated)
+    smallest = torch.searchsorted(table[1:].float(), wanted).clamp(max=254) + 1
+    assert torch.equal(code.long(), smallest)
+    tiny, huge = torch.tensor([1e-30, 5e-7]), torch.tensor([1920.5, 1e30])
+    assert scale_code(tiny).tolist() == [1, 1] and scale_code(huge).tolist() == [255, 255]
+
+
+def test_int8_rows_within_half_a_step_of_a_scale_at_most_an_eighth_above_ideal():
     x = torch.randn(200, 3, 64) * torch.logspace(-3, 3, 200)[:, None, None]
     x[0] = 0.0  # an all-zero row: scale 0, values 0
     q = quantize_kv(x, torch.int8)
-    assert q.shape == (200, 3, 66) and q.dtype == torch.int8
-    assert cache_head_dim(q) == 64 and cache_row_size(64, torch.int8) == 66
-    scale = q[..., 64:].contiguous().view(torch.float16).float()  # [200, 3, 1]
-    assert torch.equal(scale.squeeze(-1),
-                       (x.abs().amax(-1) / 127).to(torch.float16).float())
+    assert q.shape == (200, 3, 65) and q.dtype == torch.int8
+    assert cache_head_dim(q) == 64 and cache_row_size(64, torch.int8) == 65
+    scale = code_scale(q[..., 64:].view(torch.uint8)).double()  # [200, 3, 1]
+    ideal = (x.abs().amax(-1, keepdim=True) / 127).double()
+    assert (scale >= ideal).all() and (scale <= ideal * 1.125).all()
     back = dequantize_kv(q, torch.float64)
     assert (back[0] == 0).all()
     err = (back - x.double()).abs()
-    assert (err <= scale.double() * 0.5 * (1 + 1e-3) + 1e-12).all()  # fp16 scale rounding
+    assert (err <= scale * 0.5 * (1 + 1e-6)).all()
     assert q[..., :64].abs().max() <= 127
 
 

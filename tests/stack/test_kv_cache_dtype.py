@@ -28,12 +28,12 @@ LENGTHS = [5, 9, 40, 300]
 
 
 def int8_bytes_per_block(model_dir: str, block_size: int = 16) -> int:
-    """K and V bytes of one int8 block over all layers: head_dim int8 values + a 2-byte scale
-    per (token, KV head) row."""
+    """K and V bytes of one int8 block over all layers: head_dim int8 values + a 1-byte scale
+    code per (token, KV head) row."""
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * (head_dim + 2)
+    return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * (head_dim + 1)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_quantized_cache_capacity_metrics_and_same_tokens_in_any_batch(
                      else kv_bytes_per_block(tiny_model_dir, dtype_bytes=1))
         assert info.num_kv_blocks == memory // per_block
         full = memory // kv_bytes_per_block(tiny_model_dir)  # float32 blocks in that memory
-        ratio = kv_bytes_per_block(tiny_model_dir) / per_block  # 4 D / (D + 2) for int8, 4
+        ratio = kv_bytes_per_block(tiny_model_dir) / per_block  # 4 D / (D + 1) for int8, 4
         assert info.num_kv_blocks / full == pytest.approx(ratio, rel=1e-3)
         assert ratio == 4 or kv_cache_dtype == "int8"
         assert info.kv_cache_dtype == kv_cache_dtype
