@@ -5,7 +5,8 @@ Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
 - gauges ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc`` (used KV
   blocks / all blocks, 0..1 as in vLLM);
 - the info gauge ``cache_config_info{block_size, num_gpu_blocks, cache_dtype}`` = 1 (vLLM's;
-  ``num_gpu_blocks`` is the KV cache's block count on a CPU too);
+  ``num_gpu_blocks`` is the KV cache's block count on a CPU too), and ours,
+  ``model_config_info{dtype, quantization}`` = 1 (how the weights are stored);
 - counters ``num_preemptions_total``, ``prefix_cache_queries_total`` and
   ``prefix_cache_hits_total`` (tokens looked up / found at admission);
 - speculative decoding (with ``--speculative-config``), vLLM's counters
@@ -115,14 +116,21 @@ class SchedulerMetrics:
         cache_config: the labels of vLLM's info gauge ``cache_config_info`` (value 1):
             ``block_size``, ``num_gpu_blocks`` (the KV cache's block count, on a CPU too) and
             ``cache_dtype`` (``--kv-cache-dtype``); None = no such gauge.
+        model_config: the labels of the info gauge ``model_config_info`` (value 1): ``dtype``
+            (the compute dtype) and ``quantization`` (how the linear weights are stored:
+            ``int8``, ``w8a8``, ``gguf_q8_0`` or ``none``); None = no such gauge.
     """
 
     def __init__(self, scheduler: Scheduler, model_name: str = "",
-                 cache_config: dict[str, str] | None = None):
+                 cache_config: dict[str, str] | None = None,
+                 model_config: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
         if cache_config is not None:
             Gauge(PREFIX + "cache_config_info", "Information of the KV cache config (value 1).",
                   list(cache_config), registry=self.registry).labels(**cache_config).set(1)
+        if model_config is not None:
+            Gauge(PREFIX + "model_config_info", "How the model's weights are stored (value 1).",
+                  list(model_config), registry=self.registry).labels(**model_config).set(1)
         labels = {"model_name": model_name}
         names = list(labels)
         self.registry.register(_CoreCollector(scheduler, labels))

@@ -207,6 +207,9 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
         if info.kv_cache_dtype != first.kv_cache_dtype:
             raise ValueError(f"worker {addr} stores its KV cache as --kv-cache-dtype "
                              f"{info.kv_cache_dtype} but rank 0 as {first.kv_cache_dtype}")
+        if info.quantization != first.quantization:
+            raise ValueError(f"worker {addr} stores its weights as {info.quantization or 'none'}"
+                             f" but rank 0 as {first.quantization or 'none'} (--quantization)")
     num_blocks = min(i.num_kv_blocks for i in infos)
     # (every rank accepted --max-model-len, so it is at most theirs)
     max_model_len = args.max_model_len or min(i.max_model_len for i in infos)
@@ -225,7 +228,8 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
         eos_token_ids=first.eos_token_ids, dtype=first.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy, kv_cache_dtype=first.kv_cache_dtype or "auto")
+        scheduling_policy=args.scheduling_policy, kv_cache_dtype=first.kv_cache_dtype or "auto",
+        quantization=first.quantization)
     return Engine(scheduler, workers), info
 
 
@@ -252,7 +256,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
             engine.scheduler, model_name=info.model,
             cache_config={"block_size": str(info.block_size),
                           "num_gpu_blocks": str(info.num_kv_blocks),
-                          "cache_dtype": info.kv_cache_dtype})
+                          "cache_dtype": info.kv_cache_dtype},
+            model_config={"dtype": info.dtype, "quantization": info.quantization or "none"})
         metrics_server = start_metrics_server(engine.metrics.registry,
                                               args.metrics_host or args.host, args.metrics_port)
         args.metrics_port = metrics_server.port if metrics_server else args.metrics_port

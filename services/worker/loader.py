@@ -102,12 +102,16 @@ class ModelInfo:
         eos_token_ids: end-of-sequence token ids (generation_config.json, else config.json).
         max_model_len: longest sequence the model supports (tokens).
         vocab_size: rows of the logits.
+        quantization: how the decoder's linear weights are stored: ``--quantization``'s value
+            (``"int8"``, ``"w8a8"``), ``"gguf_q8_0"`` (a GGUF's Q8_0 layers as stored, without
+            the flag), ``""`` = the compute dtype.
     """
 
     name: str
     eos_token_ids: list[int]
     max_model_len: int
     vocab_size: int
+    quantization: str = ""
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str,
@@ -185,7 +189,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         _return_freed_memory()
     log.info("weights: %s", describe_weights(net, dtype, quantization, type_counts))
     info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
-                     max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size)
+                     max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+                     quantization=quantization or ("gguf_q8_0" if q8 else ""))
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", source.name,
              len(net.layers), sum(p.numel() for p in net.parameters()) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)

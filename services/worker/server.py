@@ -405,7 +405,7 @@ def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
         attention_backend=runner.attention_backend_name, tensor_parallel_size=tp,
         pipeline_parallel_size=pp, group_id=ps.group_id if ps else "",
         max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
-        kv_cache_dtype=runner.kv_cache_dtype_name,
+        kv_cache_dtype=runner.kv_cache_dtype_name, quantization=runner.weights_quantization,
         kv_cache_groups=[worker_pb2.KVCacheGroup(sliding_window=g.sliding_window,
                                                  layer_ids=g.layer_ids)
                          for g in runner.kv_cache_groups])

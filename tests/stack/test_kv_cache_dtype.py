@@ -46,9 +46,11 @@ def prompts():
 def test_quantized_cache_capacity_metrics_and_same_tokens_in_any_batch(
         tiny_model_dir, prompts, kv_cache_dtype):
     memory = 64 << 20
+    # the int8 cache beside int8 weights: both quantizations in one stack, both reported
+    weights = ["--quantization", "int8"] if kv_cache_dtype == "int8" else []
     stack = InProcessStack(tiny_model_dir,
                            worker_argv=["--dtype", "float32", "--kv-cache-memory", str(memory),
-                                        "--kv-cache-dtype", kv_cache_dtype],
+                                        "--kv-cache-dtype", kv_cache_dtype, *weights],
                            scheduler_argv=["--max-num-batched-tokens", "256"]).start()
     try:
         info = stack.info()
@@ -63,6 +65,10 @@ def test_quantized_cache_capacity_metrics_and_same_tokens_in_any_batch(
         samples = scrape(stack.scheduler_args.metrics_port)
         assert get(samples, "pagedserve:cache_config_info", block_size="16",
                    num_gpu_blocks=str(info.num_kv_blocks), cache_dtype=kv_cache_dtype) == 1
+        quantization = weights[1] if weights else "none"
+        assert info.quantization == (weights[1] if weights else "")
+        assert get(samples, "pagedserve:model_config_info", dtype="float32",
+                   quantization=quantization) == 1
 
         together = _generate_all(stack.address, prompts)
         alone = [_generate_all(stack.address, [p])[0] for p in prompts]
@@ -77,7 +83,8 @@ def test_quantized_cache_capacity_metrics_and_same_tokens_in_any_batch(
     # preemption by recompute: a cache too small for all four at once
     small = InProcessStack(tiny_model_dir,
                            worker_argv=["--dtype", "float32", "--kv-cache-memory",
-                                        str(24 * per_block), "--kv-cache-dtype", kv_cache_dtype],
+                                        str(24 * per_block), "--kv-cache-dtype", kv_cache_dtype,
+                                        *weights],
                            scheduler_argv=["--max-num-batched-tokens", "512",
                                            "--max-model-len", "384"]).start()
     try:

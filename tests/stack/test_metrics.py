@@ -69,6 +69,8 @@ def test_scheduler_and_worker_metrics_follow_the_requests(tiny):
     m = {"model_name": info.model}
     assert get(after, "pagedserve:cache_config_info", block_size=str(info.block_size),
                num_gpu_blocks=str(info.num_kv_blocks), cache_dtype="auto") == 1
+    assert get(after, "pagedserve:model_config_info", dtype=info.dtype, quantization="none") == 1
+    assert info.quantization == ""
 
     def delta(name, **labels):
         return get(after, name, **m, **labels) - get(before, name, **m, **labels)

@@ -176,7 +176,8 @@ async def test_the_worker_reports_its_kv_cache_groups():
             model_name="m", dtype_name="float32", num_kv_blocks=64, block_size=16,
             max_model_len=1024, vocab_size=32, eos_token_ids=[2], device="cpu",
             attention_backend_name="torch", max_num_seqs=64, max_num_batched_tokens=512,
-            kv_cache_groups=kv_cache_groups(windows), kv_cache_dtype_name="int8")
+            kv_cache_groups=kv_cache_groups(windows), kv_cache_dtype_name="int8",
+            weights_quantization="w8a8")
 
     info = worker_info(runner([0 if i in (5, 11, 17) else 512 for i in range(18)]))
     assert [(g.sliding_window, list(g.layer_ids)) for g in info.kv_cache_groups] == [
@@ -187,6 +188,7 @@ async def test_the_worker_reports_its_kv_cache_groups():
             worker_pb2.GetWorkerInfoRequest())
         assert got.kv_cache_groups == info.kv_cache_groups and got.num_kv_blocks == 64
         assert got.kv_cache_dtype == "int8"  # (--kv-cache-dtype, for the scheduler's metrics)
+        assert got.quantization == "w8a8"  # (how the weights are stored, likewise)
     info = worker_info(runner([0] * 3))
     assert [(g.sliding_window, list(g.layer_ids)) for g in info.kv_cache_groups] == [
         (0, [0, 1, 2])]
