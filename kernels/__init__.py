@@ -19,7 +19,7 @@ forked sequences share), one torch gather and scatter per cache tensor on every 
 
 This package imports nothing from ``services/``.
 
-KV cache layout (one pair per layer, see DESIGN.md §3)::
+KV cache layout (one pair per layer; docs/architecture.md, "KV cache layout")::
 
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot of a token = block_id * block_size + offset_in_block

@@ -1,5 +1,5 @@
-"""Process boundaries DESIGN.md promises: the router, the scheduler and the SDK run without torch,
-and the generated stubs match the protos."""
+"""Process boundaries docs/architecture.md draws: the router, the scheduler and the SDK run
+without torch, and the generated stubs match the protos."""
 
 from __future__ import annotations
 

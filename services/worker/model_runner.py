@@ -1,9 +1,10 @@
 """ModelRunner: one worker's model, KV cache and step execution (no gRPC; usable in-process).
 
-KV cache layout (DESIGN.md §3): the layers are grouped by attention type into KV cache groups
-(``services/worker/kv_cache_groups.py``), each with its own block table per request. Per
-position ``j`` in a group one K and one V tensor, each
-``[num_kv_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype, zero-initialised;
+KV cache layout (docs/architecture.md, "KV cache layout"): the layers are grouped by attention
+type into KV cache groups (``services/worker/kv_cache_groups.py``), each with its own block
+table per request. Per position ``j`` in a group one K and one V tensor, each
+``[num_kv_blocks, block_size, num_kv_heads, head_dim]`` in the KV cache dtype (an int8 row one
+byte wider, ``kernels/kv_quant.py``), zero-initialised;
 the layer at position ``j`` of its group uses pair ``j`` (so layers of different groups share a
 pair, in the blocks their groups were given). Token position ``p`` of a request lives, for a
 layer of group ``g``, at block ``block_table[g][p // block_size]``, offset ``p % block_size``;
