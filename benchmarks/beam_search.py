@@ -40,8 +40,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def run_engine(runner, requests, *, prefix_caching: bool = True) -> tuple[float, int, int]:
     """Run ``requests`` (scheduler Requests) to the end; returns (seconds, computed tokens,
     peak KV blocks in use)."""
+    from services.scheduler.config import SchedulerConfig
     from services.scheduler.logprobs import logprobs_from_pb
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.scheduler import Scheduler
     from services.scheduler.worker_client import build_step_request
     from services.worker.server import step_input_from_pb, step_result_to_pb
 

@@ -35,8 +35,9 @@ def main() -> None:
 
     import random
 
+    from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.scheduler import Scheduler
     from services.scheduler.worker_client import build_step_request
     from services.worker.model_runner import ModelRunner
     from services.worker.server import step_input_from_pb

@@ -21,8 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.request import EngineSamplingParams, Request  # noqa: E402
-from services.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from services.scheduler.scheduler import Scheduler  # noqa: E402
 from services.scheduler.worker_client import build_step_request  # noqa: E402
 
 

@@ -87,9 +87,10 @@ def run_engine(runner, prompts: list[list[int]], max_tokens: list[int], spec,
                batch: int) -> dict:
     """Run ``prompts`` in waves of ``batch`` (all at once for batch >= len); returns the
     figures of the module docstring."""
+    from services.scheduler.config import SchedulerConfig
     from services.scheduler.logprobs import token_logprobs_from_pb
     from services.scheduler.request import EngineSamplingParams, Request
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.scheduler import Scheduler
     from services.scheduler.spec_decode import sampled_from_pb
     from services.scheduler.worker_client import build_step_request
     from services.worker.server import step_input_from_pb, step_result_to_pb

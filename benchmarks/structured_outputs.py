@@ -80,8 +80,9 @@ def engine_run(runner, items, grammar: str) -> tuple[float, int, int]:
     """Output tokens/s of the workload through Scheduler + ModelRunner, every request with
     ``structured_output=grammar`` ("" = none); and (all output tokens, live ones: before each
     request's first EOS)."""
+    from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.scheduler import Scheduler
     from services.scheduler.worker_client import build_step_request
     from services.worker.server import step_input_from_pb
 

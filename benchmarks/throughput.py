@@ -87,8 +87,9 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
 def loaded_scheduler(runner, prompts, output_lens: list[int]):
     """A Scheduler sized for ``runner`` holding one greedy ``ignore_eos`` request per prompt,
     ``output_lens[i]`` tokens each."""
+    from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
-    from services.scheduler.scheduler import Scheduler, SchedulerConfig
+    from services.scheduler.scheduler import Scheduler
 
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
                                           block_size=runner.block_size),

@@ -39,13 +39,8 @@ from services.router.generation import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.openai_completions import CompletionCall
-from services.router.openai_requests import (
-    OpenAIError,
-    bad_request,
-    from_status,
-    parse_chat,
-    parse_completion,
-)
+from services.router.openai_errors import OpenAIError, bad_request
+from services.router.openai_requests import from_status, parse_chat, parse_completion
 from services.router.openai_responses import ResponseBuilder
 from services.router.openai_structured import error_param
 from services.router.replicas import ReplicaSet

@@ -13,7 +13,7 @@ and field, ``param: "messages"``.
 from __future__ import annotations
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_requests import OpenAIError, _utf8, bad_request
+from services.router.openai_errors import OpenAIError, bad_request, utf8
 
 
 def parse_messages(messages) -> list[api_pb2.ChatMessage]:
@@ -95,4 +95,4 @@ def _tool_call(call, where: str) -> api_pb2.ToolCall:
 
 
 def _text(text: str, name: str) -> str:
-    return _utf8(text, name, "messages")
+    return utf8(text, name, "messages")

@@ -1,4 +1,5 @@
-"""OpenAI JSON request bodies -> ``api_pb2.GenerateRequest``, and OpenAI-shaped errors.
+"""OpenAI JSON request bodies -> ``api_pb2.GenerateRequest``, and the OpenAI error for a gRPC
+status (``from_status``; the error itself is ``openai_errors.OpenAIError``).
 
 Only the JSON *types* are checked here (a number where a number belongs, an int32 where the
 proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
@@ -17,7 +18,10 @@ from typing import Any
 import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.openai_errors import OpenAIError, bad_request, utf8
+from services.router.openai_messages import parse_messages
 from services.router.openai_structured import error_param, parse_structured_outputs
+from services.router.openai_tools import parse_tools
 from services.router.validation import MAX_N
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -42,34 +46,6 @@ MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 MAX_BEST_OF = MAX_N  # candidates per prompt, as many as choices
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
 _INT_KEY = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key: a token id in decimal
-
-
-class OpenAIError(Exception):
-    """A request answered with OpenAI's error body ``{"error": {message, type, param, code}}``.
-
-    Attributes:
-        status: the HTTP status (400, 404, 429, 503, ...).
-        message: what is wrong; names the field for a 400.
-        type: OpenAI's error type, e.g. "invalid_request_error".
-        param: the request field at fault, or None.
-        code: a machine-readable code (e.g. "model_not_found"), or None.
-    """
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (status, message, type,
-                                                                        param, code)
-
-    def body(self) -> dict:
-        """The JSON body to send."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    """An HTTP 400 ``invalid_request_error``."""
-    return OpenAIError(400, message, param=param)
 
 
 def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt",
@@ -219,7 +195,7 @@ def _prompt(req: api_pb2.GenerateRequest, prompt, name: str) -> None:
     """Set ``req``'s input to ``prompt``: a string or a list of token ids (``name`` is the
     field, e.g. "prompt[2]", for the error)."""
     if isinstance(prompt, str):
-        req.prompt = _utf8(prompt, name, "prompt")
+        req.prompt = utf8(prompt, name, "prompt")
     elif isinstance(prompt, list):
         if not all(_is_int(t) and INT32_MIN <= t <= INT32_MAX for t in prompt):
             raise bad_request(f"{name} must be a string or a list of token ids (ints)",
@@ -248,10 +224,6 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
         OpenAIError: 400 for a wrong JSON type, an unsupported field, or a forced tool call
             with beam search.
     """
-    # NOTE: imported here: both modules build on this one's OpenAIError and helpers
-    from services.router.openai_messages import parse_messages
-    from services.router.openai_tools import parse_tools
-
     _refuse(body, prompt_logprobs=None, functions=[])
     req = api_pb2.GenerateRequest()
     req.chat.SetInParent()  # an empty list still selects "chat", so validation names it
@@ -328,9 +300,9 @@ def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_n
         sp.seed = seed % SEED_MODULUS
     stop = body.get("stop")
     if isinstance(stop, str):
-        sp.stop.append(_utf8(stop, "stop"))
+        sp.stop.append(utf8(stop, "stop"))
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        sp.stop.extend(_utf8(s, f"stop[{i}]", "stop") for i, s in enumerate(stop))
+        sp.stop.extend(utf8(s, f"stop[{i}]", "stop") for i, s in enumerate(stop))
     elif stop is not None:
         raise bad_request("stop must be a string or a list of strings", "stop")
     ids = body.get("stop_token_ids")
@@ -403,23 +375,6 @@ def _logit_bias(body: dict, sp: api_pb2.SamplingParams) -> None:
             sp.logit_bias[int(key)] = float(value)
         except OverflowError:  # an int beyond float range: validation calls inf not finite
             sp.logit_bias[int(key)] = float("inf")
-
-
-def _utf8(text: str, name: str, param: str | None = None) -> str:
-    """``text``, checked to be valid Unicode: JSON's ``\\ud800`` escapes decode to lone
-    surrogates, which neither protobuf strings (UTF-8) nor the tokenizer accept.
-
-    Raises:
-        OpenAIError: 400 naming the field and the character's position.
-    """
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise bad_request(f"{name} is not valid Unicode: lone surrogate "
-                              f"U+{ord(text[e.start]):04X} at character {e.start}",
-                              param or name) from None
-    return text
 
 
 def _is_int(x) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.openai_errors import bad_request, utf8
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams options this server does not implement (their defaults pass).
@@ -34,12 +35,6 @@ _UNSUPPORTED_OPTIONS = {"disable_any_whitespace": False, "disable_additional_pro
 # vLLM's removed top-level guided decoding fields (now structured_outputs).
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
            "guided_whitespace_pattern", "guided_decoding_backend")
-
-
-def _bad(message: str, param: str):
-    # NOTE: imported here: openai_requests imports this module.
-    from services.router.openai_requests import bad_request
-    return bad_request(message, param)
 
 
 def error_param(body: dict) -> str:
@@ -60,13 +55,13 @@ def parse_structured_outputs(body: dict, sp: api_pb2.SamplingParams) -> None:
     """
     for name in _GUIDED:
         if body.get(name) is not None:
-            raise _bad(f"{name} is not supported: use structured_outputs (vLLM's current "
-                       "field) or response_format", name)
+            raise bad_request(f"{name} is not supported: use structured_outputs (vLLM's "
+                              "current field) or response_format", name)
     from_format = _response_format(body.get("response_format"))
     from_vllm = _vllm(body.get("structured_outputs"))
     if from_format is not None and from_vllm is not None:
-        raise _bad("response_format and structured_outputs cannot both constrain the output; "
-                   "set one", "structured_outputs")
+        raise bad_request("response_format and structured_outputs cannot both constrain the "
+                          "output; set one", "structured_outputs")
     chosen = from_format or from_vllm
     if chosen is not None:
         sp.structured_outputs.CopyFrom(chosen)
@@ -77,28 +72,29 @@ def _response_format(fmt) -> api_pb2.StructuredOutputs | None:
     if fmt is None:
         return None
     if not isinstance(fmt, dict):
-        raise _bad("response_format must be an object with a type", param)
+        raise bad_request("response_format must be an object with a type", param)
     kind = fmt.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
         return api_pb2.StructuredOutputs(json_object=True)
     if kind != "json_schema":
-        raise _bad("response_format.type must be one of text, json_object, json_schema, got "
-                   f"{kind!r}", param)
+        raise bad_request("response_format.type must be one of text, json_object, json_schema, "
+                          f"got {kind!r}", param)
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
-        raise _bad("response_format.json_schema must be an object with name and schema", param)
+        raise bad_request("response_format.json_schema must be an object with name and schema",
+                          param)
     if not isinstance(spec.get("name"), str):
-        raise _bad("response_format.json_schema.name must be a string", param)
+        raise bad_request("response_format.json_schema.name must be a string", param)
     for name, kind_ in (("description", str), ("strict", bool)):
         if spec.get(name) is not None and not isinstance(spec[name], kind_):
-            raise _bad(f"response_format.json_schema.{name} must be a "
-                       f"{'string' if kind_ is str else 'boolean'}", param)
+            raise bad_request(f"response_format.json_schema.{name} must be a "
+                              f"{'string' if kind_ is str else 'boolean'}", param)
     schema = spec.get("schema")
     if not isinstance(schema, dict):
-        raise _bad("response_format.json_schema.schema must be a JSON object (the JSON Schema)",
-                   param)
+        raise bad_request("response_format.json_schema.schema must be a JSON object (the JSON "
+                          "Schema)", param)
     return api_pb2.StructuredOutputs(json=json.dumps(schema))
 
 
@@ -107,16 +103,18 @@ def _vllm(so) -> api_pb2.StructuredOutputs | None:
     if so is None:
         return None
     if not isinstance(so, dict):
-        raise _bad("structured_outputs must be an object with one of " + ", ".join(KINDS), param)
+        raise bad_request("structured_outputs must be an object with one of "
+                          + ", ".join(KINDS), param)
     for name, default in _UNSUPPORTED_OPTIONS.items():
         if so.get(name) not in (None, default):
-            raise _bad(f"structured_outputs.{name} is not supported by this server (set "
-                       "llguidance's options in the schema's \"x-guidance\" object)", param)
+            raise bad_request(f"structured_outputs.{name} is not supported by this server "
+                              "(set llguidance's options in the schema's \"x-guidance\" object)",
+                              param)
     # NOTE: null (and json_object false) means unset, as clients that dump every field send.
     given = [k for k in KINDS if so.get(k) not in (None, False)]
     if len(given) != 1:
-        raise _bad("structured_outputs must set exactly one of " + ", ".join(KINDS) +
-                   (f", got {', '.join(given)}" if given else ""), param)
+        raise bad_request("structured_outputs must set exactly one of " + ", ".join(KINDS) +
+                          (f", got {', '.join(given)}" if given else ""), param)
     kind = given[0]
     value = so[kind]
     field = f"structured_outputs.{kind}"
@@ -124,33 +122,20 @@ def _vllm(so) -> api_pb2.StructuredOutputs | None:
         if isinstance(value, dict):
             return api_pb2.StructuredOutputs(json=json.dumps(value))
         if not isinstance(value, str):
-            raise _bad(f"{field} must be a JSON Schema object or its JSON text", param)
-        return api_pb2.StructuredOutputs(json=_text(value, field, param))
+            raise bad_request(f"{field} must be a JSON Schema object or its JSON text", param)
+        return api_pb2.StructuredOutputs(json=utf8(value, field, param))
     if kind == "json_object":
         if value is not True:
-            raise _bad(f"{field} must be true", param)
+            raise bad_request(f"{field} must be true", param)
         return api_pb2.StructuredOutputs(json_object=True)
     if kind == "choice":
         if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise _bad(f"{field} must be a list of strings", param)
+            raise bad_request(f"{field} must be a list of strings", param)
         return api_pb2.StructuredOutputs(choice=api_pb2.ChoiceList(
-            choices=[_text(c, f"{field}[{i}]", param) for i, c in enumerate(value)]))
+            choices=[utf8(c, f"{field}[{i}]", param) for i, c in enumerate(value)]))
     if not isinstance(value, str):
-        raise _bad(f"{field} must be a string", param)
-    text = _text(value, field, param)
+        raise bad_request(f"{field} must be a string", param)
+    text = utf8(value, field, param)
     return (api_pb2.StructuredOutputs(regex=text) if kind == "regex"
             else api_pb2.StructuredOutputs(grammar=text))
 
-
-def _text(text: str, field: str, param: str) -> str:
-    """``text``, checked to be valid Unicode (protobuf strings are UTF-8).
-
-    Raises:
-        OpenAIError: 400 naming the field and the lone surrogate's position.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise _bad(f"{field} is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} "
-                   f"at character {e.start}", param) from None
-    return text

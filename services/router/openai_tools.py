@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_requests import OpenAIError, _utf8, bad_request
+from services.router.openai_errors import OpenAIError, bad_request, utf8
 from services.router.openai_tool_calls import HermesParser, NamedParser, RequiredParser
 
 TOOL_PARSERS = ("hermes",)  # router --tool-call-parser choices
@@ -144,12 +144,12 @@ def _functions(tools) -> dict[str, dict]:
         if description is not None:
             if not isinstance(description, str):
                 raise _bad(f"{where}.function.description must be a string")
-            entry["description"] = _utf8(description, f"{where}.function.description", "tools")
+            entry["description"] = utf8(description, f"{where}.function.description", "tools")
         parameters = function.get("parameters")
         if parameters is not None:
             if not isinstance(parameters, dict):
                 raise _bad(f"{where}.function.parameters must be a JSON Schema object")
-            _utf8(json.dumps(parameters, ensure_ascii=False), f"{where}.function.parameters",
+            utf8(json.dumps(parameters, ensure_ascii=False), f"{where}.function.parameters",
                   "tools")
             entry["parameters"] = parameters
         out[name] = entry

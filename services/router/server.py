@@ -34,8 +34,8 @@ from services.router.generation import (
     stream_responses,
 )
 from services.router.metrics import RouterMetrics, code_name
+from services.router.openai_errors import OpenAIError
 from services.router.openai_http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
-from services.router.openai_requests import OpenAIError
 from services.router.openai_tools import TOOL_PARSERS
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.tokenizer import load_tokenizer

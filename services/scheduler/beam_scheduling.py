@@ -2,51 +2,51 @@
 restart by recompute and end (the search itself, torch-free and scheduler-free, is
 ``beam_search.py``).
 
-``BeamScheduling`` is a mixin of ``Scheduler`` (``scheduler.py``): its methods are the
-scheduler's own, kept here so that the scheduling rule reads alone. A request with
-``beam_width`` k is the root of a group of up to k beam requests, ordinary requests to the
-rule; ``running`` keeps a group's beams adjacent (one policy key), and they are scheduled,
-preempted and aborted as one. See the module docstring of ``scheduler.py`` for how beams
-travel to the workers.
+``BeamScheduler`` is owned by the ``Scheduler`` (``scheduler.py``) and shares its requests
+(``SchedulerState``). A request with ``beam_width`` k is the root of a group of up to k beam
+requests, ordinary requests to the scheduling rule; ``running`` keeps a group's beams adjacent
+(one policy key), and they are scheduled, preempted and aborted as one. docs/architecture.md,
+"Beam search: shared blocks and copy-on-write", describes how beams travel to the workers.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
 
 from services.scheduler.beam_search import BeamGroup, num_candidates
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.logprobs import TokenLogprobs
 from services.scheduler.outputs import RequestUpdate
 from services.scheduler.request import FinishReason, Request, RequestStatus
+from services.scheduler.state import SchedulerState
+from services.scheduler.step_plan import StepPlan
 
-if TYPE_CHECKING:
-    from services.scheduler.scheduler import SchedulerConfig
 
+class BeamScheduler:
+    """The beam groups of one scheduler.
 
-class BeamScheduling:
-    """Beam-group methods of ``Scheduler`` (a mixin; the state is the scheduler's)."""
+    Args:
+        config: the scheduler's limits (``max_num_seqs``, ``max_model_len``, ``block_size``).
+        state: the scheduler's requests, shared with it.
+        eos_token_ids: the model's end-of-sequence ids (they end a hypothesis unless
+            ignore_eos).
+        vocab_size: the model's vocabulary (caps a beam's candidates), or None (no cap).
+    """
 
-    if TYPE_CHECKING:  # the Scheduler's attributes and methods these use
-        config: SchedulerConfig
-        block_manager: BlockManager
-        eos_token_ids: frozenset[int]
-        vocab_size: int | None
-        requests: dict[str, Request]
-        running: list[Request]
-        _key: Callable[[Request], Any]
-        _num_epochs: int
-        _beam_ids: set[str]
-        _blocks_to_copy: list[tuple[int, int]]
+    def __init__(self, config: SchedulerConfig, state: SchedulerState,
+                 eos_token_ids: frozenset[int], vocab_size: int | None) -> None:
+        self.config = config
+        self.state = state
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self._beam_ids: set[str] = set()  # ids the groups' beams 1.. (may) take
 
-        def _preempt(self, request: Request) -> None: ...
-        def _preempt_tail(self) -> Request: ...
-        def _finish(self, request: Request, reason: FinishReason) -> None: ...
+    def reserves(self, request_id: str) -> bool:
+        """Whether a beam group keeps ``request_id`` for one of its beams."""
+        return request_id in self._beam_ids
 
-    def _add_beam_group(self, request: Request) -> None:
+    def add_group(self, request: Request) -> None:
         """Make ``request`` the root of a beam group (``beam_search.py``); its beams ask the
         workers for their top candidates as top logprobs.
 
@@ -55,14 +55,14 @@ class BeamScheduling:
                 or the beams' KV at full length (the prompt's blocks shared, every beam's own
                 output blocks) would not fit in the whole cache (it could never finish).
         """
-        config, bm = self.config, self.block_manager
+        config, bm = self.config, self.state.block_manager
         params = request.sampling_params
         k, rid, num_prompt = params.beam_width, request.request_id, request.num_prompt_tokens
         if k > config.max_num_seqs:
             raise ValueError(f"request {rid}: beam_width {k} is more than max_num_seqs="
                              f"{config.max_num_seqs} (every beam is a running sequence)")
         ids = {f"{rid}#beam{i}" for i in range(1, k)}
-        if ids & (self.requests.keys() | self._beam_ids):
+        if ids & (self.state.requests.keys() | self._beam_ids):
             raise ValueError(f"request {rid}: the ids of its beams ({rid}#beam1 ..) are in use")
         max_new = config.max_model_len - num_prompt
         if params.max_tokens is not None:
@@ -83,93 +83,94 @@ class BeamScheduling:
                                        params.length_penalty, params.early_stopping)
         self._beam_ids |= ids
 
-    def _schedule_beams(self, group: BeamGroup, i: int, budget: int,
-                        num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
-                        first_new_block: dict[str, int]) -> tuple[int, int]:
+    def schedule_group(self, group: BeamGroup[Request], i: int, plan: StepPlan,
+                       preempt_tail: Callable[[], Request]) -> int:
         """Schedule the beams of ``group`` (``running[i:i + k]``: one key, so adjacent) as
-        one: all that have a token to compute, or none (not enough budget). Blocks for all,
-        copy-on-write included, come first, preempting the running tail until they fit (the
-        group itself, when it is the tail: then it restarts). Returns (the next index into
-        ``running``, the budget left)."""
-        running, bm = self.running, self.block_manager
+        one into ``plan``: all that have a token to compute, or none (not enough budget).
+        Blocks for all, copy-on-write included, come first, preempting the running tail with
+        ``preempt_tail`` until they fit (the group itself, when it is the tail: then it
+        restarts). Returns the next index into ``running`` (``i`` when the group was
+        preempted)."""
+        running, bm = self.state.running, self.state.block_manager
         members = running[i:i + len(group.beams)]
         assert all(r.beam_group is group for r in members), "a beam group is not adjacent"
         writers = [(r, n) for r in members
                    if (n := len(r.prompt_token_ids) + len(r.output_token_ids)
                        - r.num_computed_tokens) > 0]
         total = sum(n for _, n in writers)
-        if not writers or total > budget:
-            return i + len(members), budget  # (waiting for the step in flight, or next step)
+        if not writers or total > plan.budget:
+            return i + len(members)  # (waiting for the step in flight, or next step)
         while not bm.can_allocate_all(writers):
-            victim = self._preempt_tail()
+            victim = preempt_tail()
             if victim.beam_group is group:
-                return i, budget
+                return i
         bs = self.config.block_size
         for request, n in writers:
             copies = bm.copy_on_write(request, n)
             appended = bm.allocate(request, n)
             rid = request.request_id
             if copies:
-                self._blocks_to_copy += copies
-                first = first_new_block[rid] = request.num_computed_tokens // bs
-                new_blocks[rid] = [b for table in request.block_ids for b in table[first:]]
+                plan.blocks_to_copy += copies
+                first = plan.first_new_block[rid] = request.num_computed_tokens // bs
+                plan.new_blocks[rid] = [b for table in request.block_ids for b in table[first:]]
             else:
-                new_blocks[rid] = appended
-            num_scheduled[rid] = n
-        return i + len(members), budget - total
+                plan.new_blocks[rid] = appended
+            plan.num_scheduled[rid] = n
+        plan.budget -= total
+        return i + len(members)
 
-    def _restart_beams(self, group: BeamGroup) -> None:
+    def restart(self, group: BeamGroup[Request]) -> None:
         """Preempt a beam group by recompute of its whole search: the beams but the root
         finish, the root goes back to its prompt and waits (preempted). The search is
         deterministic, so it finds the same hypotheses again (its prompt's blocks usually
         still cached). The caller has taken the beams out of ``running``."""
-        root = group.root
+        root, state = group.root, self.state
         for beam in group.beams:
             if beam is not root:
-                del self.requests[beam.request_id]
-                self._finish(beam, FinishReason.ABORT)
+                del state.requests[beam.request_id]
+                state.finish(beam, FinishReason.ABORT)
         root.output_token_ids = []
         del root.block_hashes[len(root.prompt_token_ids) // self.config.block_size:]
         root.resend = False
-        self._preempt(root)
+        state.preempt(root)
         group.restart()
 
-    def _drop_beams(self, group: BeamGroup) -> None:
+    def drop_beams(self, group: BeamGroup[Request]) -> None:
         """End the group's beams but its root (which the caller ends): aborted or done."""
-        root = group.root
+        root, state = group.root, self.state
         for beam in group.beams:
             if beam is not root:
-                del self.requests[beam.request_id]
+                del state.requests[beam.request_id]
                 if beam.status is RequestStatus.RUNNING:
-                    self.running.remove(beam)
-                self._finish(beam, FinishReason.ABORT)
+                    state.running.remove(beam)
+                state.finish(beam, FinishReason.ABORT)
         rid = root.request_id
         self._beam_ids -= {f"{rid}#beam{i}" for i in range(1, group.beam_width)}
 
-    def _beam_proposed(self, beam: Request, top: TokenLogprobs | None) -> RequestUpdate | None:
+    def proposed(self, beam: Request, top: TokenLogprobs | None) -> RequestUpdate | None:
         """A beam's step came back with its candidates (``top``); once the whole group has
         proposed, pick the next beams (fork, append) or end the search. Returns the group's
         final update when it ended."""
-        group = beam.beam_group
+        group, state = beam.beam_group, self.state
         assert group is not None
         if top is None or not top.top_token_ids:
             # NOTE: the worker owed candidates and sent none (a worker bug): recompute the
             # search rather than leave the group waiting for ever.
-            self.running[:] = [r for r in self.running if r.beam_group is not group]
+            state.running[:] = [r for r in state.running if r.beam_group is not group]
             if len(group.beams) > 1:
-                self._restart_beams(group)
+                self.restart(group)
             else:
-                self._preempt(beam)
+                state.preempt(beam)
             return None
         if not group.propose(beam, top.top_token_ids, top.top_logprobs):
             return None
         picks = group.select()
         if picks is None:
             root = group.root
-            self._drop_beams(group)
-            del self.requests[root.request_id]
+            self.drop_beams(group)
+            del state.requests[root.request_id]
             best = group.finished[0]
-            self._finish(root, best.finish_reason)
+            state.finish(root, best.finish_reason)
             return RequestUpdate(root.request_id, [], best.finish_reason,
                                  root.num_prompt_tokens, len(best.token_ids),
                                  max(root.num_cached_tokens, 0), beams=group.finished)
@@ -190,28 +191,27 @@ class BeamScheduling:
         group.beams, group.scores = beams, [pick.score for pick in picks]
         return None
 
-    def _new_beam(self, group: BeamGroup) -> Request:
+    def _new_beam(self, group: BeamGroup[Request]) -> Request:
         """A new running beam request of ``group`` (its id ``f"{root id}#beam{i}"``, the
         first free one of 1 .. k-1)."""
         root = group.root
         taken = {b.request_id for b in group.beams}
         rid = next(f"{root.request_id}#beam{i}" for i in range(1, group.beam_width)
                    if f"{root.request_id}#beam{i}" not in taken and
-                   f"{root.request_id}#beam{i}" not in self.requests)
+                   f"{root.request_id}#beam{i}" not in self.state.requests)
         beam = Request(rid, root.prompt_token_ids, root.sampling_params, root.arrival_time,
                        RequestStatus.RUNNING, priority=root.priority,
                        arrival_seq=root.arrival_seq, num_cached_tokens=root.num_cached_tokens,
                        extra_keys=root.extra_keys, beam_group=group)
-        self.requests[rid] = beam
-        bisect.insort(self.running, beam, key=self._key)
+        self.state.requests[rid] = beam
+        self.state.add_running(beam)
         return beam
 
     def _fork(self, child: Request, parent: Request, token_id: int) -> None:
         """``child`` becomes ``parent`` + ``token_id``: its tables a fork of the parent's,
         its tokens the parent's plus the one (sent whole to the workers next step)."""
-        self.block_manager.fork(child, parent)
+        self.state.block_manager.fork(child, parent)
         child.output_token_ids = [*parent.output_token_ids, token_id]
         child.num_computed_tokens = parent.num_computed_tokens
         child.resend = True
-        self._num_epochs += 1
-        child.epoch = self._num_epochs
+        child.epoch = self.state.new_epoch()

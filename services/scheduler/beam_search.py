@@ -33,12 +33,23 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
 
 from services.common.finish_reason import FinishReason
-from services.scheduler.request import Request
 
 EARLY_STOPPING = ("true", "false", "never")
 _F32 = struct.Struct("f")
+
+
+class Beam(Protocol):
+    """What the search reads of a beam (the scheduler's ``Request``): its id, for errors, and
+    the tokens it has generated."""
+
+    request_id: str
+    output_token_ids: list[int]
+
+
+BeamT = TypeVar("BeamT", bound=Beam)
 
 
 def _f32(x: float) -> float:
@@ -81,8 +92,9 @@ class Continuation:
 
 
 @dataclass(slots=True)
-class BeamGroup:
-    """The state of one beam search (see the module docstring).
+class BeamGroup(Generic[BeamT]):
+    """The state of one beam search (see the module docstring), over beams of type ``BeamT``
+    (the scheduler's ``Request``).
 
     Attributes:
         root: the submitted request; always one of ``beams`` (its object is reused, so the
@@ -100,14 +112,14 @@ class BeamGroup:
         num_generated: tokens every live beam has generated.
     """
 
-    root: Request
+    root: BeamT
     beam_width: int
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     num_candidates: int
     length_penalty: float = 1.0
     early_stopping: str = "false"
-    beams: list[Request] = field(default_factory=list)
+    beams: list[BeamT] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
     finished: list[BeamHypothesis] = field(default_factory=list)
     proposals: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
@@ -122,7 +134,7 @@ class BeamGroup:
         self.beams, self.scores = [self.root], [0.0]
         self.finished, self.proposals, self.num_generated = [], {}, 0
 
-    def propose(self, beam: Request, token_ids: list[int], logprobs: list[float]) -> bool:
+    def propose(self, beam: BeamT, token_ids: list[int], logprobs: list[float]) -> bool:
         """Record ``beam``'s candidates (its top tokens and their raw logprobs, most likely
         first); True once every live beam has proposed (call ``select`` then).
 

@@ -1,9 +1,9 @@
 """The paged KV cache's bookkeeping: which physical blocks are free, who holds the rest, and
 which full blocks hold a known prefix (automatic prefix caching).
 
-Pure Python, no torch (DESIGN.md §3): the worker owns the K/V tensors, the scheduler owns the
-block ids. A block holds ``block_size`` consecutive tokens of one request; a request's block
-table lists its blocks in logical order, so token ``i`` lives in slot
+Pure Python, no torch (docs/architecture.md, "KV cache layout"): the worker owns the K/V
+tensors, the scheduler owns the block ids. A block holds ``block_size`` consecutive tokens of one
+request; a request's block table lists its blocks in logical order, so token ``i`` lives in slot
 ``table[i // block_size] * block_size + i % block_size``.
 
     num_computed_tokens + num_new_tokens = 21, block_size = 8  ->  ceil(21 / 8) = 3 blocks
@@ -30,19 +30,17 @@ ceil(W / bs) + 1 blocks per sliding group (``blocks_for_one_request``):
 Prefix caching (vLLM V1's automatic prefix caching; Kwon et al., "Efficient Memory Management
 for Large Language Model Serving with PagedAttention", SOSP 2023, §4.4 shared prefixes): the
 K/V of a token depends only on the tokens up to it, so a FULL block is identified by its token
-ids and everything before it. Block ``j`` of a request gets the chained key
-
-    hash_j = blake2b(hash_{j-1} || token ids of block j || extra keys)       (hash_{-1} = b"")
-
-and, once its slots are scheduled to be written, is registered under that key. A later request
-whose block ``j`` has the same key reuses the physical block (ref_count + 1) instead of
-computing it. The cache key is (group, key): each group's blocks hold other layers' K/V. A hit
-re-checks the stored token ids and parent key, so even a hash collision cannot hand out wrong
-K/V. A hit of n blocks needs, in every full group, blocks 0 .. n-1 cached and, in every sliding
-group, only the blocks its window reads from position n*bs on: max(0, n*bs - W + 1) // bs .. n-1
-(the entries before are -1); the hit is the largest such n. Blocks that no request references
-go back to the free list with their key; the free list is in LRU order (freed last = evicted
-last), so a cached block is reused until allocation has to evict it.
+ids and everything before it: block ``j`` of a request gets a key chained from the keys before it
+(``prefix_keys.py``) and, once its slots are scheduled to be written, is registered under that
+key. A later request whose block ``j`` has the same key reuses the physical block (ref_count + 1)
+instead of computing it. The cache key is (group, key): each group's blocks hold other layers'
+K/V. A hit re-checks the stored token ids and parent key, so even a hash collision cannot hand
+out wrong K/V. A hit of n blocks needs, in every full group, blocks 0 .. n-1 cached and, in every
+sliding group, only the blocks its window reads from position n*bs on:
+max(0, n*bs - W + 1) // bs .. n-1 (the entries before are -1); the hit is the largest such n.
+Blocks that no request references go back to the free list with their key; the free list is in
+LRU order (freed last = evicted last), so a cached block is reused until allocation has to evict
+it.
 
     free list (LRU -> MRU):  [3] [9] [4*] [1*] [6*]        * = still holds a cached prefix
     allocate() takes from the left; a taken cached block loses its key (eviction).
@@ -65,35 +63,12 @@ step.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.scheduler.prefix_keys import BlockHash, CacheKey, block_hashes
 from services.scheduler.request import Request
-
-BlockHash = bytes
-CacheKey = tuple[int, BlockHash]  # (KV cache group, block hash)
-
-
-def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
-    """The chained key of one full block: blake2b-128 of (parent key, token ids, extra keys).
-
-    Args:
-        parent: the previous block's key (``b""`` for the first block).
-        token_ids: the block's ``block_size`` token ids (each < 2**31).
-        extra_keys: anything else the K/V depends on (e.g. a cache salt); ``b""`` for none.
-
-    Returns:
-        16 bytes. A cryptographic hash, so prompts cannot be crafted to collide (a hit also
-        re-checks the tokens).
-    """
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(array("i", token_ids).tobytes())
-    if extra_keys:
-        h.update(extra_keys)
-    return h.digest()
 
 
 @dataclass(slots=True)
@@ -197,29 +172,6 @@ class BlockManager:
                    for w in self.sliding_windows)
 
     # ---- prefix cache ---------------------------------------------------------------------
-    def block_hashes(self, request: Request, num_full_blocks: int) -> list[BlockHash]:
-        """``request.block_hashes`` extended to at least ``num_full_blocks`` keys (each block
-        is hashed once in a request's life; tokens are append-only).
-
-        Raises:
-            ValueError: the request has fewer than ``num_full_blocks * block_size`` tokens.
-        """
-        hashes = request.block_hashes
-        if len(hashes) < num_full_blocks:
-            bs = self.block_size
-            if num_full_blocks * bs > request.num_tokens:
-                raise ValueError(f"request {request.request_id} has {request.num_tokens} tokens, "
-                                 f"fewer than {num_full_blocks} full blocks of {bs}")
-            tokens = request.token_ids_from(len(hashes) * bs)
-            parent = hashes[-1] if hashes else b""
-            extra = request.extra_keys
-            if not self.enable_prefix_caching:  # only the choices of one parent may match
-                extra += b"\x00parent:" + request.parent_request_id.encode()
-            for j in range(num_full_blocks - len(hashes)):
-                parent = hash_block(parent, tokens[j * bs:(j + 1) * bs], extra)
-                hashes.append(parent)
-        return hashes
-
     def shares_blocks(self, request: Request) -> bool:
         """Whether ``request`` takes part in block sharing: always with prefix caching on;
         with it off, only the choices of an n > 1 request (``parent_request_id`` set)."""
@@ -256,7 +208,7 @@ class BlockManager:
         n = (request.num_tokens - 1) // bs
         if n <= 0 or not self.cached_blocks:
             return [], 0
-        hashes = self.block_hashes(request, n)
+        hashes = block_hashes(request, n, bs, self.enable_prefix_caching)
         found: dict[tuple[int, int], int] = {}  # (group, j) -> hit block id, or -1
 
         def hit(group: int, j: int) -> int:
@@ -298,8 +250,8 @@ class BlockManager:
         start = request.num_cached_blocks
         if num_full <= start:
             return
-        hashes = self.block_hashes(request, num_full)
         bs = self.block_size
+        hashes = block_hashes(request, num_full, bs, self.enable_prefix_caching)
         tokens = request.token_ids_slice(start * bs, num_full * bs)
         for g, table in enumerate(request.block_ids):
             for j in range(start, num_full):

@@ -57,7 +57,6 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]  # request_id -> tokens computed this step
     total_num_scheduled_tokens: int  # sum of num_scheduled_tokens, <= max_num_batched_tokens
     finished_req_ids: set[str]  # finished/aborted since the last step: worker drops their state
-    preempted_req_ids: set[str]  # preempted this step: worker drops blocks, keeps token ids
     # copy-on-write: (src, dst) blocks every rank copies before this step's forward
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # speculative decoding: drafts the driver proposes after this step per sampled request

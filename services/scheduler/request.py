@@ -2,7 +2,7 @@
 
 The scheduler never touches text or tensors. A request is its prompt token ids, the token ids
 sampled so far, the KV block table that holds their keys/values, and a few counters that drive
-the scheduling rule of DESIGN.md §2.
+the scheduling rule (docs/architecture.md, "The scheduling rule").
 
 Index arithmetic (positions are token indices into ``all_token_ids``)::
 
@@ -35,13 +35,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from services.common.finish_reason import FinishReason
 from services.common.sampling_params import EngineSamplingParams
-
-if TYPE_CHECKING:
-    from services.scheduler.beam_search import BeamGroup
+from services.scheduler.beam_search import BeamGroup
 
 
 class RequestStatus(enum.Enum):
@@ -87,7 +84,7 @@ class Request:
     extra_keys: bytes = b""  # what else the K/V depends on (hashed into every block key)
     parent_request_id: str = ""  # set on the choices of an n > 1 request: they share blocks
     prompt_logprobs_next: int = 1  # next prompt index whose logprob goes to the router
-    beam_group: BeamGroup | None = None  # the beam search this request is a beam of
+    beam_group: BeamGroup[Request] | None = None  # the beam search this request is a beam of
     resend: bool = False  # (a beam forked onto another's KV) send its tokens and tables whole
     spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts the
     # worker proposed to follow its tokens, for the next decode step to verify

@@ -1,64 +1,25 @@
 """The engine core's scheduler: which requests run each step, how many tokens each computes.
 
-One rule (DESIGN.md §2, vLLM V1's): every request has ``num_tokens`` (prompt + output) and
-``num_computed_tokens`` (K/V already cached); each step gives each request up to
-``num_tokens - num_computed_tokens`` tokens within ``max_num_batched_tokens`` and
-``max_num_seqs``. Continuous batching, chunked prefill and mixed prefill/decode batches all fall
-out of it. See ``request.py`` for the index diagram.
+``schedule()`` applies the scheduling rule (vLLM V1's) and builds the step for the workers;
+``update_from_output()`` applies a step's results and finishes requests. docs/architecture.md,
+section "Scheduler" (and its "The scheduling rule", "The step protocol", "Beam search" and
+"Speculative decoding"), describes what they do; ``request.py`` has the index diagram.
 
-On top of the rule (all vLLM V1 behaviour): automatic prefix caching (a newly admitted request
-starts at its longest cached prefix, see ``block_manager.py``), a ``fcfs`` or ``priority``
-policy (which request is admitted first and which is preempted), a per-request cap on prefill
-tokens per step (``long_prefill_token_threshold``), load shedding (a full waiting queue
-refuses new requests with ``QueueFullError``) and KV cache groups (one block table per group;
-a sliding-window group's blocks behind the window are released, see ``block_manager.py``).
-
-Per step: ``schedule()`` -> SchedulerOutput -> every worker rank -> sampled token ids ->
-``update_from_output()`` -> RequestUpdates for the routers.
-
-Schedule-time accounting (vLLM V1's): ``schedule()`` advances ``num_computed_tokens`` by what
-it schedules, so a step in flight needs no bookkeeping of its own. A request whose chunk
-reached the end has nothing more to schedule until its token arrives; a chunked prefill's next
-chunk may go into the next step while the previous one is still in flight (workers run steps in
-order). ``update_from_output()`` applies any step, in any order relative to aborts and
-preemptions: it ignores the requests that are gone, finished, or preempted since they were
-scheduled (their ``epoch`` changed).
-
-Async scheduling (``async_scheduling``, vLLM V1's): a request whose token is still being sampled
-by a step in flight holds an output placeholder (``num_output_placeholders``) and is scheduled
-again for the position of that token, whose id only the worker knows (the worker owns its
-tokens: it appends what it samples). So step N+1 is built while step N runs. A request that
-finishes in step N may thus have had one more token scheduled in step N+1: that result is
-ignored (the request is gone) and its blocks were freed when it finished. A request is never
-scheduled past ``max_tokens`` or ``max_model_len`` counting its placeholders.
-
-Beam search (``beam_search.py``): a request with ``beam_width`` k is a group of up to k beam
-requests, scheduled, preempted (its search recomputed from the prompt) and aborted as one.
-A beam's chunk that reaches the end brings back its top candidates (as top logprobs); once
-the whole group has them, the group picks its next beams: a parent's first child appends its
-token, the others fork the parent's block tables (``BlockManager.fork``) and are sent whole. A
-beam is never scheduled while its step is in flight (its next token is the scheduler's pick),
-and a beam about to write into a block another table lists gets a copy first
-(``BlockManager.copy_on_write``; ``SchedulerOutput.blocks_to_copy``).
-
-Who holds which tokens: the worker ranks of the sampling (last) pipeline stage append their own
-samples; ``CachedRequestData.new_token_ids`` carries the tokens since the request was last sent
-for the other stages (only without async scheduling: with it they are not known yet), and a
-resumed request carries its whole token list (the workers replace theirs: they may hold a token
-sampled by a step that was stale when it came back). A beam's tokens are the scheduler's picks:
-every rank gets them (``CachedRequestData.beam``), with or without async scheduling.
+What the code relies on: accounting is at schedule time, so a step in flight needs no
+bookkeeping of its own. A chunked prefill's next chunk may go into the next step while the
+previous one is still in flight (workers run steps in order), and ``update_from_output()``
+applies any step, in any order relative to aborts and preemptions: it ignores the requests that
+are gone, finished, or preempted since they were scheduled (their ``epoch`` changed).
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import chain
 
-from services.common.speculative import SpeculativeConfig
-from services.scheduler.beam_scheduling import BeamScheduling
+from services.scheduler.beam_scheduling import BeamScheduler
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
 from services.scheduler.outputs import (
     CachedRequestData,
@@ -67,15 +28,11 @@ from services.scheduler.outputs import (
     SchedulerOutput,
     request_update,
 )
-from services.scheduler.request import (
-    FinishReason,
-    Request,
-    RequestStatus,
-)
+from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.spec_decode import SpecDecodeResult, SpecDecodeStats, num_drafts_to_verify
+from services.scheduler.state import SchedulerState
+from services.scheduler.step_plan import StepPlan
 from services.scheduler.waiting_queue import WaitingQueue
-
-SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 class QueueFullError(Exception):
@@ -83,52 +40,14 @@ class QueueFullError(Exception):
     the request is refused now (gRPC RESOURCE_EXHAUSTED) rather than queued without limit."""
 
 
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Scheduling limits and policies.
-
-    Raises:
-        ValueError: a limit is < 1 (the ``0 = off`` ones < 0), or an unknown policy.
-    """
-
-    max_num_seqs: int = 256  # running requests at most (= rows of a decode batch)
-    max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
-    max_model_len: int = 8192  # prompt + output tokens of one request
-    block_size: int = 16  # tokens per KV block
-    enable_prefix_caching: bool = True  # share full KV blocks of identical prefixes
-    scheduling_policy: str = "fcfs"  # "fcfs" (arrival order) or "priority" (lower = sooner)
-    long_prefill_token_threshold: int = 0  # most prefill tokens per request per step; 0 = off
-    max_num_waiting_requests: int = 0  # refuse new requests beyond this queue length; 0 = off
-    max_num_waiting_tokens: int = 0  # ... or beyond this many queued tokens; 0 = off
-    max_steps_in_flight: int = 1  # steps scheduled before the oldest result (pipeline stages)
-    async_scheduling: bool = False  # schedule requests whose token is still in flight
-    speculative: SpeculativeConfig | None = None  # speculative decoding (no async scheduling)
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "max_steps_in_flight"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("long_prefill_token_threshold", "max_num_waiting_requests",
-                     "max_num_waiting_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 = off), got {getattr(self, name)}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
-                             f"got {self.scheduling_policy!r}")
-        if self.speculative is not None and (self.async_scheduling
-                                             or self.max_steps_in_flight > 1):
-            raise ValueError("speculative decoding needs async_scheduling off and one step in "
-                             "flight (the drafts follow the tokens the last step returned)")
-
-
-class Scheduler(BeamScheduling):
+class Scheduler:
     """Scheduler with chunked prefill, prefix caching and preemption by recompute.
 
     ``running`` is kept sorted by the policy key (``waiting_queue.policy_key``: arrival under
     fcfs, (priority, arrival) under priority), so each step serves running requests best-first
     and the preemption victim is always the tail: the lowest priority, and among equals the
-    latest arrival. Admission takes the head of ``waiting`` (same key order).
+    latest arrival. Admission takes the head of ``waiting`` (same key order). Beam groups are
+    ``beams`` (``beam_scheduling.py``); both share ``state`` (``state.py``).
 
     Any number of SchedulerOutputs may await ``update_from_output`` (the engine keeps up to
     ``max_steps_in_flight``, the pipeline depth); each is applied once, and a step that never
@@ -137,8 +56,8 @@ class Scheduler(BeamScheduling):
 
     NOTE: with several steps in flight and no async scheduling (pipeline parallelism) a
     request waiting for its token is not scheduled again until the token arrives; with async
-    scheduling it is, for that token's position (see the module docstring). A preempted
-    in-flight request drops out of its step: its result is ignored.
+    scheduling it is, for that token's position (docs/architecture.md, "The step protocol").
+    A preempted in-flight request drops out of its step: its result is ignored.
 
     Args:
         config: scheduling limits and policies.
@@ -169,40 +88,48 @@ class Scheduler(BeamScheduling):
         self.config = config
         self.block_manager = bm
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.vocab_size = vocab_size
-        self.requests: dict[str, Request] = {}  # unfinished (waiting + running) by id
-        self.waiting = WaitingQueue(config.scheduling_policy)
-        self.running: list[Request] = []  # sorted by policy key
-        self._key = (lambda r: (r.priority, r.arrival_seq)) if (
-            config.scheduling_policy == "priority") else (lambda r: r.arrival_seq)
-        self.num_preemptions_total = 0
+        self.state = SchedulerState(bm, config.scheduling_policy)
+        self.beams = BeamScheduler(config, self.state, self.eos_token_ids, vocab_size)
         self.num_rejected_total = 0  # requests refused by load shedding
         self.prefix_cache_queries_total = 0  # tokens looked up at admission
         self.prefix_cache_hits_total = 0  # of those, tokens found
         self._num_arrivals = 0
-        self._num_epochs = 0
         self._step_id = 0
-        self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
-        self._preempted_req_ids: set[str] = set()  # for the next SchedulerOutput
-        self._beam_ids: set[str] = set()  # ids the beam groups' beams 1.. (may) take
-        self._blocks_to_copy: list[tuple[int, int]] = []  # this schedule()'s copy-on-write
         self.num_blocks_copied_total = 0  # copy-on-write copies (beam search)
         self.spec_stats = SpecDecodeStats()  # speculative decoding's counters
 
     @property
+    def requests(self) -> dict[str, Request]:
+        """Unfinished requests (waiting + running) by id."""
+        return self.state.requests
+
+    @property
+    def waiting(self) -> WaitingQueue:
+        return self.state.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """Running requests, sorted by policy key."""
+        return self.state.running
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.state.num_preemptions_total
+
+    @property
     def num_running(self) -> int:
-        return len(self.running)
+        return len(self.state.running)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.state.waiting)
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
-        return self.requests.get(request_id)
+        return self.state.requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.state.requests)
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; it can run from the next step.
@@ -216,7 +143,7 @@ class Scheduler(BeamScheduling):
                 requests, or adding it would pass ``max_num_waiting_tokens`` (an empty queue
                 always takes one request, however long).
         """
-        config = self.config
+        config, state = self.config, self.state
         max_len = config.max_model_len
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id}: empty prompt")
@@ -225,14 +152,14 @@ class Scheduler(BeamScheduling):
                 f"request {request.request_id}: prompt has {request.num_prompt_tokens} tokens, "
                 f"max_model_len={max_len} leaves no room for output"
             )
-        if request.request_id in self.requests or request.request_id in self._beam_ids:
+        if request.request_id in state.requests or self.beams.reserves(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already running")
         if request.status is not RequestStatus.WAITING:
             raise ValueError(f"request {request.request_id} is {request.status.name}")
         if request.priority != 0 and config.scheduling_policy != "priority":
             raise ValueError(f"priority must be 0 unless the scheduler runs "
                              f"--scheduling-policy priority, got {request.priority}")
-        waiting = self.waiting
+        waiting = state.waiting
         if config.max_num_waiting_requests and len(waiting) >= config.max_num_waiting_requests:
             self.num_rejected_total += 1
             raise QueueFullError(
@@ -246,12 +173,11 @@ class Scheduler(BeamScheduling):
                 f"{request.num_tokens} (--max-num-waiting-tokens "
                 f"{config.max_num_waiting_tokens}); retry later")
         if request.sampling_params.beam_width > 0:
-            self._add_beam_group(request)
+            self.beams.add_group(request)
         self._num_arrivals += 1
         request.arrival_seq = self._num_arrivals
-        self._num_epochs += 1
-        request.epoch = self._num_epochs
-        self.requests[request.request_id] = request
+        request.epoch = state.new_epoch()
+        state.requests[request.request_id] = request
         waiting.add(request)
 
     def abort_request(self, request_id: str) -> RequestUpdate | None:
@@ -260,19 +186,20 @@ class Scheduler(BeamScheduling):
         Returns:
             Its final RequestUpdate, or None if the id is unknown or already finished.
         """
-        request = self.requests.get(request_id)
+        state = self.state
+        request = state.requests.get(request_id)
         if request is None:
             return None
         group = request.beam_group
         if group is not None:  # the whole group, whichever beam is named
             request = group.root
-            self._drop_beams(group)
-        del self.requests[request.request_id]
+            self.beams.drop_beams(group)
+        del state.requests[request.request_id]
         if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+            state.running.remove(request)
         else:
-            self.waiting.remove(request)
-        self._finish(request, FinishReason.ABORT)
+            state.waiting.remove(request)
+        state.finish(request, FinishReason.ABORT)
         return request_update(request, [], FinishReason.ABORT)
 
     def schedule(self) -> SchedulerOutput:
@@ -289,95 +216,106 @@ class Scheduler(BeamScheduling):
         Cost: O(running + admitted) plus the block operations (a prefix lookup is O(blocks of
         the prompt)).
         """
-        bm = self.block_manager
-        config = self.config
-        budget = config.max_num_batched_tokens
-        threshold = config.long_prefill_token_threshold
-        num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
-        num_preempted = self.num_preemptions_total
-
-        # 1. Running requests, best key first; victims come off the tail, so a request that
-        # was already scheduled this step is never preempted (its blocks may be cached).
-        running = self.running
-        bs = config.block_size
-        max_len = config.max_model_len
-        i = 0
-        first_new_block: dict[str, int] = {}
         # speculative decoding: this step verifies drafts and the next one gets proposals
         # unless the batch is large (``disable_by_batch_size``); a draft model writes its K/V
         # into ``lookahead`` slots past each request's tokens.
-        spec_config = config.speculative
-        speculating = spec_config is not None and (
-            len(running) < spec_config.disable_by_batch_size)
-        lookahead = spec_config.num_lookahead_slots if speculating and spec_config else 0
-        scheduled_spec: dict[str, list[int]] = {}
-        while i < len(running) and budget > 0:
+        spec = self.config.speculative
+        speculating = spec is not None and len(self.state.running) < spec.disable_by_batch_size
+        plan = StepPlan(self.config.max_num_batched_tokens, speculating,
+                        spec.num_lookahead_slots if speculating and spec else 0)
+        num_preempted = self.state.num_preemptions_total
+        self._schedule_running(plan)
+        # NOTE: after a preemption the cache is full; admitting would only thrash (the newcomer
+        # would be the next victim).
+        if self.state.num_preemptions_total == num_preempted:
+            self._admit_waiting(plan)
+        return self._step_output(plan)
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Running requests, best key first, each its tokens by the rule (a beam group's beams
+        as one, ``BeamScheduler.schedule_group``); victims come off the tail, so a request that
+        was already scheduled this step is never preempted (its blocks may be cached)."""
+        running, config = self.state.running, self.config
+        bs, max_len = config.block_size, config.max_model_len
+        threshold = config.long_prefill_token_threshold
+        num_scheduled, new_blocks = plan.num_scheduled, plan.new_blocks
+        i = 0
+        while i < len(running) and plan.budget > 0:
             request = running[i]
             group = request.beam_group
             if group is not None and len(group.beams) > 1:
-                i, budget = self._schedule_beams(group, i, budget, num_scheduled, new_blocks,
-                                                 first_new_block)
+                i = self.beams.schedule_group(group, i, plan, self._preempt_tail)
                 if group.root.status is not RequestStatus.RUNNING:
                     break  # NOTE: it preempted itself: everything after it is gone too.
                 continue
+            i += 1
             num_computed = request.num_computed_tokens
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-            placeholders = request.num_output_placeholders
-            num_new = num_tokens + placeholders - num_computed
+            num_new = num_tokens + request.num_output_placeholders - num_computed
             if num_new <= 0:
-                i += 1  # its token is still to come (a step in flight)
-                continue
-            if placeholders:  # (async scheduling) the next position's token is in flight
-                max_tokens = request.sampling_params.max_tokens
-                if num_tokens + placeholders >= max_len or (
-                        max_tokens is not None
-                        and len(request.output_token_ids) + placeholders >= max_tokens):
-                    i += 1  # it ends with the tokens in flight: nothing more to compute
-                    continue
-            spec = request.spec_token_ids
-            if spec:  # (drafts only ever follow a decode step's token)
-                request.spec_token_ids = []
-                if speculating and num_new == 1:
-                    d = num_drafts_to_verify(len(spec), min(budget, threshold or budget),
-                                             len(request.output_token_ids),
-                                             request.sampling_params.max_tokens, num_tokens,
-                                             max_len)
-                    if d:
-                        num_new += d
-                        scheduled_spec[request.request_id] = spec[:d]
+                continue  # its token is still to come (a step in flight)
+            if request.num_output_placeholders and self._ends_in_flight(request):
+                continue  # nothing more to compute
+            if request.spec_token_ids:  # (drafts only ever follow a decode step's token)
+                num_new += self._take_drafts(request, num_new, plan)
             if 0 < threshold < num_new:
                 num_new = threshold
-            if num_new > budget:
-                num_new = budget
-            end = num_computed + num_new
-            slots = min(num_new + lookahead, max_len - num_computed)
+            if num_new > plan.budget:
+                num_new = plan.budget
+            slots = min(num_new + plan.lookahead, max_len - num_computed)
             # NOTE: the decode fast path (most requests, most steps): the last block has room
             # and no block fills up, so there is nothing to allocate or register (and a sliding
             # window's blocks are released only when a new block is needed: that is enough).
             if (num_computed + slots <= len(request.block_ids[0]) * bs
-                    and min(end, num_tokens) // bs <= request.num_cached_blocks):
+                    and min(num_computed + num_new, num_tokens) // bs
+                    <= request.num_cached_blocks):
                 new_blocks[request.request_id] = []
-            else:
-                while not bm.can_allocate(request, slots):
-                    victim = self._preempt_tail()
-                    if victim is request:
-                        break
-                else:
-                    new_blocks[request.request_id] = bm.allocate(request, slots)
-                if request.status is not RequestStatus.RUNNING:
-                    break  # NOTE: it preempted itself: everything after it is gone too.
+            elif not self._allocate_running(request, slots, plan):
+                break  # NOTE: it preempted itself: everything after it is gone too.
             num_scheduled[request.request_id] = num_new
-            budget -= num_new
-            i += 1
+            plan.budget -= num_new
 
-        # 2. Waiting requests from the head. NOTE: after a preemption the cache is full;
-        # admitting would only thrash (the newcomer would be the next victim).
-        resumed: set[str] = set()
-        waiting = self.waiting
-        preempted_now = self.num_preemptions_total != num_preempted
-        while (not preempted_now and waiting and budget > 0
-               and len(running) < config.max_num_seqs):
+    def _ends_in_flight(self, request: Request) -> bool:
+        """(async scheduling) ``request``'s next position's token is in flight: whether it
+        ends with the tokens in flight (``max_model_len`` or ``max_tokens`` counting its
+        placeholders), so it has nothing more to compute."""
+        num_output = len(request.output_token_ids) + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return (len(request.prompt_token_ids) + num_output >= self.config.max_model_len
+                or (max_tokens is not None and num_output >= max_tokens))
+
+    def _take_drafts(self, request: Request, num_new: int, plan: StepPlan) -> int:
+        """Takes ``request``'s drafts; returns how many of them this step verifies (0 unless
+        it is speculating and the request decodes: ``num_drafts_to_verify``)."""
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not (plan.speculating and num_new == 1):
+            return 0
+        threshold = self.config.long_prefill_token_threshold
+        d = num_drafts_to_verify(len(spec), min(plan.budget, threshold or plan.budget),
+                                 len(request.output_token_ids),
+                                 request.sampling_params.max_tokens, request.num_tokens,
+                                 self.config.max_model_len)
+        if d:
+            plan.spec_token_ids[request.request_id] = spec[:d]
+        return d
+
+    def _allocate_running(self, request: Request, slots: int, plan: StepPlan) -> bool:
+        """Blocks for ``slots`` more slots of running ``request``, preempting the running tail
+        until they fit. False if it preempted itself."""
+        bm = self.block_manager
+        while not bm.can_allocate(request, slots):
+            if self._preempt_tail() is request:
+                return False
+        plan.new_blocks[request.request_id] = bm.allocate(request, slots)
+        return request.status is RequestStatus.RUNNING
+
+    def _admit_waiting(self, plan: StepPlan) -> None:
+        """Waiting requests from the head, each from its longest cached prefix, while the
+        budget, ``max_num_seqs`` and the free blocks allow."""
+        config, state, bm = self.config, self.state, self.block_manager
+        waiting, running = state.waiting, state.running
+        threshold = config.long_prefill_token_threshold
+        while waiting and plan.budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             if request.beam_group is not None and (
                     len(running) + request.beam_group.beam_width > config.max_num_seqs):
@@ -388,9 +326,9 @@ class Scheduler(BeamScheduling):
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
                 num_new = threshold
-            if num_new > budget:
-                num_new = budget
-            slots = min(num_new + lookahead, max_len - num_hit)
+            if num_new > plan.budget:
+                num_new = plan.budget
+            slots = min(num_new + plan.lookahead, config.max_model_len - num_hit)
             if not bm.can_allocate(request, slots, hit_blocks):
                 break  # NOTE: never let a later (smaller) request skip ahead of the head.
             waiting.pop()
@@ -399,24 +337,27 @@ class Scheduler(BeamScheduling):
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
             if request.status is RequestStatus.PREEMPTED:
-                resumed.add(request.request_id)
+                plan.resumed.add(request.request_id)
             request.status = RequestStatus.RUNNING
-            new_blocks[request.request_id] = bm.allocate(request, slots, hit_blocks)
+            plan.new_blocks[request.request_id] = bm.allocate(request, slots, hit_blocks)
             request.spec_token_ids = []
             request.num_computed_tokens = num_hit
-            bisect.insort(running, request, key=self._key)
-            num_scheduled[request.request_id] = num_new
-            budget -= num_new
+            state.add_running(request)
+            plan.num_scheduled[request.request_id] = num_new
+            plan.budget -= num_new
 
-        # 3. Diffs for the workers (each request: O(its new tokens + new blocks)), then the
-        # schedule-time accounting: the scheduled tokens count as computed from now on.
+    def _step_output(self, plan: StepPlan) -> SchedulerOutput:
+        """The step for the workers: each request's diff (O(its new tokens + new blocks)),
+        then the schedule-time accounting: the scheduled tokens count as computed from now on.
+        """
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
-        requests = self.requests
+        requests = self.state.requests
         epochs: dict[str, int] = {}
         sampled: set[str] = set()
-        send_tokens = not config.async_scheduling  # (with it, the new tokens are not known yet)
-        for request_id, num_new in num_scheduled.items():
+        send_tokens = not self.config.async_scheduling  # (with it, the new tokens are unknown)
+        resumed, drafts = plan.resumed, plan.spec_token_ids
+        for request_id, num_new in plan.num_scheduled.items():
             request = requests[request_id]
             sent = request.num_tokens_sent
             num_prompt = len(request.prompt_token_ids)
@@ -433,7 +374,7 @@ class Scheduler(BeamScheduling):
                     request.num_computed_tokens))
             else:
                 beam = request.beam_group is not None  # (the scheduler picks its tokens)
-                first = first_new_block.get(request_id, -1)
+                first = plan.first_new_block.get(request_id, -1)
                 if request.trimmed_to >= 0:  # (blocks freed after rejected drafts)
                     first, request.trimmed_to = request.trimmed_to, -1
                 cached_reqs.append(CachedRequestData(
@@ -441,31 +382,27 @@ class Scheduler(BeamScheduling):
                     [] if not (send_tokens or beam) else
                     request.output_token_ids[sent - num_prompt:]
                     if sent >= num_prompt else request.token_ids_from(sent),
-                    new_blocks[request_id], False, request.num_computed_tokens, first, beam,
-                    scheduled_spec.get(request_id) or [],
+                    plan.new_blocks[request_id], False, request.num_computed_tokens, first, beam,
+                    drafts.get(request_id) or [],
                 ))
             request.num_tokens_sent = num_tokens = num_prompt + len(request.output_token_ids)
             request.num_computed_tokens += num_new
             epochs[request_id] = request.epoch
             if request.num_computed_tokens == (num_tokens + request.num_output_placeholders
-                                               + len(scheduled_spec.get(request_id, ()))):
+                                               + len(drafts.get(request_id, ()))):
                 sampled.add(request_id)
                 if not send_tokens and request.beam_group is None:
                     request.num_output_placeholders += 1  # NOTE: a beam waits for its pick
 
         self._step_id += 1
-        total = config.max_num_batched_tokens - budget
-        finished, self._finished_req_ids = self._finished_req_ids, set()
-        # NOTE: preempted since the last step (a resumed one is in both this set and the
-        # scheduled requests: drop first, then take the new table); a finished one is only in
-        # finished_req_ids.
-        preempted = self._preempted_req_ids - finished
-        self._preempted_req_ids = set()
-        copies, self._blocks_to_copy = self._blocks_to_copy, []
-        self.num_blocks_copied_total += len(copies)
-        k = spec_config.num_speculative_tokens if speculating and spec_config else 0
-        return SchedulerOutput(self._step_id, new_reqs, cached_reqs, num_scheduled, total,
-                               finished, preempted, copies, k, epochs, sampled, scheduled_spec)
+        total = self.config.max_num_batched_tokens - plan.budget
+        finished, self.state.finished_req_ids = self.state.finished_req_ids, set()
+        self.num_blocks_copied_total += len(plan.blocks_to_copy)
+        spec = self.config.speculative
+        k = spec.num_speculative_tokens if plan.speculating and spec else 0
+        return SchedulerOutput(self._step_id, new_reqs, cached_reqs, plan.num_scheduled, total,
+                               finished, plan.blocks_to_copy, k, epochs, sampled,
+                               plan.spec_token_ids)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
@@ -503,7 +440,8 @@ class Scheduler(BeamScheduling):
         output.applied = True
         updates: list[RequestUpdate] = []
         any_finished = False
-        requests = self.requests
+        state = self.state
+        requests = state.requests
         epochs, sampled = output.epochs, output.sampled_req_ids
         for request_id in output.num_scheduled_tokens:
             request = requests.get(request_id)
@@ -512,7 +450,7 @@ class Scheduler(BeamScheduling):
                 continue  # aborted, finished or preempted since it was scheduled
             if request.beam_group is not None:
                 if request_id in sampled:
-                    update = self._beam_proposed(request, logprobs.get(request_id)
+                    update = self.beams.proposed(request, logprobs.get(request_id)
                                                  if logprobs else None)
                     if update is not None:
                         updates.append(update)
@@ -535,8 +473,8 @@ class Scheduler(BeamScheduling):
                 # asked to verify (a worker bug). Its token list may now differ from ours:
                 # recompute the request as after a preemption (the resume replaces the
                 # workers' list) rather than leave it with nothing to do.
-                self.running.remove(request)
-                self._preempt(request)
+                state.running.remove(request)
+                state.preempt(request)
                 continue
             last = logprobs.get(request_id) if logprobs else None
             if drafts:
@@ -554,7 +492,7 @@ class Scheduler(BeamScheduling):
                                   else [*lps, last][:len(new_tokens)])
             if reason is not None:
                 del requests[request_id]
-                self._finish(request, reason)
+                state.finish(request, reason)
                 any_finished = True
             else:
                 if drafts and len(accepted) < len(drafts):
@@ -564,7 +502,7 @@ class Scheduler(BeamScheduling):
             updates.append(request_update(request, new_tokens, reason, token_logprobs,
                                           prompt_chunk))
         if any_finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+            state.running[:] = [r for r in state.running if r.status is RequestStatus.RUNNING]
         return updates
 
     def _append_run(self, request: Request, token_ids: list[int]
@@ -623,38 +561,13 @@ class Scheduler(BeamScheduling):
 
     def _preempt_tail(self) -> Request:
         """Preempt the running tail (recompute); a beam of a group of several beams takes its
-        group with it (``_restart_beams``). Returns the tail request."""
-        victim = self.running.pop()
+        group with it (``BeamScheduler.restart``). Returns the tail request."""
+        running = self.state.running
+        victim = running.pop()
         group = victim.beam_group
         if group is not None and len(group.beams) > 1:
-            self.running[:] = [r for r in self.running if r.beam_group is not group]
-            self._restart_beams(group)
+            running[:] = [r for r in running if r.beam_group is not group]
+            self.beams.restart(group)
         else:
-            self._preempt(victim)
+            self.state.preempt(victim)
         return victim
-
-    def _preempt(self, request: Request) -> None:
-        """Recompute preemption: drop the KV (cached blocks stay cached, so the recompute may
-        hit them), keep the tokens, back in line at its place."""
-        self.block_manager.free(request)
-        request.num_computed_tokens = request.num_output_placeholders = 0
-        request.spec_token_ids = []
-        request.trimmed_to = -1  # (a resume sends the whole tables)
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self._num_epochs += 1
-        request.epoch = self._num_epochs
-        self.num_preemptions_total += 1
-        self.waiting.add(request, preempted=True)
-        if request.num_tokens_sent > 0:  # the workers hold its blocks: tell them to drop them
-            self._preempted_req_ids.add(request.request_id)
-
-    def _finish(self, request: Request, reason: FinishReason) -> None:
-        """Free blocks, set the final status; tell the workers if they ever saw it."""
-        self.block_manager.free(request)
-        request.finish(reason)
-        # NOTE: num_tokens_sent > 0 <=> the request was in some SchedulerOutput (prompts are
-        # non-empty); workers hold state only for those.
-        if request.num_tokens_sent > 0:
-            self._finished_req_ids.add(request.request_id)
-

@@ -23,9 +23,10 @@ from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker
 from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain, wait_until
 from services.common.speculative import speculative_config_arg
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
+from services.scheduler.config import SCHEDULING_POLICIES, SchedulerConfig
 from services.scheduler.engine import Engine
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_client import WorkerGroup, describe_kv_cache_groups
 
 log = logging.getLogger(__name__)

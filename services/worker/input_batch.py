@@ -2,35 +2,26 @@
 inputs gathered from them (vLLM V1's ``vllm/v1/worker/gpu_input_batch.py`` idea).
 
 A request gets a row when it arrives and gives it back when it finishes. Its row holds its token
-list, block table and sampling parameters: written once (the prompt, the whole table, the
-options), then updated from each step's diff (the new block ids, and new token ids on a
-pipeline stage that does not sample; a request resumed from preemption has its token list and
-block table replaced) and from the step's own samples (``append_sampled``: the worker owns its
-tokens). A beam (``sampling.beam_width > 0``) is the exception: its sample is not appended on
-any rank, since the scheduler chooses its next token among the top logprobs the step returned
-and sends it as new token ids to every rank, sampling ranks included. Copy-on-write gives a
-request a copy of its last block by rewriting its tables from ``first_new_block`` (the KV copy
-itself is the model runner's)::
+list, block table and sampling parameters, written once, then updated from each step's diff and
+from its own samples (``append_sampled``; not a beam's, whose next token the scheduler sends:
+docs/architecture.md, "The step protocol"). Copy-on-write rewrites a request's tables from
+``first_new_block`` (the KV copy is the model runner's)::
 
     row r   token_ids[r, :num_tokens[r]]       [max_num_seqs, max_model_len]  int32
             block_table[g, r, :num_blocks[r]]  [groups, max_num_seqs, max_blocks]  int32, 0 after
             sampling parameters                ``sampling_rows`` (services/worker/sampling_rows.py)
             max_blocks = ceil(max_model_len / block_size)
 
-Block tables, one per KV cache group (``services/worker/kv_cache_groups.py``), all of one
-logical length ``num_blocks[r]``: block j of every group covers tokens
-``j * block_size .. (j + 1) * block_size - 1``. On the wire a request's tables come
-concatenated group by group (``[g0 b0, g0 b1, g1 b0, g1 b1]`` for 2 groups of 2 blocks), a
-step's appended blocks too; -1 (a sliding-window group's block wholly before its window, which
-no kernel reads) is stored as 0.
+One block table per KV cache group, all ``num_blocks[r]`` long (block j of each covers tokens
+``j * block_size .. (j + 1) * block_size - 1``); the wire's ids come group by group, and -1 is
+stored as 0 (docs/architecture.md, "KV cache groups").
 
 ``InputBatch.update`` applies a ``StepInput`` (drop finished, store new, apply diffs) and
 ``InputBatch.prepare`` gathers the scheduled rows with numpy fancy indexing into preallocated
-step buffers (``[max_num_batched_tokens]`` per token, ``[max_num_seqs + 1]`` per request; both grow
-once if a step is larger than the worker was told, so the worker's flags need not match the
-scheduler's). Index
-arithmetic for scheduled request i in row r with ``c = num_computed_tokens``,
-``n = num_scheduled_tokens``::
+step buffers (``[max_num_batched_tokens]`` per token, ``[max_num_seqs + 1]`` per request; both
+grow once if a step is larger than the worker was told, so the worker's flags need not match
+the scheduler's). Index arithmetic for scheduled request i in row r with
+``c = num_computed_tokens``, ``n = num_scheduled_tokens``::
 
     token_ids[r]  t0 t1 ... t(c-1) | tc ... t(c+n-1) | (nothing: a sample is appended after)
                   <- in KV cache -> <- this step  ->
@@ -50,23 +41,17 @@ accepted prefix, ``append_sampled`` appends it)::
                   each with the request's sampling parameters (row j counts j more outputs
                   for min_tokens; a seeded row draws from its generator in position order)
 
-Python loops run over the step's diffs (one small write per request) and over the rows that
-need special sampling work (seeded, penalised, biased, under min_tokens, constrained by a
-grammar: ``SamplingRows``; prompt logprobs); everything else, per token or per row, is numpy.
-
-Structured outputs: given ``structured`` (the sampling rank only), a request with a grammar
-gets a ``RequestGrammar`` (``services/worker/structured_output.py``); a resume from preemption
-resets it to replay the resumed outputs. Elsewhere the grammar is ignored.
+Python loops run only over the step's diffs (one small write per request) and the rows that
+need special sampling work (``SamplingRows``; prompt logprobs); the rest is numpy.
 
 NOTE: the worker is not told about preemptions (it only sees the resume), so it may hold more
 requests than ``max_num_seqs``. When every row is taken and a request of the step needs one, a
-held request that is not in the step gives its row up: its tokens and block ids are parked in
-its ``RequestState`` and written back when it is scheduled again.
+held request not in the step gives its row up: its tokens and block ids are parked in its
+``RequestState`` (``request_state.py``) and written back when it is scheduled again.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -76,93 +61,11 @@ from services.common.sampling_params import EngineSamplingParams
 from services.worker.attention import AttentionMetadata
 from services.worker.logprobs import PromptChunk
 from services.worker.penalties import TokenCounts
-from services.worker.sampler import SamplingTensors
+from services.worker.request_state import RequestState
 from services.worker.sampling_rows import SamplingRows, rewind_generator
+from services.worker.step_batch import PreparedStep, ScheduledBatch
 from services.worker.step_input import CachedRequest, StepInput
 from services.worker.structured_output import RequestGrammar, StructuredOutputs
-
-
-@dataclass(slots=True)
-class RequestState:
-    """What the worker remembers about a request between steps, besides its row's data."""
-
-    request_id: str
-    sampling: EngineSamplingParams
-    generator: torch.Generator | None  # seeded once from sampling.seed, advanced per sample
-    num_prompt_tokens: int  # tokens [num_prompt_tokens:] of its token list are outputs
-    counts: TokenCounts | None = None  # only when a penalty is on
-    min_tokens_stop_ids: tuple[int, ...] = ()  # masked while outputs < min_tokens
-    logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # (ids [N] int64, bias [N] float32)
-    grammar: RequestGrammar | None = None  # its matcher (the sampling rank, a grammar only)
-    row: int = -1  # its row of the InputBatch; -1 while parked
-    parked: tuple[np.ndarray, np.ndarray] | None = None  # (token ids [n], block ids
-    # [groups, num_blocks]) while rowless
-    # a seeded request's last few samples: (its token count then, its generator's state just
-    # before the draw); a resume rewinds the generator past draws of steps whose results the
-    # scheduler dropped (``_replace_tokens``)
-    rng_history: list[tuple[int, torch.Tensor]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    """The requests one step computes, in order (new, then cached), as parallel arrays.
-
-    Attributes:
-        request_ids: the ``B`` request ids.
-        rows: ``[B]`` int64, their rows of the InputBatch.
-        num_computed_tokens / num_scheduled_tokens: ``[B]`` int64 (every one > 0 scheduled).
-        num_spec: ``[B]`` int64, the draft tokens each verifies (speculative decoding), written
-            after its token list; None when no request of the step has drafts.
-    """
-
-    request_ids: list[str]
-    rows: np.ndarray
-    num_computed_tokens: np.ndarray
-    num_scheduled_tokens: np.ndarray
-    num_spec: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.request_ids)
-
-
-@dataclass(slots=True)
-class PreparedStep:
-    """Device tensors of one step.
-
-    Attributes:
-        input_ids / positions: ``[T]`` int64.
-        attn_metadata: the attention kernels' inputs, one per KV cache group (each its own
-            ``slot_mapping`` and ``block_tables``; ``seq_lens`` / ``query_start_loc`` shared).
-        logits_indices: ``[L]`` int64 rows of the hidden states to sample from: one per
-            sampled request, ``1 + d`` for one verifying ``d`` drafts (``L = S`` without).
-        sampled_request_ids: the ``S`` request ids, in row order.
-        sampled_rows: ``[S]`` int64, their rows of the InputBatch (``append_sampled``).
-        sampling: per-logits-row sampling parameters of the ``L`` rows (``grammar`` not yet
-            set); a request's row repeated per position.
-        grammar_rows: ``[C]`` int64, which of the ``L`` logits rows a grammar constrains
-            (those requests never have drafts).
-        grammars: their ``C`` matchers' states.
-        num_logprobs: per logits row, the top logprobs it asked for (0..20 from a client, up
-            to the vocabulary for a beam's candidates), or None for none.
-        prompt_chunks: the prompt positions scored this step (requests with prompt_logprobs).
-        num_drafts: ``[S]`` int64, drafts each sampled request verifies; None when none does
-            (then ``L = S`` and logits row i is request i's).
-        drafts: ``[D]`` int64, those drafts, request by request (empty when none).
-    """
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn_metadata: list[AttentionMetadata]
-    logits_indices: torch.Tensor
-    sampled_request_ids: list[str]
-    sampled_rows: np.ndarray
-    sampling: SamplingTensors
-    num_logprobs: list[int | None]
-    prompt_chunks: list[PromptChunk]
-    grammar_rows: np.ndarray
-    grammars: list[RequestGrammar]
-    num_drafts: np.ndarray | None = None
-    drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 class InputBatch:

@@ -40,7 +40,7 @@ from services.worker.attention import AttentionMetadata, resolve_kv_cache_dtype,
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.device import resolve_device, resolve_dtype
 from services.worker.distributed import ParallelState
-from services.worker.input_batch import InputBatch, PreparedStep
+from services.worker.input_batch import InputBatch
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.loader import Model, load_model
 from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
@@ -49,6 +49,7 @@ from services.worker.ngram_proposer import NgramProposer
 from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
 from services.worker.spec_verify import verify_drafts
+from services.worker.step_batch import PreparedStep
 from services.worker.step_input import (
     CachedRequest,
     NewRequest,

@@ -16,17 +16,13 @@ biased, under min_tokens, constrained by a grammar).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from services.worker.penalties import PenaltyTensors
+from services.worker.request_state import RequestState
 from services.worker.sampler import SamplingTensors
 from services.worker.structured_output import RequestGrammar
-
-if TYPE_CHECKING:
-    from services.worker.input_batch import RequestState
 
 # name -> dtype of the per-row arrays (see the module docstring)
 _ARRAYS: dict[str, type] = {

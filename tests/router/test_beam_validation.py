@@ -12,7 +12,8 @@ import pytest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import prepare
-from services.router.openai_requests import OpenAIError, from_status, parse_chat, parse_completion
+from services.router.openai_errors import OpenAIError
+from services.router.openai_requests import from_status, parse_chat, parse_completion
 from services.router.validation import RequestError, validate_sampling
 from tests.router import SMOLLM2_VOCAB_SIZE, smollm2_tokenizer
 

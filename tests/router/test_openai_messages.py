@@ -8,7 +8,8 @@ import grpc
 import pytest
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_requests import OpenAIError, from_status, parse_chat
+from services.router.openai_errors import OpenAIError
+from services.router.openai_requests import from_status, parse_chat
 from services.router.validation import RequestError, validate_messages, validate_tools
 
 CALL = {"id": "call_1", "type": "function",

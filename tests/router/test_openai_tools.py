@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_requests import OpenAIError, parse_chat
+from services.router.openai_errors import OpenAIError
+from services.router.openai_requests import parse_chat
 from services.router.openai_responses import ResponseBuilder
 from services.router.openai_tool_calls import (
     HermesParser,

@@ -27,9 +27,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.outputs import RequestUpdate, SchedulerOutput
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.scheduler import Scheduler
 
 EOS = 0  # the fake model never samples it (fake tokens are 10..59) unless a test forces it
 
@@ -119,6 +120,7 @@ class _WorkerState:
     block_ids: list[list[int]]  # one table per KV cache group
     num_computed_tokens: int
     stage_token_ids: list[int]  # an earlier pipeline stage's: new_token_ids appended
+    num_preemptions: int = 0  # the scheduler's count for the request at the last step (checks)
 
 
 @dataclass
@@ -149,18 +151,24 @@ class FakeWorker:
             assert rid not in out.num_scheduled_tokens
             del self.states[rid]  # KeyError: told to drop a request it never saw
         resumed = {c.request_id for c in out.scheduled_cached_reqs if c.resumed_from_preemption}
-        for rid in out.preempted_req_ids:
-            # NOTE: schedule() never preempts and resumes in one step; a preemption between
+        for rid, state in self.states.items():
+            # NOTE: preempted since the last step this worker ran (the request's num_preemptions
+            # grew). schedule() never preempts and resumes in one step; a preemption between
             # steps (the property test's preempt rule) can be followed by a resume. A real
             # worker is not told of preemptions (the engine may even drop a step that only
             # preempted): a resumed request's block table and token list are replaced.
-            assert rid not in out.num_scheduled_tokens or rid in resumed
-            assert rid in self.states
+            request = sched.get_request(rid)
+            if request is not None and request.num_preemptions > state.num_preemptions:
+                assert rid not in out.num_scheduled_tokens or rid in resumed
+                state.num_preemptions = request.num_preemptions
         for new in out.scheduled_new_reqs:
             assert new.request_id not in self.states, "NewRequestData for a known request"
             self.states[new.request_id] = _WorkerState(
                 list(new.prompt_token_ids), split_tables(new.block_ids, num_groups),
-                new.num_computed_tokens, list(new.prompt_token_ids))
+                new.num_computed_tokens, list(new.prompt_token_ids),
+                sched.get_request(new.request_id).num_preemptions)
+        for rid, request in sched.requests.items():  # (preempted ones included)
+            assert request.num_tokens_sent == 0 or rid in self.states, f"{rid}: sent, not held"
         look_ahead = sched.config.async_scheduling
         for cached in out.scheduled_cached_reqs:
             state = self.states[cached.request_id]

@@ -196,9 +196,9 @@ def test_beams_mixed_with_greedy_and_preempted(model, prefix_caching):
                                   EngineSamplingParams(temperature=0.0, max_tokens=20)))
     sched.add_request(beam_request("b4", prompt_of(4), 4, 14))
     sched.add_request(beam_request("b2", prompt_of(4), 2, 14, 0.5))  # (same prompt: hits)
-    restarted, restart = [], sched._restart_beams
-    sched._restart_beams = lambda group: (restarted.append(group.root.request_id),
-                                          restart(group))[1]
+    restarted, restart = [], sched.beams.restart
+    sched.beams.restart = lambda group: (restarted.append(group.root.request_id),
+                                         restart(group))[1]
     updates = worker.run()
     assert restarted, "no beam group was preempted"
     assert_same(updates, "b4", hf_beams(model, prompt_of(4), 4, 4, 14))

@@ -2,8 +2,9 @@
 
 import pytest
 
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import Request
-from services.scheduler.scheduler import QueueFullError, SchedulerConfig
+from services.scheduler.scheduler import QueueFullError
 from tests.scheduler.factories import (
     FakeWorker,
     expected_output,

@@ -156,7 +156,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.scheduler
         if s.running:
             victim = s.running.pop()
-            s._preempt(victim)  # the scheduler's own preemption path
+            s.state.preempt(victim)  # the scheduler's own preemption path
             assert victim.status is RequestStatus.PREEMPTED and victim.block_ids == []
 
     @rule(data=st.data())
@@ -175,7 +175,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         s = self.scheduler
         s.block_manager.check_invariants(s.requests.values())
         assert s.num_running <= s.config.max_num_seqs
-        keys = [s._key(r) for r in s.running]
+        keys = [s.state.key(r) for r in s.running]
         assert keys == sorted(keys)  # the tail is the preemption victim: the worst key
         if s.config.scheduling_policy == "fcfs":
             order = [r.arrival_seq for r in [*s.running, *s.waiting]]

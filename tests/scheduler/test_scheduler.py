@@ -1,4 +1,4 @@
-"""Scheduler behaviour: the DESIGN.md §2 rule, preemption, diffs, finishing.
+"""Scheduler behaviour: the scheduling rule (docs/architecture.md), preemption, diffs, finishing.
 
 Every run goes through FakeWorker (factories.py), which rebuilds the worker's view from the
 diffs and checks it and the fake KV cache at every step, on top of what each test asserts.
@@ -6,8 +6,8 @@ diffs and checks it and the fake KV cache at every step, on top of what each tes
 
 import pytest
 
+from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import EngineSamplingParams, FinishReason, RequestStatus
-from services.scheduler.scheduler import SchedulerConfig
 from tests.scheduler.factories import (
     FakeWorker,
     expected_output,
@@ -238,12 +238,12 @@ def test_preemption_victim_is_latest_arrival_and_everyone_finishes():
         s.add_request(r)
     while True:
         out = s.schedule()
-        if out.preempted_req_ids:
+        if s.num_preemptions_total:  # (the first step that preempted)
             break
         s.update_from_output(out, w.execute(out))
     # All four cross into their 3rd block together: req-0 and req-1 take req-3's two blocks,
     # then req-2 finds none and is itself the tail. Victims go tail first, each to the front.
-    assert out.preempted_req_ids == {"req-2", "req-3"}
+    assert [r.request_id for r in reqs if r.num_preemptions] == ["req-2", "req-3"]
     assert list(s.waiting) == reqs[2:]
     for victim in reqs[2:]:
         assert victim.status is RequestStatus.PREEMPTED and victim.num_preemptions == 1
@@ -299,8 +299,10 @@ def test_self_preemption_no_admission_that_step_and_fifo_blocking():
     s.add_request(b)
     w.step()  # a: 1 block, b: 6 blocks; 1 free
     s.add_request(c := make_request(2, 2, max_tokens=1))
+    assert s.num_preemptions_total == 0
     out = s.schedule()  # a takes the last block; b needs a 7th: b is the tail, preempts itself
-    assert out.preempted_req_ids == {"req-1"} and out.num_scheduled_tokens == {"req-0": 1}
+    assert s.num_preemptions_total == 1 and b.num_preemptions == 1
+    assert b.status is RequestStatus.PREEMPTED and out.num_scheduled_tokens == {"req-0": 1}
     assert list(s.waiting) == [b, c]  # c would fit, but no admission in a preempting step
     s.update_from_output(out, w.execute(out))
     # b needs 7 blocks, 6 are free until a finishes: c (1 block) must not skip ahead of b.
@@ -395,7 +397,7 @@ def test_a_result_from_before_a_preemption_is_ignored():
     first = s.schedule()
     request = s.get_request("req-0")
     s.running.remove(request)
-    s._preempt(request)
+    s.state.preempt(request)
     resumed = s.schedule()
     assert resumed.num_scheduled_tokens == {"req-0": 4}
     assert s.update_from_output(first, {"req-0": 11}) == []

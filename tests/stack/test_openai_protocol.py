@@ -14,8 +14,8 @@ from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import EngineError, PreparedRequest
 from services.router.openai_http import OpenAIServer
-from services.router.openai_requests import (OpenAIError, from_status, parse_chat,
-                                             parse_completion)
+from services.router.openai_errors import OpenAIError
+from services.router.openai_requests import from_status, parse_chat, parse_completion
 from services.router.validation import TextOptions
 
 

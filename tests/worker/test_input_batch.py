@@ -63,7 +63,8 @@ def apply_step(held: dict[str, Held], s: StepInput) -> list[tuple[str, int, int]
 
 
 def reference(held: dict[str, Held], order: list[tuple[str, int, int]]) -> dict:
-    """Token by token, request by request, as DESIGN.md §3 states the slot."""
+    """Token by token, request by request, as docs/architecture.md ("KV cache layout") states
+    the slot."""
     out = {k: [] for k in ("input_ids", "positions", "slot_mapping", "seq_lens",
                            "logits_indices", "sampled", "chunks")}
     qsl = [0]
