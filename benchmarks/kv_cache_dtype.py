@@ -35,23 +35,13 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="bytes")
     a = p.parse_args()
     import torch
-    from transformers import AutoModelForCausalLM
+    from logprob_distance import probe_prompts_and_reference
 
-    from services.common.model_files import resolve_model
     from services.worker.model_runner import ModelRunner
-    from tests.stack.test_same_answer import (
-        PROBE_CHATS,
-        TOP,
-        _hf_first_logprobs,
-        _mean_distance,
-    )
-    from tests.stack.test_smollm2 import chat_prompts
+    from tests.stack.test_same_answer import TOP, _hf_first_logprobs, _mean_distance
     from tests.worker.invariance_driver import generate
 
-    prompts = chat_prompts(PROBE_CHATS)
-    src = resolve_model(None)
-    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
-                                              dtype=torch.float32).eval()
+    prompts, hf = probe_prompts_and_reference()
     fp32 = _hf_first_logprobs(hf, prompts)
     del hf
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "

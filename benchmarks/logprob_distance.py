@@ -27,6 +27,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def probe_prompts_and_reference():
+    """The prompt token ids of the 16 probe chats (``tests/stack/test_same_answer.py``) and
+    transformers' float32 SmolLM2, the reference every table here is measured against."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.common.model_files import resolve_model
+    from tests.stack.test_same_answer import PROBE_CHATS
+    from tests.stack.test_smollm2 import chat_prompts
+
+    src = resolve_model(None)
+    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
+                                              dtype=torch.float32).eval()
+    return chat_prompts(PROBE_CHATS), hf
+
+
 def main() -> None:
     import argparse
 
@@ -39,20 +55,18 @@ def main() -> None:
         quantized(a.quantization, a.dtypes.split(","))
         return
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from services.common.model_files import resolve_model
     from services.worker.model_runner import ModelRunner
-    from tests.stack.test_same_answer import (PROBE_CHATS, TOP, _hf_first_logprobs,
-                                              _mean_distance, _our_first_logprobs)
-    from tests.stack.test_smollm2 import chat_prompts
+    from tests.stack.test_same_answer import (
+        TOP,
+        _hf_first_logprobs,
+        _mean_distance,
+        _our_first_logprobs,
+    )
     from tests.stack_harness import InProcessStack
     from tests.worker.invariance_driver import generate
 
-    prompts = chat_prompts(PROBE_CHATS)
-    src = resolve_model(None)
-    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
-                                              dtype=torch.float32).eval()
+    prompts, hf = probe_prompts_and_reference()
     fp32 = _hf_first_logprobs(hf, prompts)
     hf_bf16 = _hf_first_logprobs(hf.to(torch.bfloat16), prompts)
     del hf
@@ -80,18 +94,12 @@ def main() -> None:
 def quantized(modes: list[str], dtypes: list[str]) -> None:
     """The ``--quantization`` table (the module docstring)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from services.common.model_files import resolve_model
     from services.worker.model_runner import ModelRunner
-    from tests.stack.test_same_answer import PROBE_CHATS, TOP, _hf_first_logprobs, _mean_distance
-    from tests.stack.test_smollm2 import chat_prompts
+    from tests.stack.test_same_answer import TOP, _hf_first_logprobs, _mean_distance
     from tests.worker.test_model import run_ours
 
-    prompts = chat_prompts(PROBE_CHATS)
-    src = resolve_model(None)
-    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
-                                              dtype=torch.float32).eval()
+    prompts, hf = probe_prompts_and_reference()
     fp32 = _hf_first_logprobs(hf, prompts)
     del hf
     print(f"mean |logprob - reference| of each run's top {TOP}, first step, {len(prompts)} "
