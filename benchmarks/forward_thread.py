@@ -37,10 +37,11 @@ async def run_engine(runner, items, on_executor: bool, with_server: bool = True,
     """Output tokens/s of ``items`` through a fresh Scheduler and ``runner``, with an idle
     grpc.aio server on this loop; each step's forward runs on this (the main) thread, or on a
     one-thread executor when ``on_executor``, as in ``services/worker/server.py``."""
-    from services.common.grpc_utils import new_server
-    from services.scheduler.worker_client import build_step_request
-    from services.worker.server import step_input_from_pb
     from throughput import loaded_scheduler
+
+    from services.common.grpc_utils import new_server
+    from services.common.step_wire import step_to_pb
+    from services.worker.server import step_input_from_pb
 
     server = (await new_server("127.0.0.1", 0))[0] if with_server else None
     if server is not None:
@@ -53,7 +54,7 @@ async def run_engine(runner, items, on_executor: bool, with_server: bool = True,
         n, t0 = 0, time.perf_counter()
         while scheduler.has_unfinished_requests():
             out = scheduler.schedule()
-            step = step_input_from_pb(build_step_request(out), runner.vocab_size)
+            step = step_input_from_pb(step_to_pb(out), runner.vocab_size)
             if on_executor:
                 res = await loop.run_in_executor(pool, runner.execute_step, step)
             else:
@@ -85,6 +86,7 @@ def main() -> None:
     a = p.parse_args()
 
     from compare import workload
+
     from services.common.grpc_utils import install_uvloop
     from services.router.tokenizer import load_tokenizer
     from services.worker.model_runner import ModelRunner

@@ -35,10 +35,10 @@ def main() -> None:
 
     import random
 
+    from services.common.step_wire import step_to_pb
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
-    from services.scheduler.worker_client import build_step_request
     from services.worker.model_runner import ModelRunner
     from services.worker.server import step_input_from_pb
 
@@ -64,7 +64,7 @@ def main() -> None:
             peak_decode = max(peak_decode, held)
         else:
             peak_prefill = max(peak_prefill, held)
-        res = runner.execute_step(step_input_from_pb(build_step_request(out), runner.vocab_size))
+        res = runner.execute_step(step_input_from_pb(step_to_pb(out), runner.vocab_size))
         scheduler.update_from_output(out, dict(zip(res.request_ids, res.sampled_token_ids,
                                                    strict=True)))
     bm.check_invariants([])

@@ -29,14 +29,14 @@ def main() -> None:
     a = p.parse_args()
 
     import torch
+    from compare import workload
     from torch.profiler import ProfilerActivity, profile
 
-    from compare import workload
+    from services.common.step_wire import step_to_pb
     from services.router.tokenizer import load_tokenizer
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
-    from services.scheduler.worker_client import build_step_request
     from services.worker.model_runner import ModelRunner
     from services.worker.server import step_input_from_pb
 
@@ -56,7 +56,7 @@ def main() -> None:
             t0 = time.perf_counter()
             out = scheduler.schedule()
             t1 = time.perf_counter()
-            step = step_input_from_pb(build_step_request(out), runner.vocab_size)
+            step = step_input_from_pb(step_to_pb(out), runner.vocab_size)
             t2 = time.perf_counter()
             res = runner.execute_step(step)
             t3 = time.perf_counter()

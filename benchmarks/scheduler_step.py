@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.step_wire import step_to_pb  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.request import EngineSamplingParams, Request  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
-from services.scheduler.worker_client import build_step_request  # noqa: E402
 
 
 def measure(num_requests: int, prompt_len: int, steps: int, block_size: int,
@@ -49,7 +49,7 @@ def measure(num_requests: int, prompt_len: int, steps: int, block_size: int,
     for step in range(steps):
         t0 = time.perf_counter()
         out = scheduler.schedule()
-        build_step_request(out)
+        step_to_pb(out)
         times.append(time.perf_counter() - t0)
         assert len(out.num_scheduled_tokens) == num_requests
         scheduler.update_from_output(out, {rid: 7 + step % 1000 for rid in

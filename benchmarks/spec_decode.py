@@ -87,13 +87,13 @@ def run_engine(runner, prompts: list[list[int]], max_tokens: list[int], spec,
                batch: int) -> dict:
     """Run ``prompts`` in waves of ``batch`` (all at once for batch >= len); returns the
     figures of the module docstring."""
+    from services.common.step_wire import step_to_pb
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.logprobs import token_logprobs_from_pb
+    from services.scheduler.logprobs import token_logprobs_of
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
-    from services.scheduler.spec_decode import sampled_from_pb
-    from services.scheduler.worker_client import build_step_request
-    from services.worker.server import step_input_from_pb, step_result_to_pb
+    from services.scheduler.spec_decode import sampled_of
+    from services.worker.server import step_input_from_pb
 
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
                                           max_num_batched_tokens=2048, speculative=spec),
@@ -109,16 +109,15 @@ def run_engine(runner, prompts: list[list[int]], max_tokens: list[int], spec,
                 temperature=0.0, max_tokens=max_tokens[i])))
         while scheduler.has_unfinished_requests():
             out = scheduler.schedule()
-            res = runner.execute_step(step_input_from_pb(build_step_request(out),
+            res = runner.execute_step(step_input_from_pb(step_to_pb(out),
                                                          runner.vocab_size))
-            result = step_result_to_pb(res)
-            sampled, spec_result = sampled_from_pb(result, token_logprobs_from_pb(result))
+            sampled, spec_result = sampled_of(res, token_logprobs_of(res))
             now = time.perf_counter()
             num_steps += 1
             for u in scheduler.update_from_output(out, sampled, spec=spec_result):
                 times.setdefault(u.request_id, []).extend([now] * len(u.new_token_ids))
     elapsed = time.perf_counter() - t0
-    runner.execute_step(step_input_from_pb(build_step_request(scheduler.schedule()),
+    runner.execute_step(step_input_from_pb(step_to_pb(scheduler.schedule()),
                                            runner.vocab_size))  # (drop the finished)
     bm = scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
@@ -144,7 +143,6 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-
     from compare import workload
 
     from services.common.speculative import SpeculativeConfig

@@ -80,10 +80,10 @@ def engine_run(runner, items, grammar: str) -> tuple[float, int, int]:
     """Output tokens/s of the workload through Scheduler + ModelRunner, every request with
     ``structured_output=grammar`` ("" = none); and (all output tokens, live ones: before each
     request's first EOS)."""
+    from services.common.step_wire import step_to_pb
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
-    from services.scheduler.worker_client import build_step_request
     from services.worker.server import step_input_from_pb
 
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
@@ -97,7 +97,7 @@ def engine_run(runner, items, grammar: str) -> tuple[float, int, int]:
     t0 = time.perf_counter()
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        res = runner.execute_step(step_input_from_pb(build_step_request(out), runner.vocab_size))
+        res = runner.execute_step(step_input_from_pb(step_to_pb(out), runner.vocab_size))
         for u in scheduler.update_from_output(out, dict(zip(res.request_ids,
                                                             res.sampled_token_ids, strict=True))):
             outputs.setdefault(u.request_id, []).extend(u.new_token_ids)

@@ -66,7 +66,7 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
     step still goes through the StepRequest encoding the services use). ``output_len``: one
     length for every prompt, or one per prompt (forced with ignore_eos); ``runner_kwargs`` go
     to ``ModelRunner`` (e.g. ``batch_invariant=True``)."""
-    from services.scheduler.worker_client import build_step_request
+    from services.common.step_wire import step_to_pb
     from services.worker.model_runner import ModelRunner
     from services.worker.server import step_input_from_pb
 
@@ -76,7 +76,7 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
     n, t0 = 0, time.perf_counter()
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        res = runner.execute_step(step_input_from_pb(build_step_request(out), runner.vocab_size))
+        res = runner.execute_step(step_input_from_pb(step_to_pb(out), runner.vocab_size))
         updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
                                                              res.sampled_token_ids)))
         n += sum(len(u.new_token_ids) for u in updates)

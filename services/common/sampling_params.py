@@ -6,7 +6,7 @@ router reads an unset field or a 0 that means "off". engine.proto's ``EngineSamp
 message carries it to the scheduler, and worker.proto's ``NewRequest`` carries the same message
 on to the workers (``to_pb`` / ``from_pb``, field for field). The scheduler and the workers
 trust it: they do not check it again (a worker only refuses values its sampler cannot use,
-``services/worker/step_input.check_sampling``). Names and meanings follow vLLM's
+``services/worker/step_checks.check_sampling``). Names and meanings follow vLLM's
 ``SamplingParams``; stop strings and detokenization are not here (the router applies them to
 the text, ``validation.TextOptions``).
 

@@ -33,12 +33,12 @@ import grpc
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import SHUTTING_DOWN
-from services.scheduler.logprobs import prompt_logprobs_from_pb, token_logprobs_from_pb
+from services.scheduler.logprobs import prompt_logprobs_of, token_logprobs_of
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outputs import RequestUpdate
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import QueueFullError, Scheduler
-from services.scheduler.spec_decode import sampled_from_pb
+from services.scheduler.spec_decode import sampled_of
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,7 @@ class Engine:
             try:
                 while len(pending) < limit and self.scheduler.has_unfinished_requests():
                     out = self.scheduler.schedule()
-                    if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
+                    if out.total_num_scheduled_tokens == 0 and not out.finished_request_ids:
                         break  # everything runnable is in flight (or nothing fits)
                     if self.metrics is not None and out.total_num_scheduled_tokens:
                         self.metrics.observe_scheduled(out, time.monotonic())
@@ -223,18 +223,12 @@ class Engine:
                 await self._fail_and_reconnect(f"worker failed: {e}")
                 continue
             self.num_steps_total += 1
-            try:
-                token_logprobs = token_logprobs_from_pb(result)
-                prompt_logprobs = prompt_logprobs_from_pb(result)
-            except ValueError as e:  # a worker bug: keep serving tokens, drop the logprobs
-                log.error("%s", e)
-                token_logprobs = prompt_logprobs = None
-            # (token columns of consistent lengths: WorkerGroup.receive checked them)
-            sampled, spec = sampled_from_pb(result, token_logprobs)
+            token_logprobs = token_logprobs_of(result)  # (WorkerGroup.receive checked it)
+            sampled, spec = sampled_of(result, token_logprobs)
             logprobs = (None if token_logprobs is None
                         else {rid: lps[-1] for rid, lps in token_logprobs.items()})
             self._publish(self.scheduler.update_from_output(out, sampled, logprobs,
-                                                            prompt_logprobs, spec))
+                                                            prompt_logprobs_of(result), spec))
 
     async def _idle(self) -> None:
         """Sleep until a request arrives; raise WorkerError if a rank's stream ends meanwhile

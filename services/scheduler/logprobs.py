@@ -1,4 +1,4 @@
-"""Logprobs as the scheduler carries them: decoded from a worker's StepResult, filtered, and
+"""Logprobs as the scheduler carries them: cut from a step's output, filtered, and
 handed to the routers on RequestUpdates (no torch; the worker computes them).
 
 Both kinds are natural logs of the model's raw distribution (see api.proto).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.pb.pagedserve.v1 import worker_pb2
+from services.common.step import StepOutput
 
 
 @dataclass(slots=True)
@@ -55,69 +55,40 @@ class PromptLogprobs:
                               self.top_token_ids[skip * k:], self.top_logprobs[skip * k:], k)
 
 
-def token_logprobs_from_pb(result: worker_pb2.StepResult
-                           ) -> dict[str, list[TokenLogprobs]] | None:
-    """Cut a StepResult's columnar logprobs into a TokenLogprobs per sampled token of each
-    asking request (in order; one unless it accepted drafts, ``num_sampled_token_ids``).
-
-    Raises:
-        ValueError: the columns disagree in length (a malformed message).
-    """
-    counts = result.num_top_logprobs
-    if not counts:
+def token_logprobs_of(out: StepOutput) -> dict[str, list[TokenLogprobs]] | None:
+    """Cut a step's columnar logprobs into a TokenLogprobs per sampled token of each asking
+    request (in order; one unless it accepted drafts, ``num_sampled_token_ids``). ``out`` is
+    well-formed (``step_wire.step_output_from_pb`` checked a worker's)."""
+    if out.logprobs is None:
         return None
-    asking = [k for k in counts if k >= 0]
-    per_request = (list(result.num_sampled_token_ids) if result.num_sampled_token_ids
-                   else [1] * len(result.request_ids))
-    if (len(per_request) != len(result.request_ids) or len(counts) != sum(per_request)
-            or len(asking) != len(result.sampled_logprobs)
-            or not sum(asking) == len(result.top_token_ids) == len(result.top_logprobs)):
-        raise ValueError(f"step {result.step_id}: malformed logprobs columns")
-    ids, lps = list(result.top_token_ids), list(result.top_logprobs)
-    sampled = iter(result.sampled_logprobs)
-    out: dict[str, list[TokenLogprobs]] = {}
+    lp = out.logprobs
+    counts = lp.num_top_logprobs
+    per_request = out.num_sampled_token_ids or [1] * len(out.request_ids)
+    ids, lps = lp.top_token_ids, lp.top_logprobs
+    sampled = iter(lp.sampled_logprobs)
+    per_token: dict[str, list[TokenLogprobs]] = {}
     t, c = 0, 0
-    for rid, n in zip(result.request_ids, per_request, strict=True):
+    for rid, n in zip(out.request_ids, per_request, strict=True):
         for k in counts[c:c + n]:
             if k >= 0:
-                out.setdefault(rid, []).append(TokenLogprobs(next(sampled), ids[t:t + k],
-                                                             lps[t:t + k]))
+                per_token.setdefault(rid, []).append(TokenLogprobs(next(sampled), ids[t:t + k],
+                                                                   lps[t:t + k]))
                 t += k
         c += n
-    return out
+    return per_token
 
 
-def logprobs_from_pb(result: worker_pb2.StepResult) -> dict[str, TokenLogprobs] | None:
-    """The logprobs of each asking request's last sampled token (``token_logprobs_from_pb``).
-
-    Raises:
-        ValueError: the columns disagree in length (a malformed message).
-    """
-    per_token = token_logprobs_from_pb(result)
+def logprobs_of(out: StepOutput) -> dict[str, TokenLogprobs] | None:
+    """The logprobs of each asking request's last sampled token (``token_logprobs_of``)."""
+    per_token = token_logprobs_of(out)
     return None if per_token is None else {rid: lps[-1] for rid, lps in per_token.items()}
 
 
-def prompt_logprobs_from_pb(result: worker_pb2.StepResult) -> dict[str, PromptLogprobs] | None:
-    """Cut a StepResult's prompt logprobs columns into one PromptLogprobs per request.
-
-    Raises:
-        ValueError: the columns disagree in length (a malformed message).
-    """
-    rids = result.prompt_request_ids
-    if not rids:
+def prompt_logprobs_of(out: StepOutput) -> dict[str, PromptLogprobs] | None:
+    """One PromptLogprobs per request whose chunk scored prompt tokens this step."""
+    if not out.prompt_logprobs:
         return None
-    counts, ks = result.prompt_num_tokens, result.prompt_num_top
-    n = len(rids)
-    if (not len(result.prompt_first_positions) == len(counts) == len(ks) == n
-            or sum(counts) != len(result.prompt_logprobs)
-            or not (sum(c * k for c, k in zip(counts, ks, strict=True))
-                    == len(result.prompt_top_token_ids) == len(result.prompt_top_logprobs))):
-        raise ValueError(f"step {result.step_id}: malformed prompt logprobs columns")
-    lps, ids, tops = (list(result.prompt_logprobs), list(result.prompt_top_token_ids),
-                      list(result.prompt_top_logprobs))
-    out, t, u = {}, 0, 0
-    for rid, start, c, k in zip(rids, result.prompt_first_positions, counts, ks, strict=True):
-        out[rid] = PromptLogprobs(start, lps[t:t + c], ids[u:u + c * k], tops[u:u + c * k], k)
-        t += c
-        u += c * k
-    return out
+    return {p.request_id: PromptLogprobs(p.first_position, p.logprobs, p.top_token_ids,
+                                         p.top_logprobs,
+                                         len(p.top_token_ids) // max(1, len(p.logprobs)))
+            for p in out.prompt_logprobs}

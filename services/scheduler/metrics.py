@@ -171,7 +171,7 @@ class SchedulerMetrics:
     def observe_scheduled(self, out: SchedulerOutput, now: float) -> None:
         """A step was scheduled: its token count, and the queue time of first-time requests."""
         self.iteration_tokens.observe(out.total_num_scheduled_tokens)
-        for new in out.scheduled_new_reqs:
+        for new in out.new_requests:
             if new.request_id in self._queued:  # not again when resumed after preemption
                 self._queued.discard(new.request_id)
                 self.queue_time.observe(now - self._timings[new.request_id].arrival)

@@ -17,17 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain
 
+from services.common.step import CachedRequest, NewRequest
 from services.scheduler.beam_scheduling import BeamScheduler
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
-from services.scheduler.outputs import (
-    CachedRequestData,
-    NewRequestData,
-    RequestUpdate,
-    SchedulerOutput,
-    request_update,
-)
+from services.scheduler.outputs import RequestUpdate, SchedulerOutput, request_update
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.spec_decode import SpecDecodeResult, SpecDecodeStats, num_drafts_to_verify
 from services.scheduler.state import SchedulerState
@@ -52,7 +47,7 @@ class Scheduler:
     Any number of SchedulerOutputs may await ``update_from_output`` (the engine keeps up to
     ``max_steps_in_flight``, the pipeline depth); each is applied once, and a step that never
     comes back (a worker failure) blocks nothing. Outputs with nothing scheduled still carry
-    ``finished_req_ids``: forward them.
+    ``finished_request_ids``: forward them.
 
     NOTE: with several steps in flight and no async scheduling (pipeline parallelism) a
     request waiting for its token is not scheduled again until the token arrives; with async
@@ -350,8 +345,8 @@ class Scheduler:
         """The step for the workers: each request's diff (O(its new tokens + new blocks)),
         then the schedule-time accounting: the scheduled tokens count as computed from now on.
         """
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        new_reqs: list[NewRequest] = []
+        cached_reqs: list[CachedRequest] = []
         requests = self.state.requests
         epochs: dict[str, int] = {}
         sampled: set[str] = set()
@@ -362,28 +357,28 @@ class Scheduler:
             sent = request.num_tokens_sent
             num_prompt = len(request.prompt_token_ids)
             if sent == 0:
-                new_reqs.append(NewRequestData(
+                new_reqs.append(NewRequest(
                     request_id, request.all_token_ids, request.sampling_params,
                     list(chain.from_iterable(request.block_ids)), request.num_computed_tokens,
-                ))
+                    num_new))
             elif request_id in resumed or request.resend:  # (a forked beam: its KV is new)
                 request.resend = False
-                cached_reqs.append(CachedRequestData(
+                cached_reqs.append(CachedRequest(
                     request_id, request.all_token_ids,
                     list(chain.from_iterable(request.block_ids)), True,
-                    request.num_computed_tokens))
+                    request.num_computed_tokens, num_new))
             else:
                 beam = request.beam_group is not None  # (the scheduler picks its tokens)
                 first = plan.first_new_block.get(request_id, -1)
                 if request.trimmed_to >= 0:  # (blocks freed after rejected drafts)
                     first, request.trimmed_to = request.trimmed_to, -1
-                cached_reqs.append(CachedRequestData(
+                cached_reqs.append(CachedRequest(
                     request_id,
                     [] if not (send_tokens or beam) else
                     request.output_token_ids[sent - num_prompt:]
                     if sent >= num_prompt else request.token_ids_from(sent),
-                    plan.new_blocks[request_id], False, request.num_computed_tokens, first, beam,
-                    drafts.get(request_id) or [],
+                    plan.new_blocks[request_id], False, request.num_computed_tokens, num_new,
+                    first, drafts.get(request_id) or [], beam,
                 ))
             request.num_tokens_sent = num_tokens = num_prompt + len(request.output_token_ids)
             request.num_computed_tokens += num_new
@@ -395,14 +390,12 @@ class Scheduler:
                     request.num_output_placeholders += 1  # NOTE: a beam waits for its pick
 
         self._step_id += 1
-        total = self.config.max_num_batched_tokens - plan.budget
         finished, self.state.finished_req_ids = self.state.finished_req_ids, set()
         self.num_blocks_copied_total += len(plan.blocks_to_copy)
         spec = self.config.speculative
         k = spec.num_speculative_tokens if plan.speculating and spec else 0
-        return SchedulerOutput(self._step_id, new_reqs, cached_reqs, plan.num_scheduled, total,
-                               finished, plan.blocks_to_copy, k, epochs, sampled,
-                               plan.spec_token_ids)
+        return SchedulerOutput(self._step_id, new_reqs, cached_reqs, finished,
+                               plan.blocks_to_copy, k, epochs, sampled, plan.spec_token_ids)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
@@ -442,10 +435,10 @@ class Scheduler:
         any_finished = False
         state = self.state
         requests = state.requests
-        epochs, sampled = output.epochs, output.sampled_req_ids
-        for request_id in output.num_scheduled_tokens:
+        sampled = output.sampled_req_ids
+        for request_id, epoch in output.epochs.items():  # (in schedule order)
             request = requests.get(request_id)
-            if request is None or request.epoch != epochs[request_id] or (
+            if request is None or request.epoch != epoch or (
                     request.status is not RequestStatus.RUNNING):
                 continue  # aborted, finished or preempted since it was scheduled
             if request.beam_group is not None:

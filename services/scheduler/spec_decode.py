@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.pb.pagedserve.v1 import worker_pb2
+from services.common.step import StepOutput
 from services.scheduler.logprobs import TokenLogprobs
 
 
@@ -88,44 +88,26 @@ def num_drafts_to_verify(num_drafts: int, budget: int, num_output_tokens: int,
     return max(0, room)
 
 
-def sampled_from_pb(result: worker_pb2.StepResult,
-                    logprobs: dict[str, list[TokenLogprobs]] | None = None
-                    ) -> tuple[dict[str, int], SpecDecodeResult | None]:
-    """Cut a StepResult's tokens: per request its last sampled token, and (when some request
-    got more than one, or drafts were proposed) the speculative part: the accepted drafts
-    before it, their logprobs (from ``logprobs``: ``token_logprobs_from_pb``'s) and the
-    proposals.
-
-    Raises:
-        ValueError: the token or draft columns disagree in length (a malformed message).
-    """
-    rids, tokens = result.request_ids, list(result.sampled_token_ids)
-    counts = list(result.num_sampled_token_ids)
-    num_drafts = list(result.num_draft_token_ids)
-    if not counts and not num_drafts:
-        if len(rids) != len(tokens):
-            raise ValueError(f"step {result.step_id}: {len(rids)} request ids but "
-                             f"{len(tokens)} tokens")
+def sampled_of(out: StepOutput, logprobs: dict[str, list[TokenLogprobs]] | None = None
+               ) -> tuple[dict[str, int], SpecDecodeResult | None]:
+    """Cut a step's tokens: per request its last sampled token, and (when some request got
+    more than one, or drafts were proposed) the speculative part: the accepted drafts before
+    it, their logprobs (from ``logprobs``: ``token_logprobs_of``'s) and the proposals.
+    ``out`` is well-formed (``step_wire.step_output_from_pb`` checked a worker's)."""
+    rids, tokens, counts = out.request_ids, out.sampled_token_ids, out.num_sampled_token_ids
+    if counts is None and out.draft_token_ids is None:
         return dict(zip(rids, tokens, strict=True)), None
-    counts = counts or [1] * len(rids)
-    if (len(counts) != len(rids) or sum(counts) != len(tokens) or min(counts, default=1) < 1
-            or (num_drafts and (len(num_drafts) != len(rids)
-                                or sum(num_drafts) != len(result.draft_token_ids)))):
-        raise ValueError(f"step {result.step_id}: malformed sampled / draft token columns")
     spec = SpecDecodeResult()
     sampled: dict[str, int] = {}
     t = 0
-    for rid, n in zip(rids, counts, strict=True):
+    for rid, n in zip(rids, counts or [1] * len(rids), strict=True):
         sampled[rid] = tokens[t + n - 1]
         if n > 1:
             spec.accepted[rid] = tokens[t:t + n - 1]
             if logprobs is not None and rid in logprobs:
                 spec.accepted_logprobs[rid] = logprobs[rid][:-1]
         t += n
-    drafts = list(result.draft_token_ids)
-    t = 0
-    for rid, n in zip(rids, num_drafts or [0] * len(rids), strict=True):
-        if n:
-            spec.drafts[rid] = drafts[t:t + n]
-        t += n
+    for rid, drafts in zip(rids, out.draft_token_ids or [], strict=False):
+        if drafts:
+            spec.drafts[rid] = drafts
     return sampled, spec

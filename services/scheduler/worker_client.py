@@ -1,8 +1,8 @@
 """The scheduler's side of the scheduler↔worker protocol: one Execute stream per worker rank.
 
-``WorkerGroup.send`` turns a ``SchedulerOutput`` into one ``StepRequest`` (new requests in full,
-the rest as diffs) and sends it to every rank; ``WorkerGroup.receive`` returns the driver's
-``StepResult`` of the oldest step sent.
+``WorkerGroup.send`` encodes a ``SchedulerOutput`` as one ``StepRequest`` (new requests in full,
+the rest as diffs; ``services/common/step_wire.py``) and sends it to every rank;
+``WorkerGroup.receive`` returns the driver's answer to the oldest step sent, decoded.
 
 Connecting pushes the scheduler's limits (block_size, max_model_len, max_num_seqs,
 max_num_batched_tokens) to every rank in GetWorkerInfo; a rank started for other ones refuses
@@ -22,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from itertools import chain
 
 import grpc
 
 from services.common.grpc_utils import CHANNEL_OPTIONS
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from services.common.step import StepOutput
+from services.common.step_wire import step_output_from_pb, step_to_pb
 from services.common.tls import aio_channel
 from services.scheduler.outputs import SchedulerOutput
 
@@ -64,59 +65,6 @@ def check_kv_cache_groups(infos: list[worker_pb2.GetWorkerInfoResponse],
                 f"{describe_kv_cache_groups(reported[0])} but worker {addr} reports "
                 f"{describe_kv_cache_groups(groups)}; every rank must serve the same model")
     return reported[0]
-
-
-def _cached_requests_pb(out: SchedulerOutput, samples: bool) -> worker_pb2.CachedRequests:
-    """The scheduled cached requests as the columnar CachedRequests message, for a rank that
-    ``samples`` (keeps its own tokens: it gets token ids only for resumed requests) or not."""
-    cached = out.scheduled_cached_reqs
-    n = out.num_scheduled_tokens
-    ids = [c.request_id for c in cached]
-    # NOTE: a beam's tokens are the scheduler's picks: every rank gets them
-    tokens = [c.new_token_ids for c in cached] if not samples else [
-        c.new_token_ids for c in cached if c.resumed_from_preemption or c.beam]
-    flat = list(chain.from_iterable(tokens))
-    first_new_block = [c.first_new_block for c in cached]
-    spec = [c.spec_token_ids for c in cached]
-    num_spec = [len(d) for d in spec]
-    return worker_pb2.CachedRequests(
-        request_ids=ids,
-        new_token_ids=flat,
-        # NOTE: an empty column = no tokens for anyone (most steps)
-        num_new_token_ids=[] if not flat else [
-            len(c.new_token_ids) if not samples or c.resumed_from_preemption or c.beam else 0
-            for c in cached],
-        new_block_ids=list(chain.from_iterable([c.new_block_ids for c in cached])),
-        num_new_block_ids=[len(c.new_block_ids) for c in cached],
-        resumed_from_preemption=[c.resumed_from_preemption for c in cached],
-        num_computed_tokens=[c.num_computed_tokens for c in cached],
-        num_scheduled_tokens=[n[i] for i in ids],
-        # NOTE: an empty column = every request appends (all but copy-on-write steps)
-        first_new_block=first_new_block if any(f >= 0 for f in first_new_block) else [],
-        # NOTE: empty columns = no drafts this step (every rank computes the drafts' positions)
-        num_spec_token_ids=num_spec if any(num_spec) else [],
-        spec_token_ids=list(chain.from_iterable(spec)))
-
-
-def build_step_request(out: SchedulerOutput, samples: bool = True) -> worker_pb2.StepRequest:
-    """Encode one scheduler step as the StepRequest of a rank of the sampling (last) pipeline
-    stage (``samples``), or of an earlier stage (which gets every new token id)."""
-    n = out.num_scheduled_tokens
-    return worker_pb2.StepRequest(
-        step_id=out.step_id,
-        new_requests=[
-            worker_pb2.NewRequest(
-                request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                sampling_params=r.sampling_params.to_pb(), block_ids=r.block_ids,
-                num_computed_tokens=r.num_computed_tokens,
-                num_scheduled_tokens=n[r.request_id])
-            for r in out.scheduled_new_reqs],
-        cached_requests=_cached_requests_pb(out, samples),
-        finished_request_ids=sorted(out.finished_req_ids),
-        copy_src_block_ids=[src for src, _ in out.blocks_to_copy],
-        copy_dst_block_ids=[dst for _, dst in out.blocks_to_copy],
-        num_speculative_tokens=out.num_speculative_tokens,
-    )
 
 
 class WorkerGroup:
@@ -239,9 +187,9 @@ class WorkerGroup:
         """
         if not self._calls:
             raise WorkerError("no worker connection")
-        req = build_step_request(out)
+        req = step_to_pb(out)
         # NOTE: the earlier pipeline stages cannot know the sampled tokens: theirs carries them
-        other = build_step_request(out, samples=False) if not all(self._samples) else req
+        other = step_to_pb(out, samples=False) if not all(self._samples) else req
         try:
             await asyncio.gather(*(call.write(req if samples else other)
                                    for call, samples in zip(self._calls, self._samples,
@@ -251,11 +199,12 @@ class WorkerGroup:
         except asyncio.InvalidStateError as e:
             raise WorkerError(f"worker stream failed: {e}") from e
 
-    async def receive(self, out: SchedulerOutput) -> worker_pb2.StepResult:
+    async def receive(self, out: SchedulerOutput) -> StepOutput:
         """Every rank's answer to ``out`` (the oldest step sent); return the driver's.
 
         Raises:
-            WorkerError: a rank's stream broke or answered a different step.
+            WorkerError: a rank's stream broke or answered a different step, or the driver's
+                answer is malformed.
         """
         if not self._calls:
             raise WorkerError("no worker connection")
@@ -268,17 +217,10 @@ class WorkerGroup:
         for addr, res in zip(self.addresses, results, strict=True):
             if res is grpc.aio.EOF or res.step_id != out.step_id:
                 raise WorkerError(f"worker {addr} closed its stream or answered out of order")
-        result = results[self.driver]
-        counts, drafts = result.num_sampled_token_ids, result.num_draft_token_ids
-        n = len(result.request_ids)
-        if (len(counts) != n or sum(counts) != len(result.sampled_token_ids)
-                or min(counts, default=1) < 1 if counts
-                else n != len(result.sampled_token_ids)) or (drafts and (
-                    len(drafts) != n or sum(drafts) != len(result.draft_token_ids))):
-            raise WorkerError(f"worker {self.addresses[self.driver]} sent {n} request ids but "
-                              f"{len(result.sampled_token_ids)} tokens ({len(counts)} counts, "
-                              f"{len(drafts)} draft counts)")
-        return result
+        try:
+            return step_output_from_pb(results[self.driver])
+        except ValueError as e:
+            raise WorkerError(f"worker {self.addresses[self.driver]} sent {e}") from e
 
     async def close(self) -> None:
         """Cancel the streams and close the channels."""

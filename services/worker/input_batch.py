@@ -58,13 +58,13 @@ import numpy as np
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, StepInput
 from services.worker.attention import AttentionMetadata
 from services.worker.logprobs import PromptChunk
 from services.worker.penalties import TokenCounts
 from services.worker.request_state import RequestState
 from services.worker.sampling_rows import SamplingRows, rewind_generator
 from services.worker.step_batch import PreparedStep, ScheduledBatch
-from services.worker.step_input import CachedRequest, StepInput
 from services.worker.structured_output import RequestGrammar, StructuredOutputs
 
 
@@ -197,7 +197,7 @@ class InputBatch:
             old = self.requests.pop(r.request_id, None)
             if old is not None:
                 self._free(old)
-            rows.append(self._add(r.request_id, r.prompt_token_ids, r.block_ids, r.sampling,
+            rows.append(self._add(r.request_id, r.prompt_token_ids, r.block_ids, r.sampling_params,
                                   step))
         append_rows, append_ids = [], []  # new token ids, written all at once below
         spec_at = []  # indices into cached of the requests with drafts

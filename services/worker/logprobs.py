@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.step_input import PromptChunkLogprobs, SampledLogprobs
+from services.common.step import PromptChunkLogprobs, SampledLogprobs
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,

@@ -35,6 +35,13 @@ from kernels.copy_blocks import copy_blocks
 from kernels.kv_quant import cache_row_size
 from services.common.sampling_params import EngineSamplingParams
 from services.common.speculative import SpeculativeConfig
+from services.common.step import (
+    CachedRequest,
+    NewRequest,
+    SampledLogprobs,
+    StepInput,
+    StepOutput,
+)
 from services.common.tokenizer_loading import load_tokenizer
 from services.worker.attention import AttentionMetadata, resolve_kv_cache_dtype, select_backend
 from services.worker.compiled import CompiledForward, why_eager
@@ -50,13 +57,6 @@ from services.worker.parallel import vocab_parallel_logits
 from services.worker.sampler import Sampler
 from services.worker.spec_verify import verify_drafts
 from services.worker.step_batch import PreparedStep
-from services.worker.step_input import (
-    CachedRequest,
-    NewRequest,
-    SampledLogprobs,
-    StepInput,
-    StepOutput,
-)
 from services.worker.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)

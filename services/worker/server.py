@@ -1,8 +1,9 @@
 """The worker service: WorkerService servicer (thin) and its start-up.
 
-Each StepRequest is decoded into a ``StepInput``, run by the ``ModelRunner`` on one dedicated
-thread (so the event loop keeps answering health checks during a forward pass; the same thread
-loaded the model, see ``forward_thread``), and the sampled tokens go back as a StepResult.
+Each StepRequest is decoded into a ``StepInput`` (``services/common/step.py``), run by the
+``ModelRunner`` on one dedicated thread (so the event loop keeps answering health checks during
+a forward pass; the same thread loaded the model, see ``forward_thread``), and the sampled
+tokens go back as a StepResult.
 
 Parallel workers (``--tensor-parallel-size N --pipeline-parallel-size M``): without ``--rank``,
 ``serve`` supervises N*M rank processes (``services/worker/launch.py``), rank r serving on
@@ -28,19 +29,13 @@ from services.common.grpc_utils import new_server, set_serving, stop_event_on_si
 from services.common.logs import add_log_flags
 from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import InFlight, add_shutdown_flags, drain
 from services.common.speculative import SpeculativeConfig
+from services.common.step import StepInput
+from services.common.step_wire import step_from_pb, step_output_to_pb
 from services.common.tls import add_tls_flags, tls_from_args
 from services.worker.metrics import WorkerMetrics
-from services.worker.step_input import (
-    CachedRequest,
-    NewRequest,
-    StepInput,
-    StepOutput,
-    check_block_copies,
-    check_sampling,
-)
+from services.worker.step_checks import check_block_copies, check_sampling
 
 log = logging.getLogger(__name__)
 SERVICE = "pagedserve.v1.WorkerService"
@@ -48,113 +43,25 @@ SERVICE = "pagedserve.v1.WorkerService"
 
 def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int,
                        num_kv_blocks: int | None = None) -> StepInput:
-    """Decode a StepRequest into the ModelRunner's plain dataclasses.
+    """Decode a StepRequest (``step_wire.step_from_pb``) and check what the runner will use.
 
     ``num_kv_blocks`` (the rank's; the servicer passes it) range-checks the block copies;
     None leaves that to the caller (in-process benchmarks, whose scheduler sized the cache).
 
     Raises:
-        ValueError: a malformed message: a new request's sampling parameters the sampler cannot
-            use (``check_sampling``; ``vocab_size``: the model's), CachedRequests columns
-            that disagree, or block copies that cannot run as asked (``check_block_copies``).
+        ValueError: a malformed message: columns that disagree, a new request's sampling
+            parameters the sampler cannot use (``check_sampling``; ``vocab_size``: the
+            model's), or block copies that cannot run as asked (``check_block_copies``).
     """
-    new_requests = []
-    for r in msg.new_requests:
-        sampling = EngineSamplingParams.from_pb(r.sampling_params)
+    step = step_from_pb(msg)
+    for r in step.new_requests:
         try:
-            check_sampling(sampling, vocab_size)
+            check_sampling(r.sampling_params, vocab_size)
         except ValueError as e:
             raise ValueError(f"new request {r.request_id!r}: {e}") from None
-        new_requests.append(NewRequest(
-            request_id=r.request_id, prompt_token_ids=list(r.prompt_token_ids),
-            sampling=sampling, block_ids=list(r.block_ids),
-            num_computed_tokens=r.num_computed_tokens, num_scheduled_tokens=r.num_scheduled_tokens))
-    return StepInput(
-        step_id=msg.step_id, new_requests=new_requests,
-        cached_requests=cached_requests_from_pb(msg.cached_requests),
-        finished_request_ids=list(msg.finished_request_ids),
-        blocks_to_copy=block_copies_from_pb(msg, num_kv_blocks),
-        num_speculative_tokens=msg.num_speculative_tokens)
-
-
-def block_copies_from_pb(msg: worker_pb2.StepRequest, num_kv_blocks: int | None
-                         ) -> list[tuple[int, int]]:
-    """The step's copy-on-write ``(src, dst)`` pairs, checked (``check_block_copies``) when
-    ``num_kv_blocks`` is given.
-
-    Raises:
-        ValueError: the two columns disagree in length, or the pairs fail the check.
-    """
-    src, dst = msg.copy_src_block_ids, msg.copy_dst_block_ids
-    if len(src) != len(dst):
-        raise ValueError(f"malformed StepRequest: {len(src)} copy_src_block_ids but "
-                         f"{len(dst)} copy_dst_block_ids")
-    pairs = list(zip(src, dst, strict=True))
     if num_kv_blocks is not None:
-        check_block_copies(pairs, num_kv_blocks)
-    return pairs
-
-
-def step_result_to_pb(out: StepOutput) -> worker_pb2.StepResult:
-    """Encode a step's ``StepOutput`` as the StepResult message (columns as worker.proto
-    describes them)."""
-    result = worker_pb2.StepResult(step_id=out.step_id, request_ids=out.request_ids,
-                                   sampled_token_ids=out.sampled_token_ids)
-    if out.num_sampled_token_ids is not None and any(n != 1 for n in out.num_sampled_token_ids):
-        result.num_sampled_token_ids.extend(out.num_sampled_token_ids)
-    if out.draft_token_ids is not None and any(out.draft_token_ids):
-        result.num_draft_token_ids.extend(map(len, out.draft_token_ids))
-        result.draft_token_ids.extend(t for d in out.draft_token_ids for t in d)
-    if out.logprobs is not None:
-        lp = out.logprobs
-        result.num_top_logprobs.extend(lp.num_top_logprobs)
-        result.sampled_logprobs.extend(lp.sampled_logprobs)
-        result.top_token_ids.extend(lp.top_token_ids)
-        result.top_logprobs.extend(lp.top_logprobs)
-    for pl in out.prompt_logprobs:
-        result.prompt_request_ids.append(pl.request_id)
-        result.prompt_first_positions.append(pl.first_position)
-        result.prompt_num_tokens.append(len(pl.logprobs))
-        result.prompt_num_top.append(len(pl.top_token_ids) // max(1, len(pl.logprobs)))
-        result.prompt_logprobs.extend(pl.logprobs)
-        result.prompt_top_token_ids.extend(pl.top_token_ids)
-        result.prompt_top_logprobs.extend(pl.top_logprobs)
-    return result
-
-
-def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]:
-    """Cut the columnar CachedRequests back into one CachedRequest per request.
-
-    Raises:
-        ValueError: the columns disagree in length (a malformed message).
-    """
-    n = len(c.request_ids)
-    # NOTE: an empty num_new_token_ids column means no tokens at all (most steps: the worker
-    # owns its tokens), an empty first_new_block column that every request appends its blocks,
-    # an empty num_spec_token_ids column that no request has drafts.
-    num_new_token_ids = c.num_new_token_ids if len(c.num_new_token_ids) or c.new_token_ids else (
-        [0] * n)
-    first_new_block = c.first_new_block if len(c.first_new_block) else [-1] * n
-    num_spec = c.num_spec_token_ids if len(c.num_spec_token_ids) or c.spec_token_ids else [0] * n
-    columns = (num_new_token_ids, c.num_new_block_ids, c.resumed_from_preemption,
-               c.num_computed_tokens, c.num_scheduled_tokens, first_new_block, num_spec)
-    if any(len(col) != n for col in columns) or (
-            sum(num_new_token_ids) != len(c.new_token_ids)
-            or sum(c.num_new_block_ids) != len(c.new_block_ids)
-            or sum(num_spec) != len(c.spec_token_ids) or min(num_spec, default=0) < 0):
-        raise ValueError(f"malformed CachedRequests: {n} request ids but columns of "
-                         f"{[len(col) for col in columns]} (or counts that disagree with "
-                         "their token/block columns)")
-    tokens, blocks, spec = list(c.new_token_ids), list(c.new_block_ids), list(c.spec_token_ids)
-    out, t, b, d = [], 0, 0, 0
-    for rid, nt, nb, resumed, computed, scheduled, first, nd in zip(c.request_ids, *columns,
-                                                                     strict=True):
-        out.append(CachedRequest(rid, tokens[t:t + nt], blocks[b:b + nb], resumed, computed,
-                                 scheduled, first, spec[d:d + nd] if nd else []))
-        t += nt
-        b += nb
-        d += nd
-    return out
+        check_block_copies(step.blocks_to_copy, num_kv_blocks)
+    return step
 
 
 def limits_refused(limits: worker_pb2.GetWorkerInfoRequest,
@@ -255,11 +162,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {msg.step_id} failed: {e}")
             seconds = time.perf_counter() - t0
             if self.metrics is not None:
-                scheduled: list[NewRequest | CachedRequest] = [
-                    *step.new_requests, *step.cached_requests]
-                self.metrics.observe_step(seconds, sum(r.num_scheduled_tokens for r in scheduled),
-                                          len(scheduled))
-            yield step_result_to_pb(out)
+                self.metrics.observe_step(seconds, step.total_num_scheduled_tokens,
+                                          len(step.new_requests) + len(step.cached_requests))
+            yield step_output_to_pb(out)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

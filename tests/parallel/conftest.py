@@ -92,8 +92,8 @@ def reference_greedy(model: str | None, prompts: list[list[int]],
                      max_tokens: int) -> list[list[int]]:
     """Greedy tokens of one single-rank float32 ``ModelRunner``, all prompts in one batch."""
     from services.common.sampling_params import EngineSamplingParams
+    from services.common.step import CachedRequest, NewRequest, StepInput
     from services.worker.model_runner import ModelRunner
-    from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
     runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=16 << 20)
     bs, per_request = runner.block_size, 8

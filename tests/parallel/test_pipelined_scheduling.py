@@ -6,8 +6,7 @@ from collections import deque
 
 import pytest
 
-from tests.scheduler.factories import (FakeWorker, expected_output, make_requests,
-                                       make_scheduler)
+from tests.scheduler.factories import FakeWorker, expected_output, make_requests, make_scheduler
 
 
 def _run(max_steps_in_flight: int, num_kv_blocks: int = 64, n: int = 6,
@@ -27,7 +26,7 @@ def _run(max_steps_in_flight: int, num_kv_blocks: int = 64, n: int = 6,
     while s.has_unfinished_requests() or pending:
         while len(pending) < max_steps_in_flight and s.has_unfinished_requests():
             out = s.schedule()
-            if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
+            if out.total_num_scheduled_tokens == 0 and not out.finished_request_ids:
                 break
             owing = {rid for o, _ in pending for rid in o.sampled_req_ids}
             if async_scheduling:

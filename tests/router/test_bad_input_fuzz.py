@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.common.sampling_params import EngineSamplingParams
 from services.router.openai_errors import OpenAIError
 from services.router.openai_requests import parse_chat, parse_completion
-from services.common.sampling_params import EngineSamplingParams
 from services.router.validation import RequestError, validate_n, validate_sampling
-from services.worker.step_input import check_sampling
+from services.worker.step_checks import check_sampling
 from tests.stack.test_fuzz import JSON_VALUES, OPENAI_KEYS, SAMPLING, TYPED_VALUES, _sampling_pb
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True, database=None,

@@ -147,10 +147,10 @@ class FakeWorker:
         windows = self.sliding_windows
         num_groups = len(windows)
         self.outputs.append(out)
-        for rid in out.finished_req_ids:
+        for rid in out.finished_request_ids:
             assert rid not in out.num_scheduled_tokens
             del self.states[rid]  # KeyError: told to drop a request it never saw
-        resumed = {c.request_id for c in out.scheduled_cached_reqs if c.resumed_from_preemption}
+        resumed = {c.request_id for c in out.cached_requests if c.resumed_from_preemption}
         for rid, state in self.states.items():
             # NOTE: preempted since the last step this worker ran (the request's num_preemptions
             # grew). schedule() never preempts and resumes in one step; a preemption between
@@ -161,8 +161,8 @@ class FakeWorker:
             if request is not None and request.num_preemptions > state.num_preemptions:
                 assert rid not in out.num_scheduled_tokens or rid in resumed
                 state.num_preemptions = request.num_preemptions
-        for new in out.scheduled_new_reqs:
-            assert new.request_id not in self.states, "NewRequestData for a known request"
+        for new in out.new_requests:
+            assert new.request_id not in self.states, "NewRequest for a known request"
             self.states[new.request_id] = _WorkerState(
                 list(new.prompt_token_ids), split_tables(new.block_ids, num_groups),
                 new.num_computed_tokens, list(new.prompt_token_ids),
@@ -170,7 +170,7 @@ class FakeWorker:
         for rid, request in sched.requests.items():  # (preempted ones included)
             assert request.num_tokens_sent == 0 or rid in self.states, f"{rid}: sent, not held"
         look_ahead = sched.config.async_scheduling
-        for cached in out.scheduled_cached_reqs:
+        for cached in out.cached_requests:
             state = self.states[cached.request_id]
             if cached.resumed_from_preemption:
                 # NOTE: a resumed request restarts at its prefix-cache hit (whole blocks), with
@@ -191,7 +191,7 @@ class FakeWorker:
             for table, new_ids in zip(state.block_ids,
                                       split_tables(cached.new_block_ids, num_groups), strict=True):
                 table += new_ids
-        assert len(out.scheduled_new_reqs) + len(out.scheduled_cached_reqs) == len(
+        assert len(out.new_requests) + len(out.cached_requests) == len(
             out.num_scheduled_tokens
         )
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
@@ -258,7 +258,7 @@ def run_to_completion(
     for _ in range(max_steps):
         while len(pending) < limit and scheduler.has_unfinished_requests():
             out = scheduler.schedule()
-            if out.total_num_scheduled_tokens == 0 and not out.finished_req_ids:
+            if out.total_num_scheduled_tokens == 0 and not out.finished_request_ids:
                 break
             pending.append((out, worker.execute(out)))
         if not pending:

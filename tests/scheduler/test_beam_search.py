@@ -50,7 +50,7 @@ class BeamWorker:
 
     def execute(self, out):
         sched = self.scheduler
-        for rid in out.finished_req_ids:
+        for rid in out.finished_request_ids:
             del self.states[rid]  # KeyError: told to drop a request it never saw
         dsts = [d for _, d in out.blocks_to_copy]
         assert len(set(dsts)) == len(dsts) and not set(dsts) & {s for s, _ in
@@ -62,10 +62,10 @@ class BeamWorker:
                     self.kv[dst * BS + off] = self.kv[src * BS + off]
                 else:
                     self.kv.pop(dst * BS + off, None)
-        for new in out.scheduled_new_reqs:
+        for new in out.new_requests:
             self.states[new.request_id] = (list(new.prompt_token_ids),
                                            split_tables(new.block_ids, 1))
-        for c in out.scheduled_cached_reqs:
+        for c in out.cached_requests:
             tokens, tables = self.states[c.request_id]
             if c.resumed_from_preemption:
                 self.states[c.request_id] = (list(c.new_token_ids),
@@ -83,7 +83,7 @@ class BeamWorker:
             assert tokens[:request.num_tokens] == request.all_token_ids, rid
             assert tables == request.block_ids, rid
             start = next(c.num_computed_tokens for c in
-                         out.scheduled_new_reqs + out.scheduled_cached_reqs
+                         out.new_requests + out.cached_requests
                          if c.request_id == rid)
             keys = prefix_keys(tokens[:start + n])
             for pos in range(start, start + n):
@@ -228,7 +228,7 @@ def test_abort_frees_every_beam(model):
     sched.block_manager.check_invariants([])
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     out = sched.schedule()  # the workers drop every beam
-    assert out.finished_req_ids == {"b", "b#beam1", "b#beam2", "b#beam3"}
+    assert out.finished_request_ids == {"b", "b#beam1", "b#beam2", "b#beam3"}
     sched.add_request(Request("b#beam1", [5, 6], EngineSamplingParams()))  # (ids free again)
 
 

@@ -12,8 +12,9 @@ from collections import deque
 import grpc
 import pytest
 
-from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2, worker_pb2
+from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import StepOutput
 from services.scheduler.engine import Engine
 from tests.helpers import asynctest
 from tests.scheduler.factories import FakeWorker, fake_token, make_scheduler
@@ -35,12 +36,11 @@ class FakeRanks:
         self.queue.append((out.step_id, self.worker.execute(out)))
         await asyncio.sleep(0)  # a stream write yields: submits and aborts interleave here too
 
-    async def receive(self, out) -> worker_pb2.StepResult:
+    async def receive(self, out) -> StepOutput:
         await asyncio.sleep(self.delay)  # submits and aborts interleave here
         step_id, sampled = self.queue.popleft()
         assert step_id == out.step_id
-        return worker_pb2.StepResult(step_id=step_id, request_ids=list(sampled),
-                                     sampled_token_ids=list(sampled.values()))
+        return StepOutput(step_id, list(sampled), list(sampled.values()))
 
     async def connect(self, timeout: float) -> None:
         self.queue.clear()

@@ -45,7 +45,7 @@ def test_priority_admits_lower_value_first_then_arrival():
     admitted = []
     while s.has_unfinished_requests():
         out = s.schedule()
-        admitted += [r.request_id for r in out.scheduled_new_reqs]
+        admitted += [r.request_id for r in out.new_requests]
         s.update_from_output(out, w.execute(out))
     assert admitted == ["req-4", "req-1", "req-3", "req-0", "req-2"]
 

@@ -139,7 +139,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             owing = {rid for o, _ in self.pending for rid in o.sampled_req_ids
                      if getattr(s.get_request(rid), "epoch", None) == o.epochs[rid]}
             assert not owing & out.num_scheduled_tokens.keys()
-        elif self.pending and out.scheduled_cached_reqs:
+        elif self.pending and out.cached_requests:
             event("look-ahead step")
         self.pending.append((out, self.worker.execute(out)))
 

@@ -7,8 +7,8 @@ from dataclasses import fields
 
 from services.common.pb.pagedserve.v1 import engine_pb2, worker_pb2
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step_wire import step_to_pb
 from services.scheduler.request import Request
-from services.scheduler.worker_client import build_step_request
 from tests.scheduler.factories import make_scheduler
 
 FULL = EngineSamplingParams(
@@ -48,7 +48,7 @@ def test_the_scheduler_forwards_the_submitted_message_unchanged():
         s = make_scheduler()
         s.add_request(Request("req-0", [1, 2, 3],
                               EngineSamplingParams.from_pb(submitted)))
-        (new,) = build_step_request(s.schedule()).new_requests
+        (new,) = step_to_pb(s.schedule()).new_requests
         assert new.sampling_params == submitted
         assert isinstance(new.sampling_params, engine_pb2.EngineSamplingParams)
         assert worker_pb2.NewRequest.DESCRIPTOR.fields_by_name["sampling_params"].message_type \
@@ -59,37 +59,40 @@ def test_step_result_logprobs_are_cut_per_request():
     import pytest
 
     from services.common.pb.pagedserve.v1 import worker_pb2
-    from services.scheduler.logprobs import TokenLogprobs, logprobs_from_pb
+    from services.common.step_wire import step_output_from_pb
+    from services.scheduler.logprobs import TokenLogprobs, logprobs_of
 
     result = worker_pb2.StepResult(
         step_id=1, request_ids=["a", "b", "c"], sampled_token_ids=[1, 2, 3],
         num_top_logprobs=[2, -1, 0], sampled_logprobs=[-0.5, -1.5],
         top_token_ids=[1, 7], top_logprobs=[-0.5, -2.0])
-    assert logprobs_from_pb(result) == {"a": TokenLogprobs(-0.5, [1, 7], [-0.5, -2.0]),
-                                        "c": TokenLogprobs(-1.5, [], [])}
-    assert logprobs_from_pb(worker_pb2.StepResult(request_ids=["a"])) is None
+    assert logprobs_of(step_output_from_pb(result)) == {
+        "a": TokenLogprobs(-0.5, [1, 7], [-0.5, -2.0]), "c": TokenLogprobs(-1.5, [], [])}
+    assert logprobs_of(step_output_from_pb(worker_pb2.StepResult(
+        request_ids=["a"], sampled_token_ids=[1]))) is None
     del result.top_logprobs[1]
     with pytest.raises(ValueError, match="malformed"):
-        logprobs_from_pb(result)
+        step_output_from_pb(result)
 
 
 def test_step_result_prompt_logprobs_are_cut_per_request():
     import pytest
 
     from services.common.pb.pagedserve.v1 import worker_pb2
-    from services.scheduler.logprobs import PromptLogprobs, prompt_logprobs_from_pb
+    from services.common.step_wire import step_output_from_pb
+    from services.scheduler.logprobs import PromptLogprobs, prompt_logprobs_of
 
     result = worker_pb2.StepResult(
         prompt_request_ids=["a", "b"], prompt_first_positions=[1, 9],
         prompt_num_tokens=[2, 1], prompt_num_top=[1, 0], prompt_logprobs=[-1.0, -2.0, -3.0],
         prompt_top_token_ids=[4, 5], prompt_top_logprobs=[-0.5, -0.75])
-    assert prompt_logprobs_from_pb(result) == {
+    assert prompt_logprobs_of(step_output_from_pb(result)) == {
         "a": PromptLogprobs(1, [-1.0, -2.0], [4, 5], [-0.5, -0.75], 1),
         "b": PromptLogprobs(9, [-3.0], [], [], 0)}
-    assert prompt_logprobs_from_pb(worker_pb2.StepResult()) is None
+    assert prompt_logprobs_of(step_output_from_pb(worker_pb2.StepResult())) is None
     del result.prompt_logprobs[0]
     with pytest.raises(ValueError, match="malformed"):
-        prompt_logprobs_from_pb(result)
+        step_output_from_pb(result)
     p = PromptLogprobs(3, [-1.0, -2.0], [7, 8], [-1.0, -2.0], 1)
     assert p.from_position(2) is p and p.from_position(5) is None
     assert p.from_position(4) == PromptLogprobs(4, [-2.0], [8], [-2.0], 1)

@@ -68,8 +68,8 @@ def test_single_request_prefill_then_decode_with_diffs():
 
     out = s.schedule()
     assert out.num_scheduled_tokens == {"req-0": 10} and out.total_num_scheduled_tokens == 10
-    (new,) = out.scheduled_new_reqs
-    assert out.scheduled_cached_reqs == []
+    (new,) = out.new_requests
+    assert out.cached_requests == []
     assert new.prompt_token_ids == r.prompt_token_ids and new.block_ids == [0, 1, 2]
     assert new.num_computed_tokens == 0 and new.sampling_params is r.sampling_params
     (update,) = s.update_from_output(out, w.execute(out))
@@ -79,14 +79,14 @@ def test_single_request_prefill_then_decode_with_diffs():
     assert r.num_computed_tokens == 10 and r.num_tokens == 11
 
     out = s.schedule()
-    assert out.num_scheduled_tokens == {"req-0": 1} and out.scheduled_new_reqs == []
-    (cached,) = out.scheduled_cached_reqs
+    assert out.num_scheduled_tokens == {"req-0": 1} and out.new_requests == []
+    (cached,) = out.cached_requests
     assert cached.new_token_ids == [t0] and cached.new_block_ids == []  # slot 10: block 2
     assert cached.num_computed_tokens == 10 and not cached.resumed_from_preemption
     s.update_from_output(out, w.execute(out))
 
     out = s.schedule()  # slot 11 still in block 2; then slot 12 would need block 3
-    assert out.scheduled_cached_reqs[0].new_block_ids == []
+    assert out.cached_requests[0].new_block_ids == []
     (update,) = s.update_from_output(out, w.execute(out))
     assert update.finish_reason is FinishReason.LENGTH and update.num_output_tokens == 3
     assert r.status is RequestStatus.FINISHED and r.block_ids == []
@@ -95,10 +95,10 @@ def test_single_request_prefill_then_decode_with_diffs():
     assert s.get_request("req-0") is None
 
     out = s.schedule()  # the finish reaches the workers with the next step
-    assert out.finished_req_ids == {"req-0"} and out.total_num_scheduled_tokens == 0
+    assert out.finished_request_ids == {"req-0"} and out.total_num_scheduled_tokens == 0
     w.execute(out)
     assert w.states == {}
-    assert s.schedule().finished_req_ids == set()
+    assert s.schedule().finished_request_ids == set()
 
 
 def test_continuous_batching_join_next_step_leave_at_once():
@@ -111,8 +111,8 @@ def test_continuous_batching_join_next_step_leave_at_once():
     s.add_request(b)
     out = s.schedule()  # a decodes, b prefills: one mixed batch
     assert out.num_scheduled_tokens == {"req-0": 1, "req-1": 5}
-    assert [n.request_id for n in out.scheduled_new_reqs] == ["req-1"]
-    assert [c.request_id for c in out.scheduled_cached_reqs] == ["req-0"]
+    assert [n.request_id for n in out.new_requests] == ["req-1"]
+    assert [c.request_id for c in out.cached_requests] == ["req-0"]
     s.update_from_output(out, w.execute(out))
     updates = w.step()  # a's third token: a finishes and leaves in this very update
     assert {u.request_id: u.finish_reason for u in updates} == {
@@ -121,7 +121,7 @@ def test_continuous_batching_join_next_step_leave_at_once():
     }
     assert s.running == [b]
     out = s.schedule()
-    assert out.finished_req_ids == {"req-0"} and out.num_scheduled_tokens == {"req-1": 1}
+    assert out.finished_request_ids == {"req-0"} and out.num_scheduled_tokens == {"req-1": 1}
     s.update_from_output(out, w.execute(out))
     run_to_completion(s, w)
     assert outputs_by_id([a, b]) == {
@@ -137,13 +137,13 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
     seen = []
     for _ in range(4):
         out = s.schedule()
-        data = (out.scheduled_new_reqs or out.scheduled_cached_reqs)[0]
+        data = (out.new_requests or out.cached_requests)[0]
         seen.append((out.num_scheduled_tokens["req-0"], data.num_computed_tokens))
         updates = s.update_from_output(out, w.execute(out))
         if data.num_computed_tokens + out.num_scheduled_tokens["req-0"] < 100:
             assert updates == [] and r.output_token_ids == []
             assert r.status is RequestStatus.RUNNING
-        if out.scheduled_cached_reqs:
+        if out.cached_requests:
             assert data.new_token_ids == []  # nothing new to tell mid-prefill
             assert len(data.new_block_ids) == 4 or data.num_computed_tokens == 96
     assert seen == [(32, 0), (32, 32), (32, 64), (4, 96)]
@@ -176,8 +176,8 @@ def test_missing_sampled_token_recomputes_the_request(async_scheduling):
     assert r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0
     assert s.update_from_output(ahead, {"req-0": 99}) == []  # stale: a new epoch
     resumed = s.schedule()
-    assert resumed.scheduled_cached_reqs[0].resumed_from_preemption
-    assert resumed.scheduled_cached_reqs[0].new_token_ids == r.all_token_ids
+    assert resumed.cached_requests[0].resumed_from_preemption
+    assert resumed.cached_requests[0].new_token_ids == r.all_token_ids
     s.update_from_output(resumed, w.execute(resumed))
     run_to_completion(s, w)
     assert r.output_token_ids == expected_output(r, 128)[0]
@@ -221,7 +221,7 @@ def test_admission_is_fifo_in_arrival_order():
     order = []
     while s.has_unfinished_requests():
         out = s.schedule()
-        order += [n.request_id for n in out.scheduled_new_reqs]
+        order += [n.request_id for n in out.new_requests]
         s.update_from_output(out, w.execute(out))
     assert order == [f"req-{i}" for i in range(5)]
 
@@ -257,7 +257,7 @@ def test_preemption_victim_is_latest_arrival_and_everyone_finishes():
     resumed = None
     while s.has_unfinished_requests():
         out = s.schedule()
-        for c in out.scheduled_cached_reqs:
+        for c in out.cached_requests:
             if c.resumed_from_preemption and c.request_id == "req-3":
                 req3 = s.get_request("req-3")
                 num_scheduled = out.num_scheduled_tokens["req-3"]
@@ -334,7 +334,7 @@ def test_abort_running_frees_blocks_and_tells_the_worker():
     assert s.block_manager.num_blocks - s.block_manager.num_free_blocks == used - 2
     assert s.abort_request("req-0") is None and s.abort_request("nope") is None
     out = s.schedule()
-    assert out.finished_req_ids == {"req-0"} and set(out.num_scheduled_tokens) == {"req-1"}
+    assert out.finished_request_ids == {"req-0"} and set(out.num_scheduled_tokens) == {"req-1"}
     s.update_from_output(out, w.execute(out))
 
 
@@ -344,7 +344,7 @@ def test_abort_waiting_never_seen_is_not_sent():
     s.add_request(make_request(1, 4))
     s.abort_request("req-1")
     out = s.schedule()
-    assert out.finished_req_ids == set() and s.num_waiting == 0
+    assert out.finished_request_ids == set() and s.num_waiting == 0
 
 
 def test_abort_while_step_in_flight_ignores_its_token():
@@ -357,7 +357,7 @@ def test_abort_while_step_in_flight_ignores_its_token():
     s.abort_request("req-0")
     updates = s.update_from_output(out, sampled)
     assert [u.request_id for u in updates] == ["req-1"]
-    assert s.schedule().finished_req_ids == {"req-0"}
+    assert s.schedule().finished_request_ids == {"req-0"}
 
 
 def test_a_request_awaiting_its_token_is_not_scheduled_again_and_a_step_applies_once():
@@ -383,7 +383,7 @@ def test_a_lost_step_whose_requests_were_all_aborted_does_not_block():
     s.abort_request("req-0")
     s.add_request(make_request(1, 4))
     out = s.schedule()
-    assert out.finished_req_ids == {"req-0"} and out.num_scheduled_tokens == {"req-1": 4}
+    assert out.finished_request_ids == {"req-0"} and out.num_scheduled_tokens == {"req-1": 4}
     assert s.update_from_output(lost, {"req-0": 11}) == []
     assert len(s.update_from_output(out, {"req-1": 11})) == 1
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks - 1
@@ -535,7 +535,7 @@ def test_prompt_logprobs_skip_the_cache_and_are_passed_on_once():
                                                                 prompt_logprobs=1)))
     w = FakeWorker(s)
     out = s.schedule()
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 0  # no prefix-cache hit
+    assert out.new_requests[0].num_computed_tokens == 0  # no prefix-cache hit
     assert out.num_scheduled_tokens["req-1"] == 8
 
     def chunk(start, n):

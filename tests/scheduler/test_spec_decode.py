@@ -54,14 +54,14 @@ class SpecWorker:
 
     def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], SpecDecodeResult]:
         bs = self.scheduler.config.block_size
-        for rid in out.finished_req_ids:
+        for rid in out.finished_request_ids:
             self.states.pop(rid)
-        for new in out.scheduled_new_reqs:
+        for new in out.new_requests:
             assert new.request_id not in self.states
             self.states[new.request_id] = _State(list(new.prompt_token_ids),
                                                  list(new.block_ids), new.num_computed_tokens)
         drafts: dict[str, list[int]] = {}
-        for c in out.scheduled_cached_reqs:
+        for c in out.cached_requests:
             state = self.states[c.request_id]
             if c.resumed_from_preemption:
                 state.tokens, state.table = list(c.new_token_ids), list(c.new_block_ids)
@@ -222,7 +222,7 @@ def test_rejected_drafts_roll_back_and_free_their_blocks():
     assert len(r.block_ids[0]) == 2 < held  # ceil(4 / 2): the drafts' blocks are free again
     assert r.trimmed_to == 2
     out = sched.schedule()  # the workers cut their tables too
-    cached = out.scheduled_cached_reqs[0]
+    cached = out.cached_requests[0]
     assert cached.first_new_block == 2 and r.trimmed_to == -1
     sampled, spec = wrong.execute(out)
     sched.update_from_output(out, sampled, spec=spec)
@@ -299,32 +299,33 @@ def test_async_scheduling_and_speculation_are_exclusive():
 
 def test_step_results_are_cut_per_request():
     from services.common.pb.pagedserve.v1 import worker_pb2
-    from services.scheduler.logprobs import token_logprobs_from_pb
-    from services.scheduler.spec_decode import sampled_from_pb
+    from services.common.step_wire import step_output_from_pb
+    from services.scheduler.logprobs import token_logprobs_of
+    from services.scheduler.spec_decode import sampled_of
 
     plain = worker_pb2.StepResult(request_ids=["a", "b"], sampled_token_ids=[5, 6])
-    assert sampled_from_pb(plain) == ({"a": 5, "b": 6}, None)
+    assert sampled_of(step_output_from_pb(plain)) == ({"a": 5, "b": 6}, None)
     accepted_only = worker_pb2.StepResult(request_ids=["a", "b"], sampled_token_ids=[1, 2, 3, 6],
                                           num_sampled_token_ids=[3, 1])
-    sampled, spec = sampled_from_pb(accepted_only)
+    sampled, spec = sampled_of(step_output_from_pb(accepted_only))
     assert sampled == {"a": 3, "b": 6} and spec.accepted == {"a": [1, 2]} and not spec.drafts
     full = worker_pb2.StepResult(
         request_ids=["a", "b"], sampled_token_ids=[1, 2, 6], num_sampled_token_ids=[2, 1],
         num_draft_token_ids=[0, 2], draft_token_ids=[8, 9],
         num_top_logprobs=[1, 1, -1], sampled_logprobs=[-0.5, -0.25],
         top_token_ids=[1, 2], top_logprobs=[-0.5, -0.25])
-    lps = token_logprobs_from_pb(full)
+    lps = token_logprobs_of(step_output_from_pb(full))
     assert [lp.logprob for lp in lps["a"]] == [-0.5, -0.25] and "b" not in lps
-    sampled, spec = sampled_from_pb(full, lps)
+    sampled, spec = sampled_of(step_output_from_pb(full), lps)
     assert sampled == {"a": 2, "b": 6} and spec.accepted == {"a": [1]}
     assert spec.drafts == {"b": [8, 9]} and [lp.logprob for lp in spec.accepted_logprobs["a"]] == [
         -0.5]
     drafts_only = worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[4],
                                         num_draft_token_ids=[2], draft_token_ids=[8, 9])
-    assert sampled_from_pb(drafts_only)[1].drafts == {"a": [8, 9]}
+    assert sampled_of(step_output_from_pb(drafts_only))[1].drafts == {"a": [8, 9]}
     for bad in (worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[1, 2],
                                       num_sampled_token_ids=[1]),
                 worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[1],
                                       num_draft_token_ids=[3], draft_token_ids=[1])):
         with pytest.raises(ValueError, match="malformed"):
-            sampled_from_pb(bad)
+            step_output_from_pb(bad)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
-from services.worker.step_input import CachedRequest, NewRequest, StepInput, StepOutput
+from services.common.step import CachedRequest, NewRequest, StepInput, StepOutput
 
 
 def beam_params(vocab_size: int) -> EngineSamplingParams:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.sampling_params import EngineSamplingParams
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
+from services.common.step import CachedRequest, NewRequest, StepInput
 
 
 @dataclass

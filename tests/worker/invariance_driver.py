@@ -8,8 +8,8 @@ import random
 from dataclasses import dataclass
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.model_runner import ModelRunner
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
 TOP = 5  # top logprobs compared per token
 

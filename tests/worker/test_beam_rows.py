@@ -20,8 +20,8 @@ import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.model_runner import ModelRunner
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 from tests.worker.beam_driver import run_fork, run_unshared, token_lists
 
 PROMPT = torch.randint(0, 512, (21,), generator=torch.Generator().manual_seed(3)).tolist()

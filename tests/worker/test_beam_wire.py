@@ -9,7 +9,8 @@ import pytest
 
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.sampling_params import EngineSamplingParams
-from services.worker.server import WorkerServicer, cached_requests_from_pb, step_input_from_pb
+from services.common.step_wire import cached_requests_from_pb
+from services.worker.server import WorkerServicer, step_input_from_pb
 from tests.helpers import asynctest
 from tests.worker.test_servicer import FakeRunner
 
@@ -70,7 +71,7 @@ def _new(sampling: EngineSamplingParams) -> worker_pb2.StepRequest:
 
 def test_a_beam_may_ask_for_up_to_the_whole_vocabulary_of_candidates():
     beam = EngineSamplingParams(temperature=0.0, beam_width=3, logprobs=V)  # past the 20
-    assert step_input_from_pb(_new(beam), V).new_requests[0].sampling == beam
+    assert step_input_from_pb(_new(beam), V).new_requests[0].sampling_params == beam
     for bad in (EngineSamplingParams(beam_width=3, logprobs=V + 1),
                 EngineSamplingParams(beam_width=-1)):
         with pytest.raises(ValueError, match="sampling parameters the sampler cannot use"):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.model_runner import ModelRunner
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
 GREEDY = EngineSamplingParams(temperature=0.0)
 

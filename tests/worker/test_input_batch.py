@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.input_batch import InputBatch
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
 BS, V = 4, 50
 GREEDY = EngineSamplingParams(temperature=0.0)
@@ -50,7 +50,7 @@ def apply_step(held: dict[str, Held], s: StepInput) -> list[tuple[str, int, int]
     order = []
     for r in s.new_requests:
         held[r.request_id] = Held(list(r.prompt_token_ids), list(r.block_ids),
-                                  len(r.prompt_token_ids), r.sampling)
+                                  len(r.prompt_token_ids), r.sampling_params)
         order.append((r.request_id, r.num_computed_tokens, r.num_scheduled_tokens))
     for r in s.cached_requests:
         h = held[r.request_id]

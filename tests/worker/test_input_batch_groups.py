@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from services.common.pb.pagedserve.v1 import worker_pb2
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.input_batch import InputBatch
 from services.worker.server import step_input_from_pb
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
 BS, V = 4, 50
 GREEDY = EngineSamplingParams(temperature=0.0)

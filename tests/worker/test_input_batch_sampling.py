@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.input_batch import InputBatch
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
 V, EOS = 32, 2
 
@@ -73,11 +73,11 @@ def test_step_request_decoding_carries_the_routers_object_as_it_is():
         temperature=0.5, top_p=0.9, top_k=7, seed=2**64 - 1, max_tokens=20, min_p=0.25,
         repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=-1.0, min_tokens=3,
         stop_token_ids=(7,), ignore_eos=True, logprobs=0, prompt_logprobs=2)
-    got = _step_request(sent.to_pb()).new_requests[0].sampling
+    got = _step_request(sent.to_pb()).new_requests[0].sampling_params
     assert got.top_p == pytest.approx(0.9) and got.min_p == 0.25
     assert replace(got, top_p=0.9) == sent  # float32 on the wire: 0.9 comes back rounded
     assert got.uses_penalties and not EngineSamplingParams().uses_penalties
-    assert _step_request(EngineSamplingParams().to_pb()).new_requests[0].sampling == (
+    assert _step_request(EngineSamplingParams().to_pb()).new_requests[0].sampling_params == (
         EngineSamplingParams())
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaConfig
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
 GEMMA3_270M = [0 if i in (5, 11, 17) else 512 for i in range(18)]
 

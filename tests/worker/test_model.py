@@ -15,12 +15,12 @@ import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.attention import AttentionMetadata, select_backend
-from services.worker.loader import load_model
 from services.worker.device import resolve_dtype
+from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaConfig
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 from tests.helpers import make_tiny_llama
 
 NEW_TOKENS = 16

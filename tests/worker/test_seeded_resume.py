@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.model_runner import ModelRunner
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7]
 SEEDED = EngineSamplingParams(temperature=1.0, seed=1234)

@@ -18,10 +18,10 @@ import pytest
 
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step import StepInput, StepOutput
 from services.scheduler import server as scheduler_server
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 from services.worker.server import WorkerServicer, limits_refused
-from services.worker.step_input import StepInput, StepOutput
 from tests.helpers import asynctest
 
 

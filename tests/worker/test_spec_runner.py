@@ -22,9 +22,9 @@ import torch
 
 from services.common.sampling_params import EngineSamplingParams
 from services.common.speculative import SpeculativeConfig
+from services.common.step import CachedRequest, NewRequest, StepInput, StepOutput
 from services.worker.model_runner import ModelRunner
 from services.worker.ngram_proposer import NgramProposer
-from services.worker.step_input import CachedRequest, NewRequest, StepInput, StepOutput
 
 GREEDY = EngineSamplingParams(temperature=0.0)
 K = 4  # drafts per step at most

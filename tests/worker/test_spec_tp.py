@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
-from services.worker.step_input import CachedRequest, NewRequest, StepInput
+from services.common.step import CachedRequest, NewRequest, StepInput
 
 GREEDY = EngineSamplingParams(temperature=0.0)
 

@@ -1,5 +1,5 @@
-"""Speculative decoding on the worker's wire (services/worker/server.py): the CachedRequests
-draft columns, StepRequest.num_speculative_tokens, the StepResult's per-request counts and
+"""Speculative decoding on the worker's wire (services/common/step_wire.py, the servicer): the
+CachedRequests draft columns, StepRequest.num_speculative_tokens, the StepResult's per-request counts and
 proposals (only when needed), --speculative-config and the scheduler check."""
 
 from __future__ import annotations
@@ -12,15 +12,10 @@ import pytest
 
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.speculative import SpeculativeConfig
+from services.common.step import CachedRequest, StepOutput
+from services.common.step_wire import cached_requests_from_pb, step_output_to_pb
 from services.worker import server
-from services.worker.server import (
-    WorkerServicer,
-    cached_requests_from_pb,
-    limits_refused,
-    step_input_from_pb,
-    step_result_to_pb,
-)
-from services.worker.step_input import CachedRequest, StepOutput
+from services.worker.server import WorkerServicer, limits_refused, step_input_from_pb
 from tests.helpers import asynctest
 
 NGRAM = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
@@ -60,11 +55,11 @@ def test_the_step_carries_num_speculative_tokens():
 
 
 def test_the_result_has_counts_and_proposals_only_when_needed():
-    plain = step_result_to_pb(StepOutput(1, ["a", "b"], [4, 5], num_sampled_token_ids=[1, 1],
+    plain = step_output_to_pb(StepOutput(1, ["a", "b"], [4, 5], num_sampled_token_ids=[1, 1],
                                          draft_token_ids=[[], []]))
     assert list(plain.num_sampled_token_ids) == list(plain.num_draft_token_ids) == []
     assert list(plain.draft_token_ids) == []
-    spec = step_result_to_pb(StepOutput(2, ["a", "b"], [4, 6, 7, 5], num_sampled_token_ids=[3, 1],
+    spec = step_output_to_pb(StepOutput(2, ["a", "b"], [4, 6, 7, 5], num_sampled_token_ids=[3, 1],
                                         draft_token_ids=[[8, 9], []]))
     assert list(spec.sampled_token_ids) == [4, 6, 7, 5]
     assert list(spec.num_sampled_token_ids) == [3, 1]

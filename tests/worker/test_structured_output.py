@@ -16,7 +16,7 @@ import torch
 from services.common.sampling_params import EngineSamplingParams
 from services.common.tokenizer_loading import load_tokenizer
 from services.worker.model_runner import ModelRunner
-from services.worker.step_input import check_sampling
+from services.worker.step_checks import check_sampling
 from services.worker.structured_output import RequestGrammar, StructuredOutputs
 from tests.helpers import make_servable_tiny_llama
 from tests.worker.grammar_driver import generate

@@ -1,0 +1,134 @@
+"""One engine step and its result: the only types that cross the scheduler↔worker boundary.
+
+The scheduler builds a ``StepInput`` per step (``Scheduler.schedule``), every worker rank runs
+it (``ModelRunner.execute_step``) and the driver answers a ``StepOutput``. ``step_wire.py``
+maps both to worker.proto (one encoder and one decoder each way); in-process users (tests,
+benchmarks) pass the very same objects. A request is sent in full once (``NewRequest``), then
+only as diffs (``CachedRequest``): docs/architecture.md, "The step protocol". Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from services.common.sampling_params import EngineSamplingParams
+
+
+@dataclass(slots=True)
+class NewRequest:
+    """A request the worker has not seen (or has dropped), sent in full once."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # every token the worker must hold (prompt + any output so far)
+    sampling_params: EngineSamplingParams  # as the router validated them
+    block_ids: list[int]  # the block tables, one per KV cache group, concatenated group by
+    # group (n each), in logical order; -1 = no block (before a sliding window)
+    num_computed_tokens: int  # tokens whose K/V are already in the cache (e.g. a prefix hit)
+    num_scheduled_tokens: int  # tokens to compute this step
+
+
+@dataclass(slots=True)
+class CachedRequest:
+    """A request the worker already holds: what changed since the previous step."""
+
+    request_id: str
+    # since last sent, appended to the token list: for the pipeline stages that do not sample
+    # ([] mid-prefill and with async scheduling), for a beam on every rank; when resumed, the
+    # whole token list (replaces the worker's)
+    new_token_ids: list[int]
+    new_block_ids: list[int]  # appended to the block tables (k per KV cache group, group by
+    # group), or the whole tables if resumed; -1 = no block
+    resumed_from_preemption: bool  # True: new_block_ids and new_token_ids REPLACE table and list
+    num_computed_tokens: int  # tokens whose K/V are cached; this step computes from here
+    num_scheduled_tokens: int
+    # the table index new_block_ids are written from in every group (replacing the entries from
+    # there: copy-on-write gave the request a copy of its last block, or the blocks only
+    # rejected drafts used were freed); -1 = appended. Ignored when resumed.
+    first_new_block: int = -1
+    # speculative decoding: the d draft tokens this step verifies (num_scheduled_tokens is then
+    # 1 + d: the last token of the list and the drafts after it); never part of the token list
+    # until the step accepts them
+    spec_token_ids: list[int] = field(default_factory=list)
+    # a beam: the scheduler picked new_token_ids, so the ranks that sample get them too
+    beam: bool = False
+
+
+@dataclass(slots=True)
+class StepInput:
+    """One engine step for every rank. Requests are computed in the order new_requests, then
+    cached_requests."""
+
+    step_id: int  # increases by one per schedule() call; echoed in the StepOutput
+    new_requests: list[NewRequest]
+    cached_requests: list[CachedRequest]
+    finished_request_ids: Collection[str]  # dropped before anything else in this step
+    # copy-on-write (src, dst) block ids: copied in every layer, in order, before the forward
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding: draft tokens the driver proposes after this step per request that
+    # got a token (StepOutput.draft_token_ids); 0 = none
+    num_speculative_tokens: int = 0
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        """Request id -> tokens computed this step, in compute order."""
+        n = {r.request_id: r.num_scheduled_tokens for r in self.new_requests}
+        n.update((c.request_id, c.num_scheduled_tokens) for c in self.cached_requests)
+        return n
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens computed this step (at most the scheduler's max_num_batched_tokens)."""
+        return (sum(r.num_scheduled_tokens for r in self.new_requests)
+                + sum(r.num_scheduled_tokens for r in self.cached_requests))
+
+
+@dataclass(slots=True)
+class SampledLogprobs:
+    """Columnar logprobs of one step (the StepResult's layout; see worker.proto).
+
+    ``num_top_logprobs[i]`` is k for sampled token i of the StepOutput (``sampled_token_ids``,
+    so one per request unless a request accepted drafts), or -1 when its request asked for
+    none; ``sampled_logprobs`` has one float (natural log) per token with k >= 0, in order;
+    ``top_token_ids`` / ``top_logprobs`` hold k entries per such token, most likely first.
+    """
+
+    num_top_logprobs: list[int]
+    sampled_logprobs: list[float]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class PromptChunkLogprobs:
+    """Raw logprobs of the prompt tokens one request's chunk scored this step.
+
+    Prompt token ``first_position + j`` (``j < len(logprobs)``) has logprob ``logprobs[j]``
+    given the tokens before it; ``top_token_ids`` / ``top_logprobs`` hold k pairs per scored
+    token (k = their length / len(logprobs)), most likely first. Position 0 is never scored.
+    """
+
+    request_id: str
+    first_position: int
+    logprobs: list[float]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """The sampled tokens of the requests whose chunk reached the end of their token list
+    (the driver's; every other rank answers an empty one with the same step_id)."""
+
+    step_id: int
+    request_ids: list[str]
+    # the new tokens of each request, concatenated: one each, or (speculative decoding) its
+    # accepted drafts and then the token sampled after them
+    sampled_token_ids: list[int]
+    logprobs: SampledLogprobs | None = None  # None when no request of the step asked
+    prompt_logprobs: list[PromptChunkLogprobs] = field(default_factory=list)
+    # per request, how many of sampled_token_ids are its (1 + accepted drafts); None = one each
+    num_sampled_token_ids: list[int] | None = None
+    # per request (parallel to request_ids), the drafts proposed to follow its new tokens
+    # (StepInput.num_speculative_tokens > 0; [] where none); None = no proposals this step
+    draft_token_ids: list[list[int]] | None = None

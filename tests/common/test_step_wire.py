@@ -1,0 +1,129 @@
+"""The step types (services/common/step.py) and worker.proto agree field for field, and the one
+codec (services/common/step_wire.py) round-trips every step and result."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+
+import hypothesis.strategies as st
+from hypothesis import given, settings
+
+from services.common.pb.pagedserve.v1 import worker_pb2
+from services.common.sampling_params import EngineSamplingParams
+from services.common.step import (
+    CachedRequest,
+    NewRequest,
+    PromptChunkLogprobs,
+    SampledLogprobs,
+    StepInput,
+    StepOutput,
+)
+from services.common.step_wire import (
+    step_from_pb,
+    step_output_from_pb,
+    step_output_to_pb,
+    step_to_pb,
+)
+
+
+def _proto_fields(message) -> set[str]:
+    return set(message.DESCRIPTOR.fields_by_name)
+
+
+def _names(cls) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def test_new_request_is_the_message_field_for_field():
+    assert set(_names(NewRequest)) == _proto_fields(worker_pb2.NewRequest)
+
+
+def test_cached_request_is_one_row_of_the_columns():
+    """Per-request scalars are one column each (the id as ``request_ids``); a list field is its
+    flat column plus a ``num_`` count column."""
+    columns = set()
+    for f in fields(CachedRequest):
+        if f.name == "request_id":
+            columns.add("request_ids")
+        elif str(f.type).startswith("list"):
+            columns |= {f.name, f"num_{f.name}"}
+        else:
+            columns.add(f.name)
+    assert columns == _proto_fields(worker_pb2.CachedRequests)
+
+
+def test_the_step_is_the_step_request_field_for_field():
+    names = set(_names(StepInput)) - {"blocks_to_copy"} | {"copy_src_block_ids",
+                                                             "copy_dst_block_ids"}
+    assert names == _proto_fields(worker_pb2.StepRequest)
+
+
+def test_the_output_is_the_step_result_field_for_field():
+    """The nested logprobs are the result's columns: SampledLogprobs' by name, and each
+    PromptChunkLogprobs field as a ``prompt_`` column (plus the token and top-pair counts)."""
+    prompt = {f"prompt_{n}" for n in _names(PromptChunkLogprobs)} - {
+        "prompt_request_id", "prompt_first_position", "prompt_prompt_logprobs"}
+    names = (set(_names(StepOutput)) - {"logprobs", "prompt_logprobs", "draft_token_ids"}
+             | set(_names(SampledLogprobs))
+             | prompt | {"prompt_request_ids", "prompt_first_positions", "prompt_logprobs",
+                         "prompt_num_tokens", "prompt_num_top"}
+             | {"draft_token_ids", "num_draft_token_ids"})
+    assert names == _proto_fields(worker_pb2.StepResult)
+
+
+ids = st.lists(st.integers(-1, 2**31 - 1), max_size=6)
+params = st.builds(EngineSamplingParams, temperature=st.sampled_from([0.0, 0.5]),
+                   seed=st.none() | st.integers(0, 2**63), beam_width=st.integers(0, 3))
+new_requests = st.builds(NewRequest, st.text(max_size=4), ids, params, ids,
+                         st.integers(0, 99), st.integers(0, 99))
+cached_requests = st.builds(CachedRequest, st.text(max_size=4), ids, ids, st.booleans(),
+                            st.integers(0, 99), st.integers(0, 99), st.integers(-1, 9), ids,
+                            st.booleans())
+steps = st.builds(StepInput, st.integers(0, 2**62), st.lists(new_requests, max_size=3),
+                  st.lists(cached_requests, max_size=4),
+                  st.lists(st.text(max_size=4), unique=True, max_size=3),
+                  st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), max_size=3),
+                  st.integers(0, 5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps)
+def test_a_step_round_trips_and_a_sampling_rank_gets_only_the_tokens_it_cannot_know(step):
+    step.finished_request_ids = sorted(step.finished_request_ids)  # (the wire's order)
+    assert step_from_pb(step_to_pb(step, samples=False)) == step
+    sampling = step_from_pb(step_to_pb(step, samples=True))
+    assert sampling == replace(step, cached_requests=[
+        c if c.resumed_from_preemption or c.beam else replace(c, new_token_ids=[])
+        for c in step.cached_requests])
+
+
+@st.composite
+def outputs(draw) -> StepOutput:
+    n = draw(st.integers(0, 4))
+    counts = draw(st.lists(st.integers(1, 3), min_size=n, max_size=n))
+    tokens = draw(st.lists(st.integers(0, 99), min_size=sum(counts), max_size=sum(counts)))
+    logprobs = None
+    if tokens and draw(st.booleans()):  # (the worker sends none for no token)
+        ks = draw(st.lists(st.integers(-1, 3), min_size=len(tokens), max_size=len(tokens)))
+        asking = [k for k in ks if k >= 0]
+        floats = st.floats(-9, 0, width=32)  # (the wire's float)
+        logprobs = SampledLogprobs(
+            ks, draw(st.lists(floats, min_size=len(asking), max_size=len(asking))),
+            draw(st.lists(st.integers(0, 99), min_size=sum(asking), max_size=sum(asking))),
+            draw(st.lists(floats, min_size=sum(asking), max_size=sum(asking))))
+    prompt = []
+    for i in range(draw(st.integers(0, 2))):
+        m, k = draw(st.integers(1, 3)), draw(st.integers(0, 2))
+        prompt.append(PromptChunkLogprobs(f"p{i}", draw(st.integers(1, 50)), [-1.0] * m,
+                                          list(range(m * k)), [-2.0] * (m * k)))
+    drafts = draw(st.none() | st.lists(ids.map(lambda t: [abs(x) for x in t]), min_size=n,
+                                       max_size=n))
+    return StepOutput(draw(st.integers(0, 99)), [f"r{i}" for i in range(n)], tokens, logprobs,
+                      prompt, counts if any(c != 1 for c in counts) else None,
+                      drafts if drafts and any(drafts) else None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(outputs())
+def test_an_output_round_trips(out):
+    assert step_output_from_pb(step_output_to_pb(out)) == out
