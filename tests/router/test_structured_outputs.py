@@ -22,9 +22,9 @@ from pagedserve_client.pb.pagedserve.v1 import api_pb2 as client_pb2
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router import structured_outputs as so_mod
 from services.router.generation import EngineError
-from services.router.openai_structured import error_param
-from services.router.openai_errors import OpenAIError
-from services.router.openai_requests import from_status, parse_chat, parse_completion
+from services.router.openai.errors import OpenAIError
+from services.router.openai.requests import from_status, parse_chat, parse_completion
+from services.router.openai.structured import error_param
 from services.router.structured_outputs import (
     GrammarCache,
     build_grammar,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_errors import bad_request, utf8
+from services.router.openai.errors import bad_request, utf8
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams options this server does not implement (their defaults pass).
