@@ -22,6 +22,15 @@ def test_module_does_not_import_torch(module):
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+def test_sdk_imports_nothing_of_services():
+    """The SDK installs alone (its own pyproject): the router may import it, never the reverse."""
+    code = ("import sys, pagedserve_client, pagedserve_client.structured_outputs\n"
+            "bad = sorted(m for m in sys.modules if m == 'services' or m.startswith('services.'))\n"
+            "assert not bad, bad[:5]")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_router_loads_cached_gguf_tokenizer_without_torch():
     from services.router.tokenizer import load_tokenizer
 

@@ -158,7 +158,7 @@ def test_the_real_graph_leaves_the_generated_stubs_out():
     assert {"services.router.server", "kernels", "pagedserve_client"} <= set(graph)
     assert not any(".pb." in m or m.endswith(("_pb2", "_pb2_grpc")) for m in graph)
     assert all(target in graph for targets in graph.values() for target in targets)
-    assert "services.router.openai_http" in graph["services.router.server"]
+    assert "services.router.openai.http" in graph["services.router.server"]
 
 
 def test_no_import_cycles():

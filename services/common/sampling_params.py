@@ -12,7 +12,7 @@ the text, ``validation.TextOptions``).
 
 One request's parameters on their way::
 
-    JSON body ─(openai_requests)─▶ api.proto SamplingParams          fields may be unset
+    JSON body ─(openai.requests)─▶ api.proto SamplingParams          fields may be unset
       ─(validate_sampling, router)─▶ EngineSamplingParams            checked, defaults filled
       ─▶ SubmitRequest.sampling_params ─▶ Request.sampling_params    (scheduler)
       ─▶ NewRequest.sampling_params    ─▶ RequestState.sampling      (worker)

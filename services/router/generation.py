@@ -51,6 +51,9 @@ from services.router.validation import (
 )
 
 log = logging.getLogger(__name__)
+# Requests larger than this (serialized bytes; an HTTP body's length) are validated and
+# tokenized on a thread (``asyncio.to_thread(prepare, ...)``), not on the event loop.
+INLINE_PREPARE_BYTES = 16 * 1024
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Routing across several scheduler replicas: a ``ReplicaSet`` of ``EngineClient``s.
 
-``ReplicaSet`` has the interface ``generation`` / ``server`` / ``openai_http`` / ``text_api`` use
+``ReplicaSet`` has the interface ``generation`` / ``server`` / ``openai.http`` / ``text_api`` use
 on one ``EngineClient`` (``submit``, ``abort``, ``release``, ``is_running``, ``info``,
 ``serving``, ``start``, ``close``), so they do not know whether one scheduler or many serve
 them. It picks a replica per request at ``submit`` time:

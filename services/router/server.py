@@ -1,5 +1,5 @@
 """The router service: the public GenerationService (thin servicer), health and reflection,
-and the OpenAI-compatible HTTP API (``openai_http``) on the same event loop."""
+and the OpenAI-compatible HTTP API (``openai.http``) on the same event loop."""
 
 from __future__ import annotations
 
@@ -28,22 +28,21 @@ from services.router.auth import ApiKeyInterceptor, add_api_key_flag
 from services.router.engine_client import EngineClient
 from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
+    INLINE_PREPARE_BYTES,
     EngineError,
     RequestLog,
     prepare,
     stream_responses,
 )
 from services.router.metrics import RouterMetrics, code_name
-from services.router.openai_errors import OpenAIError
-from services.router.openai_http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
-from services.router.openai_tools import TOOL_PARSERS
+from services.router.openai.errors import OpenAIError
+from services.router.openai.http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
+from services.router.openai.tools import TOOL_PARSERS
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.tokenizer import load_tokenizer
 from services.router.validation import RequestError
 
 log = logging.getLogger(__name__)
-# Requests larger than this are validated and tokenized on a thread, not on the event loop.
-INLINE_PREPARE_BYTES = 16 * 1024
 SERVICE = api_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
 # gRPC metadata key a client may set instead of GenerateRequest.request_id (as HTTP X-Request-Id)
 REQUEST_ID_METADATA = "x-request-id"

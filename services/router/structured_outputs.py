@@ -1,7 +1,7 @@
 """A request's ``StructuredOutputs`` -> one validated llguidance grammar, compiled off the loop.
 
 Every request form (gRPC ``StructuredOutputs``; OpenAI ``response_format`` and vLLM
-``structured_outputs`` through ``openai_structured``; tool_choice required/named) ends here as
+``structured_outputs`` through ``openai.structured``; tool_choice required/named) ends here as
 one ``api_pb2.StructuredOutputs``. ``compile_structured_outputs`` turns it into the
 llguidance grammar text (the TopLevelGrammar JSON of ``llguidance.grammar_from``) that the
 router puts into ``EngineSamplingParams.structured_output``; the driver worker builds its

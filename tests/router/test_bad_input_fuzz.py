@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.common.sampling_params import EngineSamplingParams
-from services.router.openai_errors import OpenAIError
-from services.router.openai_requests import parse_chat, parse_completion
+from services.router.openai.errors import OpenAIError
+from services.router.openai.requests import parse_chat, parse_completion
 from services.router.validation import RequestError, validate_n, validate_sampling
 from services.worker.step_checks import check_sampling
 from tests.stack.test_fuzz import JSON_VALUES, OPENAI_KEYS, SAMPLING, TYPED_VALUES, _sampling_pb
@@ -53,7 +53,7 @@ def test_validate_sampling_accepts_or_names_the_field(fields):
                       st.dictionaries(st.sampled_from(OPENAI_KEYS), JSON_VALUES, max_size=6)))
 def test_openai_parsing_accepts_or_is_a_400(chat, body):
     if not isinstance(body, dict):
-        return  # openai_http answers 400 before parsing
+        return  # openai.http answers 400 before parsing
     try:
         (parse_chat if chat else parse_completion)(body)
     except OpenAIError as e:

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import EngineError, PreparedRequest, stream_responses
-from services.router.openai_http import OpenAIServer
+from services.router.openai.http import OpenAIServer
 from services.router.validation import TextOptions
 from tests.router import smollm2_tokenizer
 from tests.router.test_beam_validation import INFO, USER

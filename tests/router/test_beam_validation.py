@@ -1,5 +1,5 @@
 """Beam search's refusals at the router, each naming its field: gRPC ``validate_sampling`` and
-the OpenAI request parsing (``openai_requests``, then ``prepare`` as the routes run it), and the
+the OpenAI request parsing (``openai.requests``, then ``prepare`` as the routes run it), and the
 engine parameters a beam search is submitted with."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import prepare
-from services.router.openai_errors import OpenAIError
-from services.router.openai_requests import from_status, parse_chat, parse_completion
+from services.router.openai.errors import OpenAIError
+from services.router.openai.requests import from_status, parse_chat, parse_completion
 from services.router.validation import RequestError, validate_sampling
 from tests.router import SMOLLM2_VOCAB_SIZE, smollm2_tokenizer
 
@@ -120,7 +120,7 @@ def http(body: dict, chat: bool = True, tool_parser: str | None = None):
         parsed = completion
     try:
         return prepare(request, smollm2_tokenizer(), INFO), parsed
-    except RequestError as e:  # as openai_http answers it
+    except RequestError as e:  # as openai.http answers it
         raise from_status(e.code, e.message, param) from None
 
 

@@ -1,4 +1,4 @@
-"""Chat message validation as OpenAI does it: the JSON rules of ``openai_messages`` and the
+"""Chat message validation as OpenAI does it: the JSON rules of ``openai.messages`` and the
 rules shared with gRPC in ``validation.validate_messages`` / ``validate_tools``; every refusal
 names the message index and field (HTTP: a 400 with ``param: "messages"``)."""
 
@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_errors import OpenAIError
-from services.router.openai_requests import from_status, parse_chat
+from services.router.openai.errors import OpenAIError
+from services.router.openai.requests import from_status, parse_chat
 from services.router.validation import RequestError, validate_messages, validate_tools
 
 CALL = {"id": "call_1", "type": "function",

@@ -1,6 +1,6 @@
 """Tools on the OpenAI chat route without a stack: ``tools`` / ``tool_choice`` mapping and
-refusals (``openai_tools``), the tool-call parsers (``openai_tool_calls``) streamed at every
-split and whole, and the response shapes they give (``openai_responses``)."""
+refusals (``openai.tools``), the tool-call parsers (``openai.tool_calls``) streamed at every
+split and whole, and the response shapes they give (``openai.responses``)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import jsonschema
 import pytest
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_errors import OpenAIError
-from services.router.openai_requests import parse_chat
-from services.router.openai_responses import ResponseBuilder
-from services.router.openai_tool_calls import (
+from services.router.openai.errors import OpenAIError
+from services.router.openai.requests import parse_chat
+from services.router.openai.responses import ResponseBuilder
+from services.router.openai.tool_calls import (
     HermesParser,
     NamedParser,
     RequiredParser,
     join,
     merge,
 )
-from services.router.openai_tools import AUTO_NEEDS_FLAGS
+from services.router.openai.tools import AUTO_NEEDS_FLAGS
 
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 12},

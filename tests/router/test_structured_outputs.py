@@ -22,9 +22,9 @@ from pagedserve_client.pb.pagedserve.v1 import api_pb2 as client_pb2
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router import structured_outputs as so_mod
 from services.router.generation import EngineError
-from services.router.openai_structured import error_param
-from services.router.openai_errors import OpenAIError
-from services.router.openai_requests import from_status, parse_chat, parse_completion
+from services.router.openai.errors import OpenAIError
+from services.router.openai.requests import from_status, parse_chat, parse_completion
+from services.router.openai.structured import error_param
 from services.router.structured_outputs import (
     GrammarCache,
     build_grammar,
@@ -158,6 +158,45 @@ def test_sdk_structured_outputs_kwarg(value, expected):
 def test_sdk_structured_outputs_refusals(value, error, words):
     with pytest.raises(error, match=words):
         build_request("hi", structured_outputs=value)
+
+
+# vLLM's structured_outputs dict, through the router's HTTP parser and the SDK's keyword: one
+# mapping (pagedserve_client.structured_outputs), so the same message or the same refusal.
+@pytest.mark.parametrize("value", [
+    {"json": SCHEMA}, {"json": '{"type": "string"}'}, {"regex": r"\d+"},
+    {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a"'}, {"json_object": True},
+    {"regex": "a", "json": None, "json_object": False}, {"choice": ["a"], "json_object": False},
+    {"json_object": False}, {"json_object": None, "json": None}, {}, {"json_object": 0},
+    {"json_object": "yes"}, {"regex": "a", "choice": ["a"]}, {"json": [1]}, {"regex": 5},
+    {"choice": "yes"}, {"choice": ["a", "\ud800"]}, {"grammar": "\ud800"},
+])
+def test_router_and_sdk_map_structured_outputs_alike(value):
+    try:
+        sdk = build_request("hi", structured_outputs=value).sampling_params.structured_outputs
+    except (TypeError, ValueError) as e:
+        sdk_error = str(e)
+    else:
+        sdk_error = None
+    try:
+        parsed = parse_chat({"messages": [], "structured_outputs": value})
+    except OpenAIError as e:
+        assert (e.status, e.param, e.message) == (400, "structured_outputs", sdk_error)
+        return
+    assert sdk_error is None
+    router = parsed.request.sampling_params.structured_outputs
+    assert client_pb2.StructuredOutputs.FromString(router.SerializeToString()) == sdk
+    assert router.WhichOneof("kind") in ("json", "regex", "choice", "grammar", "json_object")
+
+
+def test_json_object_false_is_unset_not_a_kind():
+    """``json_object: false`` never reaches the proto (where it is a set kind that the server
+    refuses): alone it is "no kind set", beside another kind it is ignored."""
+    with pytest.raises(ValueError, match="exactly one"):
+        build_request("hi", structured_outputs={"json_object": False})
+    with pytest.raises(OpenAIError, match="exactly one"):
+        parse_chat({"messages": [], "structured_outputs": {"json_object": False}})
+    sp = build_request("hi", structured_outputs={"regex": "a", "json_object": False})
+    assert sp.sampling_params.structured_outputs == client_pb2.StructuredOutputs(regex="a")
 
 
 def test_sdk_logit_bias_kwarg():

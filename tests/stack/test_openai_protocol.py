@@ -13,9 +13,9 @@ import pytest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import EngineError, PreparedRequest
-from services.router.openai_http import OpenAIServer
-from services.router.openai_errors import OpenAIError
-from services.router.openai_requests import from_status, parse_chat, parse_completion
+from services.router.openai.errors import OpenAIError
+from services.router.openai.http import OpenAIServer
+from services.router.openai.requests import from_status, parse_chat, parse_completion
 from services.router.validation import TextOptions
 
 
@@ -195,8 +195,8 @@ class _FakeEngine:
 def _fake_generation(monkeypatch, fail_after: int, closed: list):
     """``stream_responses`` yields ``fail_after`` one-token messages, then raises 429's
     RESOURCE_EXHAUSTED; ``closed`` records that the generator was closed (/v1/completions,
-    whose calls ``openai_completions`` runs)."""
-    from services.router import openai_completions
+    whose calls ``openai.completions`` runs)."""
+    from services.router.openai import completions as openai_completions
 
     async def stream_responses(engine, tokenizer, prepared, **options):
         try:
@@ -272,7 +272,7 @@ def test_a_failing_prompt_of_a_batch_closes_the_others(monkeypatch):
     """Prompt 1 fails after its first message while prompt 0 is still generating: the call
     ends with the error, and prompt 0's generator is closed (which aborts its engine
     requests)."""
-    from services.router import openai_completions
+    from services.router.openai import completions as openai_completions
 
     closed = []
 

@@ -16,16 +16,14 @@ The server checks the grammar (an invalid one is INVALID_ARGUMENT naming
 
 from __future__ import annotations
 
-import json
-
 from pagedserve_client.pb.pagedserve.v1 import api_pb2
-
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+from pagedserve_client.structured_outputs import KINDS, structured_outputs_fields
 
 
 def structured_outputs_pb(value) -> api_pb2.StructuredOutputs:
     """The ``StructuredOutputs`` message of ``value``: a dict with exactly one of
-    ``STRUCTURED_KINDS`` (None values ignored), or a StructuredOutputs message.
+    ``KINDS`` (mapped by ``structured_outputs.structured_outputs_fields``: None values and
+    ``json_object: False`` ignored), or a StructuredOutputs message of either stubs.
 
     Raises:
         ValueError: not exactly one known kind, or an unknown key.
@@ -37,33 +35,11 @@ def structured_outputs_pb(value) -> api_pb2.StructuredOutputs:
     if not isinstance(value, dict):
         raise TypeError("structured_outputs must be a dict like {'json': schema} or a "
                         f"StructuredOutputs message, got {type(value).__name__}")
-    unknown = set(value) - set(STRUCTURED_KINDS)
+    unknown = set(value) - set(KINDS)
     if unknown:
         raise ValueError(f"structured_outputs: unknown key(s) {sorted(unknown)}; "
-                         f"known: {list(STRUCTURED_KINDS)}")
-    given = [k for k in STRUCTURED_KINDS if value.get(k) is not None]
-    if len(given) != 1:
-        raise ValueError("structured_outputs must set exactly one of "
-                         f"{', '.join(STRUCTURED_KINDS)}, got {given or 'none'}")
-    kind = given[0]
-    v = value[kind]
-    if kind == "json" and isinstance(v, dict):
-        return api_pb2.StructuredOutputs(json=json.dumps(v))
-    if kind == "json_object":
-        if not isinstance(v, bool):
-            raise TypeError(f"structured_outputs['json_object'] must be True, got {v!r}")
-        return api_pb2.StructuredOutputs(json_object=v)
-    if kind == "choice":
-        if isinstance(v, str) or not all(isinstance(c, str) for c in v):
-            raise TypeError("structured_outputs['choice'] must be a list of strings")
-        return api_pb2.StructuredOutputs(choice=api_pb2.ChoiceList(choices=list(v)))
-    if not isinstance(v, str):
-        raise TypeError(f"structured_outputs[{kind!r}] must be a string"
-                        + (" or a dict (the schema)" if kind == "json" else "")
-                        + f", got {type(v).__name__}")
-    return (api_pb2.StructuredOutputs(json=v) if kind == "json"
-            else api_pb2.StructuredOutputs(regex=v) if kind == "regex"
-            else api_pb2.StructuredOutputs(grammar=v))
+                         f"known: {list(KINDS)}")
+    return api_pb2.StructuredOutputs(**structured_outputs_fields(value))
 
 
 def set_logit_bias(params: api_pb2.SamplingParams, bias) -> None:

@@ -12,12 +12,12 @@
   tokens (raw logprobs, of every token counted in the candidate's completion_tokens, also
   the one that completed a stop string) are returned, best first; ties keep candidate order.
   ``usage.completion_tokens`` counts every candidate (OpenAI bills them).
-- echo: see ``openai_responses.Echo``. With ``max_tokens: 0`` (``score_only``) the engine
+- echo: see ``openai.responses.Echo``. With ``max_tokens: 0`` (``score_only``) the engine
   still generates one token (it always generates at least one); its text, logprobs and count
   are dropped and the choice ends with finish_reason "length".
 
 A ``CompletionCall`` offers ``ResponseBuilder``'s interface (``add``, ``response``,
-``role_chunks``, ``chunk``, ``usage_chunk``), so ``openai_http`` drives both the same way.
+``role_chunks``, ``chunk``, ``usage_chunk``), so ``openai.http`` drives both the same way.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.router.generation import PreparedRequest, prepare, stream_responses
-from services.router.openai_requests import ParsedCompletion
-from services.router.openai_responses import Echo, ResponseBuilder
+from services.router.openai.requests import ParsedCompletion
+from services.router.openai.responses import Echo, ResponseBuilder
 from services.router.replicas import ReplicaSet
 from services.router.validation import RequestError
 

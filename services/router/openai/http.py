@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (whole JSON, or server-sent events
 with ``stream: true``), GET /v1/models, GET /health. A request goes the same way as a gRPC
-Generate call: ``openai_requests`` maps the JSON onto a GenerateRequest, then
+Generate call: ``openai.requests`` maps the JSON onto a GenerateRequest, then
 ``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
 detokenization, stop strings, n choices). Errors use OpenAI's body
 ``{"error": {message, type, param, code}}``: 400 invalid argument, 404 unknown model or route,
@@ -32,23 +32,22 @@ from services.common.logs import request_id_var
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
+    INLINE_PREPARE_BYTES,
     EngineError,
     RequestLog,
     prepare,
     stream_responses,
 )
 from services.router.metrics import RouterMetrics
-from services.router.openai_completions import CompletionCall
-from services.router.openai_errors import OpenAIError, bad_request
-from services.router.openai_requests import from_status, parse_chat, parse_completion
-from services.router.openai_responses import ResponseBuilder
-from services.router.openai_structured import error_param
+from services.router.openai.completions import CompletionCall
+from services.router.openai.errors import OpenAIError, bad_request
+from services.router.openai.requests import from_status, parse_chat, parse_completion
+from services.router.openai.responses import ResponseBuilder
+from services.router.openai.structured import error_param
 from services.router.replicas import ReplicaSet
 from services.router.validation import RequestError
 
 log = logging.getLogger(__name__)
-# Bodies larger than this are validated and tokenized on a thread, not on the event loop.
-INLINE_PREPARE_BYTES = 16 * 1024
 # NOTE: the largest request the public APIs read (HTTP body; gRPC message, router
 # --max-request-bytes): 8 MiB holds a 128k-token prompt many times over (as JSON token
 # ids ~7 B/token, as text ~4 B/token), and bounds what one request makes the router parse
@@ -191,7 +190,7 @@ class OpenAIServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: one prompt or a batch, echo, best_of
-        (``openai_completions``)."""
+        (``openai.completions``)."""
         body, info = await self._body(request)
         parsed = parse_completion(body)
         structured_param = error_param(body)

@@ -6,14 +6,14 @@ The shapes follow OpenAI's API (as vLLM serves it): ``text_completion`` /
 ``usage`` with ``prompt_tokens_details.cached_tokens``. Each choice also carries vLLM's extra
 ``stop_reason`` (the stop string that matched, or the stop_token_ids entry that ended the
 choice as an integer, else null). ``logprobs`` is null unless the
-request asked for them (see ``openai_logprobs``); a stream chunk then carries the logprobs of
+request asked for them (see ``openai.logprobs``); a stream chunk then carries the logprobs of
 the tokens of its message (a chunk is sent for tokens whose text is still held back, too).
 
 Usage of an n > 1 request: ``prompt_tokens`` counted once, ``completion_tokens`` summed over
 the choices, ``cached_tokens`` as reported for choice 0 (the other choices share its prompt
 blocks, so theirs would count the sharing, not the client's cache hit).
 
-Chat with tools: each choice's text goes through its tool-call parser (``openai_tool_calls``),
+Chat with tools: each choice's text goes through its tool-call parser (``openai.tool_calls``),
 streamed or whole alike: ``message`` / ``delta`` then carry ``tool_calls`` (content null when
 only whitespace is left), and a choice that made calls ends with ``finish_reason:
 "tool_calls"`` instead of "stop".
@@ -28,9 +28,9 @@ from typing import Any
 
 from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_logprobs import LogprobsFormatter, merge
-from services.router.openai_tool_calls import join as join_deltas
-from services.router.openai_tool_calls import merge as merge_deltas
+from services.router.openai.logprobs import LogprobsFormatter, merge
+from services.router.openai.tool_calls import join as join_deltas
+from services.router.openai.tool_calls import merge as merge_deltas
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ class ResponseBuilder:
         self.chat, self.model, self.n = chat, model, n
         self._echo = echo
         self._echo_pending = set(range(n)) if echo is not None else set()
-        # one tool-call parser per choice (openai_tool_calls), or None: the text is content
+        # one tool-call parser per choice (openai.tool_calls), or None: the text is content
         self._tools = [tool_calls() for _ in range(n)] if tool_calls is not None else None
         self._logprobs = ([LogprobsFormatter(tokenizer, chat) for _ in range(n)]
                           if tokenizer is not None else None)

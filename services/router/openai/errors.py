@@ -1,7 +1,7 @@
 """OpenAI's error body, and the checks shared by the modules that parse OpenAI JSON requests.
 
-The request parsers (``openai_requests``, ``openai_messages``, ``openai_tools``,
-``openai_structured``) raise ``OpenAIError``; ``openai_http`` sends it as
+The request parsers (``openai.requests``, ``openai.messages``, ``openai.tools``,
+``openai.structured``) raise ``OpenAIError``; ``openai.http`` sends it as
 ``{"error": {message, type, param, code}}`` with its HTTP status. This module imports none of
 them, so each can import it.
 """

@@ -13,7 +13,7 @@ and field, ``param: "messages"``.
 from __future__ import annotations
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_errors import OpenAIError, bad_request, utf8
+from services.router.openai.errors import OpenAIError, bad_request, utf8
 
 
 def parse_messages(messages) -> list[api_pb2.ChatMessage]:

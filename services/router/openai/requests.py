@@ -1,5 +1,5 @@
 """OpenAI JSON request bodies -> ``api_pb2.GenerateRequest``, and the OpenAI error for a gRPC
-status (``from_status``; the error itself is ``openai_errors.OpenAIError``).
+status (``from_status``; the error itself is ``openai.errors.OpenAIError``).
 
 Only the JSON *types* are checked here (a number where a number belongs, an int32 where the
 proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
@@ -18,10 +18,10 @@ from typing import Any
 import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_errors import OpenAIError, bad_request, utf8
-from services.router.openai_messages import parse_messages
-from services.router.openai_structured import error_param, parse_structured_outputs
-from services.router.openai_tools import parse_tools
+from services.router.openai.errors import OpenAIError, bad_request, utf8
+from services.router.openai.messages import parse_messages
+from services.router.openai.structured import error_param, parse_structured_outputs
+from services.router.openai.tools import parse_tools
 from services.router.validation import MAX_N
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -85,7 +85,7 @@ class ParsedRequest:
         include_usage: (streaming) send a last chunk with the whole request's usage.
         prompt_param: "prompt" (completions) or "messages" (chat), for error params.
         tool_calls: (chat with tools) makes the per-choice parser that reads tool calls out
-            of the text (``openai_tool_calls``); None: the text is the content.
+            of the text (``openai.tool_calls``); None: the text is the content.
         structured_param: the field that set ``sampling_params.structured_outputs``, named by
             the 400 of an invalid grammar (see ``from_status``).
     """
@@ -101,7 +101,7 @@ class ParsedRequest:
 @dataclass(slots=True)
 class ParsedCompletion:
     """A POST /v1/completions body mapped onto the gRPC API: one GenerateRequest per prompt
-    (``services.router.openai_completions`` runs them).
+    (``services.router.openai.completions`` runs them).
 
     Attributes:
         requests: one per prompt, in order, all with the same sampling parameters (the engine
@@ -208,8 +208,8 @@ def _prompt(req: api_pb2.GenerateRequest, prompt, name: str) -> None:
 
 
 def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
-    """Map a POST /v1/chat/completions body: ``messages`` (``openai_messages``), ``tools`` and
-    ``tool_choice`` (``openai_tools``); ``max_completion_tokens`` wins over the deprecated
+    """Map a POST /v1/chat/completions body: ``messages`` (``openai.messages``), ``tools`` and
+    ``tool_choice`` (``openai.tools``); ``max_completion_tokens`` wins over the deprecated
     ``max_tokens``.
 
     Args:

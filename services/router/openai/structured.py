@@ -11,7 +11,9 @@ Both routes (/v1/completions and /v1/chat/completions, as vLLM) accept either fi
     structured_outputs: exactly one of                  json (an object, or its JSON text),
       json, regex, choice, grammar, json_object         regex, choice, grammar, json_object
 
-Only the JSON types are checked here (a 400 naming the field); the grammar itself is
+The ``structured_outputs`` dict is mapped by the SDK's ``pagedserve_client.structured_outputs``
+(one mapping for the SDK's keyword and this route; its TypeError / ValueError become a 400
+here). Only the JSON types are checked here (a 400 naming the field); the grammar itself is
 compiled and validated later by ``services.router.structured_outputs`` (its errors start with
 ``structured_outputs.<kind>``; ``error_param`` says which request field they are about).
 Refused with a 400: both fields at once, ``response_format`` types other than the three above
@@ -24,10 +26,10 @@ from __future__ import annotations
 
 import json
 
+from pagedserve_client.structured_outputs import KINDS, structured_outputs_fields
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_errors import bad_request, utf8
+from services.router.openai.errors import bad_request
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # vLLM's StructuredOutputsParams options this server does not implement (their defaults pass).
 _UNSUPPORTED_OPTIONS = {"disable_any_whitespace": False, "disable_additional_properties": False,
                         "disable_fallback": False, "whitespace_pattern": None,
@@ -110,32 +112,7 @@ def _vllm(so) -> api_pb2.StructuredOutputs | None:
             raise bad_request(f"structured_outputs.{name} is not supported by this server "
                               "(set llguidance's options in the schema's \"x-guidance\" object)",
                               param)
-    # NOTE: null (and json_object false) means unset, as clients that dump every field send.
-    given = [k for k in KINDS if so.get(k) not in (None, False)]
-    if len(given) != 1:
-        raise bad_request("structured_outputs must set exactly one of " + ", ".join(KINDS) +
-                          (f", got {', '.join(given)}" if given else ""), param)
-    kind = given[0]
-    value = so[kind]
-    field = f"structured_outputs.{kind}"
-    if kind == "json":
-        if isinstance(value, dict):
-            return api_pb2.StructuredOutputs(json=json.dumps(value))
-        if not isinstance(value, str):
-            raise bad_request(f"{field} must be a JSON Schema object or its JSON text", param)
-        return api_pb2.StructuredOutputs(json=utf8(value, field, param))
-    if kind == "json_object":
-        if value is not True:
-            raise bad_request(f"{field} must be true", param)
-        return api_pb2.StructuredOutputs(json_object=True)
-    if kind == "choice":
-        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-            raise bad_request(f"{field} must be a list of strings", param)
-        return api_pb2.StructuredOutputs(choice=api_pb2.ChoiceList(
-            choices=[utf8(c, f"{field}[{i}]", param) for i, c in enumerate(value)]))
-    if not isinstance(value, str):
-        raise bad_request(f"{field} must be a string", param)
-    text = utf8(value, field, param)
-    return (api_pb2.StructuredOutputs(regex=text) if kind == "regex"
-            else api_pb2.StructuredOutputs(grammar=text))
-
+    try:
+        return api_pb2.StructuredOutputs(**structured_outputs_fields(so))
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e), param) from None

@@ -8,7 +8,7 @@
   default "auto" with tools, "none" without. As vLLM:
   - "none": the tools still reach the template, the text is not parsed for calls.
   - "auto": the text is parsed by the router's ``--tool-call-parser`` (``hermes``, see
-    ``openai_tool_calls``); without ``--enable-auto-tool-choice`` and a parser it is a 400.
+    ``openai.tool_calls``); without ``--enable-auto-tool-choice`` and a parser it is a 400.
   - "required" and a named function are *enforced*: ``structured_outputs.json`` becomes a
     JSON schema (named: the function's parameters, the whole output being its arguments;
     required: vLLM's array, ``minItems`` 1, of ``{"name": const, "parameters": schema}``, one
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai_errors import OpenAIError, bad_request, utf8
-from services.router.openai_tool_calls import HermesParser, NamedParser, RequiredParser
+from services.router.openai.errors import OpenAIError, bad_request, utf8
+from services.router.openai.tool_calls import HermesParser, NamedParser, RequiredParser
 
 TOOL_PARSERS = ("hermes",)  # router --tool-call-parser choices
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's function name rule
@@ -72,7 +72,7 @@ def parse_tools(body: dict, req: api_pb2.GenerateRequest, tool_parser: str | Non
             is set, else None ("auto" is then refused).
 
     Returns:
-        A factory of the per-choice output parser (``openai_tool_calls``), or None when the
+        A factory of the per-choice output parser (``openai.tool_calls``), or None when the
         text is returned as it is (no tools, or "none").
 
     Raises:
