@@ -33,12 +33,13 @@ def _cut(flat: list, counts) -> list[list]:
 # ``request_id`` is ``request_ids``, a list field f is the flat column f plus its counts num_f,
 # any other field is its own column; a column whose every entry is the field's default (no
 # tokens, appended blocks, no drafts, no beams ...) is sent empty.
-_CACHED = fields(CachedRequest)
 _ZERO = {"int": 0, "bool": False}
-
-
-def _default(f):
-    return f.default if f.default is not MISSING else _ZERO[f.type]
+# (name, a list field?, default) of every CachedRequest field after request_id (the types are
+# strings: step.py's annotations are postponed)
+_CACHED = [(f.name, str(f.type).startswith("list"),
+            None if str(f.type).startswith("list") else
+            f.default if f.default is not MISSING else _ZERO[str(f.type)])
+           for f in fields(CachedRequest)[1:]]
 
 
 def _cached_requests_to_pb(cached: list[CachedRequest], samples: bool
@@ -46,17 +47,17 @@ def _cached_requests_to_pb(cached: list[CachedRequest], samples: bool
     """The cached requests as columns, for a rank that ``samples`` (keeps its own tokens: it
     gets token ids only for resumed requests and beams) or not."""
     msg = worker_pb2.CachedRequests(request_ids=[c.request_id for c in cached])
-    for f in _CACHED[1:]:
-        values = [getattr(c, f.name) for c in cached]
-        if f.name == "new_token_ids" and samples:
+    for name, is_list, default in _CACHED:
+        values = [getattr(c, name) for c in cached]
+        if name == "new_token_ids" and samples:
             values = [v if c.resumed_from_preemption or c.beam else []
                       for v, c in zip(values, cached, strict=True)]
-        if f.type.startswith("list"):
+        if is_list:
             if any(values):
-                getattr(msg, f.name).extend(chain.from_iterable(values))
-                getattr(msg, f"num_{f.name}").extend(map(len, values))
-        elif any(v != _default(f) for v in values):
-            getattr(msg, f.name).extend(values)
+                getattr(msg, name).extend(chain.from_iterable(values))
+                getattr(msg, f"num_{name}").extend(map(len, values))
+        elif any(v != default for v in values):
+            getattr(msg, name).extend(values)
     return msg
 
 
@@ -87,20 +88,20 @@ def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]
     """
     n = len(c.request_ids)
     columns: list[list] = [list(c.request_ids)]
-    for f in _CACHED[1:]:
-        values = list(getattr(c, f.name))
-        if f.type.startswith("list"):
-            counts = list(getattr(c, f"num_{f.name}")) or ([] if values else [0] * n)
+    for name, is_list, default in _CACHED:
+        values = list(getattr(c, name))
+        if is_list:
+            counts = list(getattr(c, f"num_{name}")) or ([] if values else [0] * n)
             if len(counts) != n or sum(counts) != len(values) or min(counts, default=0) < 0:
                 raise ValueError(f"malformed CachedRequests: {n} request ids but "
-                                 f"{len(counts)} num_{f.name} that count {sum(counts)} of "
-                                 f"{len(values)} {f.name}")
+                                 f"{len(counts)} num_{name} that count {sum(counts)} of "
+                                 f"{len(values)} {name}")
             values = _cut(values, counts)
         elif not values:
-            values = [_default(f)] * n
+            values = [default] * n
         elif len(values) != n:
             raise ValueError(f"malformed CachedRequests: {n} request ids but {len(values)} "
-                             f"{f.name}")
+                             f"{name}")
         columns.append(values)
     return [CachedRequest(*row) for row in zip(*columns, strict=True)]
 
