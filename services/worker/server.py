@@ -419,10 +419,10 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
     A parallel rank whose step failed exits the process with code 1 (see the module note).
     """
     if runner is None and world_size(args) > 1 and args.rank is None:
-        from services.worker.launch import RankSupervisor
+        from services.cli.ranks import RankSupervisor
         return await RankSupervisor(args).run(ready, stop)
     if runner is None:
-        from services.worker.launch import die_with_supervisor
+        from services.cli.ranks import die_with_supervisor
         die_with_supervisor()
     forward = forward_thread()
     runner = runner or await asyncio.get_running_loop().run_in_executor(forward, build_runner,

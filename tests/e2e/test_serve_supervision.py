@@ -17,8 +17,8 @@ import pytest
 from pagedserve_client import Client
 
 from services.common.ports import free_port, free_port_range
-from services.launcher import _supervise
-from services.supervision import RestartPolicy, ServeMetrics
+from services.cli.launcher import _supervise
+from services.cli.supervision import RestartPolicy, ServeMetrics
 from tests.e2e.test_serve import CLI
 from tests.helpers import make_servable_tiny_llama
 

@@ -17,7 +17,7 @@ from services.common.ports import free_port_range
 from services.router import server as router_server
 from services.scheduler import server as scheduler_server
 from services.worker import server as worker_server
-from services.worker.launch import RankSupervisor
+from services.cli.ranks import RankSupervisor
 from tests.helpers import make_servable_tiny_llama
 from tests.stack_harness import _args, _BackgroundStack
 

@@ -12,7 +12,7 @@ import sys
 
 from services.common.config import HelpFormatter, add_flag, env_name, float_in, int_in
 from services.common.metrics import SCHEDULER_PORT
-from services.supervision import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW
+from services.cli.supervision import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW
 
 SERVE_PORT = int_in(1, 65535)  # serve wires fixed ports together: no 0 (= any) here
 
@@ -132,16 +132,16 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if asked_help else 2)
     cmd, rest = argv[0], argv[1:]
     if cmd in SERVICES:
-        from services.launcher import die_with_serve
+        from services.cli.launcher import die_with_serve
         die_with_serve()  # started by `pagedserve serve`: die with it
         run_one_service(cmd, rest)
     elif cmd == "serve":
-        from services.launcher import run_stack
+        from services.cli.launcher import run_stack
         ns = serve_parser().parse_args(rest)
         raise SystemExit(run_stack(ns, {n: forwarded_argv(n, ns) for n in SERVICES},
                                    {n: forwarded_env(n, ns) for n in SERVICES}))
     elif cmd == "generate":
-        from services.generate_cli import main as generate_main
+        from services.cli.generate import main as generate_main
         generate_main(rest)
     elif cmd == "health":
         from services.common.grpc_utils import health_status
@@ -160,6 +160,3 @@ def main(argv: list[str] | None = None) -> None:
         print(status)
         raise SystemExit(0 if ok else 1)
 
-
-if __name__ == "__main__":
-    main()

@@ -34,7 +34,7 @@ def die_with_supervisor() -> None:
     supervisor = os.environ.pop(SUPERVISOR_ENV, None)
     if supervisor is None:
         return
-    from services.launcher import _die_with_parent
+    from services.cli.launcher import _die_with_parent
     _die_with_parent()
     if os.getppid() != int(supervisor):  # it died before the signal was armed
         raise SystemExit("worker rank: the supervisor has exited")

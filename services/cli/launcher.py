@@ -32,7 +32,7 @@ import time
 from services.common.grpc_utils import check_health
 from services.common.metrics import start_metrics_server
 from services.common.tls import client_credentials, tls_from_args
-from services.supervision import RestartPolicy, ServeMetrics
+from services.cli.supervision import RestartPolicy, ServeMetrics
 
 _PR_SET_PDEATHSIG = 1
 SERVE_PID_ENV = "PAGEDSERVE_SERVE_PID"  # set for the services serve starts: serve's pid
@@ -245,7 +245,7 @@ def run_stack(ns, service_argv: dict[str, list[str]],
               file=sys.stderr, flush=True)
     service_log = None  # --demo: the services' logs go to a file, the answers print clean
     if ns.demo:
-        from services.demo import open_service_log
+        from services.cli.demo import open_service_log
         service_log = open_service_log()
     signal.signal(signal.SIGTERM, on_signal)
     try:
@@ -257,7 +257,7 @@ def run_stack(ns, service_argv: dict[str, list[str]],
             print(f"pagedserve serve: {error}", file=sys.stderr)
             return 1
         if ns.demo:
-            from services.demo import run_demo
+            from services.cli.demo import run_demo
             keys = getattr(ns, "api_key", None)
             run_demo(addresses["router"], credentials=credentials,
                      api_key=keys.as_flag_value().split(",")[0] if keys else None)
