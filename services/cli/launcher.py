@@ -1,77 +1,38 @@
 """``pagedserve serve``: run worker, scheduler and router as child processes on localhost, and
 keep them running.
 
-Starts them in dependency order and waits until each answers gRPC health SERVING; a service that
-exits during this start-up ends ``serve`` with code 1 at once (a bad flag or model would only
-crash again). Once the stack has been healthy, a service that exits is restarted with the same
-command line and ports, after a backoff of 1 s doubling up to 30 s; the scheduler reconnects to a
-restarted worker and the router to a restarted scheduler by themselves. The
-``--max-restarts + 1``-th exit of one service within ``--restart-window`` seconds stops the others
-and ends ``serve`` with code 1, naming the service and its exit code (``--max-restarts 0``: the
-first exit). Each restart is logged on stderr and counted in
+Starts them and waits until each answers gRPC health SERVING, in dependency order; a service
+that exits during this start-up ends ``serve`` with code 1 at once (a bad flag or model would
+only crash again). Once the stack has been healthy, a service that exits is restarted with the
+same command line and ports, after a backoff of 1 s doubling up to 30 s; the scheduler
+reconnects to a restarted worker and the router to a restarted scheduler by themselves. The
+``--max-restarts + 1``-th exit of one service within ``--restart-window`` seconds stops the
+others and ends ``serve`` with code 1, naming the service and its exit code (``--max-restarts
+0``: the first exit). Each restart is logged on stderr and counted in
 ``pagedserve:service_restarts_total{service}`` on serve's own metrics port (``--metrics-port``
-BASE + 2 + world size, after the worker ranks). See services/supervision.py for the policy.
+BASE + 2 + world size, after the worker ranks). With tensor/pipeline parallelism the worker is
+its N*M rank processes, started, restarted and counted as one (services/cli/ranks.py). The
+supervisor and its restart rule: services/cli/supervision.py.
 
 Ctrl-C / SIGTERM (also during a backoff wait or a restart) stops them all: router and scheduler
 first, so they can drain the requests in flight (``--shutdown-timeout``), then the worker. Each
 child also gets SIGTERM from the kernel when ``serve`` dies, however it dies
-(``die_with_serve``).
+(``die_with_supervisor``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import os
+import functools
 import signal
 import socket
-import subprocess
 import sys
-import time
 
-from services.common.grpc_utils import check_health
+from services.cli.flags import SERVICES
+from services.cli.ranks import convert_once, rank_group
+from services.cli.supervision import ProcessGroup, ServeMetrics, Supervisor, spawn_cli
 from services.common.metrics import start_metrics_server
 from services.common.tls import client_credentials, tls_from_args
-from services.cli.supervision import RestartPolicy, ServeMetrics
-
-_PR_SET_PDEATHSIG = 1
-SERVE_PID_ENV = "PAGEDSERVE_SERVE_PID"  # set for the services serve starts: serve's pid
-SERVICES = ("worker", "scheduler", "router")  # start order
-
-
-def _die_with_parent() -> None:
-    """Get SIGTERM when the parent process dies, however it dies (Linux; elsewhere a no-op)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux/glibc: children then outlive a SIGKILLed serve
-        pass
-
-
-def die_with_serve() -> None:
-    """In a service ``serve`` started (``SERVE_PID_ENV`` set): get SIGTERM when serve dies, or
-    exit now if it already has. Called first thing by ``pagedserve worker|scheduler|router``.
-
-    Raises:
-        SystemExit: serve died before the signal was armed.
-    """
-    serve_pid = os.environ.pop(SERVE_PID_ENV, None)  # popped: not inherited by worker ranks
-    if serve_pid is None:
-        return
-    _die_with_parent()
-    if os.getppid() != int(serve_pid):
-        raise SystemExit("pagedserve: pagedserve serve has exited")
-
-
-def _spawn(name: str, argv: list[str], env: dict[str, str] | None = None,
-           stderr=None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.cli", name, *argv]
-    # secrets (--api-key) travel in the environment, not argv
-    env = {**os.environ, **(env or {}), SERVE_PID_ENV: str(os.getpid())}
-    # NOTE: own session, so a terminal's Ctrl-C reaches serve only and serve stops the children
-    # in order. No preexec_fn: once serve has threads (metrics server, gRPC) Python code between
-    # fork and exec is unsafe, so the child arms its parent-death signal itself (die_with_serve).
-    # stderr: where the child's logs go (a file under --demo); None: serve's own stderr
-    return subprocess.Popen(cmd, start_new_session=True, env=env, stderr=stderr)
 
 
 def ports_in_use(host: str, ports: list[int]) -> list[int]:
@@ -85,51 +46,16 @@ def ports_in_use(host: str, ports: list[int]) -> list[int]:
     return busy
 
 
-def _terminate(procs: list[subprocess.Popen], timeout: float) -> None:
-    """SIGTERM ``procs``, wait up to ``timeout`` seconds for them to exit, then SIGKILL."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def _stop_all(procs: dict[str, subprocess.Popen], timeout: float = 10.0,
-              drain: float = 0.0) -> None:
+def _stop_all(supervisor: Supervisor, timeout: float = 10.0, drain: float = 0.0) -> None:
     """Stop the stack gracefully: router and scheduler first (they get ``drain`` seconds,
     --shutdown-timeout, to finish the requests in flight, plus ``timeout`` s to exit), then
     the worker, which keeps executing steps until its scheduler has drained. A second Ctrl-C
     / SIGTERM meanwhile kills what is left."""
     try:
-        _terminate([p for n, p in procs.items() if n != "worker"], drain + timeout)
-        _terminate([p for n, p in procs.items() if n == "worker"], timeout)
+        supervisor.stop(["router", "scheduler"], drain + timeout)
+        supervisor.stop(["worker"], timeout)
     except KeyboardInterrupt:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-async def _wait_healthy(procs, addresses: dict[str, str], timeout: float,
-                        credentials=None) -> str | None:
-    """None when every service is SERVING; else why not. ``credentials``: TLS channel
-    credentials when the services serve TLS (the services' own certificate and CA)."""
-    deadline = time.monotonic() + timeout
-    for name, address in addresses.items():
-        while not await check_health(address, timeout=1.0, credentials=credentials):
-            for n, p in procs.items():
-                if p.poll() is not None:
-                    return f"{n} exited with code {p.returncode} during start-up"
-            if time.monotonic() > deadline:
-                return f"{name} at {address} not healthy after {timeout:.0f}s"
-            await asyncio.sleep(0.5)
-        print(f"pagedserve: {name} is serving on {address}", file=sys.stderr, flush=True)
-    return None
+        supervisor.kill_all()
 
 
 def _metrics_ports(ns, world: int) -> dict[str, int]:
@@ -138,42 +64,6 @@ def _metrics_ports(ns, world: int) -> dict[str, int]:
     base = getattr(ns, "metrics_port", -1)
     offsets = {"scheduler": 0, "router": 1, "worker": 2, "serve": 2 + world}
     return {name: base + offset if base > 0 else base for name, offset in offsets.items()}
-
-
-def _give_up_message(name: str, code: int, policy: RestartPolicy) -> str:
-    why = "--max-restarts 0" if policy.max_restarts == 0 else (
-        f"{policy.recent_crashes} exits within {policy.window:g}s, more than --max-restarts "
-        f"{policy.max_restarts} allows; giving up")
-    return f"pagedserve serve: {name} exited with code {code} ({why})"
-
-
-def _supervise(procs: dict[str, subprocess.Popen], spawn, policies: dict[str, RestartPolicy],
-               metrics: ServeMetrics, poll: float = 0.2) -> int:
-    """Restart the services of ``procs`` that exit, as their policy allows; return 1 when one
-    gives up (never returns otherwise). ``spawn(name)`` starts service ``name`` again."""
-    due: dict[str, float] = {}  # service -> monotonic time of its pending restart
-    while True:
-        now = time.monotonic()
-        for name, p in procs.items():
-            if name in due:
-                if now >= due[name]:
-                    del due[name]
-                    procs[name] = spawn(name)  # NOTE: a signal before this store: the new
-                    metrics.restarted(name)    # child still dies with serve (die_with_serve)
-                continue
-            if p.poll() is None:
-                continue
-            delay = policies[name].on_crash()
-            if delay is None:
-                print(_give_up_message(name, p.returncode, policies[name]), file=sys.stderr,
-                      flush=True)
-                return 1
-            due[name] = now + delay
-            print(f"pagedserve serve: {name} exited with code {p.returncode}; restarting it in "
-                  f"{delay:g}s (restart {policies[name].recent_crashes} of at most "
-                  f"{policies[name].max_restarts} within {policies[name].window:g}s)",
-                  file=sys.stderr, flush=True)
-        time.sleep(poll)
 
 
 def run_stack(ns, service_argv: dict[str, list[str]],
@@ -197,8 +87,8 @@ def run_stack(ns, service_argv: dict[str, list[str]],
         return 1
     host = "127.0.0.1"
     ports = {"worker": ns.worker_port, "scheduler": ns.scheduler_port, "router": ns.port}
-    # NOTE: with tensor/pipeline parallelism the worker starts every rank, rank r on
-    # --worker-port + r; the scheduler gets all of their addresses.
+    # NOTE: with tensor/pipeline parallelism serve starts every rank itself, rank r on
+    # --worker-port + r, as one unit; the scheduler gets all of their addresses.
     world = getattr(ns, "tensor_parallel_size", 1) * getattr(ns, "pipeline_parallel_size", 1)
     rank_ports = [ns.worker_port + r for r in range(world)]
     metrics = _metrics_ports(ns, world)
@@ -215,11 +105,14 @@ def run_stack(ns, service_argv: dict[str, list[str]],
                    "--scheduler", f"{host}:{ns.scheduler_port}",
                    "--metrics-port", str(metrics["router"])],
     }
-    procs: dict[str, subprocess.Popen] = {}
 
-    def spawn(name: str) -> subprocess.Popen:
-        return _spawn(name, wiring[name] + service_argv[name], (service_env or {}).get(name),
-                      stderr=service_log)
+    def spawn(name: str) -> ProcessGroup:
+        env = (service_env or {}).get(name)
+        if name == "worker" and world > 1:  # the ranks: their own --port and --metrics-port
+            return rank_group(["--host", host, *service_argv[name]], world, ns.worker_port,
+                              metrics["worker"], env, stderr=service_log)
+        return ProcessGroup([spawn_cli([name, *wiring[name], *service_argv[name]], env,
+                                       stderr=service_log)], [name])
 
     def on_signal(_signum, _frame):
         raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C
@@ -233,7 +126,7 @@ def run_stack(ns, service_argv: dict[str, list[str]],
               "--scheduler-port, --worker-port, --http-port and --metrics-port (-1: off)",
               file=sys.stderr)
         return 1
-    serve_metrics = ServeMetrics()
+    serve_metrics = ServeMetrics(SERVICES)
     try:
         metrics_server = start_metrics_server(
             serve_metrics.registry, getattr(ns, "metrics_host", None) or host, metrics["serve"])
@@ -247,19 +140,24 @@ def run_stack(ns, service_argv: dict[str, list[str]],
     if ns.demo:
         from services.cli.demo import open_service_log
         service_log = open_service_log()
+    addresses = {"worker": [f"{host}:{p}" for p in rank_ports],
+                 "scheduler": [f"{host}:{ns.scheduler_port}"], "router": [f"{host}:{ns.port}"]}
+    supervisor = Supervisor({n: functools.partial(spawn, n) for n in SERVICES}, addresses,
+                            getattr(ns, "max_restarts", 0), getattr(ns, "restart_window", 60.0),
+                            metrics=serve_metrics, credentials=credentials)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for name in SERVICES:
-            procs[name] = spawn(name)
-        addresses = {n: f"{host}:{p}" for n, p in ports.items()}
-        error = asyncio.run(_wait_healthy(procs, addresses, ns.startup_timeout, credentials))
+        if world > 1:
+            convert_once(ns.model)  # a GGUF model: here, once, not in every rank at once
+        supervisor.start()
+        error = asyncio.run(supervisor.wait_healthy(ns.startup_timeout))
         if error:
             print(f"pagedserve serve: {error}", file=sys.stderr)
             return 1
         if ns.demo:
             from services.cli.demo import run_demo
             keys = getattr(ns, "api_key", None)
-            run_demo(addresses["router"], credentials=credentials,
+            run_demo(f"{host}:{ns.port}", credentials=credentials,
                      api_key=keys.as_flag_value().split(",")[0] if keys else None)
         http_hint = (f"  curl http://{host}:{http_port}/v1/models   (OpenAI-compatible HTTP)\n"
                      if http_port > 0 else "")
@@ -267,12 +165,10 @@ def run_stack(ns, service_argv: dict[str, list[str]],
               f"  .venv/bin/pagedserve generate --address {host}:{ns.port} "
               f"--chat \"What is the capital of France?\" --temperature 0 --max-tokens 20\n"
               f"{http_hint}Ctrl-C stops.", file=sys.stderr, flush=True)
-        policies = {n: RestartPolicy(getattr(ns, "max_restarts", 0),
-                                   getattr(ns, "restart_window", 60.0)) for n in SERVICES}
-        return _supervise(procs, spawn, policies, serve_metrics)
+        return supervisor.watch()
     except KeyboardInterrupt:
         return 0
     finally:
-        _stop_all(procs, drain=getattr(ns, "shutdown_timeout", 0.0))
+        _stop_all(supervisor, drain=getattr(ns, "shutdown_timeout", 0.0))
         if metrics_server is not None:
             metrics_server.close()
