@@ -1,5 +1,6 @@
 """Process boundaries docs/architecture.md draws: the router, the scheduler and the SDK run
-without torch, and the generated stubs match the protos."""
+without torch, no tier imports the process layer (services/cli/), and the generated stubs
+match the protos."""
 
 from __future__ import annotations
 
@@ -58,3 +59,34 @@ def test_generated_stubs_are_fresh(tmp_path):
         fresh = fresh.replace("from pagedserve.v1 import",
                               "from services.common.pb.pagedserve.v1 import")
         assert fresh == on_disk, f"{name} is stale: run `make protos`"
+
+
+# ---- the tiers never import the process layer (issue 33) -----------------------------------
+TIERS = ("router", "scheduler", "worker", "common")  # the packages of services/ that serve
+
+
+def _tier_imports_of_process_layer(graph) -> list[str]:
+    """``tier module -> services.cli...`` for every edge of ``graph`` from a tier into the
+    process layer (services/cli/: the command line, launchers, supervision)."""
+    return sorted(f"{module} -> {target}" for module, targets in graph.items()
+                  if module.split(".")[:2] in [["services", t] for t in TIERS]
+                  for target in targets
+                  if target == "services.cli" or target.startswith("services.cli."))
+
+
+def test_rule_sees_a_tier_importing_the_process_layer():
+    graph = {"services.worker.server": {"services.cli.ranks", "services.common.config"},
+             "services.cli.ranks": {"services.worker.server"},
+             "services.common.x": {"services.cli"}}
+    assert _tier_imports_of_process_layer(graph) == [
+        "services.common.x -> services.cli", "services.worker.server -> services.cli.ranks"]
+
+
+def test_no_tier_imports_the_process_layer():
+    """The process layer starts the tiers (``python -m services.cli ...``) and may import them;
+    never the reverse. Every import counts, function-local ones too."""
+    from tests.test_import_cycles import import_graph
+
+    graph = import_graph()
+    assert {"services.cli", "services.cli.ranks", "services.worker.server"} <= set(graph)
+    assert _tier_imports_of_process_layer(graph) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.cli import serve_parser
+from services.cli.flags import serve_parser
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -56,7 +56,7 @@ def test_environment_variables_still_set_defaults(monkeypatch):
 
 
 def test_serve_passes_the_shutdown_timeout_to_every_service(monkeypatch):
-    from services.cli import forwarded_argv
+    from services.cli.flags import forwarded_argv
 
     ns = serve_parser().parse_args(["--shutdown-timeout", "2.5"])
     for name in ("router", "scheduler", "worker"):
@@ -70,7 +70,7 @@ def test_serve_passes_the_shutdown_timeout_to_every_service(monkeypatch):
 def test_serve_passes_the_tool_flags_to_the_router_which_needs_both():
     import asyncio
 
-    from services.cli import _service_parser, forwarded_argv
+    from services.cli.flags import _service_parser, forwarded_argv
     from services.router.server import serve
 
     ns = serve_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
@@ -90,7 +90,7 @@ ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched
 def test_serve_passes_the_engine_limits_to_worker_and_scheduler():
     """One flag each on serve; the worker sizes itself by the same values the scheduler pushes
     to it when it connects (a mismatch would be refused)."""
-    from services.cli import forwarded_argv
+    from services.cli.flags import forwarded_argv
 
     ns = serve_parser().parse_args([a for kv in ENGINE_LIMITS.items() for a in kv])
     for name in ("worker", "scheduler"):
@@ -100,7 +100,7 @@ def test_serve_passes_the_engine_limits_to_worker_and_scheduler():
 
 
 def test_flags_of_both_worker_and_scheduler_have_one_default():
-    from services.cli import _WIRING, _service_parser
+    from services.cli.flags import _WIRING, _service_parser
 
     def defaults(name):
         return {a.dest: a.default for a in _service_parser(name)._actions if a.option_strings}
@@ -117,7 +117,7 @@ REPLICA_ROUTING_FLAGS = ("--routing-policy", "--scheduler-dns-refresh", "--prefi
 def test_serve_help_offers_no_replica_routing_flags_and_shows_each_default_once():
     import argparse
 
-    from services.cli import _service_parser
+    from services.cli.flags import _service_parser
 
     text = serve_parser().format_help()
     for flag in REPLICA_ROUTING_FLAGS:
@@ -133,7 +133,7 @@ def test_serve_help_offers_no_replica_routing_flags_and_shows_each_default_once(
 
 
 def test_serve_forwards_no_replica_routing_or_supervision_flags(monkeypatch):
-    from services.cli import forwarded_argv
+    from services.cli.flags import forwarded_argv
 
     monkeypatch.setenv("PAGEDSERVE_MAX_RESTARTS", "0")
     ns = serve_parser().parse_args(["--restart-window", "10", "--max-stream-buffer", "9"])

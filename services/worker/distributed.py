@@ -18,7 +18,8 @@ all-gather of the vocab-parallel logits). Hidden states ``[T, E]`` go from rank 
 Backends: gloo on CPU, NCCL on CUDA. Rendezvous is TCP at ``MASTER_ADDR:MASTER_PORT`` (the
 torch.distributed environment variables). Every collective has a timeout, so a rank whose peer
 died fails its step instead of blocking forever; such a rank must then exit (its process group
-is unusable) and the whole group be restarted (``services/worker/launch.py`` does that).
+is unusable) and the whole group be restarted (the process layer, ``services/cli/ranks.py``,
+does that).
 
 Teardown: a process that joined a group must not reach interpreter exit with the group alive.
 ProcessGroupGloo owns C++ worker threads; if its destructor has not run by then, they are

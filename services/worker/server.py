@@ -5,10 +5,10 @@ Each StepRequest is decoded into a ``StepInput`` (``services/common/step.py``), 
 a forward pass; the same thread loaded the model, see ``forward_thread``), and the sampled
 tokens go back as a StepResult.
 
-Parallel workers (``--tensor-parallel-size N --pipeline-parallel-size M``): without ``--rank``,
-``serve`` supervises N*M rank processes (``services/worker/launch.py``), rank r serving on
-``--port + r``; with ``--rank`` it serves that one rank, joining the group at
-``MASTER_ADDR:MASTER_PORT``. A rank whose step fails (e.g. a peer died during a collective)
+Parallel workers (``--tensor-parallel-size N --pipeline-parallel-size M``): ``serve`` serves one
+rank, ``--rank``, joining the group at ``MASTER_ADDR:MASTER_PORT``; the process layer starts
+and supervises all N*M (``pagedserve worker`` without ``--rank``: services/cli/ranks.py), rank
+r serving on ``--port + r``. A rank whose step fails (e.g. a peer died during a collective)
 stops serving and exits with code 1: its process group is unusable, so the group restarts.
 """
 
@@ -320,15 +320,15 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None):
     """Load the model (unless ``runner`` is given) and serve until stopped.
 
-    With more than one rank and no ``--rank``: supervise all ranks as child processes instead.
     A parallel rank whose step failed exits the process with code 1 (see the module note).
+
+    Raises:
+        ValueError: more than one rank and no ``--rank`` (``pagedserve worker`` starts them
+            all), or a ``--world-size`` that disagrees.
     """
     if runner is None and world_size(args) > 1 and args.rank is None:
-        from services.worker.launch import RankSupervisor
-        return await RankSupervisor(args).run(ready, stop)
-    if runner is None:
-        from services.worker.launch import die_with_supervisor
-        die_with_supervisor()
+        raise ValueError(f"{world_size(args)} ranks and no --rank: give the rank this process "
+                         "serves, or start them all with `pagedserve worker`")
     forward = forward_thread()
     runner = runner or await asyncio.get_running_loop().run_in_executor(forward, build_runner,
                                                                         args)

@@ -45,7 +45,7 @@ def output(proc: subprocess.CompletedProcess) -> str:
 
 def service_flags(service: str) -> set[str]:
     """The PAGEDSERVE_* variables ``pagedserve SERVICE`` reads (one per flag)."""
-    from services.cli import _service_parser
+    from services.cli.flags import _service_parser
     from services.common.config import env_name
 
     return {env_name(opt) for action in _service_parser(service)._actions

@@ -16,9 +16,8 @@ import psutil
 import pytest
 from pagedserve_client import Client
 
+from services.cli.supervision import RestartPolicy, ServeMetrics, supervise
 from services.common.ports import free_port, free_port_range
-from services.launcher import _supervise
-from services.supervision import RestartPolicy, ServeMetrics
 from tests.e2e.test_serve import CLI
 from tests.helpers import make_servable_tiny_llama
 
@@ -84,7 +83,7 @@ def test_supervise_restarts_and_counts_until_a_service_gives_up(capsys):
     policies = {n: RestartPolicy(max_restarts=2, window=60, base_delay=0, max_delay=0)
                 for n in procs}
     metrics = ServeMetrics()
-    assert _supervise(procs, spawn, policies, metrics, poll=0.001) == 1
+    assert supervise(procs, spawn, policies, metrics, poll=0.001) == 1
     assert spawned == ["worker", "worker"]
     assert metrics.registry.get_sample_value("pagedserve:service_restarts_total",
                                              {"service": "worker"}) == 2
@@ -100,7 +99,7 @@ def test_supervise_restarts_and_counts_until_a_service_gives_up(capsys):
 def test_supervise_with_max_restarts_zero_exits_at_the_first_crash(capsys):
     procs = {"worker": FakeProc(), "scheduler": FakeProc(3), "router": FakeProc()}
     policies = {n: RestartPolicy(max_restarts=0) for n in procs}
-    assert _supervise(procs, lambda n: pytest.fail("restarted"), policies, ServeMetrics()) == 1
+    assert supervise(procs, lambda n: pytest.fail("restarted"), policies, ServeMetrics()) == 1
     assert "scheduler exited with code 3 (--max-restarts 0)" in capsys.readouterr().err
 
 

@@ -1,6 +1,6 @@
 """Fixtures of the parallel-worker tests: a stack whose worker is a group of rank processes.
 
-``ParallelStack`` runs the rank supervisor (``services/worker/launch.py``: one process per
+``ParallelStack`` runs the rank supervisor (``services/cli/ranks.py``: one process per
 rank, as ``pagedserve worker --tensor-parallel-size N --pipeline-parallel-size M`` does), the
 scheduler and the router in one background event loop; ``reference_greedy`` computes the
 single-rank greedy tokens with a ``ModelRunner`` in this process.
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from services.cli.ranks import RankSupervisor
 from services.common.ports import free_port_range
 from services.router import server as router_server
 from services.scheduler import server as scheduler_server
 from services.worker import server as worker_server
-from services.worker.launch import RankSupervisor
 from tests.helpers import make_servable_tiny_llama
 from tests.stack_harness import _args, _BackgroundStack
 
@@ -47,7 +47,7 @@ class ParallelStack(_BackgroundStack):
             "--port", str(free_port_range(world)), "--tensor-parallel-size", str(tp),
             "--pipeline-parallel-size", str(pp), *model_flag, *WORKER_FLAGS,
             *_no_metrics(worker_server), *worker_argv])
-        self.supervisor = RankSupervisor(self.worker_args, restart_delay=0.1)
+        self.supervisor = RankSupervisor(self.worker_args, base_delay=0.1)
         self.scheduler_args = _args(scheduler_server, [
             "--port", "0", "--workers", ",".join(reversed(self.supervisor.addresses)),
             "--worker-connect-timeout", "120", *_no_metrics(scheduler_server), *scheduler_argv])
@@ -84,7 +84,7 @@ class ParallelStack(_BackgroundStack):
         try:
             self._run(_stop(), timeout=60)
         finally:
-            self.supervisor._stop_group()  # in any case: no rank process outlives the test
+            self.supervisor.stop()  # in any case: no rank process outlives the test
             self._close_loop()
 
 

@@ -126,7 +126,7 @@ def test_api_keys_parse_compare_and_redact():
 
 
 def test_key_stays_out_of_help_logs_and_child_argv(monkeypatch, caplog, capsys):
-    from services.cli import forwarded_argv, forwarded_env, serve_parser
+    from services.cli.flags import forwarded_argv, forwarded_env, serve_parser
     from services.router import server as router_server
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "sk-from-env")
     p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -156,7 +156,7 @@ def test_sdk_tls_argument_errors(pki):
 
 
 def test_every_service_and_serve_take_the_tls_flags(pki):
-    from services.cli import SERVICES, forwarded_argv, serve_parser
+    from services.cli.flags import SERVICES, forwarded_argv, serve_parser
     flags = pki.service_flags(mtls=True)
     ns = serve_parser().parse_args(flags)
     for name in SERVICES:

@@ -75,7 +75,7 @@ def test_a_client_that_stops_reading_is_cut_off_and_does_not_stall_others(stack)
 
 
 def test_max_stream_buffer_is_a_router_flag_passed_through_serve(monkeypatch):
-    from services.cli import forwarded_argv, serve_parser
+    from services.cli.flags import forwarded_argv, serve_parser
 
     ns = serve_parser().parse_args(["--max-stream-buffer", "100"])
     argv = forwarded_argv("router", ns)

@@ -192,7 +192,7 @@ def test_bad_combinations_fail_at_start_naming_the_flag(tiny_llama, monkeypatch)
 
 
 def test_the_flag_is_a_worker_flag_that_serve_forwards(capsys):
-    from services.cli import forwarded_argv, serve_parser
+    from services.cli.flags import forwarded_argv, serve_parser
 
     ns = serve_parser().parse_args(["--quantization", "w8a8"])
     worker = forwarded_argv("worker", ns)

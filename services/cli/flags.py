@@ -1,22 +1,18 @@
-"""The ``pagedserve`` command: serve | router | scheduler | worker | generate | health.
-
-``pagedserve serve`` starts worker, scheduler and router as separate processes on localhost.
-It accepts every flag of every service and passes each to the services that define it.
+"""The flags of the ``pagedserve`` commands: ``serve``'s parser (its own wiring flags plus every
+service's) and what it forwards to each service it starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 
+from services.cli.supervision import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW
 from services.common.config import HelpFormatter, add_flag, env_name, float_in, int_in
 from services.common.metrics import SCHEDULER_PORT
-from services.supervision import DEFAULT_MAX_RESTARTS, DEFAULT_RESTART_WINDOW
 
 SERVE_PORT = int_in(1, 65535)  # serve wires fixed ports together: no 0 (= any) here
 
-SERVICES = ("worker", "scheduler", "router")
+SERVICES = ("worker", "scheduler", "router")  # start order
 # Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
 _WIRING = {"host", "port", "workers", "scheduler", "schedulers", "metrics_port", "help"}
 # Router flags about choosing among several scheduler replicas: `serve` runs exactly one.
@@ -26,15 +22,29 @@ _REPLICA_ROUTING = {"scheduler_dns_refresh", "routing_policy", "prefix_affinity_
 _SECRETS = {"api_key"}
 
 
-def _service_module(name: str):
+def service_module(name: str):
+    """``services.NAME.server``: the service's ``add_args`` and ``serve``."""
     import importlib
     return importlib.import_module(f"services.{name}.server")
 
 
 def _service_parser(name: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(f"pagedserve {name}", add_help=False)
-    _service_module(name).add_args(p)
+    service_module(name).add_args(p)
     return p
+
+
+def add_restart_flags(p: argparse.ArgumentParser) -> None:
+    """The supervisor's flags (services/cli/supervision.py): ``serve``'s, and ``pagedserve
+    worker``'s when it starts all the ranks itself."""
+    add_flag(p, "--max-restarts", type=int_in(0), default=DEFAULT_MAX_RESTARTS,
+             help="restarts of one service (after the stack was first healthy; the worker's "
+                  "ranks count as one) allowed within --restart-window; one more exit stops "
+                  "everything with code 1 (0: never restart)")
+    add_flag(p, "--restart-window", type=float_in(0, lo_open=True),
+             default=DEFAULT_RESTART_WINDOW,
+             help="seconds over which a service's exits are counted; the backoff before a "
+                  "restart is 1 s doubling per exit in this window, at most 30 s")
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -50,13 +60,7 @@ def serve_parser() -> argparse.ArgumentParser:
     add_flag(p, "--metrics-port", type=int_in(-1, 65535), default=SCHEDULER_PORT,
              help="Prometheus ports: scheduler BASE, router BASE+1, worker rank r BASE+2+r, "
                   "serve's own (restart counts) BASE+2+world size (-1: off, 0: any free ports)")
-    add_flag(p, "--max-restarts", type=int_in(0), default=DEFAULT_MAX_RESTARTS,
-             help="restarts of one service (after the stack was first healthy) allowed within "
-                  "--restart-window; one more exit stops serve with code 1 (0: never restart)")
-    add_flag(p, "--restart-window", type=float_in(0, lo_open=True),
-             default=DEFAULT_RESTART_WINDOW,
-             help="seconds over which a service's exits are counted; the backoff before a "
-                  "restart is 1 s doubling per exit in this window, at most 30 s")
+    add_restart_flags(p)
     p.add_argument("--demo", action="store_true",
                    help="once healthy, stream answers to a few prompts sent at once")
     seen = {"port", "scheduler_port", "worker_port", "startup_timeout", "demo", "help",
@@ -98,68 +102,3 @@ def forwarded_env(name: str, ns: argparse.Namespace) -> dict[str, str]:
             env[env_name(action.option_strings[0])] = (
                 value.as_flag_value() if hasattr(value, "as_flag_value") else str(value))
     return env
-
-
-def run_one_service(name: str, argv: list[str]) -> None:
-    """``pagedserve router|scheduler|worker``: parse that service's flags and serve until
-    SIGINT/SIGTERM."""
-    from services.common.grpc_utils import run_service
-    from services.common.logs import setup_logging
-
-    module = _service_module(name)
-    p = argparse.ArgumentParser(f"pagedserve {name}", formatter_class=HelpFormatter)
-    module.add_args(p)
-    args = p.parse_args(argv)
-    setup_logging(args.log_level, name, args.log_format)
-    run_service(name, module.serve(args))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``pagedserve`` console script."""
-    argv = sys.argv[1:] if argv is None else argv
-    commands = {"serve", "generate", "health", *SERVICES}
-    if not argv or argv[0] not in commands:
-        asked_help = bool(argv) and argv[0] in ("-h", "--help")
-        if argv and not asked_help:
-            print(f"pagedserve: unknown command {argv[0]!r}", file=sys.stderr)
-        print("usage: pagedserve {serve,generate,health,router,scheduler,worker} [flags]\n"
-              "  serve       start the whole stack on this machine\n"
-              "  generate    stream one completion from a running router\n"
-              "  health      exit 0 when the service at --address is SERVING\n"
-              "  router | scheduler | worker   run one service alone\n"
-              "Run `pagedserve COMMAND --help` for its flags.",
-              file=sys.stdout if asked_help else sys.stderr)
-        raise SystemExit(0 if asked_help else 2)
-    cmd, rest = argv[0], argv[1:]
-    if cmd in SERVICES:
-        from services.launcher import die_with_serve
-        die_with_serve()  # started by `pagedserve serve`: die with it
-        run_one_service(cmd, rest)
-    elif cmd == "serve":
-        from services.launcher import run_stack
-        ns = serve_parser().parse_args(rest)
-        raise SystemExit(run_stack(ns, {n: forwarded_argv(n, ns) for n in SERVICES},
-                                   {n: forwarded_env(n, ns) for n in SERVICES}))
-    elif cmd == "generate":
-        from services.generate_cli import main as generate_main
-        generate_main(rest)
-    elif cmd == "health":
-        from services.common.grpc_utils import health_status
-        from services.common.tls import add_tls_flags, client_credentials, tls_from_args
-        p = argparse.ArgumentParser("pagedserve health")
-        add_flag(p, "--address", default="127.0.0.1:50051", help="service host:port")
-        add_flag(p, "--timeout", type=float, default=2.0, help="seconds")
-        add_tls_flags(p)  # a service serving TLS: its CA (and, with mTLS, a client cert)
-        ns = p.parse_args(rest)
-        try:
-            credentials = client_credentials(tls_from_args(ns))
-        except (ValueError, FileNotFoundError) as e:
-            raise SystemExit(f"pagedserve health: {e}") from None
-        status = asyncio.run(health_status(ns.address, ns.timeout, credentials=credentials))
-        ok = status == "SERVING"
-        print(status)
-        raise SystemExit(0 if ok else 1)
-
-
-if __name__ == "__main__":
-    main()

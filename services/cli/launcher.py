@@ -1,0 +1,174 @@
+"""``pagedserve serve``: run worker, scheduler and router as child processes on localhost, and
+keep them running.
+
+Starts them and waits until each answers gRPC health SERVING, in dependency order; a service
+that exits during this start-up ends ``serve`` with code 1 at once (a bad flag or model would
+only crash again). Once the stack has been healthy, a service that exits is restarted with the
+same command line and ports, after a backoff of 1 s doubling up to 30 s; the scheduler
+reconnects to a restarted worker and the router to a restarted scheduler by themselves. The
+``--max-restarts + 1``-th exit of one service within ``--restart-window`` seconds stops the
+others and ends ``serve`` with code 1, naming the service and its exit code (``--max-restarts
+0``: the first exit). Each restart is logged on stderr and counted in
+``pagedserve:service_restarts_total{service}`` on serve's own metrics port (``--metrics-port``
+BASE + 2 + world size, after the worker ranks). With tensor/pipeline parallelism the worker is
+its N*M rank processes, started, restarted and counted as one (services/cli/ranks.py). The
+supervisor and its restart rule: services/cli/supervision.py.
+
+Ctrl-C / SIGTERM (also during a backoff wait or a restart) stops them all: router and scheduler
+first, so they can drain the requests in flight (``--shutdown-timeout``), then the worker. Each
+child also gets SIGTERM from the kernel when ``serve`` dies, however it dies
+(``die_with_supervisor``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import signal
+import socket
+import sys
+
+from services.cli.flags import SERVICES
+from services.cli.ranks import convert_once, rank_group
+from services.cli.supervision import ProcessGroup, ServeMetrics, Supervisor, spawn_cli
+from services.common.metrics import start_metrics_server
+from services.common.tls import client_credentials, tls_from_args
+
+
+def ports_in_use(host: str, ports: list[int]) -> list[int]:
+    """The ports of ``ports`` that something on ``host`` already listens on."""
+    busy = []
+    for port in ports:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            if s.connect_ex((host, port)) == 0:
+                busy.append(port)
+    return busy
+
+
+def _stop_all(supervisor: Supervisor, timeout: float = 10.0, drain: float = 0.0) -> None:
+    """Stop the stack gracefully: router and scheduler first (they get ``drain`` seconds,
+    --shutdown-timeout, to finish the requests in flight, plus ``timeout`` s to exit), then
+    the worker, which keeps executing steps until its scheduler has drained. A second Ctrl-C
+    / SIGTERM meanwhile kills what is left."""
+    try:
+        supervisor.stop(["router", "scheduler"], drain + timeout)
+        supervisor.stop(["worker"], timeout)
+    except KeyboardInterrupt:
+        supervisor.kill_all()
+
+
+def _metrics_ports(ns, world: int) -> dict[str, int]:
+    """Prometheus ports (-1 off, 0 any free port): scheduler BASE, router BASE + 1, worker rank
+    r BASE + 2 + r (the worker gets its rank 0 port), serve itself BASE + 2 + world."""
+    base = getattr(ns, "metrics_port", -1)
+    offsets = {"scheduler": 0, "router": 1, "worker": 2, "serve": 2 + world}
+    return {name: base + offset if base > 0 else base for name, offset in offsets.items()}
+
+
+def run_stack(ns, service_argv: dict[str, list[str]],
+              service_env: dict[str, dict[str, str]] | None = None) -> int:
+    """Start the stack, optionally run the demo, and serve until interrupted, restarting
+    services that exit (see the module docstring).
+
+    Args:
+        ns: serve's parsed flags.
+        service_argv: each service's forwarded flags.
+        service_env: each service's extra environment (secret flags such as --api-key).
+
+    Returns:
+        The exit code: 0 on Ctrl-C / SIGTERM; 1 on bad TLS files, busy ports, a failed
+        start-up, or a service that exited more often than --max-restarts allows.
+    """
+    try:  # the services' own TLS settings also serve for our health checks
+        credentials = client_credentials(tls_from_args(ns))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"pagedserve serve: {e}", file=sys.stderr)
+        return 1
+    host = "127.0.0.1"
+    ports = {"worker": ns.worker_port, "scheduler": ns.scheduler_port, "router": ns.port}
+    # NOTE: with tensor/pipeline parallelism serve starts every rank itself, rank r on
+    # --worker-port + r, as one unit; the scheduler gets all of their addresses.
+    world = getattr(ns, "tensor_parallel_size", 1) * getattr(ns, "pipeline_parallel_size", 1)
+    rank_ports = [ns.worker_port + r for r in range(world)]
+    metrics = _metrics_ports(ns, world)
+    metrics_ports = ([metrics["scheduler"], metrics["router"], metrics["serve"]]
+                     + [metrics["worker"] + r for r in range(world)]
+                     if metrics["serve"] > 0 else [])
+    wiring = {
+        "worker": ["--host", host, "--port", str(ns.worker_port),
+                   "--metrics-port", str(metrics["worker"])],
+        "scheduler": ["--host", host, "--port", str(ns.scheduler_port),
+                      "--workers", ",".join(f"{host}:{p}" for p in rank_ports),
+                      "--metrics-port", str(metrics["scheduler"])],
+        "router": ["--host", host, "--port", str(ns.port),
+                   "--scheduler", f"{host}:{ns.scheduler_port}",
+                   "--metrics-port", str(metrics["router"])],
+    }
+
+    def spawn(name: str) -> ProcessGroup:
+        env = (service_env or {}).get(name)
+        if name == "worker" and world > 1:  # the ranks: their own --port and --metrics-port
+            return rank_group(["--host", host, *service_argv[name]], world, ns.worker_port,
+                              metrics["worker"], env, stderr=service_log)
+        return ProcessGroup([spawn_cli([name, *wiring[name], *service_argv[name]], env,
+                                       stderr=service_log)], [name])
+
+    def on_signal(_signum, _frame):
+        raise KeyboardInterrupt  # SIGTERM stops the stack like Ctrl-C
+
+    http_port = getattr(ns, "http_port", -1)  # > 0: the router's OpenAI-compatible HTTP port
+    busy = ports_in_use(host, list(ports.values()) + rank_ports[1:]
+                        + ([http_port] if http_port > 0 else []) + metrics_ports)
+    if busy:
+        print(f"pagedserve serve: port(s) {', '.join(map(str, busy))} on {host} already in use "
+              "(another pagedserve still running?); stop it or choose --port, "
+              "--scheduler-port, --worker-port, --http-port and --metrics-port (-1: off)",
+              file=sys.stderr)
+        return 1
+    serve_metrics = ServeMetrics(SERVICES)
+    try:
+        metrics_server = start_metrics_server(
+            serve_metrics.registry, getattr(ns, "metrics_host", None) or host, metrics["serve"])
+    except OSError as e:
+        print(f"pagedserve serve: serve's own metrics: {e}", file=sys.stderr)
+        return 1
+    if metrics_server is not None:
+        print(f"pagedserve: serve's metrics on http://{host}:{metrics_server.port}/metrics",
+              file=sys.stderr, flush=True)
+    service_log = None  # --demo: the services' logs go to a file, the answers print clean
+    if ns.demo:
+        from services.cli.demo import open_service_log
+        service_log = open_service_log()
+    addresses = {"worker": [f"{host}:{p}" for p in rank_ports],
+                 "scheduler": [f"{host}:{ns.scheduler_port}"], "router": [f"{host}:{ns.port}"]}
+    supervisor = Supervisor({n: functools.partial(spawn, n) for n in SERVICES}, addresses,
+                            getattr(ns, "max_restarts", 0), getattr(ns, "restart_window", 60.0),
+                            metrics=serve_metrics, credentials=credentials)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        if world > 1:
+            convert_once(ns.model)  # a GGUF model: here, once, not in every rank at once
+        supervisor.start()
+        error = asyncio.run(supervisor.wait_healthy(ns.startup_timeout))
+        if error:
+            print(f"pagedserve serve: {error}", file=sys.stderr)
+            return 1
+        if ns.demo:
+            from services.cli.demo import run_demo
+            keys = getattr(ns, "api_key", None)
+            run_demo(f"{host}:{ns.port}", credentials=credentials,
+                     api_key=keys.as_flag_value().split(",")[0] if keys else None)
+        http_hint = (f"  curl http://{host}:{http_port}/v1/models   (OpenAI-compatible HTTP)\n"
+                     if http_port > 0 else "")
+        print(f"pagedserve: serving on {host}:{ns.port}. Try:\n"
+              f"  .venv/bin/pagedserve generate --address {host}:{ns.port} "
+              f"--chat \"What is the capital of France?\" --temperature 0 --max-tokens 20\n"
+              f"{http_hint}Ctrl-C stops.", file=sys.stderr, flush=True)
+        return supervisor.watch()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        _stop_all(supervisor, drain=getattr(ns, "shutdown_timeout", 0.0))
+        if metrics_server is not None:
+            metrics_server.close()
