@@ -193,10 +193,6 @@ class StructuredOutputs:
         log.info("structured outputs: llguidance tokenizer built in %.2f s",
                  time.perf_counter() - t0)
 
-    def wait_ready(self) -> None:
-        """Block until the tokenizer is built (or known to be unavailable)."""
-        self._ready.result()
-
     def close(self) -> None:
         """Stop the grammar thread (after the queued jobs)."""
         self._thread.shutdown(wait=True)
