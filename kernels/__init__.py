@@ -26,7 +26,9 @@ KV cache layout (one pair per layer; docs/architecture.md, "KV cache layout")::
     block id of token position p of sequence i = block_tables[i, p // block_size]
 
 Any strides are accepted as long as ``head_dim`` is contiguous, so K and V may also be the two
-halves of one combined tensor ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+halves of one combined tensor ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``. The
+native CPU kernels also take the ``"pairs"`` order of a block's values (``kv_layout``: bf16,
+dense blocks), in which each (block, KV head) holds K^T and V in bf16 pairs.
 
 The batch (one model step) and its index arithmetic::
 

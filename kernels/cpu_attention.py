@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_layout import layout_code
 from kernels.kv_quant import is_quantized
 
 # Environment variable that forces a lower instruction-set path (tests, debugging).
@@ -63,6 +64,7 @@ def cpu_reshape_and_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
     slot_mapping: torch.Tensor,  # [num_tokens] int64 (int32 accepted)
+    kv_layout: str = "rows",
 ) -> None:
     """Write each token's K/V into its slot ``block_id * block_size + offset``; slot < 0 = skip.
 
@@ -71,6 +73,8 @@ def cpu_reshape_and_cache(
     its last byte; ``key`` / ``value`` then stay float32 / bfloat16 / float16). Slots
     must be unique (the scheduler guarantees it). The caches may have any strides with
     ``head_dim`` contiguous (e.g. halves of one combined K/V tensor); offsets are 64-bit.
+    ``kv_layout="pairs"`` (bfloat16, dense blocks) stores them in the pair order of
+    ``kernels.kv_layout``.
 
     Raises:
         ValueError: shapes, dtypes or layouts that do not fit.
@@ -81,7 +85,8 @@ def cpu_reshape_and_cache(
         key = key.to(dtype).contiguous()
     if value.dtype != dtype or value.stride(-1) != 1:
         value = value.to(dtype).contiguous()
-    _ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.long().contiguous())
+    _ops().reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.long().contiguous(),
+                             layout_code(kv_layout))
 
 
 def cpu_paged_attention(
@@ -97,6 +102,7 @@ def cpu_paged_attention(
     plan: object = None,
     split_keys: int = 0,
     sliding_window: int = 0,
+    kv_layout: str = "rows",
 ) -> torch.Tensor:
     """Causal paged attention of each sequence's query tokens over its context.
 
@@ -122,6 +128,9 @@ def cpu_paged_attention(
             lengths themselves.
         sliding_window: 0 = full causal attention; ``W > 0`` = each query sees its last W
             positions (itself included), and only the blocks holding them are read.
+        kv_layout: how the caches order a block's values (``kernels.kv_layout``): ``"rows"``
+            or ``"pairs"`` (bfloat16; the AMX / AVX512-BF16 bodies copy its rows straight
+            into their tiles, the float32 body unpacks them).
 
     Requires every ``seq_len >= query_len >= 0`` and ``block_tables.shape[1] * block_size >=
     seq_len``; table entries past a sequence's last block, and (with a sliding window) those of
@@ -142,7 +151,8 @@ def cpu_paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ops().paged_attention(
         out, query, k_cache, v_cache, _int32(block_tables), _int32(seq_lens),
-        _int32(query_start_loc), float(scale), int(split_keys), int(sliding_window))
+        _int32(query_start_loc), float(scale), int(split_keys), int(sliding_window),
+        layout_code(kv_layout))
     return out
 
 

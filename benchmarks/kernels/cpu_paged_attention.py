@@ -32,6 +32,12 @@ median``) of ``--reps`` calls after warm-up; the ratio is torch / native (> 1: n
 
     .venv/bin/python benchmarks/kernels/cpu_paged_attention.py [--dtype float32] [--reps 30]
         [--stat min] [--threads N] [--layers N] [--only SUBSTRING] [--kv-cache-dtype int8]
+        [--kv-layout auto|rows|pairs]
+
+``--kv-layout`` (``kernels/kv_layout.py``): the native kernel's caches in the ``rows`` or the
+``pairs`` order (bf16); ``auto`` = the model runner's choice for this CPU and dtype. ``% read``
+is like ``% copy`` against ``Tensor.sum`` of the same bytes (float32): what this machine reads
+when it only reads, the floor decode attention approaches.
 """
 
 from __future__ import annotations
@@ -46,8 +52,10 @@ import time
 import torch
 
 from kernels.cpu_attention import cpu_isa, cpu_paged_attention
+from kernels.kv_layout import to_pairs
 from kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv
 from kernels.torch_attention import plan_paged_attention, torch_paged_attention
+from services.worker.attention import choose_kv_layout
 
 DECODE = [(batch, ctx) for batch in (1, 8, 64) for ctx in (128, 512, 2048)]
 MIXED = {
@@ -117,6 +125,13 @@ def copy_ms(nbytes: int, reps: int, layers: int = 1) -> float:
     return time_ms(lambda: [dst.copy_(src) for src, dst in pairs], reps, "min") / layers
 
 
+def read_ms(nbytes: int, reps: int, layers: int = 1) -> float:
+    """Time of ``Tensor.sum`` over ``nbytes`` bytes of float32 (min of ``reps``), ms; with
+    ``layers`` > 1, per buffer of ``layers`` distinct ones read round-robin."""
+    bufs = [torch.randn(nbytes // 4) for _ in range(layers)]
+    return time_ms(lambda: [b.sum() for b in bufs], reps, "min") / layers
+
+
 def matmul_gflops(dtype: torch.dtype, reps: int) -> float:
     """``torch.mm`` of 1024 x 1024 x 1024 at ``dtype``: this machine's matmul ceiling."""
     a = torch.randn(1024, 1024).to(dtype)
@@ -130,21 +145,32 @@ def bench(name: str, pairs, args) -> None:
     steps = [make_step(pairs, args.num_heads, args.num_kv_heads, args.head_dim, args.block_size,
                        getattr(torch, args.dtype), cache_dtype) for _ in range(args.layers)]
     step = steps[0]
+    layout = args.kv_layout
+    if layout == "auto":
+        layout = choose_kv_layout("cpu", step["k_cache"].dtype, args.block_size, [args.head_dim])
+    native_steps = steps
+    if layout == "pairs":
+        native_steps = []
+        for st in steps:
+            k, v = to_pairs(st["k_cache"], st["v_cache"])
+            native_steps.append({**st, "k_cache": k, "v_cache": v})
     plan = plan_paged_attention(step["block_tables"], step["seq_lens"], step["query_start_loc"],
                                 step["max_query_len"], step["max_seq_len"], args.block_size)
     with torch.inference_mode():
-        native = time_ms(lambda: [cpu_paged_attention(**st) for st in steps], args.reps,
-                         args.stat) / args.layers
+        native = time_ms(lambda: [cpu_paged_attention(**st, kv_layout=layout)
+                                  for st in native_steps], args.reps, args.stat) / args.layers
         ref = time_ms(lambda: [torch_paged_attention(**st, plan=plan) for st in steps],
                       args.reps, args.stat) / args.layers
-        diff = (cpu_paged_attention(**step).float()
+        diff = (cpu_paged_attention(**native_steps[0], kv_layout=layout).float()
                 - torch_paged_attention(**step, plan=plan).float()).abs().max().item()
     row = step["k_cache"].shape[-1]  # head_dim (+ an int8 row's 2 scale bytes)
     nbytes = step_bytes(pairs, args.num_kv_heads, row, step["k_cache"].dtype.itemsize)
     copy = copy_ms(nbytes, args.reps, args.layers)
+    read = read_ms(nbytes, args.reps, args.layers)
     gflops = step_flops(pairs, args.num_heads, args.head_dim) / native / 1e6
     print(f"| {name:<38} | {ref:9.3f} | {native:9.3f} | {ref / native:6.2f}x | {diff:.1e} "
-          f"| {nbytes / native / 1e6:6.1f} | {100 * copy / native:5.0f} % | {gflops:7.1f} "
+          f"| {nbytes / native / 1e6:6.1f} | {100 * copy / native:5.0f} % "
+          f"| {100 * read / native:5.0f} % | {gflops:7.1f} "
           f"| {100 * gflops / args.mm_gflops:4.0f} % |", flush=True)
 
 
@@ -164,6 +190,8 @@ def main() -> None:
     p.add_argument("--only", default="", help="run only the steps whose name contains this")
     p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
                    help="the caches' storage (auto = --dtype)")
+    p.add_argument("--kv-layout", default="auto", choices=["auto", "rows", "pairs"],
+                   help="the native kernel's cache order (auto = the model runner's choice)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -174,14 +202,14 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads, isa {cpu_isa()}, "
           f"{args.dtype}, H={args.num_heads} Hkv={args.num_kv_heads} D={args.head_dim} "
           f"block={args.block_size}, {args.stat} of {args.reps}, {args.layers} layer(s), "
-          f"--kv-cache-dtype {args.kv_cache_dtype}")
+          f"--kv-cache-dtype {args.kv_cache_dtype}, --kv-layout {args.kv_layout}")
     with torch.inference_mode():
         args.mm_gflops = matmul_gflops(getattr(torch, args.dtype), args.reps)
     print(f"# matmul ceiling: torch.mm 1024^3 {args.dtype} {args.mm_gflops:.0f} GFLOP/s")
     print("| step (query_len, seq_len)              |  torch ms | native ms |  ratio | max diff "
-          "|   GB/s | % copy | GFLOP/s | % mm |")
+          "|   GB/s | % copy | % read | GFLOP/s | % mm |")
     print("|----------------------------------------|-----------|-----------|--------|----------"
-          "|--------|--------|---------|------|")
+          "|--------|--------|--------|---------|------|")
     steps = {f"decode batch {batch} @ {ctx}": [(1, ctx)] * batch for batch, ctx in DECODE}
     for name, pairs in {**steps, **MIXED}.items():
         if args.only in name:

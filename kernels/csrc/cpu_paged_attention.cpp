@@ -2,10 +2,10 @@
 //
 // Ops (namespace `pagedserve`, see TORCH_LIBRARY at the bottom for the schemas):
 //   paged_attention(out!, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-//                   scale, split_keys=0, sliding_window=0)
+//                   scale, split_keys=0, sliding_window=0, kv_layout=0)
 //                                          one varlen kernel: decode, chunked prefill and
 //                                          prefix-hit tails in one call
-//   reshape_and_cache(key, value, k_cache!, v_cache!, slot_mapping)
+//   reshape_and_cache(key, value, k_cache!, v_cache!, slot_mapping, kv_layout=0)
 //   cpu_isa() -> str                       the instruction-set step the kernels run now
 //
 // Layout (kernels/__init__.py draws the index arithmetic):
@@ -14,6 +14,11 @@
 //                     first three dims, head_dim contiguous (so K and V may be halves of one
 //                     combined tensor); the query's dtype, or quantized (--kv-cache-dtype, see
 //                     KvQuant: int8 rows [.., head_dim + 1] with their scale code, float8)
+//                     kv_layout 0 (rows) as above; kv_layout 1 (bf16 pairs, the CPU default
+//                     for bf16, kernels/kv_layout.py): the same dense tensor, but each (block,
+//                     KV head) holds its bs keys as K^T [head_dim / 2][bs][2] and V
+//                     [bs / 2][head_dim][2], the operand layout of the bf16 pair products
+//                     (VNNI-2), so attention copies whole rows instead of transposing
 //   block_tables      [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32;
 //   query_start_loc   [num_seqs + 1] int32
 //
@@ -250,6 +255,7 @@ struct AttnParams {
   int64_t k_stride_block, k_stride_tok, k_stride_head;  // in BYTES (the cache may be int8/fp8)
   int64_t v_stride_block, v_stride_tok, v_stride_head;
   KvQuant kv_quant;     // how the caches store K/V (kNone: as the query's dtype)
+  bool vnni;            // kv_layout 1: each (block, KV head) holds K^T and V in bf16 pairs
   int64_t kv_row_bytes;  // bytes of one (token, head) row in the cache (the int8 scale included)
   const int32_t* block_tables;
   int64_t bt_stride;
@@ -319,6 +325,9 @@ struct Scratch {
   const void** vrow;  // [ldk]
   float* kst;         // [ldk][d] (as the query's dtype) K rows dequantized from an int8/fp8 cache
   float* vst;         // [ldk][d] and V's
+  const char** kblk;  // [ldk] kv_layout 1: the (block, KV head) K of the chunk's block i at [i]
+  const char** vblk;  // [ldk] and its V
+  int64_t klo, khi;   // kv_layout 1: the chunk's keys [klo, khi) (chunk columns) it reads
   Scratch(int64_t rows, int64_t d, int64_t ldk) {
     size_t off = 0;
     std::vector<std::pair<void**, size_t>> parts = {
@@ -333,7 +342,9 @@ struct Scratch {
         {reinterpret_cast<void**>(&bmax), rows * 4}, {reinterpret_cast<void**>(&alpha), rows * 4},
         {reinterpret_cast<void**>(&krow), ldk * sizeof(void*)},
         {reinterpret_cast<void**>(&vrow), ldk * sizeof(void*)},
-        {reinterpret_cast<void**>(&kst), ldk * d * 4}, {reinterpret_cast<void**>(&vst), ldk * d * 4}};
+        {reinterpret_cast<void**>(&kst), ldk * d * 4}, {reinterpret_cast<void**>(&vst), ldk * d * 4},
+        {reinterpret_cast<void**>(&kblk), ldk * sizeof(void*)},
+        {reinterpret_cast<void**>(&vblk), ldk * sizeof(void*)}};
     std::vector<size_t> offs;
     for (auto& part : parts) {
       offs.push_back(off);
@@ -653,6 +664,54 @@ PS_BF16_TARGET void pack_v_pairs(const void* const* vrow, int64_t c0, int64_t c1
   }
 }
 
+// kv_layout 1 (the pair layout): each (block, KV head) of bs keys holds, in bf16,
+//   K^T  [d / 2][bs][2]   word (j, t) = (K[t][2j], K[t][2j + 1])   (bs * d values)
+//   V    [bs / 2][d][2]   (i, e)      = (V[2i][e], V[2i + 1][e])
+// i.e. per block exactly the words pack_k_pairs and pack_v_pairs make, written once by
+// reshape_and_cache, so a chunk's K^T and V are copies of whole rows, not transposes.
+
+// 64 bytes at a time where it can (a full 16-key row of K^T words, V's pair rows).
+PS_BF16_TARGET PS_INLINE void copy_u32(uint32_t* dst, const uint32_t* src, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_si512(dst + i, _mm512_loadu_si512(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
+// K^T of the chunk's columns [c0, c1p) from a pair-layout cache (kblk[i]: the K^T of the
+// chunk's block i): the words pack_k_pairs makes, zero outside the keys [lo, hi) it reads.
+PS_BF16_TARGET void copy_k_vnni(const char* const* kblk, int64_t bs, int64_t lo, int64_t hi,
+                                int64_t c0, int64_t c1p, int64_t d, uint32_t* kp, int64_t ldk) {
+  for (int64_t j = 0; j < d / 2; ++j) {
+    std::fill(kp + j * ldk + c0, kp + j * ldk + std::max(c0, lo), 0u);
+    std::fill(kp + j * ldk + hi, kp + j * ldk + c1p, 0u);
+  }
+  for (int64_t b0 = lo / bs * bs; b0 < hi; b0 += bs) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(kblk[b0 / bs]);
+    const int64_t a = std::max(lo, b0), n = std::min(hi, b0 + bs) - a;
+    for (int64_t j = 0; j < d / 2; ++j) copy_u32(kp + j * ldk + a, src + j * bs + (a - b0), n);
+  }
+}
+
+// V of the chunk's key pairs [c0 / 2, c1 / 2) from a pair-layout cache (vblk[i]: the V of the
+// chunk's block i): the rows pack_v_pairs makes, zero outside the keys [lo, hi) it reads (lo
+// even: the keys start at a block or a split).
+PS_BF16_TARGET void copy_v_vnni(const char* const* vblk, int64_t bs, int64_t lo, int64_t hi,
+                                int64_t c0, int64_t c1, int64_t d, uint16_t* vp) {
+  const int64_t row = 2 * d;  // bf16 values per key pair
+  const int64_t hp = (hi + 1) / 2;
+  std::fill(vp + c0 / 2 * row, vp + std::max(c0, lo) / 2 * row, uint16_t{0});
+  std::fill(vp + std::min(hp, c1 / 2) * row, vp + c1 / 2 * row, uint16_t{0});
+  for (int64_t b0 = lo / bs * bs; b0 < hi; b0 += bs) {
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(vblk[b0 / bs]);
+    const int64_t a = std::max(lo, b0), pairs = (std::min(hi, b0 + bs) + 1) / 2 - a / 2;
+    copy_u32(reinterpret_cast<uint32_t*>(vp + a / 2 * row),
+             reinterpret_cast<const uint32_t*>(src + (a - b0) / 2 * row), pairs * d);
+  }
+  if (hi % 2 == 1) {  // key hi, the odd half of the last pair, is not read
+    for (int64_t e = 0; e < d; ++e) vp[hi / 2 * row + 2 * e + 1] = 0;
+  }
+}
+
 // The packers for the call's cache storage.
 PS_BF16_TARGET void pack_k(KvQuant q, const void* const* krow, int64_t c0, int64_t c1p,
                            int64_t d, uint32_t* kp, int64_t ldk) {
@@ -821,7 +880,11 @@ PS_BF16_TARGET void softmax_rows_bf16(Scratch& s, int64_t rows, int64_t ldk, int
 PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                 int64_t c1p) {
   const int64_t d = p.head_dim, ldk = p.ldk;
-  pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
+  if (p.vnni) {
+    copy_k_vnni(s.kblk, p.block_size, s.klo, s.khi, c0, c1p, d, s.kp, ldk);
+  } else {
+    pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
+  }
   for (int64_t j0 = c0; j0 < c1p; j0 += 32) {
     int64_t m = 0;
     for (; m + 4 <= rows; m += 4) qk_tile_dp<4>(s.q16 + m * d, d, s.kp, ldk, j0, s.s + m * ldk);
@@ -832,7 +895,11 @@ PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, i
 PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                 int64_t c1) {
   const int64_t d = p.head_dim, ldk = p.ldk;
-  pack_v(p.kv_quant, s.vrow, c0, c1, d, s.vp);
+  if (p.vnni) {
+    copy_v_vnni(s.vblk, p.block_size, s.klo, s.khi, c0, c1, d, s.vp);
+  } else {
+    pack_v(p.kv_quant, s.vrow, c0, c1, d, s.vp);
+  }
   for (const uint16_t* pp : {s.p16, s.p16lo}) {  // P's high part, then its low part
     for (int64_t e0 = 0; e0 < d; e0 += 32) {
       int64_t m = 0;
@@ -851,7 +918,11 @@ PS_BF16_TARGET void chunk_qk_amx(const AttnParams& p, Scratch& s, int64_t rows, 
   // NOTE: N = whole 32-key tiles (zero keys past the chunk's last): ATen keeps every (M, N,
   // K, ...) kernel it JITs, per thread and forever, so N takes 17 values, not one per key count.
   const int64_t d = p.head_dim, ldk = p.ldk;
-  pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
+  if (p.vnni) {
+    copy_k_vnni(s.kblk, p.block_size, s.klo, s.khi, c0, c1p, d, s.kp, ldk);
+  } else {
+    pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
+  }
   at::native::cpublas::brgemm(rows, c1p - c0, d, d, ldk, ldk, /*add_C=*/false,
                               reinterpret_cast<const at::BFloat16*>(s.q16),
                               reinterpret_cast<const at::BFloat16*>(s.kp + c0), s.s + c0,
@@ -872,7 +943,11 @@ PS_BF16_TARGET void chunk_pv_amx(const AttnParams& p, Scratch& s, int64_t rows, 
       std::fill(pp + r * ldk + c1, pp + r * ldk + C, uint16_t{0});
     }
   }
-  pack_v(p.kv_quant, s.vrow, 0, C, d, s.vp);
+  if (p.vnni) {
+    copy_v_vnni(s.vblk, p.block_size, s.klo, s.khi, 0, C, d, s.vp);
+  } else {
+    pack_v(p.kv_quant, s.vrow, 0, C, d, s.vp);
+  }
   for (const uint16_t* pp : {s.p16, s.p16lo}) {  // P's high part, then its low part
     at::native::cpublas::brgemm(rows, d, C, ldk, d, d, /*add_C=*/true,
                                 reinterpret_cast<const at::BFloat16*>(pp),
@@ -915,45 +990,83 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
     // the rows of the chunk's keys, block by block (nullptr outside [lo_abs, hi_abs); the AMX
     // path reads whole 32-key tiles from column 0)
     const int64_t t_end = std::max(c1p, (c1 + 31) / 32 * 32);
-    std::fill(s.krow, s.krow + t_end, nullptr);
-    std::fill(s.vrow, s.vrow + t_end, nullptr);
-    for (int64_t pos = lo_abs; pos < hi_abs;) {
-      const int64_t block = table[pos / bs], off = pos % bs;
-      const int64_t n = std::min(bs - off, hi_abs - pos);
-      const char* kb = k_base + block * p.k_stride_block + off * p.k_stride_tok;
-      const char* vb = v_base + block * p.v_stride_block + off * p.v_stride_tok;
-      for (int64_t i = 0; i < n; ++i) {
-        s.krow[pos - cs + i] = kb + i * p.k_stride_tok;
-        s.vrow[pos - cs + i] = vb + i * p.v_stride_tok;
-      }
-      pos += n;
+    const int64_t blk_bytes = bs * p.kv_row_bytes;  // one (block, KV head) in the pair layout
+    if (kPath == Path::kF32 || !p.vnni) {
+      std::fill(s.krow, s.krow + t_end, nullptr);
+      std::fill(s.vrow, s.vrow + t_end, nullptr);
     }
-    // NOTE: blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead
-    // across them. The item's first chunk (a decode's only one, up to 512 keys): ask for all
-    // its rows now, K before V, so their misses overlap instead of stalling the packing row
-    // by row; then fetch the next chunk's rows while this one computes.
-    if (cs == it.key_begin / C * C) {
-      for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
-        for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
-          __builtin_prefetch(static_cast<const char*>(s.krow[t]) + off, 0, 3);
+    if (p.vnni) {
+      // whole blocks: the chunk starts at one, and so do the keys (a split or a window start)
+      s.klo = lo_abs - cs;
+      s.khi = hi_abs - cs;
+      for (int64_t b0 = s.klo / bs * bs; b0 < s.khi; b0 += bs) {
+        const int64_t block = table[(cs + b0) / bs];
+        s.kblk[b0 / bs] = k_base + block * p.k_stride_block;
+        s.vblk[b0 / bs] = v_base + block * p.v_stride_block;
+      }
+      if (cs == it.key_begin / C * C) {  // as below: the first chunk asks for all its bytes
+        for (int64_t b0 = s.klo / bs * bs; b0 < s.khi; b0 += bs) {
+          for (int64_t off = 0; off < blk_bytes; off += 64) __builtin_prefetch(s.kblk[b0 / bs] + off, 0, 3);
+        }
+        for (int64_t b0 = s.klo / bs * bs; b0 < s.khi; b0 += bs) {
+          for (int64_t off = 0; off < blk_bytes; off += 64) __builtin_prefetch(s.vblk[b0 / bs] + off, 0, 2);
         }
       }
-      for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
-        for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
-          __builtin_prefetch(static_cast<const char*>(s.vrow[t]) + off, 0, 2);
+      if constexpr (kPath == Path::kF32) {  // the float32 body reads rows: unpack them once
+        for (int64_t t = s.klo; t < s.khi; ++t) {
+          auto* kd = reinterpret_cast<uint16_t*>(s.kst) + t * d;
+          auto* vd = reinterpret_cast<uint16_t*>(s.vst) + t * d;
+          const auto* kb = reinterpret_cast<const uint16_t*>(s.kblk[t / bs]);
+          const auto* vb = reinterpret_cast<const uint16_t*>(s.vblk[t / bs]);
+          const int64_t o = t % bs;
+          for (int64_t j = 0; j < d / 2; ++j) {
+            kd[2 * j] = kb[(j * bs + o) * 2];
+            kd[2 * j + 1] = kb[(j * bs + o) * 2 + 1];
+          }
+          for (int64_t e = 0; e < d; ++e) vd[e] = vb[((o / 2) * d + e) * 2 + o % 2];
+          s.krow[t] = kd;
+          s.vrow[t] = vd;
         }
       }
-    }
-    // a quantized cache on the float32 body: the chunk's rows dequantized to T once, into the
-    // scratch (the bf16 pair bodies dequantize while they pack)
-    if (kPath == Path::kF32 && p.kv_quant != KvQuant::kNone) {
-      for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
-        T* kd = reinterpret_cast<T*>(s.kst) + t * d;
-        T* vd = reinterpret_cast<T*>(s.vst) + t * d;
-        dequant_row(p.kv_quant, static_cast<const uint8_t*>(s.krow[t]), d, kd);
-        dequant_row(p.kv_quant, static_cast<const uint8_t*>(s.vrow[t]), d, vd);
-        s.krow[t] = kd;
-        s.vrow[t] = vd;
+    } else {
+      for (int64_t pos = lo_abs; pos < hi_abs;) {
+        const int64_t block = table[pos / bs], off = pos % bs;
+        const int64_t n = std::min(bs - off, hi_abs - pos);
+        const char* kb = k_base + block * p.k_stride_block + off * p.k_stride_tok;
+        const char* vb = v_base + block * p.v_stride_block + off * p.v_stride_tok;
+        for (int64_t i = 0; i < n; ++i) {
+          s.krow[pos - cs + i] = kb + i * p.k_stride_tok;
+          s.vrow[pos - cs + i] = vb + i * p.v_stride_tok;
+        }
+        pos += n;
+      }
+      // NOTE: blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead
+      // across them. The item's first chunk (a decode's only one, up to 512 keys): ask for all
+      // its rows now, K before V, so their misses overlap instead of stalling the packing row
+      // by row; then fetch the next chunk's rows while this one computes.
+      if (cs == it.key_begin / C * C) {
+        for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
+          for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
+            __builtin_prefetch(static_cast<const char*>(s.krow[t]) + off, 0, 3);
+          }
+        }
+        for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
+          for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
+            __builtin_prefetch(static_cast<const char*>(s.vrow[t]) + off, 0, 2);
+          }
+        }
+      }
+      // a quantized cache on the float32 body: the chunk's rows dequantized to T once, into the
+      // scratch (the bf16 pair bodies dequantize while they pack)
+      if (kPath == Path::kF32 && p.kv_quant != KvQuant::kNone) {
+        for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
+          T* kd = reinterpret_cast<T*>(s.kst) + t * d;
+          T* vd = reinterpret_cast<T*>(s.vst) + t * d;
+          dequant_row(p.kv_quant, static_cast<const uint8_t*>(s.krow[t]), d, kd);
+          dequant_row(p.kv_quant, static_cast<const uint8_t*>(s.vrow[t]), d, vd);
+          s.krow[t] = kd;
+          s.vrow[t] = vd;
+        }
       }
     }
     for (int64_t pos = cs + C; pos < std::min(cs + 2 * C, it.key_end); pos += bs) {
@@ -961,6 +1074,13 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
       const int64_t n = std::min(bs, it.key_end - pos);
       const char* kb = k_base + block * p.k_stride_block;
       const char* vb = v_base + block * p.v_stride_block;
+      if (p.vnni) {
+        for (int64_t off = 0; off < blk_bytes; off += 64) {
+          __builtin_prefetch(kb + off);
+          __builtin_prefetch(vb + off);
+        }
+        continue;
+      }
       for (int64_t i = 0; i < n; ++i) {
         for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
           __builtin_prefetch(kb + i * p.k_stride_tok + off);
@@ -1121,12 +1241,29 @@ void check_cache(const at::Tensor& c, const char* name) {
   TORCH_CHECK_VALUE(c.device().is_cpu(), name, " must be on the CPU");
 }
 
+// kv_layout 0 = rows (any strides on the first three dims), 1 = the pair layout (see
+// copy_k_vnni): bf16, even block_size and head_dim, each block dense.
+bool check_layout(int64_t kv_layout, const at::Tensor& c, const char* name) {
+  TORCH_CHECK_VALUE(kv_layout == 0 || kv_layout == 1, "kv_layout must be 0 (rows) or 1 (bf16 "
+                    "pairs), got ", kv_layout);
+  if (kv_layout == 0) return false;
+  TORCH_CHECK_VALUE(c.scalar_type() == at::kBFloat16, name, ": kv_layout 1 (bf16 pairs) needs a "
+                    "bfloat16 cache, got ", c.scalar_type());
+  TORCH_CHECK_VALUE(c.size(1) % 2 == 0 && c.size(3) % 2 == 0, name, ": kv_layout 1 needs an even "
+                    "block_size and head_dim, got ", c.sizes());
+  TORCH_CHECK_VALUE(c.stride(2) == c.size(3) && c.stride(1) == c.size(2) * c.size(3), name,
+                    ": kv_layout 1 needs dense blocks, got strides ", c.strides());
+  return true;
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc, double scale,
-                     int64_t split_keys, int64_t sliding_window) {
+                     int64_t split_keys, int64_t sliding_window, int64_t kv_layout) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
+  const bool vnni = check_layout(kv_layout, k_cache, "k_cache");
+  check_layout(kv_layout, v_cache, "v_cache");
   TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), "k_cache ", k_cache.sizes(),
                     " and v_cache ", v_cache.sizes(), " differ");
   TORCH_CHECK_VALUE(query.dim() == 3 && query.stride(2) == 1,
@@ -1267,6 +1404,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.v_stride_tok = v_cache.stride(1) * kv_elem;
   p.v_stride_head = v_cache.stride(2) * kv_elem;
   p.kv_quant = quant;
+  p.vnni = vnni;
+  if (vnni) {  // a (block, KV head) is bs * d contiguous values
+    p.k_stride_head = bs * d * kv_elem;
+    p.v_stride_head = bs * d * kv_elem;
+  }
   p.kv_row_bytes = k_cache.size(3) * kv_elem;
   p.block_tables = tables;
   p.bt_stride = bt_stride;
@@ -1355,9 +1497,11 @@ void quantize_rows(KvQuant q, const T* src, int64_t stride_head, int64_t hkv, in
 }
 
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                       at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                       at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t kv_layout) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
+  const bool vnni = check_layout(kv_layout, k_cache, "k_cache");
+  check_layout(kv_layout, v_cache, "v_cache");
   TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes() &&
                         k_cache.scalar_type() == v_cache.scalar_type(),
                     "k_cache and v_cache shapes or dtypes differ");
@@ -1420,6 +1564,24 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
         }
         continue;
       }
+      if (vnni) {  // K^T word (j, off) and V pair row off / 2 of each head's block (copy_k_vnni)
+        const auto* ksrc = reinterpret_cast<const uint16_t*>(kp);
+        const auto* vsrc = reinterpret_cast<const uint16_t*>(vp);
+        auto* kb = reinterpret_cast<uint16_t*>(kc) + block * kc0;
+        auto* vb = reinterpret_cast<uint16_t*>(vc) + block * vc0;
+        for (int64_t h = 0; h < hkv; ++h) {
+          const uint16_t* kr = ksrc + t * ks0 + h * ks1;
+          const uint16_t* vr = vsrc + t * vs0 + h * vs1;
+          uint16_t* kh = kb + h * bs * d;
+          uint16_t* vh = vb + h * bs * d + (off / 2) * 2 * d + off % 2;
+          for (int64_t j = 0; j < d / 2; ++j) {
+            kh[(j * bs + off) * 2] = kr[2 * j];
+            kh[(j * bs + off) * 2 + 1] = kr[2 * j + 1];
+          }
+          for (int64_t e = 0; e < d; ++e) vh[2 * e] = vr[e];
+        }
+        continue;
+      }
       for (int64_t h = 0; h < hkv; ++h) {
         std::memcpy(kdst + h * kc2 * celem, kp + (t * ks0 + h * ks1) * elem, row_bytes);
         std::memcpy(vdst + h * vc2 * celem, vp + (t * vs0 + h * vs1) * elem, row_bytes);
@@ -1437,10 +1599,10 @@ TORCH_LIBRARY(pagedserve, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
-      "int split_keys=0, int sliding_window=0) -> ()");
+      "int split_keys=0, int sliding_window=0, int kv_layout=0) -> ()");
   m.def(
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-      "Tensor slot_mapping) -> ()");
+      "Tensor slot_mapping, int kv_layout=0) -> ()");
   m.def("cpu_isa() -> str", &pagedserve::cpu_isa);
 }
 
@@ -1455,7 +1617,7 @@ TORCH_LIBRARY_IMPL(pagedserve, Meta, m) {
   m.impl("paged_attention",
          [](at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
             const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
-            int64_t) {});
+            int64_t, int64_t) {});
   m.impl("reshape_and_cache", [](const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                                 const at::Tensor&) {});
+                                 const at::Tensor&, int64_t) {});
 }

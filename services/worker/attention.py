@@ -75,6 +75,12 @@ class AttentionBackend:
 
     Args:
         name: ``"torch"``, ``"triton"`` or ``"cpu"``.
+        kv_layout: how the KV caches order a block's values (``kernels/kv_layout.py``):
+            ``"rows"`` (every backend) or ``"pairs"`` (the cpu backend's bf16 layout; the model
+            runner picks it with ``choose_kv_layout``). Read at every call.
+
+    Raises:
+        ValueError: an unknown name, or ``"pairs"`` on a backend other than cpu.
     """
 
     # backend -> (module, prefix of its functions) pairs; op ``o`` is ``<prefix>_<o>``
@@ -85,11 +91,15 @@ class AttentionBackend:
     _OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm",
             "rotary_embedding")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, kv_layout: str = "rows") -> None:
         if name not in self._MODULES:
             raise ValueError(f"unknown attention backend {name!r}; "
                              f"choose from {sorted(self._MODULES)}")
+        if kv_layout != "rows" and name != "cpu":
+            raise ValueError(f"kv_layout {kv_layout!r} needs the cpu attention backend, not "
+                             f"{name!r}")
         self.name = name
+        self.kv_layout = kv_layout
         self._ops: dict[str, Callable[..., Any]] | None = None
 
     def load(self) -> None:
@@ -121,6 +131,10 @@ class AttentionBackend:
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store this step's ``key``/``value`` ``[T, K, D]`` into the caches
         ``[num_blocks, block_size, K, D]`` at ``meta.slot_mapping`` (in place)."""
+        if self.kv_layout != "rows":
+            self._op("reshape_and_cache")(key, value, k_cache, v_cache, meta.slot_mapping,
+                                          kv_layout=self.kv_layout)
+            return
         self._op("reshape_and_cache")(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -133,6 +147,10 @@ class AttentionBackend:
         before every query's window are not read (``kernels/__init__.py``)."""
         args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                 meta.max_seq_len)
+        if self.kv_layout != "rows":
+            return self._op("paged_attention")(query, k_cache, v_cache, *args, scale,
+                                               sliding_window=sliding_window,
+                                               kv_layout=self.kv_layout)
         if self.name != "torch":
             return self._op("paged_attention")(query, k_cache, v_cache, *args, scale,
                                                sliding_window=sliding_window)
@@ -164,7 +182,34 @@ class AttentionBackend:
         self._op("rotary_embedding")(positions, query, key, inv_freq)
 
     def __repr__(self) -> str:
-        return f"AttentionBackend({self.name!r})"
+        return f"AttentionBackend({self.name!r}, kv_layout={self.kv_layout!r})"
+
+
+def choose_kv_layout(backend: str, kv_cache_dtype: torch.dtype, block_size: int,
+                     head_dims: list[int]) -> str:
+    """The KV cache layout for a model (and its draft model: ``head_dims`` has each one's).
+
+    ``"pairs"`` (``kernels/kv_layout.py``) where the native CPU kernels' bf16 products run on
+    it: the cpu backend, a bfloat16 cache, an even ``block_size``, every head_dim a multiple
+    of 32 and a CPU step that has those products (``amx`` or ``avx512_bf16``); ``"rows"``
+    otherwise. ``CPU_KV_LAYOUT`` = ``"rows"`` keeps rows everywhere, ``"pairs"`` takes pairs
+    wherever the cache fits them, whatever the CPU (its float32 body unpacks them: tests).
+    """
+    from kernels.kv_layout import pairs_fit
+    if (backend != "cpu" or CPU_KV_LAYOUT == "rows"
+            or not all(pairs_fit(kv_cache_dtype, block_size, d) and d % 32 == 0
+                       for d in head_dims)):
+        return "rows"
+    if CPU_KV_LAYOUT == "pairs":
+        return "pairs"
+    from kernels.cpu_attention import cpu_isa
+    return "pairs" if cpu_isa() in ("amx", "avx512_bf16") else "rows"
+
+
+# "auto" = choose_kv_layout's rule; "rows" / "pairs" force one where it fits
+# (benchmarks/ab_engine.py varies it: --knob services.worker.attention.CPU_KV_LAYOUT
+# --values rows auto).
+CPU_KV_LAYOUT = "auto"
 
 
 # What "auto" means on a CPU (benchmarks/ab_engine.py varies it): the native kernels, 2.2x the

@@ -136,7 +136,8 @@ class CompiledForward:
         fx_config.use_duck_shape = False
         backend.load()
         self.model = model
-        self.key = artifact_key(model, backend.name, block_size, kv_cache_dtype)
+        self.key = artifact_key(model, backend.name, block_size, kv_cache_dtype,
+                                getattr(backend, "kv_layout", "rows"))
         self.path = Path(inductor_cache_dir()) / "aot" / f"{self.key}.bin"
         self._fn: Any = None  # (model, input_ids, positions, kv_caches, metas, hidden) -> [T, E]
         self.compile_seconds: float | None = None
@@ -206,18 +207,19 @@ _LOADED: dict[str, Any] = {}
 # The sources whose text the graph depends on (the model's math, the ops' schemas and
 # kernels, native ones included, this file).
 _SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py",
+            "services/worker/attention.py",
             "services/worker/kv_cache_groups.py", "services/worker/packed_linear.py",
             "services/worker/quantized_linear.py")
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 
 
 def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
-                 kv_cache_dtype: torch.dtype | None = None) -> str:
+                 kv_cache_dtype: torch.dtype | None = None, kv_layout: str = "rows") -> str:
     """A 24-hex-digit hash of everything a compiled forward was specialised on: torch, Python,
     the CPU's vector ISA, the model class and config (its layers' sliding windows too, which
     fix the KV cache groups: how many metadata objects the graph takes and which layers share a
     K/V tensor pair), its dtype and device, the attention backend, the block size and KV cache
-    dtype (None = the model's), the classes
+    dtype (None = the model's) and layout (``kernels/kv_layout.py``), the classes
     of its modules (packed linear layers: a 16-bit model's, or ``--batch-invariant``'s), and
     the text of the model, kernel (native ones included), packing, compile and grouping
     modules."""
@@ -228,7 +230,7 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
                  type(model).__qualname__, repr(getattr(model, "config", None)),
                  repr(getattr(getattr(model, "config", None), "sliding_windows", None)),
                  str(param.dtype), param.device.type, backend_name, str(block_size),
-                 str(kv_cache_dtype or param.dtype),
+                 str(kv_cache_dtype or param.dtype), kv_layout,
                  str(len(getattr(model, "layers", ()))),
                  ",".join(sorted({type(m).__qualname__ for m in model.modules()}))):
         h.update(part.encode() + b"\0")

@@ -43,7 +43,12 @@ from services.common.step import (
     StepOutput,
 )
 from services.common.tokenizer_loading import load_tokenizer
-from services.worker.attention import AttentionMetadata, resolve_kv_cache_dtype, select_backend
+from services.worker.attention import (
+    AttentionMetadata,
+    choose_kv_layout,
+    resolve_kv_cache_dtype,
+    select_backend,
+)
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.device import resolve_device, resolve_dtype
 from services.worker.distributed import ParallelState
@@ -68,9 +73,10 @@ _WARMUP_SAMPLING = EngineSamplingParams(temperature=1.0, top_p=0.9, top_k=50)
 
 class DraftProposer(Protocol):
     """What the runner asks of a draft-model proposer (``draft_model.DraftModelProposer``):
-    its KV bytes per block, its KV cache, drafts for requests, and forgetting one."""
+    its KV bytes per block and head_dim, its KV cache, drafts for requests, and forgetting one."""
 
     bytes_per_block: int
+    head_dim: int  # its caches share the runner's KV layout (choose_kv_layout checks it fits)
 
     def allocate_kv_cache(self, num_blocks: int) -> None: ...
 
@@ -196,6 +202,11 @@ class ModelRunner:
                                 * self.kv_row * self.kv_cache_dtype.itemsize)
         self.ngram, self.draft = self._build_proposer(speculative, backend)
         draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
+        # the caches' order inside a block (the draft's share the backend): before compiling
+        backend.kv_layout = choose_kv_layout(
+            backend.name, self.kv_cache_dtype, block_size,
+            [cfg.head_dim] + ([self.draft.head_dim] if self.draft is not None else []))
+        self.kv_layout = backend.kv_layout  # "rows" or "pairs" (kernels/kv_layout.py)
         self.sampler = Sampler()
         self.structured = (StructuredOutputs(lambda: load_tokenizer(model), self.vocab_size,
                                              self.eos_token_ids)

@@ -195,6 +195,7 @@ def test_the_artifact_key_changes_with_what_the_graph_depends_on(tiny_llama):
     assert key == artifact_key(model, "cpu", 16)
     assert len({key, artifact_key(model, "cpu", 32), artifact_key(model, "torch", 16)}) == 3
     assert artifact_key(model, "cpu", 16, torch.int8) != key  # --kv-cache-dtype int8
+    assert artifact_key(model, "cpu", 16, None, "pairs") != key  # kernels/kv_layout.py
     assert artifact_key(model, "cpu", 16, torch.float32) == key  # (the model's dtype)
     assert artifact_key(model.to(torch.bfloat16), "cpu", 16) != key
     model.to(torch.float32)
