@@ -131,11 +131,8 @@ class AttentionBackend:
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store this step's ``key``/``value`` ``[T, K, D]`` into the caches
         ``[num_blocks, block_size, K, D]`` at ``meta.slot_mapping`` (in place)."""
-        if self.kv_layout != "rows":
-            self._op("reshape_and_cache")(key, value, k_cache, v_cache, meta.slot_mapping,
-                                          kv_layout=self.kv_layout)
-            return
-        self._op("reshape_and_cache")(key, value, k_cache, v_cache, meta.slot_mapping)
+        self._op("reshape_and_cache")(key, value, k_cache, v_cache, meta.slot_mapping,
+                                      **self._layout())
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
@@ -147,13 +144,9 @@ class AttentionBackend:
         before every query's window are not read (``kernels/__init__.py``)."""
         args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                 meta.max_seq_len)
-        if self.kv_layout != "rows":
-            return self._op("paged_attention")(query, k_cache, v_cache, *args, scale,
-                                               sliding_window=sliding_window,
-                                               kv_layout=self.kv_layout)
         if self.name != "torch":
             return self._op("paged_attention")(query, k_cache, v_cache, *args, scale,
-                                               sliding_window=sliding_window)
+                                               sliding_window=sliding_window, **self._layout())
         # the step's first layer with this window plans it; every layer with that window reuses
         # the plan (layers of different windows may share one metadata object)
         if meta.plan is None:
@@ -180,6 +173,10 @@ class AttentionBackend:
         """Rotate-half RoPE of ``query [T, H, D]`` and ``key [T, K, D]`` at ``positions [T]``,
         in place, with float32 ``inv_freq [D/2]``."""
         self._op("rotary_embedding")(positions, query, key, inv_freq)
+
+    def _layout(self) -> dict[str, str]:
+        """The cache ops' layout keyword: only the cpu backend's ops take one."""
+        return {"kv_layout": self.kv_layout} if self.name == "cpu" else {}
 
     def __repr__(self) -> str:
         return f"AttentionBackend({self.name!r}, kv_layout={self.kv_layout!r})"

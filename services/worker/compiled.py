@@ -137,7 +137,7 @@ class CompiledForward:
         backend.load()
         self.model = model
         self.key = artifact_key(model, backend.name, block_size, kv_cache_dtype,
-                                getattr(backend, "kv_layout", "rows"))
+                                backend.kv_layout)
         self.path = Path(inductor_cache_dir()) / "aot" / f"{self.key}.bin"
         self._fn: Any = None  # (model, input_ids, positions, kv_caches, metas, hidden) -> [T, E]
         self.compile_seconds: float | None = None
