@@ -40,7 +40,9 @@
 //                ATen's cpublas::brgemm (oneDNN's ukernel on AMX tiles), K^T and V packed
 //                per chunk into bf16 pairs (VNNI-2) with AVX-512 transposes / permutes, P as
 //                two bf16 parts (high, and the rest);
-//   avx512_bf16  the same packing and P, vdpbf16ps micro-kernels;
+//   avx512_bf16  the same P, vdpbf16ps micro-kernels of up to 4 rows (a decode's G rows in one
+//                tile), both parts of P in one pass over V; a pair-layout cache (kv_layout 1,
+//                block_size % 16 == 0) is read in place, no per-chunk copy of K^T or V;
 //   avx512 / avx2 / scalar (and float32 / float16 everywhere): float32 FMA micro-kernels in
 //                plain loops compiled per target: S from K^T (prefill tiles) or, for fewer
 //                than 16 rows (decode), from the key rows in place with the rows across the
@@ -733,19 +735,22 @@ PS_BF16_TARGET void pack_v(KvQuant q, const void* const* vrow, int64_t c0, int64
   }
 }
 
-// s[m][j0 .. j0 + 32) for MR rows by vdpbf16ps: each element one float32 accumulator over the
-// head dims' pairs in order.
+// s[m][0 .. 32) for MR rows by vdpbf16ps: each element one float32 accumulator over the head
+// dims' pairs in order. The 32 keys' K^T words come in two halves of 16: pair j of the first
+// half at k0 + j * ld0, of the second at k1 + j * ld1 (the packed K^T: ldk; a pair-layout cache
+// block read in place: block_size; a run of zeros: 0).
 template <int MR>
-PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const uint32_t* kp,
-                                         int64_t ldk, int64_t j0, float* s) {
+PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const uint32_t* k0p,
+                                         int64_t ld0, const uint32_t* k1p, int64_t ld1,
+                                         float* s, int64_t ldk) {
   __m512 a0[MR], a1[MR];
   for (int m = 0; m < MR; ++m) {
     a0[m] = _mm512_setzero_ps();
     a1[m] = _mm512_setzero_ps();
   }
   for (int64_t j = 0; j < d / 2; ++j) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + j * ldk + j0);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + j * ldk + j0 + 16);
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k0p + j * ld0);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(k1p + j * ld1);
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
       std::memcpy(&pair, q + m * d + 2 * j, sizeof(pair));
@@ -755,36 +760,60 @@ PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const uin
     }
   }
   for (int m = 0; m < MR; ++m) {
-    _mm512_storeu_ps(s + m * ldk + j0, a0[m]);
-    _mm512_storeu_ps(s + m * ldk + j0 + 16, a1[m]);
+    _mm512_storeu_ps(s + m * ldk, a0[m]);
+    _mm512_storeu_ps(s + m * ldk + 16, a1[m]);
   }
 }
 
-// acc[m][e0 .. e0 + 32) += P V over the key pairs [c0 / 2, c1 / 2) in order, by vdpbf16ps.
+// acc[m][e0 .. e0 + 32) += P V over the key pairs [c0 / 2, c1 / 2), by vdpbf16ps, P in its
+// two bf16 parts (softmax_rows_bf16): two float32 accumulators per element, the high part's
+// starting from acc and the low part's from 0, each over the pairs in order, added at the end.
+// One pass over V for both parts and every row of the tile; vpair[i] is the pair row of keys
+// 2i, 2i + 1 ([d][2] bf16: packed, or in place in a pair-layout cache block).
 template <int MR>
-PS_BF16_TARGET PS_INLINE void pv_tile_dp(const uint16_t* p, int64_t ldk, const uint16_t* vp,
-                                         int64_t c0, int64_t c1, int64_t e0, float* acc,
-                                         int64_t d) {
-  __m512 a0[MR], a1[MR];
+PS_BF16_TARGET PS_INLINE void pv_tile_dp(const uint16_t* p, const uint16_t* plo, int64_t ldk,
+                                         const uint16_t* const* vpair, int64_t c0, int64_t c1,
+                                         int64_t e0, float* acc, int64_t d) {
+  __m512 a0[MR], a1[MR], b0[MR], b1[MR];
   for (int m = 0; m < MR; ++m) {
     a0[m] = _mm512_loadu_ps(acc + m * d + e0);
     a1[m] = _mm512_loadu_ps(acc + m * d + e0 + 16);
+    b0[m] = _mm512_setzero_ps();
+    b1[m] = _mm512_setzero_ps();
   }
   for (int64_t t = c0; t < c1; t += 2) {
-    const uint16_t* v = vp + (t / 2) * d * 2 + 2 * e0;
+    const uint16_t* v = vpair[t / 2] + 2 * e0;
     const __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
     const __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + 32);
     for (int m = 0; m < MR; ++m) {
-      int32_t pair;
-      std::memcpy(&pair, p + m * ldk + t, sizeof(pair));
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
-      a0[m] = _mm512_dpbf16_ps(a0[m], pb, v0);
-      a1[m] = _mm512_dpbf16_ps(a1[m], pb, v1);
+      int32_t hi, lo;
+      std::memcpy(&hi, p + m * ldk + t, sizeof(hi));
+      std::memcpy(&lo, plo + m * ldk + t, sizeof(lo));
+      const __m512bh ph = (__m512bh)_mm512_set1_epi32(hi);
+      const __m512bh pl = (__m512bh)_mm512_set1_epi32(lo);
+      a0[m] = _mm512_dpbf16_ps(a0[m], ph, v0);
+      a1[m] = _mm512_dpbf16_ps(a1[m], ph, v1);
+      b0[m] = _mm512_dpbf16_ps(b0[m], pl, v0);
+      b1[m] = _mm512_dpbf16_ps(b1[m], pl, v1);
     }
   }
   for (int m = 0; m < MR; ++m) {
-    _mm512_storeu_ps(acc + m * d + e0, a0[m]);
-    _mm512_storeu_ps(acc + m * d + e0 + 16, a1[m]);
+    _mm512_storeu_ps(acc + m * d + e0, _mm512_add_ps(a0[m], b0[m]));
+    _mm512_storeu_ps(acc + m * d + e0 + 16, _mm512_add_ps(a1[m], b1[m]));
+  }
+}
+
+// Runs fn.template operator()<MR>(m) over rows [0, rows) in tiles of 4, the last tile 1 .. 3
+// rows wide (a decode's G rows in one tile, so its products have MR independent chains).
+template <typename Fn>
+PS_INLINE void for_row_tiles(int64_t rows, Fn&& fn) {
+  int64_t m = 0;
+  for (; m + 4 <= rows; m += 4) fn.template operator()<4>(m);
+  switch (rows - m) {
+    case 3: fn.template operator()<3>(m); break;
+    case 2: fn.template operator()<2>(m); break;
+    case 1: fn.template operator()<1>(m); break;
+    default: break;
   }
 }
 
@@ -876,38 +905,80 @@ PS_BF16_TARGET void softmax_rows_bf16(Scratch& s, int64_t rows, int64_t ldk, int
   }
 }
 
+// Whether the kBf16Dp body reads a pair-layout cache in place (no copy of K^T and V per
+// chunk): whole 16-key runs of K^T words lie in one block when block_size % 16 == 0.
+PS_INLINE bool reads_in_place(const AttnParams& p) { return p.vnni && p.block_size % 16 == 0; }
+
 // The chunk's two products on the kBf16Dp and kAmx paths (plain calls from the chunk loop).
+// In place (reads_in_place): the 16-key runs of K^T come from their blocks, runs at or past
+// the chunk's last key read as zeros; V's pair rows from their blocks, the pair of an odd last
+// key from a copy whose missing half is zero (a cache slot past the sequence may hold
+// anything, NaN included, and 0 x NaN would poison the sum). Keys a row does not see weigh 0
+// and are read anyway, exactly as in the packed buffers: the same products in the same order.
 PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                 int64_t c1p) {
-  const int64_t d = p.head_dim, ldk = p.ldk;
-  if (p.vnni) {
-    copy_k_vnni(s.kblk, p.block_size, s.klo, s.khi, c0, c1p, d, s.kp, ldk);
-  } else {
-    pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
+  const int64_t d = p.head_dim, ldk = p.ldk, bs = p.block_size;
+  const bool in_place = reads_in_place(p);
+  if (!in_place) {
+    if (p.vnni) {
+      copy_k_vnni(s.kblk, bs, s.klo, s.khi, c0, c1p, d, s.kp, ldk);
+    } else {
+      pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
+    }
   }
+  const uint32_t* zeros = reinterpret_cast<const uint32_t*>(s.zero);
+  const auto run = [&](int64_t t0, int64_t* ld) -> const uint32_t* {
+    if (!in_place) {
+      *ld = ldk;
+      return s.kp + t0;
+    }
+    if (t0 >= s.khi) {
+      *ld = 0;
+      return zeros;
+    }
+    *ld = bs;
+    return reinterpret_cast<const uint32_t*>(s.kblk[t0 / bs]) + t0 % bs;
+  };
   for (int64_t j0 = c0; j0 < c1p; j0 += 32) {
-    int64_t m = 0;
-    for (; m + 4 <= rows; m += 4) qk_tile_dp<4>(s.q16 + m * d, d, s.kp, ldk, j0, s.s + m * ldk);
-    for (; m < rows; ++m) qk_tile_dp<1>(s.q16 + m * d, d, s.kp, ldk, j0, s.s + m * ldk);
+    int64_t ld0, ld1;
+    const uint32_t* k0 = run(j0, &ld0);
+    const uint32_t* k1 = run(j0 + 16, &ld1);
+    for_row_tiles(rows, [&]<int MR>(int64_t m) PS_BF16_TARGET {
+      qk_tile_dp<MR>(s.q16 + m * d, d, k0, ld0, k1, ld1, s.s + m * ldk + j0, ldk);
+    });
   }
 }
 
 PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                 int64_t c1) {
-  const int64_t d = p.head_dim, ldk = p.ldk;
-  if (p.vnni) {
-    copy_v_vnni(s.vblk, p.block_size, s.klo, s.khi, c0, c1, d, s.vp);
-  } else {
-    pack_v(p.kv_quant, s.vrow, c0, c1, d, s.vp);
-  }
-  for (const uint16_t* pp : {s.p16, s.p16lo}) {  // P's high part, then its low part
-    for (int64_t e0 = 0; e0 < d; e0 += 32) {
-      int64_t m = 0;
-      for (; m + 4 <= rows; m += 4) {
-        pv_tile_dp<4>(pp + m * ldk, ldk, s.vp, c0, c1, e0, s.acc + m * d, d);
-      }
-      for (; m < rows; ++m) pv_tile_dp<1>(pp + m * ldk, ldk, s.vp, c0, c1, e0, s.acc + m * d, d);
+  const int64_t d = p.head_dim, ldk = p.ldk, bs = p.block_size;
+  const uint16_t** vpair = reinterpret_cast<const uint16_t**>(s.vrow);
+  if (reads_in_place(p)) {
+    const int64_t hp = s.khi / 2;  // pairs [c0 / 2, hp) whole; an odd last key's pair next
+    for (int64_t i = c0 / 2; i < hp; ++i) {
+      vpair[i] = reinterpret_cast<const uint16_t*>(s.vblk[2 * i / bs]) + (2 * i % bs) / 2 * 2 * d;
     }
+    if (s.khi % 2 == 1) {
+      const uint16_t* src =
+          reinterpret_cast<const uint16_t*>(s.vblk[2 * hp / bs]) + (2 * hp % bs) / 2 * 2 * d;
+      for (int64_t e = 0; e < d; ++e) {
+        s.vp[2 * e] = src[2 * e];
+        s.vp[2 * e + 1] = 0;
+      }
+      vpair[hp] = s.vp;
+    }
+  } else {
+    if (p.vnni) {
+      copy_v_vnni(s.vblk, bs, s.klo, s.khi, c0, c1, d, s.vp);
+    } else {
+      pack_v(p.kv_quant, s.vrow, c0, c1, d, s.vp);
+    }
+    for (int64_t i = c0 / 2; i < c1 / 2; ++i) vpair[i] = s.vp + i * 2 * d;
+  }
+  for (int64_t e0 = 0; e0 < d; e0 += 32) {
+    for_row_tiles(rows, [&]<int MR>(int64_t m) PS_BF16_TARGET {
+      pv_tile_dp<MR>(s.p16 + m * ldk, s.p16lo + m * ldk, ldk, vpair, c0, c1, e0, s.acc + m * d, d);
+    });
   }
 }
 
