@@ -92,6 +92,7 @@
 #include "cpu_isa.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -303,6 +304,10 @@ constexpr int64_t kDefaultSplitKeys = 512;
 // tiles through cpublas::brgemm. All three share the chunk loop and the softmax.
 enum class Path : int { kF32 = 0, kBf16Dp = 1, kAmx = 2 };
 
+// Whether the kBf16Dp body reads a pair-layout cache in place (no copy of K^T and V per
+// chunk): whole 16-key runs of K^T words lie in one block when block_size % 16 == 0.
+PS_INLINE bool reads_in_place(const AttnParams& p) { return p.vnni && p.block_size % 16 == 0; }
+
 // 64-byte aligned per-thread buffers of one item (sized for the call's largest item), carved
 // out of one thread-local allocation that only ever grows (no allocation per layer call).
 struct Scratch {
@@ -330,6 +335,27 @@ struct Scratch {
   const char** kblk;  // [ldk] kv_layout 1: the (block, KV head) K of the chunk's block i at [i]
   const char** vblk;  // [ldk] and its V
   int64_t klo, khi;   // kv_layout 1: the chunk's keys [klo, khi) (chunk columns) it reads
+  // The prefetch queue of the in-place bf16 path (reads_in_place): the (block, KV head) pieces
+  // of K, then of V, of the next chunk this thread reads (the item's own next chunk, or the
+  // first chunk of the item it runs next), asked for a few lines at a time between the
+  // chunk's tiles (pump), so the memory reads overlap the products instead of stalling in one
+  // burst; a software prefetch holds a miss buffer until its line arrives, so a burst of them
+  // stalls the core.
+  const char** pf;           // [2 * ldk] the pieces
+  int64_t pf_n = 0, pf_i = 0, pf_off = 0, pf_bytes = 0, pf_step = 0;
+  const void* next = nullptr;    // the item this thread runs next (nullptr: none)
+  const void* warmed = nullptr;  // the item whose first chunk the queue held
+  PS_INLINE void pump(int64_t lines) {
+    for (; lines > 0 && pf_i < pf_n; --lines) {
+      __builtin_prefetch(pf[pf_i] + pf_off, 0, 2);
+      pf_off += 64;
+      if (pf_off >= pf_bytes) {
+        pf_off = 0;
+        ++pf_i;
+      }
+    }
+  }
+  PS_INLINE void pump() { pump(pf_step); }
   Scratch(int64_t rows, int64_t d, int64_t ldk) {
     size_t off = 0;
     std::vector<std::pair<void**, size_t>> parts = {
@@ -346,7 +372,8 @@ struct Scratch {
         {reinterpret_cast<void**>(&vrow), ldk * sizeof(void*)},
         {reinterpret_cast<void**>(&kst), ldk * d * 4}, {reinterpret_cast<void**>(&vst), ldk * d * 4},
         {reinterpret_cast<void**>(&kblk), ldk * sizeof(void*)},
-        {reinterpret_cast<void**>(&vblk), ldk * sizeof(void*)}};
+        {reinterpret_cast<void**>(&vblk), ldk * sizeof(void*)},
+        {reinterpret_cast<void**>(&pf), 2 * ldk * sizeof(void*)}};
     std::vector<size_t> offs;
     for (auto& part : parts) {
       offs.push_back(off);
@@ -769,11 +796,12 @@ PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const uin
 // two bf16 parts (softmax_rows_bf16): two float32 accumulators per element, the high part's
 // starting from acc and the low part's from 0, each over the pairs in order, added at the end.
 // One pass over V for both parts and every row of the tile; vpair[i] is the pair row of keys
-// 2i, 2i + 1 ([d][2] bf16: packed, or in place in a pair-layout cache block).
+// 2i, 2i + 1 ([d][2] bf16: packed, or in place in a pair-layout cache block). Pumps the
+// prefetch queue every 32 keys.
 template <int MR>
-PS_BF16_TARGET PS_INLINE void pv_tile_dp(const uint16_t* p, const uint16_t* plo, int64_t ldk,
-                                         const uint16_t* const* vpair, int64_t c0, int64_t c1,
-                                         int64_t e0, float* acc, int64_t d) {
+PS_BF16_TARGET PS_INLINE void pv_tile_dp(Scratch& s, const uint16_t* p, const uint16_t* plo,
+                                         int64_t ldk, const uint16_t* const* vpair, int64_t c0,
+                                         int64_t c1, int64_t e0, float* acc, int64_t d) {
   __m512 a0[MR], a1[MR], b0[MR], b1[MR];
   for (int m = 0; m < MR; ++m) {
     a0[m] = _mm512_loadu_ps(acc + m * d + e0);
@@ -782,6 +810,7 @@ PS_BF16_TARGET PS_INLINE void pv_tile_dp(const uint16_t* p, const uint16_t* plo,
     b1[m] = _mm512_setzero_ps();
   }
   for (int64_t t = c0; t < c1; t += 2) {
+    if ((t - c0) % 32 == 0) s.pump();
     const uint16_t* v = vpair[t / 2] + 2 * e0;
     const __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
     const __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + 32);
@@ -905,10 +934,6 @@ PS_BF16_TARGET void softmax_rows_bf16(Scratch& s, int64_t rows, int64_t ldk, int
   }
 }
 
-// Whether the kBf16Dp body reads a pair-layout cache in place (no copy of K^T and V per
-// chunk): whole 16-key runs of K^T words lie in one block when block_size % 16 == 0.
-PS_INLINE bool reads_in_place(const AttnParams& p) { return p.vnni && p.block_size % 16 == 0; }
-
 // The chunk's two products on the kBf16Dp and kAmx paths (plain calls from the chunk loop).
 // In place (reads_in_place): the 16-key runs of K^T come from their blocks, runs at or past
 // the chunk's last key read as zeros; V's pair rows from their blocks, the pair of an odd last
@@ -946,6 +971,7 @@ PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, i
     for_row_tiles(rows, [&]<int MR>(int64_t m) PS_BF16_TARGET {
       qk_tile_dp<MR>(s.q16 + m * d, d, k0, ld0, k1, ld1, s.s + m * ldk + j0, ldk);
     });
+    s.pump();
   }
 }
 
@@ -977,7 +1003,8 @@ PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, i
   }
   for (int64_t e0 = 0; e0 < d; e0 += 32) {
     for_row_tiles(rows, [&]<int MR>(int64_t m) PS_BF16_TARGET {
-      pv_tile_dp<MR>(s.p16 + m * ldk, s.p16lo + m * ldk, ldk, vpair, c0, c1, e0, s.acc + m * d, d);
+      pv_tile_dp<MR>(s, s.p16 + m * ldk, s.p16lo + m * ldk, ldk, vpair, c0, c1, e0, s.acc + m * d,
+                     d);
     });
   }
 }
@@ -1028,6 +1055,25 @@ PS_BF16_TARGET void chunk_pv_amx(const AttnParams& p, Scratch& s, int64_t rows, 
 }
 #endif
 
+// Fills s.pf with the (block, KV head) pieces of item x's keys [key_lo, key_hi) in a
+// pair-layout cache, K's then V's; returns their count.
+PS_INLINE int64_t queue_pieces(const AttnParams& p, Scratch& s, const WorkItem& x, int64_t key_lo,
+                               int64_t key_hi) {
+  const int64_t bs = p.block_size;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(x.seq) * p.bt_stride;
+  const char* k_base = static_cast<const char*>(p.k_cache) + x.kv_head * p.k_stride_head;
+  const char* v_base = static_cast<const char*>(p.v_cache) + x.kv_head * p.v_stride_head;
+  int64_t n = 0;
+  for (int64_t pos = key_lo / bs * bs; pos < key_hi; pos += bs) {
+    s.pf[n++] = k_base + table[pos / bs] * p.k_stride_block;
+  }
+  const int64_t nk = n;
+  for (int64_t i = 0; i < nk; ++i) {
+    s.pf[n++] = v_base + table[(key_lo / bs * bs) / bs + i] * p.v_stride_block;
+  }
+  return n;
+}
+
 // One item on any path: the query tile in, then chunk by chunk (fixed key positions, every
 // `chunk` keys): the rows of the chunk's keys through the block table, S = Q K^T, the
 // online-softmax step of each row, acc += P V; finally out = acc / l, or (m, l, acc) for the
@@ -1036,6 +1082,7 @@ template <typename T, Path kPath>
 PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scratch& s) {
   const int64_t d = p.head_dim, g = p.group, bs = p.block_size, C = p.chunk;
   const int64_t rows = it.q_count * g;
+  const bool in_place = kPath == Path::kBf16Dp && reads_in_place(p);
   const T* query = static_cast<const T*>(p.query);
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = query + (it.q_row + r / g) * p.q_stride_tok +
@@ -1075,7 +1122,22 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
         s.kblk[b0 / bs] = k_base + block * p.k_stride_block;
         s.vblk[b0 / bs] = v_base + block * p.v_stride_block;
       }
-      if (cs == it.key_begin / C * C) {  // as below: the first chunk asks for all its bytes
+      s.pf_n = s.pf_i = s.pf_off = 0;
+      if (in_place) {  // the next chunk's pieces, for pump() while this one computes
+        const WorkItem* nx = static_cast<const WorkItem*>(s.next);
+        if (cs + C < it.key_end) {
+          s.pf_n = queue_pieces(p, s, it, cs + C, std::min(cs + 2 * C, it.key_end));
+        } else if (nx != nullptr) {
+          s.pf_n = queue_pieces(p, s, *nx, nx->key_begin,
+                                std::min(nx->key_begin / C * C + C, nx->key_end));
+        }
+        s.pf_bytes = blk_bytes;
+        const int64_t lines = s.pf_n * ((blk_bytes + 63) / 64);
+        const int64_t points = (c1p - c0) / 32 + (d / 32) * ((rows + 3) / 4) * ((c1 - c0 + 31) / 32);
+        s.pf_step = (lines + points - 1) / std::max<int64_t>(points, 1);
+      }
+      if (cs == it.key_begin / C * C && !(in_place && s.warmed == &it)) {
+        // as below: the first chunk asks for all its bytes (unless the previous item queued them)
         for (int64_t b0 = s.klo / bs * bs; b0 < s.khi; b0 += bs) {
           for (int64_t off = 0; off < blk_bytes; off += 64) __builtin_prefetch(s.kblk[b0 / bs] + off, 0, 3);
         }
@@ -1140,7 +1202,7 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
         }
       }
     }
-    for (int64_t pos = cs + C; pos < std::min(cs + 2 * C, it.key_end); pos += bs) {
+    for (int64_t pos = cs + C; !in_place && pos < std::min(cs + 2 * C, it.key_end); pos += bs) {
       const int64_t block = table[pos / bs];
       const int64_t n = std::min(bs, it.key_end - pos);
       const char* kb = k_base + block * p.k_stride_block;
@@ -1194,6 +1256,11 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
     if constexpr (kPath == Path::kBf16Dp) chunk_pv_dp(p, s, rows, c0, c1);
     if constexpr (kPath == Path::kAmx) chunk_pv_amx(p, s, rows, c0, c1);
 #endif
+    if (in_place) {
+      s.pump(std::numeric_limits<int64_t>::max());  // whatever the tiles left unasked
+      s.pf_n = 0;
+      if (cs + C >= it.key_end) s.warmed = s.next;
+    }
   }
 
   if (it.partial < 0) {  // the whole key range: normalize and write out
@@ -1506,11 +1573,20 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                     : nullptr;
 #endif
   const int64_t num_items = static_cast<int64_t>(items.size());
+  // Items are claimed one at a time from a shared counter (a dynamic schedule), each thread
+  // claiming its next item before it runs the current one, so the current one can prefetch
+  // the next one's first chunk while it computes (Scratch::pump).
+  std::atomic<int64_t> claimed{0};
 #pragma omp parallel num_threads(nthreads) if (num_items > 1)
   {
     Scratch scratch(max_rows, d, p.ldk);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t w = 0; w < num_items; ++w) fn(p, items[w], scratch);
+    int64_t w = claimed.fetch_add(1, std::memory_order_relaxed);
+    while (w < num_items) {
+      const int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
+      scratch.next = next < num_items ? &items[next] : nullptr;
+      fn(p, items[w], scratch);
+      w = next;
+    }
     if (path == Path::kAmx) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   }
   if (!merges.empty()) {
