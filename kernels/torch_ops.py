@@ -56,11 +56,46 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def torch_rope_cos_sin(
+    positions: torch.Tensor,  # [num_tokens] int64
+    inv_freq: torch.Tensor,  # [head_dim // 2] float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos(theta)`` and ``sin(theta)`` of rotate-half RoPE, each ``[num_tokens, 1, head_dim]``
+    float32: ``theta = positions * inv_freq`` in float32, repeated over both halves of
+    ``head_dim`` (``torch_rotary_embedding`` casts them to the query's dtype, transformers'
+    order).
+
+    A model computes them once per step and frequency set and hands them to every layer's
+    ``torch_rotary_embedding`` (``cos_sin``). NOTE: a custom op, so that Inductor keeps it one
+    kernel: as plain pointwise ops it inlined cos and sin into every layer's RoPE loop and
+    evaluated them again for every layer, head and dim of q and k (2.0 s of compare.py's
+    workload W on an AMD EPYC at bf16: docs/benchmarks.md, issue 31).
+    """
+    cos, sin = torch.ops.pagedserve_ops.rope_cos_sin(positions, inv_freq)
+    return cos, sin
+
+
+@torch.library.custom_op("pagedserve_ops::rope_cos_sin", mutates_args=())
+def _rope_cos_sin(positions: torch.Tensor,
+                  inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+
+@_rope_cos_sin.register_fake
+def _(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (positions.shape[0], 1, 2 * inv_freq.shape[0])
+    return (positions.new_empty(shape, dtype=torch.float32),
+            positions.new_empty(shape, dtype=torch.float32))
+
+
 def torch_rotary_embedding(
     positions: torch.Tensor,  # [num_tokens] int64
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     inv_freq: torch.Tensor,  # [head_dim // 2] float32
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Rotate ``query`` and ``key`` in place by rotate-half RoPE at ``positions``.
 
@@ -71,15 +106,17 @@ def torch_rotary_embedding(
         x1' = x1 * cos(theta) - x2 * sin(theta)
         x2' = x2 * cos(theta) + x1 * sin(theta)      (in query.dtype: q*cos + rotate_half(q)*sin)
 
+    ``cos_sin``: ``torch_rope_cos_sin(positions, inv_freq)`` computed beforehand (once per
+    step for all layers); None computes it here.
+
     Raises ``ValueError`` if ``2 * len(inv_freq)`` is not ``head_dim`` of both tensors.
     """
     head_dim = query.shape[-1]
     if 2 * inv_freq.shape[0] != head_dim or key.shape[-1] != head_dim:
         raise ValueError(f"inv_freq [{inv_freq.shape[0]}] does not fit head_dim "
                          f"{head_dim} (query) / {key.shape[-1]} (key)")
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-    cos, sin = emb.cos().to(query.dtype)[:, None, :], emb.sin().to(query.dtype)[:, None, :]
+    cos, sin = cos_sin if cos_sin is not None else torch_rope_cos_sin(positions, inv_freq)
+    cos, sin = cos.to(query.dtype), sin.to(query.dtype)
     query.copy_(query * cos + _rotate_half(query) * sin)
     key.copy_(key * cos + _rotate_half(key) * sin)
 

@@ -1,7 +1,8 @@
 """Attention backend choice: which paged-attention kernels the model calls, and their metadata.
 
 The model only calls ``backend.write_kv`` and ``backend.attend``, plus the per-layer ops
-``rms_norm``, ``fused_add_rms_norm`` and ``rotary_embedding``; the model runner builds one
+``rms_norm``, ``fused_add_rms_norm`` and ``rotary_embedding`` (with the step's
+``rotary_table``, made once per step by the model); the model runner builds one
 ``AttentionMetadata`` per step and KV cache group, and every layer of the group reuses it. Three
 backends share one contract (``kernels/__init__.py`` draws the index arithmetic):
 
@@ -69,6 +70,23 @@ class AttentionMetadata:
     plan: Any = None
 
 
+@dataclass(slots=True)
+class RotaryTable:
+    """One step's RoPE inputs for one frequency set (``AttentionBackend.rotary_table``).
+
+    Attributes:
+        positions: ``[T]`` int64, each token's position in its sequence.
+        inv_freq: ``[D/2]`` float32 inverse frequencies.
+        cos_sin: ``cos(theta)``, ``sin(theta)`` ``[T, 1, D]`` float32
+            (``kernels.torch_ops.torch_rope_cos_sin``), or None where the backend's kernel
+            computes them (triton).
+    """
+
+    positions: torch.Tensor
+    inv_freq: torch.Tensor
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None
+
+
 class AttentionBackend:
     """Paged attention, norms and RoPE through two kernel modules (``kernels.<module>``), loaded
     on first use.
@@ -89,7 +107,7 @@ class AttentionBackend:
         "triton": (("kernels.triton_attention", "triton"), ("kernels.triton_norm_rope", "triton")),
         "cpu": (("kernels.cpu_attention", "cpu"), ("kernels.torch_ops", "torch"))}
     _OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm",
-            "rotary_embedding")
+            "rotary_embedding", "rope_cos_sin")
 
     def __init__(self, name: str, kv_layout: str = "rows") -> None:
         if name not in self._MODULES:
@@ -168,11 +186,26 @@ class AttentionBackend:
         """``residual = x + residual`` then its RMSNorm: new ``(normed, residual)``, ``[T, E]``."""
         return self._op("fused_add_rms_norm")(x, residual, weight, eps)
 
-    def rotary_embedding(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                         inv_freq: torch.Tensor) -> None:
-        """Rotate-half RoPE of ``query [T, H, D]`` and ``key [T, K, D]`` at ``positions [T]``,
-        in place, with float32 ``inv_freq [D/2]``."""
-        self._op("rotary_embedding")(positions, query, key, inv_freq)
+    def rotary_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> RotaryTable:
+        """What ``rotary_embedding`` needs at ``positions [T]`` with float32 ``inv_freq [D/2]``:
+        made once per step and frequency set by the model and used by every layer (torch /
+        cpu: the float32 cos and sin tables, so a compiled forward computes them once, not in
+        every layer; triton computes them in its kernel)."""
+        self._op(self._OPS[0])  # loads the modules
+        assert self._ops is not None
+        op = self._ops.get("rope_cos_sin")
+        return RotaryTable(positions, inv_freq,
+                           None if op is None else op(positions, inv_freq))
+
+    def rotary_embedding(self, rope: RotaryTable, query: torch.Tensor,
+                         key: torch.Tensor) -> None:
+        """Rotate-half RoPE of ``query [T, H, D]`` and ``key [T, K, D]``, in place, at the
+        positions and frequencies of ``rope`` (``rotary_table``)."""
+        if rope.cos_sin is None:
+            self._op("rotary_embedding")(rope.positions, query, key, rope.inv_freq)
+        else:
+            self._op("rotary_embedding")(rope.positions, query, key, rope.inv_freq,
+                                         cos_sin=rope.cos_sin)
 
     def _layout(self) -> dict[str, str]:
         """The cache ops' layout keyword: only the cpu backend's ops take one."""

@@ -78,6 +78,23 @@ def test_rotary_embedding(backend, dtype, head_dim, scaling):
     torch.testing.assert_close(key.double(), expected_k, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_table_made_once_gives_the_same_rotation(dtype):
+    """The models compute cos/sin once per step (``AttentionBackend.rotary_table``) and every
+    layer applies them: bitwise what each layer computing its own gives."""
+    from services.worker.attention import AttentionBackend
+
+    query, key = make_qk(11, 9, 3, 64, dtype)
+    q2, k2 = query.clone(), key.clone()
+    positions, inv_freq = make_positions(11), make_inv_freq(64, "llama3")
+    torch_rotary_embedding(positions, query, key, inv_freq)
+    backend = AttentionBackend("torch")
+    rope = backend.rotary_table(positions, inv_freq)
+    assert rope.cos_sin is not None and rope.cos_sin[0].dtype == torch.float32
+    backend.rotary_embedding(rope, q2, k2)
+    assert torch.equal(query, q2) and torch.equal(key, k2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_triton_matches_torch_path(dtype):
     """The CUDA path against the CPU production path, and only q/k of the qkv buffer change."""

@@ -168,8 +168,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.post_feedforward_layernorm = RMSNorm(e, eps, backend)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                inv_freq: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Any,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' ``h = h + post_attn(attn(pre(h))); h = h + post_ff(mlp(pre_ff(h)))``
         in vLLM's fused form: the residual stream is ``x + residual`` (``x`` alone at the first
@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x.float()
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.post_attention_layernorm(self.attn(x, positions, inv_freq, kv_cache, meta))
+        x = self.post_attention_layernorm(self.attn(x, rope, kv_cache, meta))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
@@ -194,6 +194,7 @@ class Gemma3ForCausalLM(nn.Module):
     def __init__(self, cfg: Gemma3Config, backend: Any) -> None:
         super().__init__()
         self.config = cfg
+        self.backend = backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
@@ -231,9 +232,12 @@ class Gemma3ForCausalLM(nn.Module):
             x = hidden_states
         residual = None
         layers = cast(Iterable[DecoderLayer], self.layers)  # (typed as Iterable[Module])
+        # the two RoPE tables, once for every layer
+        rope_sliding = self.backend.rotary_table(positions, self.inv_freq_sliding)
+        rope_full = self.backend.rotary_table(positions, self.inv_freq_full)
         for layer, kv_cache, meta in zip(layers, kv_caches, attn_metadata, strict=True):
-            inv_freq = self.inv_freq_sliding if layer.attn.sliding_window else self.inv_freq_full
-            x, residual = layer(x, residual, positions, inv_freq, kv_cache, meta)
+            rope = rope_sliding if layer.attn.sliding_window else rope_full
+            x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.norm(x if residual is None else x + residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

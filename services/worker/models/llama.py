@@ -199,8 +199,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Any, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: Any) -> torch.Tensor:
+        """``x [T, E]`` -> ``[T, E]``; ``rope`` is the step's ``backend.rotary_table`` of this
+        layer's frequencies."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.n_heads, self.head_dim)  # [T, H, D]
@@ -209,7 +211,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, over D
             q = self.q_norm(q.reshape(T * self.n_heads, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(T * self.n_kv_heads, self.head_dim)).view(k.shape)
-        self.backend.rotary_embedding(positions, q, k, inv_freq)  # in place: q*cos + rot(q)*sin
+        self.backend.rotary_embedding(rope, q, k)  # in place: q*cos + rot(q)*sin
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale,
@@ -239,8 +241,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                inv_freq: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Any,
+                kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """vLLM's pre-norm form: the residual stream is ``x + residual`` (``x`` alone, with
         ``residual=None``, at the first layer); each norm adds the pending branch output into
@@ -252,7 +254,7 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x.float()
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.attn(x, positions, inv_freq, kv_cache, meta)
+        x = self.attn(x, rope, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -272,6 +274,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
         super().__init__()
         self.config = cfg
+        self.backend = backend
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
@@ -306,8 +309,9 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states  # [T, E]
         residual = None
+        rope = self.backend.rotary_table(positions, self.inv_freq)  # once for every layer
         for layer, kv_cache, meta in zip(self.layers, kv_caches, attn_metadata, strict=True):
-            x, residual = layer(x, residual, positions, self.inv_freq, kv_cache, meta)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
         # NOTE: the final add is not fused into the norm, so that a pipeline stage before the
         # last (norm = Identity) hands on the plain residual stream; one [T, E] add per step.
         return self.norm(x if residual is None else x + residual)
