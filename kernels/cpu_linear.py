@@ -51,10 +51,26 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return _ops().pack_linear_weight(weight)
 
 
+def gate_up_blocks(gate_up: torch.Tensor) -> torch.Tensor:
+    """A SwiGLU layer's fused ``[2I, ...]`` gate-then-up rows (a weight ``[2I, K]`` or a bias
+    ``[2I]``) reordered for ``cpu_linear(..., silu_mul=True)``: blocks of 32 rows, block ``b``
+    holding gate rows ``16b .. 16b + 15`` then up rows ``16b .. 16b + 15``.
+
+    Raises:
+        ValueError: ``2I`` is not a multiple of 32.
+    """
+    rows = gate_up.shape[0]
+    if rows % 32:
+        raise ValueError(f"gate_up has {rows} rows; silu_mul needs a multiple of 32")
+    gate, up = gate_up.reshape(2, rows // 32, 16, *gate_up.shape[1:]).unbind(0)
+    return torch.stack((gate, up), dim=1).reshape(gate_up.shape).contiguous()
+
+
 def cpu_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None,
-               weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+               weight_scale: torch.Tensor | None = None,
+               silu_mul: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias) -> [M, out_features]`` in ``out_dtype`` (default ``x.dtype``).
 
     ``x`` must have the packed weight's dtype (int8 weights: float32, bfloat16 or float16);
@@ -67,11 +83,17 @@ def cpu_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     even), ``W[n, k] = q[n, k] * scale[n, k // G]``, applied to each weight as it is
     dequantized (then rounded to ``x``'s dtype, as a model in that dtype holds its weights).
 
+    ``silu_mul``: SwiGLU's gate (Shazeer 2020, "GLU Variants Improve Transformer") in the
+    epilogue: the weight, bias and scale rows are ``gate_up_blocks``' order and the result is
+    ``[M, out_features / 2]``, ``silu(gate) * up`` computed from the float32 sums (bias
+    added) and rounded once, where an unfused layer rounds gate and up to ``out_dtype`` first.
+
     Raises:
         ValueError: mismatched dtypes or shapes, a tensor that is not ``pack_linear_weight``'s,
-            int8 weights without ``weight_scale`` or another weight with one.
+            int8 weights without ``weight_scale`` or another weight with one, ``silu_mul`` with
+            ``out_features`` not a multiple of 32.
     """
-    return _ops().linear(x, packed, out_features, bias, out_dtype, weight_scale)
+    return _ops().linear(x, packed, out_features, bias, out_dtype, weight_scale, silu_mul)
 
 
 def pack_group_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -88,8 +110,9 @@ def _register_fake() -> None:
     """Shape functions for ``torch.compile`` (FakeTensor tracing with dynamic ``M``)."""
     @torch.library.register_fake("pagedserve::linear")
     def _linear_fake(x, packed_weight, out_features, bias=None, out_dtype=None,
-                     weight_scale=None):
-        return x.new_empty((x.shape[0], out_features), dtype=out_dtype or x.dtype)
+                     weight_scale=None, silu_mul=False):
+        cols = out_features // 2 if silu_mul else out_features
+        return x.new_empty((x.shape[0], cols), dtype=out_dtype or x.dtype)
 
     @torch.library.register_fake("pagedserve::pack_linear_weight")
     def _pack_fake(weight):

@@ -2,11 +2,15 @@
 //
 // Ops (namespace `pagedserve`, schemas at the bottom):
 //   pack_linear_weight(weight) -> packed     weight [N, K] float32 / bfloat16 / float16 / int8
-//   linear(x, packed, out_features, bias=None, out_dtype=None, weight_scale=None) -> y
+//   linear(x, packed, out_features, bias=None, out_dtype=None, weight_scale=None,
+//          silu_mul=False) -> y
 //                                            x [M, K] in the weight's dtype (int8 weights: x
 //                                            float32 / bfloat16 / float16), y [M, N] in
 //                                            out_dtype (default x's), bias [N] any float dtype,
-//                                            weight_scale float32: int8 weights only (below)
+//                                            weight_scale float32: int8 weights only (below);
+//                                            silu_mul: y [M, N / 2] = silu(gate) * up, each
+//                                            32-column block 16 gate then 16 up features
+//                                            (SwiGLU, Shazeer 2020), from the float32 sums
 //
 // Why our own: (1) a bf16 model's logits must leave the LM head in float32 (a bf16 matmul
 // rounds them to a 0.125 grid at |logit| ~ 20, which turns near-ties into exact ties), and
@@ -68,6 +72,7 @@
 #include <vector>
 
 #include "cpu_isa.h"
+#include "cpu_math.h"
 
 #define PS_INLINE inline __attribute__((always_inline))
 
@@ -141,6 +146,27 @@ template <typename Out>
 PS_INLINE void store_tile(const float* acc, int64_t rows, int64_t cols, const float* bias,
                           Out* y, int64_t ldy) {
   for (int64_t m = 0; m < rows; ++m) store_row<Out>(acc + m * kBlockN, cols, bias, y + m * ldy);
+}
+
+// The SiLU-gated epilogue (silu_mul): a block's 32 columns are 16 gate features g then the 16
+// up features u of the same outputs; y = silu(g + b_g) * (u + b_u), 16 outputs per row, in
+// float32, rounded once to Out.
+template <typename Out>
+PS_INLINE void store_tile_silu_mul(const float* acc, int64_t rows, const float* bias, Out* y,
+                                   int64_t ldy) {
+  constexpr int64_t kHalf = kBlockN / 2;
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* a = acc + m * kBlockN;
+    float v[kHalf];
+    if (bias != nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < kHalf; ++c) v[c] = silu(a[c] + bias[c]) * (a[kHalf + c] + bias[kHalf + c]);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < kHalf; ++c) v[c] = silu(a[c]) * a[kHalf + c];
+    }
+    store_row<Out>(v, kHalf, nullptr, y + m * ldy);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -279,6 +305,7 @@ struct LinearArgs {
   const float* scale;        // int8 weights: per output channel [N], or nullptr
   const float* group_scale;  // int8 weights: per group [num_blocks, K / group, 32], or nullptr
   int64_t group;             // k per group (group_scale), else 0
+  bool silu_mul;             // the SiLU-gated epilogue: y [M, N / 2] (store_tile_silu_mul)
 };
 
 template <typename W>
@@ -460,6 +487,11 @@ PS_INLINE void store_item_body(const LinearArgs& a, int64_t m0, int64_t rows, in
       for (int64_t c = 0; c < cols; ++c) row[c] *= s[c];
     }
   }
+  if (a.silu_mul) {
+    store_tile_silu_mul<Out>(acc, rows, a.bias != nullptr ? a.bias + n0 : nullptr,
+                             static_cast<Out*>(a.y) + m0 * (a.n / 2) + n0 / 2, a.n / 2);
+    return;
+  }
   store_tile<Out>(acc, rows, cols, a.bias != nullptr ? a.bias + n0 : nullptr,
                   static_cast<Out*>(a.y) + m0 * a.n + n0, a.n);
 }
@@ -483,7 +515,7 @@ PS_DEFINE_STORE(store_item_baseline, )
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias_in,
                   std::optional<at::ScalarType> out_dtype_in,
-                  const std::optional<at::Tensor>& weight_scale) {
+                  const std::optional<at::Tensor>& weight_scale, bool silu_mul) {
   TORCH_CHECK_VALUE(x_in.dim() == 2, "linear: x must be [M, K], got ", x_in.sizes());
   TORCH_CHECK_VALUE(x_in.device().is_cpu() && packed.device().is_cpu(),
                     "linear: x and the packed weight must be on the CPU");
@@ -548,7 +580,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
                       "linear: bias must be [", out_features, "], got ", bias_in->sizes());
     bias = bias_in->to(at::kFloat).contiguous();
   }
-  at::Tensor y = at::empty({m, out_features}, x_in.options().dtype(out_dtype));
+  TORCH_CHECK_VALUE(!silu_mul || out_features % kBlockN == 0,
+                    "linear: silu_mul needs out_features a multiple of ", kBlockN,
+                    " (blocks of 16 gate and 16 up features), got ", out_features);
+  at::Tensor y = at::empty({m, silu_mul ? out_features / 2 : out_features},
+                           x_in.options().dtype(out_dtype));
   if (m == 0) return y;
 
   const Isa isa = active_isa();
@@ -582,6 +618,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   a.scale = scale;
   a.group_scale = group_scale;
   a.group = group;
+  a.silu_mul = silu_mul;
   const ItemF32Fn f32_fn = pick_f32(isa, w_dtype);
 #if defined(__x86_64__)
   const StoreFn store_fn = isa >= Isa::kAvx512 ? store_item_avx512 : store_item_baseline;
@@ -634,7 +671,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def(
       "linear(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None, "
-      "ScalarType? out_dtype=None, Tensor? weight_scale=None) -> Tensor");
+      "ScalarType? out_dtype=None, Tensor? weight_scale=None, bool silu_mul=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

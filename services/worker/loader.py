@@ -43,7 +43,7 @@ from services.worker.distributed import ParallelState
 from services.worker.gguf_q8_0 import Q8_0Weight, read_q8_0_linears, tensor_type_counts
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
-from services.worker.packed_linear import PackedLinear, pack_model_linears
+from services.worker.packed_linear import PackedLinear, pack_model_linears, takes_silu_mul
 from services.worker.parallel import ShardPlan, shard_model
 from services.worker.quantized_linear import (
     QUANTIZATIONS,
@@ -178,8 +178,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     for name, weight in q8.items():  # before .to(): their float weights were never read
         parent, _, attr = name.rpartition(".")
         old = cast(nn.Linear, net.get_submodule(name))
-        net.get_submodule(parent).register_module(
-            attr, GroupInt8Linear(weight.q, weight.scale, old.bias))
+        owner = net.get_submodule(parent)
+        silu_mul = takes_silu_mul(owner, attr)
+        owner.register_module(attr, GroupInt8Linear(weight.q, weight.scale, old.bias,
+                                                    silu_mul=silu_mul))
+        if silu_mul:
+            owner.act = nn.Identity()
     net = net.to(device).eval().requires_grad_(False)  # moves the float32 inv_freq buffer
     if quantization:
         quantize_model_linears(net, quantization, skip=lambda m: isinstance(m, Int8Linear))

@@ -26,7 +26,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from kernels.cpu_linear import pack_linear_weight
+from kernels.cpu_linear import gate_up_blocks, pack_linear_weight
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,11 @@ class PackedLinear(nn.Module):
         reduce: applied to the float32 matmul before the bias (the tensor-parallel all-reduce
             of a row-parallel layer: partial sums in float32, not rounded to bf16 per rank), or
             None.
+        silu_mul: ``weight`` is a SwiGLU layer's gate-then-up ``[2I, K]``, and the layer
+            returns ``silu(gate) * up`` (``cpu_linear``'s fused epilogue), ``[..., I]``.
 
-    ``forward``: ``x [..., K]`` in the weight's dtype -> ``[..., N]``.
+    ``forward``: ``x [..., K]`` in the weight's dtype -> ``[..., N]`` (``[..., N / 2]`` with
+    ``silu_mul``).
     """
 
     packed: torch.Tensor
@@ -51,10 +54,17 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 silu_mul: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.out_dtype, self.reduce = out_dtype, reduce
+        self.out_dtype, self.reduce, self.silu_mul = out_dtype, reduce, silu_mul
+        if silu_mul:
+            if reduce is not None:
+                raise ValueError("silu_mul is for a column-parallel gate_up layer, not a "
+                                 "row-parallel one")
+            weight = gate_up_blocks(weight.detach())
+            bias = None if bias is None else gate_up_blocks(bias.detach())
         self.register_buffer("packed", pack_linear_weight(weight.detach()), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
@@ -64,6 +74,10 @@ class PackedLinear(nn.Module):
         linear = torch.ops.pagedserve.linear
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
+        if self.silu_mul:
+            y = linear(flat, self.packed, self.out_features, self.bias, self.out_dtype, None,
+                       True)
+            return y.reshape(*lead, self.out_features // 2)
         if self.reduce is None:
             y = linear(flat, self.packed, self.out_features, self.bias, self.out_dtype)
         else:  # the partial sums are reduced in float32, rounded once after, as one rank does
@@ -92,6 +106,7 @@ def pack_model_linears(model: nn.Module, *, lm_head: bool, decoder: bool) -> Non
         from services.worker.parallel import RowParallelLinear
 
         for layer in cast(nn.ModuleList, model.layers):
+            fuse_silu_mul(layer)
             for parent in list(layer.modules()):
                 for name, child in list(parent.named_children()):
                     if isinstance(child, RowParallelLinear):
@@ -103,3 +118,35 @@ def pack_model_linears(model: nn.Module, *, lm_head: bool, decoder: bool) -> Non
         head = cast(nn.Module | None, model.lm_head)
         source = head if head is not None else cast(nn.Module, model.embed_tokens)
         model.lm_head = PackedLinear(cast(torch.Tensor, source.weight), out_dtype=torch.float32)
+
+
+def takes_silu_mul(parent: nn.Module, name: str) -> bool:
+    """Whether ``parent.<name>`` is a SwiGLU MLP's gate_up layer whose SiLU-and-multiply the
+    native kernel can apply in its epilogue (``cpu_linear``'s ``silu_mul``): ``parent`` has
+    ``act``, a ``SiluAndMul``, and the layer's ``2I`` outputs are whole blocks of 32. A layer
+    built with ``silu_mul=True`` in its place must be followed by ``parent.act = Identity()``
+    (``fuse_silu_mul`` does both; the int8 layers' builders too).
+
+    The fused layer writes ``[T, I]`` where the plain one wrote ``[T, 2I]`` for a separate
+    SiLU-and-multiply pass to read (on an AMD EPYC at bf16 that pass was 1.4 s of
+    compare.py's workload W: docs/benchmarks.md, issue 31).
+    """
+    from services.worker.models.llama import SiluAndMul
+
+    layer = getattr(parent, name, None)
+    out_features = getattr(layer, "out_features", 0)
+    return (name == "gate_up_proj" and isinstance(getattr(parent, "act", None), SiluAndMul)
+            and out_features > 0 and out_features % 32 == 0)
+
+
+def fuse_silu_mul(layer: nn.Module) -> None:
+    """Give a decoder layer's SwiGLU MLP (``takes_silu_mul``) whose gate_up is a plain
+    ``nn.Linear`` a ``PackedLinear`` that applies the gate in its epilogue, and make its
+    ``act`` an identity; other MLPs (GeGLU, quantized layers) stay as they are. In place."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is None or type(mlp.gate_up_proj) is not nn.Linear or not takes_silu_mul(
+            mlp, "gate_up_proj"):
+        return
+    gate_up = mlp.gate_up_proj
+    mlp.gate_up_proj = PackedLinear(gate_up.weight, gate_up.bias, silu_mul=True)
+    mlp.act = nn.Identity()

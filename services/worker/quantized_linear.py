@@ -42,8 +42,9 @@ from typing import cast
 import torch
 from torch import nn
 
-from kernels.cpu_linear import pack_group_scale, pack_linear_weight
+from kernels.cpu_linear import gate_up_blocks, pack_group_scale, pack_linear_weight
 from kernels.int8_linear import quantize_symmetric, w8a8_linear
+from services.worker.packed_linear import takes_silu_mul
 
 QUANTIZATIONS = ("int8", "w8a8")
 Reduce = Callable[[torch.Tensor], torch.Tensor]
@@ -58,6 +59,8 @@ class Int8Linear(nn.Module):
         bias: ``[N]`` or None; added in float32 (after ``reduce``).
         reduce: the tensor-parallel all-reduce of a row-parallel layer (on the float32
             product), or None.
+        silu_mul: a SwiGLU gate_up layer (``q`` gate rows then up rows) that returns
+            ``silu(gate) * up``, ``[..., N / 2]`` (``PackedLinear``'s ``silu_mul``).
 
     ``forward``: ``x [..., K]`` float32 / bf16 / fp16 -> ``[..., N]`` in ``x``'s dtype.
     """
@@ -67,10 +70,13 @@ class Int8Linear(nn.Module):
     bias: torch.Tensor | None
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 reduce: Reduce | None = None) -> None:
+                 reduce: Reduce | None = None, silu_mul: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
-        self.reduce = reduce
+        self.reduce, self.silu_mul = reduce, silu_mul
+        if silu_mul:  # rows (and their scales) in blocks of 16 gate and 16 up
+            q, scale = gate_up_blocks(q.detach()), gate_up_blocks(scale.detach())
+            bias = None if bias is None else gate_up_blocks(bias.detach())
         self.register_buffer("packed", pack_linear_weight(q.detach()), persistent=False)
         self.register_buffer("weight_scale", self._kernel_scale(scale), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
@@ -84,6 +90,10 @@ class Int8Linear(nn.Module):
         linear = torch.ops.pagedserve.linear
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
+        if self.silu_mul:
+            y = linear(flat, self.packed, self.out_features, self.bias, None, self.weight_scale,
+                       True)
+            return y.reshape(*lead, self.out_features // 2)
         if self.reduce is None:
             y = linear(flat, self.packed, self.out_features, self.bias, None, self.weight_scale)
         else:  # partial sums reduced in float32, the bias added once, rounded once
@@ -171,6 +181,10 @@ def quantize_model_linears(model: nn.Module, quantization: str,
                     continue
                 q, scale = quantize_symmetric(child.weight.detach())
                 reduce = child.ps.all_reduce if isinstance(child, RowParallelLinear) else None
-                setattr(parent, name, cls(q, scale, child.bias, reduce=reduce))
+                if cls is Int8Linear and takes_silu_mul(parent, name):
+                    setattr(parent, name, Int8Linear(q, scale, child.bias, silu_mul=True))
+                    parent.act = nn.Identity()
+                else:
+                    setattr(parent, name, cls(q, scale, child.bias, reduce=reduce))
                 swapped += 1
     return swapped

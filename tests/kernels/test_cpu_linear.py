@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.cpu_linear import cpu_linear, pack_linear_weight
+from kernels.cpu_linear import cpu_linear, gate_up_blocks, pack_linear_weight
 from services.worker.packed_linear import PackedLinear, pack_model_linears
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -146,3 +146,77 @@ def test_pack_model_linears_swaps_the_decoder_and_gives_a_float32_lm_head():
     assert torch.equal(model.embed_tokens.weight, embed)  # the embedding keeps its table
     pack_model_linears(model, lm_head=False, decoder=True)
     assert all(isinstance(layer.proj, PackedLinear) for layer in model.layers)
+
+
+def _silu_mul_reference(x, w, bias):
+    """float64 ``silu(gate) * up`` of a gate-then-up layer (w ``[2I, K]``, bias ``[2I]``)."""
+    gate, up = (x.double() @ w.double().T + bias.double()).chunk(2, dim=-1)
+    return gate * torch.sigmoid(gate) * up
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_epilogue_matches_float64_and_is_row_invariant(isa, dtype):
+    """SwiGLU's gate in the epilogue (``silu_mul``): the rows in ``gate_up_blocks``' order,
+    ``silu(gate) * up`` from the float32 sums, one rounding; each row the same in any batch."""
+    i, k = 96, 64
+    x, w, bias = _problem(2 * i, k, 70, dtype, seed=3)
+    packed = pack_linear_weight(gate_up_blocks(w))
+    out = cpu_linear(x, packed, 2 * i, gate_up_blocks(bias), torch.float32, silu_mul=True)
+    assert out.shape == (70, i)
+    torch.testing.assert_close(out.double(), _silu_mul_reference(x, w, bias), atol=5e-5,
+                               rtol=5e-5)
+    low = cpu_linear(x, packed, 2 * i, gate_up_blocks(bias), silu_mul=True)
+    assert low.dtype == dtype
+    atol, rtol = OUT_TOL[dtype]
+    torch.testing.assert_close(low.double(), _silu_mul_reference(x, w, bias), atol=atol,
+                               rtol=rtol)
+    for m in (1, 3, 9, 33):
+        assert torch.equal(cpu_linear(x[m:2 * m], packed, 2 * i, gate_up_blocks(bias),
+                                      torch.float32, silu_mul=True), out[m:2 * m]), m
+    # the module: the same layer from the gate-then-up weight, and large |gate| (exp's clamps)
+    layer = PackedLinear(w, bias, out_dtype=torch.float32, silu_mul=True)
+    assert torch.equal(layer(x.view(7, 10, k)).view(70, i), out)
+    big = (x * 40).to(dtype)
+    torch.testing.assert_close(layer(big).double(), _silu_mul_reference(big, w, bias),
+                               atol=1e-3, rtol=2e-4)
+    assert torch.isfinite(layer(big)).all()
+
+
+def test_silu_mul_is_refused_where_it_does_not_fit():
+    x, w, _ = _problem(48, 32, 4, torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear(x, pack_linear_weight(w), 48, silu_mul=True)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gate_up_blocks(w)
+
+
+def test_pack_model_linears_fuses_swiglu_and_keeps_the_output():
+    """A bf16 SwiGLU MLP gets the fused gate_up (``act`` an identity); its output stays within
+    a bf16 rounding or two of the unfused MLP's (which rounds gate and up to bf16 before the
+    SiLU)."""
+    from services.worker.models.llama import MLP, LlamaConfig, SiluAndMul
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, mlp_bias=True)
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = MLP(cfg)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer()])
+
+    torch.manual_seed(0)
+    model = Model().to(torch.bfloat16)
+    plain = model.layers[0].mlp
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    expected = plain(x)
+    assert isinstance(plain.act, SiluAndMul)
+    pack_model_linears(model, lm_head=False, decoder=True)
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp.gate_up_proj, PackedLinear) and mlp.gate_up_proj.silu_mul
+    assert isinstance(mlp.act, nn.Identity) and isinstance(mlp.down_proj, PackedLinear)
+    torch.testing.assert_close(mlp(x).float(), expected.float(), atol=3e-2, rtol=3e-2)

@@ -27,6 +27,7 @@ from kernels.int8_linear import (
     reference_w8a8,
     w8a8_linear,
 )
+from services.worker.packed_linear import PackedLinear
 from services.worker.quantized_linear import GroupInt8Linear, Int8Linear, W8A8Linear
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -85,6 +86,25 @@ def test_group_scales_give_the_float_weights_result_bitwise(isa, dtype):
     ours = cpu_linear(x, pack_linear_weight(q), 70, None, torch.float32, pack_group_scale(gscale))
     floats = pack_linear_weight(dequantize(q, gscale, group).to(dtype))
     assert torch.equal(ours, cpu_linear(x, floats, 70, None, torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_gate_up_with_the_silu_mul_epilogue(isa, dtype):
+    """A SwiGLU gate_up layer on int8 weights with the gate in its epilogue: per channel, the
+    float32 silu(gate) * up of the dequantized product (its scales reordered with its rows);
+    per group, bitwise the fused layer on the dequantized weights (GGUF Q8_0's logits)."""
+    q, scale, group, gscale = _weights(128, 64, seed=4)
+    bias = torch.randn(128)
+    x = torch.randn(11, 64).to(dtype)
+    fused = Int8Linear(q, scale, bias, silu_mul=True)
+    gate, up = reference_linear(x, q, scale, bias=bias).chunk(2, dim=-1)
+    out = fused(x).double()
+    assert out.shape == (11, 64) and fused(x).dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, gate * torch.sigmoid(gate) * up, atol=tol, rtol=tol)
+    grouped = GroupInt8Linear(q, gscale, bias, silu_mul=True)
+    floats = PackedLinear(dequantize(q, gscale, group).to(dtype), bias, silu_mul=True)
+    assert torch.equal(grouped(x), floats(x))
 
 
 def _rows_are_batch_invariant(run, x: torch.Tensor) -> None:

@@ -219,18 +219,27 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, self.q_size))  # [T, E]
 
 
+class SiluAndMul(nn.Module):
+    """``[..., 2I]`` gate-then-up -> ``silu(gate) * up``, ``[..., I]`` (vLLM's name). On a CPU
+    with the native kernels it becomes an identity and the gate_up layer applies it in its
+    epilogue (``services/worker/packed_linear.py``, ``fuse_silu_mul``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)  # [..., I] each
+        return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x))."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, E] -> [T, E]
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, E]
 
 
 class DecoderLayer(nn.Module):
