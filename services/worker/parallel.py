@@ -160,7 +160,6 @@ def shard_model(model: LlamaForCausalLM | Gemma3ForCausalLM, plan: ShardPlan,
         attn.q_size, attn.kv_size = plan.num_heads * d, plan.num_kv_heads * d
         attn.qkv_proj = nn.Linear(e, attn.q_size + 2 * attn.kv_size, bias=cfg.qkv_proj_bias)
         attn.o_proj = RowParallelLinear(attn.q_size, e, cfg.attention_bias, ps)
-        mlp.intermediate_size = plan.intermediate_size
         mlp.gate_up_proj = nn.Linear(e, 2 * plan.intermediate_size, bias=cfg.mlp_bias)
         mlp.down_proj = RowParallelLinear(plan.intermediate_size, e, cfg.mlp_bias, ps)
     if model.embed_tokens is not None:
