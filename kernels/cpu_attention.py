@@ -156,6 +156,33 @@ def cpu_paged_attention(
     return out
 
 
+def cpu_rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    inv_freq: torch.Tensor,  # [head_dim // 2] float32
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """``kernels.torch_ops.torch_rotary_embedding`` in one native pass over q and k
+    (``kernels/csrc/cpu_rotary.cpp``): bitwise torch's result at float32, rounded once (from
+    float32 products) at 16 bits. ``cos_sin``: the step's ``torch_rope_cos_sin`` table, or None
+    to compute it here. A compiled forward ran the torch version as an Inductor loop of ~0.1 ms
+    a layer on SmolLM2's steps (docs/benchmarks.md, issue 31).
+
+    Raises:
+        ValueError: ``2 * len(inv_freq)`` is not ``head_dim``, or shapes / dtypes the op
+            refuses.
+    """
+    from kernels.torch_ops import torch_rope_cos_sin
+
+    head_dim = query.shape[-1]
+    if 2 * inv_freq.shape[0] != head_dim or key.shape[-1] != head_dim:
+        raise ValueError(f"inv_freq [{inv_freq.shape[0]}] does not fit head_dim "
+                         f"{head_dim} (query) / {key.shape[-1]} (key)")
+    cos, sin = cos_sin if cos_sin is not None else torch_rope_cos_sin(positions, inv_freq)
+    _ops().rotary_embedding(query, key, cos, sin)
+
+
 def _int32(t: torch.Tensor) -> torch.Tensor:
     """``t`` as contiguous-rows int32 (a no-op for the model runner's tensors)."""
     if t.dtype != torch.int32:

@@ -140,3 +140,49 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="contiguous"):
         strided = torch.randn(3, 4, 128, device=DEVICE)[:, :, ::2]  # [3, 4, 64], stride 2
         triton_rotary_embedding(positions, strided, key, inv_freq)
+
+
+@pytest.mark.skipif(CUDA, reason="the native CPU op; this run's tensors are on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", sorted(HEADS))
+def test_native_cpu_rotary_matches_float64_and_torch(isa, dtype, head_dim):
+    """``kernels.cpu_attention.cpu_rotary_embedding`` (the cpu backend's RoPE), on every
+    instruction-set path this CPU runs: within the dtype's tolerance of the float64
+    reference; at float32 bitwise torch's eager result (no fused multiply-add); at 16 bits one
+    rounding of the float32 result, at least as accurate as torch's."""
+    from kernels.cpu_attention import cpu_rotary_embedding
+
+    num_heads, num_kv_heads = HEADS[head_dim]
+    query, key = make_qk(37, num_heads, num_kv_heads, head_dim, dtype)
+    positions, inv_freq = make_positions(37), make_inv_freq(head_dim, "llama3")
+    expected_q = reference_rotary_embedding(positions, query, inv_freq)
+    expected_k = reference_rotary_embedding(positions, key, inv_freq)
+    q2, k2 = query.clone(), key.clone()
+    assert cpu_rotary_embedding(positions, query, key, inv_freq) is None  # in place
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(query.double(), expected_q, atol=atol, rtol=rtol)
+    torch.testing.assert_close(key.double(), expected_k, atol=atol, rtol=rtol)
+    torch_rotary_embedding(positions, q2, k2, inv_freq)
+    if dtype == torch.float32:
+        assert torch.equal(query, q2) and torch.equal(key, k2)
+    else:  # one rounding: at least as close to float64 as torch's three
+        for ours, theirs, exact in ((query, q2, expected_q), (key, k2, expected_k)):
+            assert ((ours.double() - exact).abs().max()
+                    <= (theirs.double() - exact).abs().max())
+
+
+@pytest.mark.skipif(CUDA, reason="the native CPU op")
+def test_native_cpu_rotary_refuses_bad_input():
+    from kernels.cpu_attention import cpu_rotary_embedding
+    from kernels.torch_ops import torch_rope_cos_sin
+
+    query, key = make_qk(3, 9, 3, 64, torch.float32)
+    positions, inv_freq = make_positions(3), make_inv_freq(64, "default")
+    with pytest.raises(ValueError, match="inv_freq"):
+        cpu_rotary_embedding(positions, query, key, inv_freq[:16])
+    with pytest.raises(ValueError, match="share float32"):
+        cpu_rotary_embedding(positions, query, key.half(), inv_freq)
+    cos, sin = torch_rope_cos_sin(positions[:2], inv_freq)
+    with pytest.raises(ValueError, match="cos and sin must be"):
+        cpu_rotary_embedding(positions, query, key, inv_freq, cos_sin=(cos, sin))
+    assert cpu_rotary_embedding(positions[:0], query[:0], key[:0], inv_freq) is None
