@@ -30,7 +30,8 @@ import torch
 
 NAME = "pagedserve_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_rotary.cpp"]
+SOURCES = [CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_rotary.cpp",
+           CSRC / "cpu_argmax.cpp"]
 HEADERS = [CSRC / "cpu_isa.h", CSRC / "cpu_math.h"]
 # NOTE: -fopenmp on both sides links libgomp.so.1, the same soname as the libgomp torch's CPU
 # wheel ships and has already loaded, so the process keeps one OpenMP runtime (one thread pool).
@@ -117,6 +118,11 @@ def load() -> None:
             if _loaded is None:  # found in the cache, not loaded by the build
                 torch.ops.load_library(str(path))
                 _loaded = path
+
+
+def is_loaded() -> bool:
+    """Whether ``load`` has registered the ops in this process (nothing is built or loaded)."""
+    return _loaded is not None
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.cpu_argmax import row_argmax
 from services.worker.penalties import (
     PenaltyTensors,
     apply_logit_bias,
@@ -163,7 +164,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     # NOTE: exponential_ may return exactly 0; a tiny floor keeps 0/0 out of masked tokens and
     # still lets a positive-probability token with a zero clock win, as it should.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return probs.div(noise).argmax(dim=-1)
+    return row_argmax(probs.div(noise))
 
 
 class Sampler:
@@ -188,7 +189,7 @@ class Sampler:
                 apply_min_tokens(logits, *params.min_tokens_mask)
             if params.grammar is not None:
                 apply_grammar_mask(logits, params.grammar)
-        greedy = logits.argmax(dim=-1)  # [B]
+        greedy = row_argmax(logits)  # [B] (logits.argmax(dim=-1))
         if params.all_greedy:
             return greedy
         # top_k=1 is greedy at any temperature: the same token as argmax even on a tie, which
