@@ -9,13 +9,17 @@ must be the chat route's answer to the same conversation, token for token."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
+import requests
 
+from services.common.logs import JsonFormatter
 from tests.stack.conftest import _leak_check
+from tests.stack.test_access_log import _access
 from tests.stack_harness import InProcessStack
 
 TEMPLATE = Path(__file__).parents[2] / "examples" / "tool_chat_template_hermes.jinja"
@@ -225,3 +229,23 @@ def test_bad_input_is_400_naming_the_field(client, model, kwargs, param):
     assert param.split(".")[0] in e.value.body["message"]
     assert client.responses.create(model=model, input="still serving?",
                                    max_output_tokens=2).status in ("completed", "incomplete")
+
+
+def test_raw_stream_is_named_events_and_leaves_one_access_line(stack, client, caplog):
+    with caplog.at_level(logging.INFO):
+        r = requests.post(f"{stack.http_url}/v1/responses", timeout=60,
+                          headers={"X-Request-Id": "resp-raw"},
+                          json={"input": "hi", "max_output_tokens": 3, "stream": True,
+                                "ignore_eos": True})
+        assert r.status_code == 200 and r.headers["X-Request-Id"] == "resp-raw"
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        (record,) = _access(caplog, "resp-raw")
+    blocks = r.text.strip().split("\n\n")
+    for block in blocks:
+        event, data = block.split("\n")
+        assert event == f"event: {json.loads(data.removeprefix('data: '))['type']}"
+    last = json.loads(blocks[-1].split("\n")[1].removeprefix("data: "))
+    assert last["type"] == "response.incomplete"
+    line = json.loads(JsonFormatter("router").format(record))
+    assert line["route"] == "/v1/responses" and line["status"] == 200
+    assert line["completion_tokens"] == last["response"]["usage"]["output_tokens"] == 3
