@@ -13,6 +13,7 @@ from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai.errors import OpenAIError
 from services.router.openai.responses_api import ResponseEvents
 from services.router.openai.responses_input import parse_responses
+from services.router.openai.responses_store import ResponseStore
 from services.router.openai.tool_calls import NamedParser
 
 EVENT = TypeAdapter(ResponseStreamEvent)
@@ -143,8 +144,28 @@ def test_items_map_onto_chat_messages():
      "input", "input[0].arguments"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+    ({"input": "x", "store": True}, "store", "--enable-responses-api-store"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id",
+     "--enable-responses-api-store"),
 ])
 def test_errors_name_the_responses_field(body, param, words):
     with pytest.raises(OpenAIError) as e:
         parse_responses(body)
     assert e.value.status == 400 and e.value.param == param and words in e.value.message
+
+
+def test_store_is_an_lru_of_conversations():
+    store = ResponseStore(2)
+    ids = []
+    for i in range(3):
+        parsed = parse_responses({"input": f"q{i}", "instructions": "sys"}, store=store)
+        events = ResponseEvents("m", parsed.echo)
+        for m in _messages(f"a{i}"):
+            events.feed(m)
+        store.put(events.response(), parsed.messages)
+        ids.append(events.id)
+    assert len(store) == 2 and store.get(ids[0]) is None
+    parsed = parse_responses({"input": "next", "previous_response_id": ids[2]}, store=store)
+    assert [(m.role, m.content) for m in parsed.chat.request.chat.messages] == [
+        ("user", "q2"), ("assistant", "a2"), ("user", "next")]  # no instructions carried
+    assert parsed.echo["store"] is True and parsed.echo["previous_response_id"] == ids[2]

@@ -3,7 +3,7 @@
 
 The tiny random Llama (SmolLM2's tokenizer) is served with the shipped Hermes tool template
 and ``--enable-auto-tool-choice --tool-call-parser hermes``, so function calls and their
-outputs in ``input`` render. A Responses request runs on the chat path, so its greedy answer
+outputs in ``input`` render, and with a small responses store (``previous_response_id``). A Responses request runs on the chat path, so its greedy answer
 must be the chat route's answer to the same conversation, token for token."""
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "forecast",
 SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
 GREEDY = {"temperature": 0, "max_output_tokens": 12}
 NO_EOS = {"ignore_eos": True}  # vLLM's extra, through extra_body
+STORE_SIZE = 4
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,9 @@ def stack(tiny_model_dir):
                        scheduler_argv=["--max-num-batched-tokens", "256"],
                        router_argv=["--chat-template", str(TEMPLATE),
                                     "--enable-auto-tool-choice",
-                                    "--tool-call-parser", "hermes"]).start()
+                                    "--tool-call-parser", "hermes",
+                                    "--enable-responses-api-store",
+                                    "--responses-api-store-size", str(STORE_SIZE)]).start()
     yield s
     s.stop()
 
@@ -217,7 +220,7 @@ def test_streamed_forced_call_sends_argument_events(client, model):
     ({"input": "hi", "temperature": -1}, "temperature"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"input": "hi", "store": True}, "store"),
+    ({"input": "hi", "store": "yes"}, "store"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
     ({"input": "hi", "metadata": {"k": 1}}, "metadata"),
@@ -249,3 +252,47 @@ def test_raw_stream_is_named_events_and_leaves_one_access_line(stack, client, ca
     line = json.loads(JsonFormatter("router").format(record))
     assert line["route"] == "/v1/responses" and line["status"] == 200
     assert line["completion_tokens"] == last["response"]["usage"]["output_tokens"] == 3
+
+
+def test_previous_response_id_continues_the_stored_conversation(client, model):
+    first = client.responses.create(model=model, input="My name is Ada.", instructions="Hi.",
+                                    **GREEDY)
+    assert first.store is True
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    second = client.responses.create(model=model, previous_response_id=first.id,
+                                     input="What is my name?", **GREEDY)
+    assert second.previous_response_id == first.id
+    # the instructions are not carried over (OpenAI's rule); the answer is an assistant turn
+    assert second.output_text == _chat_text(client, model, [
+        {"role": "user", "content": "My name is Ada."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is my name?"}])
+    unstored = client.responses.create(model=model, input="x", store=False, max_output_tokens=2)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    for _ in range(STORE_SIZE):  # the store keeps the last STORE_SIZE: the first is evicted
+        client.responses.create(model=model, input="y", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, previous_response_id=first.id, input="z")
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_a_stored_function_call_is_answered_by_the_next_request(client, model):
+    call = client.responses.create(model=model, input="Weather in Oslo?", tools=TOOLS,
+                                   tool_choice={"type": "function", "name": "get_weather"},
+                                   max_output_tokens=80, temperature=0)
+    (item,) = call.output
+    answer = client.responses.create(
+        model=model, previous_response_id=call.id, tools=TOOLS, tool_choice="none",
+        input=[{"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}],
+        **GREEDY)
+    assert answer.output_text == _chat_text(client, model, [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": item.call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": item.arguments}}]},
+        {"role": "tool", "tool_call_id": item.call_id, "content": "sunny"}],
+        tools=[{"type": "function", "function": {k: t[k] for k in t if k not in ("type",
+                                                                                   "strict")}}
+               for t in TOOLS], tool_choice="none")

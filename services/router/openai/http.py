@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp), served by the router on its own asyncio loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (whole JSON, or
-server-sent events with ``stream: true``), GET /v1/models, GET /health. A request goes the same
+server-sent events with ``stream: true``), GET /v1/responses/{id} (a stored answer),
+GET /v1/models, GET /health. A request goes the same
 way as a gRPC Generate call: ``openai.requests`` maps the JSON onto a GenerateRequest, then
 ``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
 detokenization, stop strings, n choices). Errors use OpenAI's body
@@ -51,7 +52,8 @@ from services.router.openai.requests import (
 )
 from services.router.openai.responses import ResponseBuilder
 from services.router.openai.responses_api import ReasoningSplit, ResponseEvents
-from services.router.openai.responses_input import parse_responses, rename
+from services.router.openai.responses_input import ParsedResponses, parse_responses, rename
+from services.router.openai.responses_store import ResponseStore
 from services.router.openai.structured import error_param
 from services.router.replicas import ReplicaSet
 from services.router.validation import RequestError
@@ -130,11 +132,14 @@ class OpenAIServer:
         self.tool_parser: str | None = None
         # the reasoning splitter of /v1/responses (``responses_api.ReasoningSplit``), or None
         self.reasoning_split: Callable[[], ReasoningSplit] | None = None
+        # router --enable-responses-api-store: the stored Responses answers, or None
+        self.responses_store: ResponseStore | None = None
         self.app = web.Application(middlewares=[self._count, _openai_errors],
                                    client_max_size=max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.post("/v1/responses", self.responses),
+                             web.get("/v1/responses/{response_id}", self.stored_response),
                              web.get("/v1/models", self.models),
                              web.get("/health", self.health)])
         self._runner: web.AppRunner | None = None
@@ -343,7 +348,7 @@ class OpenAIServer:
         """POST /v1/responses: the Responses API on the chat path (``openai.responses_input``
         maps the request, ``openai.responses_api`` shapes the answer)."""
         body, info = await self._body(request)
-        parsed = parse_responses(body, self.tool_parser)
+        parsed = parse_responses(body, self.tool_parser, self.responses_store)
         chat = parsed.chat
         events = ResponseEvents(info.model, parsed.echo, chat.tool_calls, self.reasoning_split)
         prepared = await self._prepare(request, chat, info, events.id, rename)
@@ -360,6 +365,7 @@ class OpenAIServer:
                         entry.observe(r)
                         events.feed(r)
                         r = await anext(responses, None)
+                    self._keep(parsed, events)
                     return web.json_response(events.response(), headers=headers,
                                              dumps=lambda o: json.dumps(o, ensure_ascii=False))
             except EngineError as e:  # e.g. an invalid grammar (before any message)
@@ -377,12 +383,28 @@ class OpenAIServer:
                     for event in events.feed(r):
                         await resp.write(_event(event))
                     r = await anext(responses, None)
+                self._keep(parsed, events)
             except EngineError as e:
                 entry.error = e.code.name
                 err = rename(from_status(e.code, e.message, "input", chat.structured_param))
                 await resp.write(_event(events.error(err.message, err.code or "", err.param)))
             await resp.write_eof()
             return resp
+
+    def _keep(self, parsed: ParsedResponses, events: ResponseEvents) -> None:
+        """Store a finished answer when the request asked for it (``store``)."""
+        if parsed.store and self.responses_store is not None:
+            self.responses_store.put(events.response(), parsed.messages)
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{response_id}: a stored answer (404 when it is not stored)."""
+        response_id = request.match_info["response_id"]
+        entry = self.responses_store.get(response_id) if self.responses_store else None
+        if entry is None:
+            raise OpenAIError(404, f"No response with id {response_id!r} is stored by this "
+                              "router", param="response_id", code="not_found")
+        return web.json_response(entry.response,
+                                 dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def _stream(self, request: web.Request, responses,
                       builder: ResponseBuilder | CompletionCall, usage: bool,

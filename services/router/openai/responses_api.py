@@ -101,9 +101,8 @@ class ResponseEvents:
                 "incomplete_details": ({"reason": "max_output_tokens"}
                                        if status == "incomplete" else None),
                 "model": self.model, "output": [dict(item) for item in self.output],
-                "usage": usage, "store": False, "background": False,
-                "previous_response_id": None, "truncation": "disabled", "reasoning": None,
-                **self.echo}
+                "usage": usage, "background": False, "truncation": "disabled",
+                "reasoning": None, **self.echo}
 
     # ---- events -------------------------------------------------------------------------
     def start(self) -> list[dict]:

@@ -22,11 +22,13 @@ of rules:
     max_output_tokens                                max_completion_tokens
 
 vLLM's sampling extras (``seed``, ``top_k``, ``stop``, ``ignore_eos``, ...; openai client:
-``extra_body``) pass through as on the chat route. The route is stateless: ``store: true``,
-``previous_response_id``, ``background: true``, ``include``, ``truncation: "auto"``,
-``conversation``, ``prompt``, ``reasoning``, ``max_tool_calls`` and non-zero ``top_logprobs``
-are refused with a 400 naming them, as are hosted tools (web_search, file_search, ...) and
-input items other than the above. Errors from the shared chat mapping are renamed to the
+``extra_body``) pass through as on the chat route. With the router's store
+(``openai.responses_store``) ``store`` (default true) keeps the answer and
+``previous_response_id`` puts a stored conversation before the input; without it both are
+refused. ``background: true``, ``include``, ``truncation: "auto"``, ``conversation``,
+``prompt``, ``reasoning``, ``max_tool_calls`` and non-zero ``top_logprobs`` are refused with a
+400 naming them, as are hosted tools (web_search, file_search, ...) and input items other than
+the above. Errors from the shared chat mapping are renamed to the
 Responses fields (``rename``), so every 400 names a field of the request the client sent.
 """
 
@@ -39,6 +41,7 @@ from typing import Any
 
 from services.router.openai.errors import OpenAIError, bad_request
 from services.router.openai.requests import ParsedRequest, parse_chat
+from services.router.openai.responses_store import ResponseStore
 
 # vLLM's sampling extras the chat route reads, passed through unchanged.
 _EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -47,9 +50,10 @@ _EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "structured_outputs")
 _PASSED = (*_EXTRAS, "temperature", "top_p", "stream", "parallel_tool_calls", "model")
 # Fields refused unless null or this default: what a stateless server cannot serve.
-_REFUSED: dict[str, Any] = {"store": False, "background": False, "previous_response_id": None,
-            "conversation": None, "prompt": None, "include": [], "truncation": "disabled",
-            "reasoning": None, "max_tool_calls": None, "top_logprobs": 0}
+_REFUSED: dict[str, Any] = {"background": False, "conversation": None, "prompt": None,
+                            "include": [], "truncation": "disabled", "reasoning": None,
+                            "max_tool_calls": None, "top_logprobs": 0}
+NO_STORE = "this router stores no responses (see --enable-responses-api-store)"
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Chat field names in the shared mapping's errors -> the Responses fields they came from.
@@ -71,37 +75,51 @@ class ParsedResponses:
             Responses fields; ``chat.structured_param`` is "text" when ``text.format`` set
             the grammar.
         echo: the request fields a Response object repeats (``instructions``,
-            ``max_output_tokens``, ``metadata``, ``parallel_tool_calls``, ``temperature``,
-            ``top_p``, ``text``, ``tool_choice``, ``tools``, ``user``), defaults filled in.
+            ``max_output_tokens``, ``metadata``, ``parallel_tool_calls``,
+            ``previous_response_id``, ``store``, ``temperature``, ``top_p``, ``text``,
+            ``tool_choice``, ``tools``, ``user``), defaults filled in.
+        messages: the conversation as chat messages without the instructions (what the store
+            keeps before the answer).
+        store: keep the answer in the router's store.
     """
 
     chat: ParsedRequest
     echo: dict[str, Any]
+    messages: list[dict]
+    store: bool
 
 
-def parse_responses(body: dict, tool_parser: str | None = None) -> ParsedResponses:
+def parse_responses(body: dict, tool_parser: str | None = None,
+                    store: ResponseStore | None = None) -> ParsedResponses:
     """Check a Responses body and map it onto a chat request.
 
     Args:
         tool_parser: the router's ``--tool-call-parser`` when ``--enable-auto-tool-choice``
             is set, else None (``tool_choice: "auto"`` with tools is then refused, as on chat).
+        store: the router's response store, or None (``store: true`` and
+            ``previous_response_id`` are then refused).
 
     Raises:
         OpenAIError: 400 naming the field (``input``, ``tools``, ``tool_choice``, ``text``,
-            ``metadata``, a refused field, ...).
+            ``metadata``, ``previous_response_id`` unknown, a refused field, ...).
     """
     for name, default in _REFUSED.items():
         value = body.get(name)
         if value is not None and value != default:
-            why = " (this server is stateless)" if name in (
-                "store", "previous_response_id", "conversation", "background") else ""
-            raise bad_request(f"{name} is not supported by this server{why}", name)
+            raise bad_request(f"{name} is not supported by this server", name)
+    keep = body.get("store")
+    if keep is not None and not isinstance(keep, bool):
+        raise bad_request("store must be a boolean", "store")
+    if keep and store is None:
+        raise bad_request(f"store is not supported: {NO_STORE}", "store")
+    history = _history(body.get("previous_response_id"), store)
     chat: dict[str, Any] = {k: body[k] for k in _PASSED if k in body}
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("instructions must be a string", "instructions")
-    chat["messages"] = (([{"role": "system", "content": instructions}] if instructions else [])
-                        + _input(body.get("input")))
+    messages = history + _input(body.get("input"), _call_ids(history))
+    chat["messages"] = ([{"role": "system", "content": instructions}] if instructions
+                        else []) + messages
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = [{"type": "function", "function": {
@@ -137,10 +155,12 @@ def parse_responses(body: dict, tool_parser: str | None = None) -> ParsedRespons
     parsed.prompt_param = "input"
     echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
             "metadata": metadata, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"),
+            "store": store is not None and keep is not False,
             "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": text,
             "tool_choice": choice if choice is not None else ("auto" if tools else "none"),
             "tools": [{"strict": True, **t} for t in tools], "user": user}
-    return ParsedResponses(parsed, echo)
+    return ParsedResponses(parsed, echo, messages, echo["store"])
 
 
 def rename(e: OpenAIError) -> OpenAIError:
@@ -154,14 +174,33 @@ def rename(e: OpenAIError) -> OpenAIError:
     return OpenAIError(e.status, message, e.type, param, e.code)
 
 
-def _input(value) -> list[dict]:
-    """``input`` as chat messages."""
+def _history(previous, store: ResponseStore | None) -> list[dict]:
+    """The stored conversation ``previous_response_id`` continues (a copy), or []."""
+    if previous is None:
+        return []
+    if not isinstance(previous, str):
+        raise bad_request("previous_response_id must be a string", "previous_response_id")
+    if store is None:
+        raise bad_request(f"previous_response_id is not supported: {NO_STORE}",
+                          "previous_response_id")
+    entry = store.get(previous)
+    if entry is None:
+        raise bad_request(f"previous_response_id {previous!r} is not a response stored by this "
+                          f"router (it keeps the last {store.capacity})", "previous_response_id")
+    return [dict(m) for m in entry.conversation]
+
+
+def _call_ids(messages: list[dict]) -> set[str]:
+    return {c["id"] for m in messages for c in m.get("tool_calls", ())}
+
+
+def _input(value, calls: set[str]) -> list[dict]:
+    """``input`` as chat messages (``calls``: the ids of earlier tool calls, added to)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise bad_request("input must be a string or a non-empty list of items", "input")
     messages: list[dict] = []
-    calls: set[str] = set()
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
