@@ -169,3 +169,11 @@ def test_store_is_an_lru_of_conversations():
     assert [(m.role, m.content) for m in parsed.chat.request.chat.messages] == [
         ("user", "q2"), ("assistant", "a2"), ("user", "next")]  # no instructions carried
     assert parsed.echo["store"] is True and parsed.echo["previous_response_id"] == ids[2]
+
+
+def test_error_event_after_the_start_is_an_openai_error_event():
+    builder = ResponseEvents("m", _echo())
+    events = builder.start() + builder.feed(api_pb2.GenerateResponse(text="a", token_ids=[1]))
+    error = builder.error("engine failed", "internal", None)
+    EVENT.validate_python(error)
+    assert error["type"] == "error" and error["sequence_number"] == len(events)

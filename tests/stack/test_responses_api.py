@@ -296,3 +296,15 @@ def test_a_stored_function_call_is_answered_by_the_next_request(client, model):
         tools=[{"type": "function", "function": {k: t[k] for k in t if k not in ("type",
                                                                                    "strict")}}
                for t in TOOLS], tool_choice="none")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_invalid_text_format_schema_is_a_400_naming_text(client, model, stream):
+    bad = {"type": "object", "properties": {"a": {"type": "nope"}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=model, input="hi", stream=stream, max_output_tokens=4,
+                                text={"format": {"type": "json_schema", "name": "x",
+                                                 "schema": bad}})
+    assert e.value.body["param"] == "text"
+    assert e.value.body["message"].startswith("structured_outputs.json: ")
+    assert client.responses.create(model=model, input="ok?", max_output_tokens=2).output_text

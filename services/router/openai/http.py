@@ -387,7 +387,7 @@ class OpenAIServer:
             except EngineError as e:
                 entry.error = e.code.name
                 err = rename(from_status(e.code, e.message, "input", chat.structured_param))
-                await resp.write(_event(events.error(err.message, err.code or "", err.param)))
+                await resp.write(_event(events.error(err.message, err.code, err.param)))
             await resp.write_eof()
             return resp
 

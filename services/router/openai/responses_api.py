@@ -139,7 +139,7 @@ class ResponseEvents:
             events.append(self._event(kind, response=self.response()))
         return events
 
-    def error(self, message: str, code: str, param: str | None) -> dict:
+    def error(self, message: str, code: str | None, param: str | None) -> dict:
         """The ``error`` event of an engine error after the stream started."""
         return self._event("error", code=code, message=message, param=param)
 
