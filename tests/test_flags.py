@@ -27,6 +27,7 @@ from services.cli.flags import serve_parser
     (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
     (["--restart-window", "0"], "argument --restart-window: must be > 0, got 0"),
     (["--tool-call-parser", "pythonic"], "argument --tool-call-parser: invalid choice"),
+    (["--responses-api-store-size", "0"], "argument --responses-api-store-size: must be >= 1"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -81,6 +82,19 @@ def test_serve_passes_the_tool_flags_to_the_router_which_needs_both():
     alone = _service_parser("router").parse_args(["--enable-auto-tool-choice"])
     with pytest.raises(ValueError, match="--enable-auto-tool-choice requires --tool-call-parser"):
         asyncio.run(serve(alone))
+
+
+def test_serve_passes_the_responses_store_flags_to_the_router(monkeypatch):
+    from services.cli.flags import forwarded_argv
+
+    monkeypatch.setenv("PAGEDSERVE_RESPONSES_API_STORE_SIZE", "9")
+    ns = serve_parser().parse_args(["--enable-responses-api-store"])
+    argv = forwarded_argv("router", ns)
+    assert "--enable-responses-api-store" in argv
+    assert argv[argv.index("--responses-api-store-size") + 1] == "9"
+    assert "--responses-api-store-size" not in forwarded_argv("scheduler", ns)
+    monkeypatch.setenv("PAGEDSERVE_ENABLE_RESPONSES_API_STORE", "true")
+    assert serve_parser().parse_args([]).enable_responses_api_store is True
 
 
 ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched-tokens": "128",

@@ -37,6 +37,7 @@ from services.router.generation import (
 from services.router.metrics import RouterMetrics, code_name
 from services.router.openai.errors import OpenAIError
 from services.router.openai.http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
+from services.router.openai.responses_store import DEFAULT_STORE_SIZE, ResponseStore
 from services.router.openai.tools import TOOL_PARSERS
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.tokenizer import load_tokenizer
@@ -281,6 +282,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="format of the tool calls a model writes, for --enable-auto-tool-choice "
                   "(hermes: <tool_call>{json}</tool_call>, e.g. with "
                   "examples/tool_chat_template_hermes.jinja)")
+    add_flag(p, "--enable-responses-api-store", action="store_true", default=False,
+             help="keep the last --responses-api-store-size answers of POST /v1/responses in "
+                  "this router's memory, for previous_response_id and GET /v1/responses/{id} "
+                  "(store: true, the default, keeps one)")
+    add_flag(p, "--responses-api-store-size", type=int_in(1), default=DEFAULT_STORE_SIZE,
+             help="answers the responses store keeps (least recently used out first)")
     add_flag(p, "--max-stream-buffer", type=int_in(1), default=DEFAULT_MAX_STREAM_BUFFER,
              help="responses buffered per streaming call while its client does not read; "
                   "past it the call fails with RESOURCE_EXHAUSTED and its engine requests are "
@@ -337,6 +344,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     if http is not None:
         http.max_stream_buffer = args.max_stream_buffer
         http.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+        if args.enable_responses_api_store:
+            http.responses_store = ResponseStore(args.responses_api_store_size)
     if http is not None:
         http.app.middlewares.append(_http_gate(inflight))
     await server.start()

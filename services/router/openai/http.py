@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (aiohttp), served by the router on its own asyncio loop.
 
-Routes: POST /v1/completions, POST /v1/chat/completions (whole JSON, or server-sent events
-with ``stream: true``), GET /v1/models, GET /health. A request goes the same way as a gRPC
-Generate call: ``openai.requests`` maps the JSON onto a GenerateRequest, then
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (whole JSON, or
+server-sent events with ``stream: true``), GET /v1/responses/{id} (a stored answer),
+GET /v1/models, GET /health. A request goes the same
+way as a gRPC Generate call: ``openai.requests`` maps the JSON onto a GenerateRequest, then
 ``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
 detokenization, stop strings, n choices). Errors use OpenAI's body
 ``{"error": {message, type, param, code}}``: 400 invalid argument, 404 unknown model or route,
@@ -25,6 +26,7 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -34,6 +36,7 @@ from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
     INLINE_PREPARE_BYTES,
     EngineError,
+    PreparedRequest,
     RequestLog,
     prepare,
     stream_responses,
@@ -41,8 +44,16 @@ from services.router.generation import (
 from services.router.metrics import RouterMetrics
 from services.router.openai.completions import CompletionCall
 from services.router.openai.errors import OpenAIError, bad_request
-from services.router.openai.requests import from_status, parse_chat, parse_completion
+from services.router.openai.requests import (
+    ParsedRequest,
+    from_status,
+    parse_chat,
+    parse_completion,
+)
 from services.router.openai.responses import ResponseBuilder
+from services.router.openai.responses_api import ReasoningSplit, ResponseEvents
+from services.router.openai.responses_input import ParsedResponses, parse_responses, rename
+from services.router.openai.responses_store import ResponseStore
 from services.router.openai.structured import error_param
 from services.router.replicas import ReplicaSet
 from services.router.validation import RequestError
@@ -55,7 +66,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DISABLED = -1  # --http-port value that turns the HTTP server off
 # Routes whose requests get an access log line at INFO (others, e.g. probes, at DEBUG).
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 # HTTP header naming the request (as gRPC's x-request-id metadata), echoed in the response.
 REQUEST_ID_HEADER = "X-Request-Id"
 # The access-log status of a request whose client went away before its response (nginx's).
@@ -71,6 +82,12 @@ def _sse(body: dict | str) -> bytes:
     data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False,
                                                          separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+def _event(body: dict) -> bytes:
+    """A Responses stream event: ``event: <type>`` then its data."""
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {body['type']}\ndata: {data}\n\n".encode()
 
 
 @web.middleware
@@ -113,10 +130,16 @@ class OpenAIServer:
         self.max_stream_buffer = DEFAULT_MAX_STREAM_BUFFER  # router --max-stream-buffer
         # router --tool-call-parser, when --enable-auto-tool-choice is set (tool_choice "auto")
         self.tool_parser: str | None = None
+        # the reasoning splitter of /v1/responses (``responses_api.ReasoningSplit``), or None
+        self.reasoning_split: Callable[[], ReasoningSplit] | None = None
+        # router --enable-responses-api-store: the stored Responses answers, or None
+        self.responses_store: ResponseStore | None = None
         self.app = web.Application(middlewares=[self._count, _openai_errors],
                                    client_max_size=max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
+                             web.post("/v1/responses", self.responses),
+                             web.get("/v1/responses/{response_id}", self.stored_response),
                              web.get("/v1/models", self.models),
                              web.get("/health", self.health)])
         self._runner: web.AppRunner | None = None
@@ -268,22 +291,8 @@ class OpenAIServer:
         body, info = await self._body(request)
         parsed = parse_chat(body, self.tool_parser)
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
-        # NOTE: without X-Request-Id the request is named by the response's id, so a client can
-        # find its request in the logs; validated by prepare (at most 128 characters).
-        parsed.request.request_id = client_id or (
-            "chatcmpl-" + uuid.uuid4().hex)
+        prepared = await self._prepare(request, parsed, info, "chatcmpl-" + uuid.uuid4().hex)
         entry: RequestLog = request[_LOG]
-        entry.request_id = parsed.request.request_id
-        request_id_var.set(entry.request_id)
-        try:
-            # len(read()): the body already read (cached), also when it came chunked
-            if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
-                prepared = await asyncio.to_thread(prepare, parsed.request, self.tokenizer, info)
-            else:
-                prepared = prepare(parsed.request, self.tokenizer, info)
-        except RequestError as e:
-            raise from_status(e.code, e.message, parsed.prompt_param) from None
-        entry.accepted(prepared)
         builder = ResponseBuilder(True, info.model, prepared.n, self.tokenizer
                                   if prepared.params.logprobs is not None else None,
                                   tool_calls=parsed.tool_calls)
@@ -307,6 +316,95 @@ class OpenAIServer:
                                   parsed.structured_param) from None
             return web.json_response(builder.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    async def _prepare(self, request: web.Request, parsed: ParsedRequest,
+                       info: engine_pb2.GetEngineInfoResponse, default_id: str,
+                       errors: Callable[[OpenAIError], OpenAIError] = lambda e: e
+                       ) -> PreparedRequest:
+        """Validate and tokenize a chat request (on a thread when the body is large), named by
+        the client's X-Request-Id or else ``default_id``, and record it in the access log.
+
+        Raises:
+            OpenAIError: 400 naming the field (through ``errors``, e.g. a renaming).
+        """
+        # NOTE: without X-Request-Id the request is named by the response's id, so a client can
+        # find its request in the logs; validated by prepare (at most 128 characters).
+        parsed.request.request_id = request.headers.get(REQUEST_ID_HEADER, "") or default_id
+        entry: RequestLog = request[_LOG]
+        entry.request_id = parsed.request.request_id
+        request_id_var.set(entry.request_id)
+        try:
+            # len(read()): the body already read (cached), also when it came chunked
+            if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
+                prepared = await asyncio.to_thread(prepare, parsed.request, self.tokenizer, info)
+            else:
+                prepared = prepare(parsed.request, self.tokenizer, info)
+        except RequestError as e:
+            raise errors(from_status(e.code, e.message, parsed.prompt_param)) from None
+        entry.accepted(prepared)
+        return prepared
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses: the Responses API on the chat path (``openai.responses_input``
+        maps the request, ``openai.responses_api`` shapes the answer)."""
+        body, info = await self._body(request)
+        parsed = parse_responses(body, self.tool_parser, self.responses_store)
+        chat = parsed.chat
+        events = ResponseEvents(info.model, parsed.echo, chat.tool_calls, self.reasoning_split)
+        prepared = await self._prepare(request, chat, info, events.id, rename)
+        headers = {REQUEST_ID_HEADER: prepared.request_id}
+        entry: RequestLog = request[_LOG]
+        async with contextlib.aclosing(stream_responses(
+                self.engine, self.tokenizer, prepared,
+                max_pending=self.max_stream_buffer)) as responses:
+            try:
+                first = await anext(responses, None)
+                if not chat.stream:
+                    r = first
+                    while r is not None:
+                        entry.observe(r)
+                        events.feed(r)
+                        r = await anext(responses, None)
+                    self._keep(parsed, events)
+                    return web.json_response(events.response(), headers=headers,
+                                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+            except EngineError as e:  # e.g. an invalid grammar (before any message)
+                raise rename(from_status(e.code, e.message, "input", chat.structured_param)
+                             ) from None
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache", **headers})
+            await resp.prepare(request)
+            for event in events.start():
+                await resp.write(_event(event))
+            try:
+                r = first
+                while r is not None:
+                    entry.observe(r)
+                    for event in events.feed(r):
+                        await resp.write(_event(event))
+                    r = await anext(responses, None)
+                self._keep(parsed, events)
+            except EngineError as e:
+                entry.error = e.code.name
+                err = rename(from_status(e.code, e.message, "input", chat.structured_param))
+                await resp.write(_event(events.error(err.message, err.code, err.param)))
+            await resp.write_eof()
+            return resp
+
+    def _keep(self, parsed: ParsedResponses, events: ResponseEvents) -> None:
+        """Store a finished answer when the request asked for it (``store``)."""
+        if parsed.store and self.responses_store is not None:
+            self.responses_store.put(events.response(), parsed.messages)
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{response_id}: a stored answer (404 when it is not stored)."""
+        response_id = request.match_info["response_id"]
+        entry = self.responses_store.get(response_id) if self.responses_store else None
+        if entry is None:
+            raise OpenAIError(404, f"No response with id {response_id!r} is stored by this "
+                              "router", param="response_id", code="not_found")
+        return web.json_response(entry.response,
+                                 dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def _stream(self, request: web.Request, responses,
                       builder: ResponseBuilder | CompletionCall, usage: bool,
