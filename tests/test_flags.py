@@ -27,6 +27,8 @@ from services.cli.flags import serve_parser
     (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
     (["--restart-window", "0"], "argument --restart-window: must be > 0, got 0"),
     (["--tool-call-parser", "pythonic"], "argument --tool-call-parser: invalid choice"),
+    (["--reasoning-parser", "granite"], "argument --reasoning-parser: invalid choice: 'granite' "
+                                        "(choose from 'deepseek_r1', 'qwen3')"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -39,6 +41,8 @@ def test_serve_rejects_bad_flags(argv, message, capsys):
     ("PAGEDSERVE_MAX_NUM_SEQS", "abc", "PAGEDSERVE_MAX_NUM_SEQS='abc': not an integer"),
     ("PAGEDSERVE_ENABLE_PREFIX_CACHING", "maybe", "PAGEDSERVE_ENABLE_PREFIX_CACHING='maybe'"),
     ("PAGEDSERVE_SCHEDULING_POLICY", "lifo", "PAGEDSERVE_SCHEDULING_POLICY='lifo': must be one"),
+    ("PAGEDSERVE_REASONING_PARSER", "r1", "PAGEDSERVE_REASONING_PARSER='r1': must be one of "
+                                          "('deepseek_r1', 'qwen3')"),
 ])
 def test_bad_environment_variables_name_the_variable(env, value, message, monkeypatch, capsys):
     monkeypatch.setenv(env, value)
@@ -81,6 +85,18 @@ def test_serve_passes_the_tool_flags_to_the_router_which_needs_both():
     alone = _service_parser("router").parse_args(["--enable-auto-tool-choice"])
     with pytest.raises(ValueError, match="--enable-auto-tool-choice requires --tool-call-parser"):
         asyncio.run(serve(alone))
+
+
+def test_serve_passes_the_reasoning_parser_to_the_router(monkeypatch):
+    from services.cli.flags import forwarded_argv
+
+    ns = serve_parser().parse_args(["--reasoning-parser", "qwen3"])
+    argv = forwarded_argv("router", ns)
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert "--reasoning-parser" not in forwarded_argv("scheduler", ns)
+    assert serve_parser().parse_args([]).reasoning_parser is None
+    monkeypatch.setenv("PAGEDSERVE_REASONING_PARSER", "deepseek_r1")
+    assert serve_parser().parse_args([]).reasoning_parser == "deepseek_r1"
 
 
 ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched-tokens": "128",
