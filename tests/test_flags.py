@@ -28,6 +28,8 @@ from services.cli.flags import serve_parser
     (["--restart-window", "0"], "argument --restart-window: must be > 0, got 0"),
     (["--tool-call-parser", "pythonic"], "argument --tool-call-parser: invalid choice"),
     (["--responses-api-store-size", "0"], "argument --responses-api-store-size: must be >= 1"),
+    (["--reasoning-parser", "granite"], "argument --reasoning-parser: invalid choice: 'granite' "
+                                        "(choose from 'deepseek_r1', 'qwen3')"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -40,6 +42,8 @@ def test_serve_rejects_bad_flags(argv, message, capsys):
     ("PAGEDSERVE_MAX_NUM_SEQS", "abc", "PAGEDSERVE_MAX_NUM_SEQS='abc': not an integer"),
     ("PAGEDSERVE_ENABLE_PREFIX_CACHING", "maybe", "PAGEDSERVE_ENABLE_PREFIX_CACHING='maybe'"),
     ("PAGEDSERVE_SCHEDULING_POLICY", "lifo", "PAGEDSERVE_SCHEDULING_POLICY='lifo': must be one"),
+    ("PAGEDSERVE_REASONING_PARSER", "r1", "PAGEDSERVE_REASONING_PARSER='r1': must be one of "
+                                          "('deepseek_r1', 'qwen3')"),
 ])
 def test_bad_environment_variables_name_the_variable(env, value, message, monkeypatch, capsys):
     monkeypatch.setenv(env, value)
@@ -95,6 +99,16 @@ def test_serve_passes_the_responses_store_flags_to_the_router(monkeypatch):
     assert "--responses-api-store-size" not in forwarded_argv("scheduler", ns)
     monkeypatch.setenv("PAGEDSERVE_ENABLE_RESPONSES_API_STORE", "true")
     assert serve_parser().parse_args([]).enable_responses_api_store is True
+def test_serve_passes_the_reasoning_parser_to_the_router(monkeypatch):
+    from services.cli.flags import forwarded_argv
+
+    ns = serve_parser().parse_args(["--reasoning-parser", "qwen3"])
+    argv = forwarded_argv("router", ns)
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    assert "--reasoning-parser" not in forwarded_argv("scheduler", ns)
+    assert serve_parser().parse_args([]).reasoning_parser is None
+    monkeypatch.setenv("PAGEDSERVE_REASONING_PARSER", "deepseek_r1")
+    assert serve_parser().parse_args([]).reasoning_parser == "deepseek_r1"
 
 
 ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched-tokens": "128",

@@ -100,7 +100,8 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
     elif kind == "chat":
         if not request.chat.messages:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty")
-        ids = encode_chat(tokenizer, request.chat.messages, tools=request.chat.tools)
+        ids = encode_chat(tokenizer, request.chat.messages, tools=request.chat.tools,
+                          chat_template_kwargs=request.chat.chat_template_kwargs)
     elif kind == "prompt_token_ids":
         ids = list(request.prompt_token_ids.ids)
     else:

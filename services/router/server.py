@@ -37,6 +37,7 @@ from services.router.generation import (
 from services.router.metrics import RouterMetrics, code_name
 from services.router.openai.errors import OpenAIError
 from services.router.openai.http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
+from services.router.openai.reasoning import PARSERS as REASONING_PARSERS
 from services.router.openai.responses_store import DEFAULT_STORE_SIZE, ResponseStore
 from services.router.openai.tools import TOOL_PARSERS
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
@@ -288,6 +289,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "(store: true, the default, keeps one)")
     add_flag(p, "--responses-api-store-size", type=int_in(1), default=DEFAULT_STORE_SIZE,
              help="answers the responses store keeps (least recently used out first)")
+    add_flag(p, "--reasoning-parser", default=None, choices=REASONING_PARSERS,
+             help="how the model writes its reasoning: the <think>...</think> span of chat "
+                  "answers is returned as reasoning_content / reasoning, not content "
+                  "(deepseek_r1: the span may start without <think>, without </think> it is "
+                  "all reasoning; qwen3: the same, unless enable_thinking is false)")
     add_flag(p, "--max-stream-buffer", type=int_in(1), default=DEFAULT_MAX_STREAM_BUFFER,
              help="responses buffered per streaming call while its client does not read; "
                   "past it the call fails with RESOURCE_EXHAUSTED and its engine requests are "
@@ -346,6 +352,7 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         http.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
         if args.enable_responses_api_store:
             http.responses_store = ResponseStore(args.responses_api_store_size)
+        http.reasoning_parser = args.reasoning_parser
     if http is not None:
         http.app.middlewares.append(_http_gate(inflight))
     await server.start()

@@ -37,7 +37,8 @@ def chat_to_generate(request: api_pb2.ChatRequest) -> api_pb2.GenerateRequest:
     """
     _messages(request.messages, "messages")
     return api_pb2.GenerateRequest(
-        chat=api_pb2.ChatMessages(messages=request.messages, tools=request.tools),
+        chat=api_pb2.ChatMessages(messages=request.messages, tools=request.tools,
+                                  chat_template_kwargs=request.chat_template_kwargs),
         sampling_params=request.sampling_params, request_id=request.request_id,
         priority=request.priority)
 
@@ -65,6 +66,7 @@ def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
         generation_prompt = (request.add_generation_prompt
                              if request.HasField("add_generation_prompt") else True)
         ids = encode_chat(tokenizer, messages, tools=request.chat.tools,
+                          chat_template_kwargs=request.chat.chat_template_kwargs,
                           add_generation_prompt=generation_prompt,
                           add_special_tokens=bool(add_special))
     else:

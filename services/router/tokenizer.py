@@ -7,6 +7,7 @@ here for the router's callers.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerFast
@@ -17,7 +18,18 @@ from services.common.tokenizer_loading import (  # noqa: F401  (re-exported)
     load_tokenizer,
     read_chat_template,
 )
-from services.router.validation import invalid, validate_messages, validate_tools
+from services.router.validation import (
+    invalid,
+    validate_chat_template_kwargs,
+    validate_messages,
+    validate_tools,
+)
+
+# Names chat_template_kwargs may not use: apply_chat_template's own arguments (tokenize,
+# return_dict, ...) and the variables it sets itself (messages, tools, ...).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    name for name, p in inspect.signature(PreTrainedTokenizerFast.apply_chat_template)
+    .parameters.items() if p.kind is not p.VAR_KEYWORD) | {"messages", "self"}
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str, *,
@@ -33,7 +45,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str, *,
 
 
 def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
-                tools: Sequence[api_pb2.Tool] = (), add_generation_prompt: bool = True,
+                tools: Sequence[api_pb2.Tool] = (), chat_template_kwargs: str = "",
+                add_generation_prompt: bool = True,
                 add_special_tokens: bool = False) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, followed (by
     default) by the assistant prefix.
@@ -49,6 +62,8 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
         tools: the functions offered to the model, passed to the template as ``tools``
             (OpenAI's ``[{"type": "function", "function": {...}}]``, see ``validate_tools``);
             none: the template gets no ``tools``.
+        chat_template_kwargs: extra template variables, the text of a JSON object (e.g.
+            ``{"enable_thinking": false}``); empty: none.
         add_generation_prompt: append the assistant prefix (what Generate sends); False ends
             with the last message.
         add_special_tokens: also let the tokenizer's post-processor add its special tokens to
@@ -57,19 +72,22 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
     Raises:
         RequestError(INVALID_ARGUMENT): no messages, a message ``validate_messages`` refuses
             (e.g. a role outside ``validation.CHAT_ROLES``, a tool message answering no tool
-            call), a tool ``validate_tools`` refuses, no chat template, or the template
-            rejected the conversation (e.g. role order).
+            call), a tool ``validate_tools`` refuses, ``chat_template_kwargs`` that is not a
+            JSON object or sets one of ``RESERVED_TEMPLATE_KWARGS``, no chat template, or the
+            template rejected the conversation (e.g. role order).
     """
     if not messages:
         raise invalid("chat.messages is empty")
     rendered = validate_messages(messages)
     tool_dicts: list = validate_tools(tools)
+    kwargs = validate_chat_template_kwargs(chat_template_kwargs, RESERVED_TEMPLATE_KWARGS)
     if not tokenizer.chat_template:
         raise invalid("this model has no chat template (a base model?): send a plain prompt "
                       "(/v1/completions), or start the router with --chat-template FILE")
     try:
         text = tokenizer.apply_chat_template(rendered, tools=tool_dicts or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             **kwargs)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() in the template
         raise invalid(f"chat template rejected the messages: {e}") from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

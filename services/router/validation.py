@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -424,6 +424,29 @@ def _json_object(text: str, name: str) -> dict:
         raise invalid(f"{name} must be a JSON object as text: {e}") from None
     if not isinstance(value, dict):
         raise invalid(f"{name} must be a JSON object as text, got a {type(value).__name__}")
+    return value
+
+
+def validate_chat_template_kwargs(text: str, reserved: Collection[str] = ()) -> dict:
+    """A chat's ``chat_template_kwargs`` (the text of a JSON object; empty: none) as the dict
+    of extra template variables.
+
+    Args:
+        reserved: names the template call takes as its own arguments (``messages``, ``tools``,
+            ``tokenize``, ...), which a client may not set.
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): not a JSON object, or a reserved key, e.g.
+            ``chat.chat_template_kwargs may not set 'tokenize' (an argument of the template
+            call, not a template variable)``.
+    """
+    if not text:
+        return {}
+    value = _json_object(text, "chat.chat_template_kwargs")
+    for key in value:
+        if key in reserved:
+            raise invalid(f"chat.chat_template_kwargs may not set {key!r} (an argument of the "
+                          "template call, not a template variable)")
     return value
 
 

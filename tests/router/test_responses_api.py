@@ -33,7 +33,7 @@ class BarSplit:
             self.thinking = False
         return head, tail
 
-    def finish(self) -> tuple[str, str]:
+    def flush(self) -> tuple[str, str]:
         return "", ""
 
 

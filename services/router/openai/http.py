@@ -44,6 +44,12 @@ from services.router.generation import (
 from services.router.metrics import RouterMetrics
 from services.router.openai.completions import CompletionCall
 from services.router.openai.errors import OpenAIError, bad_request
+from services.router.openai.reasoning import (
+    ReasoningOptions,
+    prompt_ends_reasoning,
+    starts_in_reasoning,
+    tag_ids,
+)
 from services.router.openai.requests import (
     ParsedRequest,
     from_status,
@@ -51,7 +57,7 @@ from services.router.openai.requests import (
     parse_completion,
 )
 from services.router.openai.responses import ResponseBuilder
-from services.router.openai.responses_api import ReasoningSplit, ResponseEvents
+from services.router.openai.responses_api import ResponseEvents, new_response_id
 from services.router.openai.responses_input import ParsedResponses, parse_responses, rename
 from services.router.openai.responses_store import ResponseStore
 from services.router.openai.structured import error_param
@@ -130,10 +136,11 @@ class OpenAIServer:
         self.max_stream_buffer = DEFAULT_MAX_STREAM_BUFFER  # router --max-stream-buffer
         # router --tool-call-parser, when --enable-auto-tool-choice is set (tool_choice "auto")
         self.tool_parser: str | None = None
-        # the reasoning splitter of /v1/responses (``responses_api.ReasoningSplit``), or None
-        self.reasoning_split: Callable[[], ReasoningSplit] | None = None
         # router --enable-responses-api-store: the stored Responses answers, or None
         self.responses_store: ResponseStore | None = None
+        self.reasoning_parser: str | None = None  # router --reasoning-parser
+        self._think_ids: tuple[int, int] | None = None  # reasoning.tag_ids of the tokenizer
+        self._think_ids_known = False  # (looked up at the first request that needs them)
         self.app = web.Application(middlewares=[self._count, _openai_errors],
                                    client_max_size=max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
@@ -295,7 +302,10 @@ class OpenAIServer:
         entry: RequestLog = request[_LOG]
         builder = ResponseBuilder(True, info.model, prepared.n, self.tokenizer
                                   if prepared.params.logprobs is not None else None,
-                                  tool_calls=parsed.tool_calls)
+                                  tool_calls=parsed.tool_calls,
+                                  reasoning=self._reasoning(parsed.chat_template_kwargs,
+                                                            parsed.include_reasoning,
+                                                            prepared.prompt_token_ids))
         if not client_id:
             builder.id = prepared.request_id
         headers = {REQUEST_ID_HEADER: prepared.request_id}
@@ -350,8 +360,13 @@ class OpenAIServer:
         body, info = await self._body(request)
         parsed = parse_responses(body, self.tool_parser, self.responses_store)
         chat = parsed.chat
-        events = ResponseEvents(info.model, parsed.echo, chat.tool_calls, self.reasoning_split)
-        prepared = await self._prepare(request, chat, info, events.id, rename)
+        response_id = new_response_id()
+        prepared = await self._prepare(request, chat, info, response_id, rename)
+        reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning,
+                                    prepared.prompt_token_ids)
+        events = ResponseEvents(info.model, parsed.echo, chat.tool_calls,
+                                reasoning.splitter if reasoning is not None else None,
+                                response_id=response_id)
         headers = {REQUEST_ID_HEADER: prepared.request_id}
         entry: RequestLog = request[_LOG]
         async with contextlib.aclosing(stream_responses(
@@ -405,6 +420,17 @@ class OpenAIServer:
                               "router", param="response_id", code="not_found")
         return web.json_response(entry.response,
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False))
+    def _reasoning(self, chat_template_kwargs: dict, include: bool,
+                   prompt_token_ids: list[int]) -> ReasoningOptions | None:
+        """How a chat request's output is split (``openai.reasoning``); None without
+        ``--reasoning-parser``."""
+        if self.reasoning_parser is None:
+            return None
+        if not self._think_ids_known:
+            self._think_ids, self._think_ids_known = tag_ids(self.tokenizer), True
+        ends = prompt_ends_reasoning(prompt_token_ids, self._think_ids)
+        return ReasoningOptions(starts_in_reasoning(self.reasoning_parser, chat_template_kwargs,
+                                                    ends), include)
 
     async def _stream(self, request: web.Request, responses,
                       builder: ResponseBuilder | CompletionCall, usage: bool,

@@ -10,9 +10,10 @@ prompt_logprobs, functions, ...) are refused with a 400 naming them.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -40,7 +41,8 @@ _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
                                            "priority", "logprobs", "top_logprobs",
                                            "logit_bias", "tools", "use_beam_search",
-                                           "beam_width", "length_penalty", "early_stopping"}
+                                           "beam_width", "length_penalty", "early_stopping",
+                                           "chat_template_kwargs"}
 STRUCTURED = "structured_outputs"  # the first word of a grammar error (structured_outputs.py)
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 MAX_BEST_OF = MAX_N  # candidates per prompt, as many as choices
@@ -88,6 +90,10 @@ class ParsedRequest:
             of the text (``openai.tool_calls``); None: the text is the content.
         structured_param: the field that set ``sampling_params.structured_outputs``, named by
             the 400 of an invalid grammar (see ``from_status``).
+        include_reasoning: (chat) return the reasoning span (``--reasoning-parser``); False
+            drops it.
+        chat_template_kwargs: (chat) the extra template variables (also in ``request``, as
+            text), read by the reasoning parser (``enable_thinking``).
     """
 
     request: api_pb2.GenerateRequest
@@ -96,6 +102,8 @@ class ParsedRequest:
     prompt_param: str
     tool_calls: Callable[[], Any] | None = None
     structured_param: str = STRUCTURED
+    include_reasoning: bool = True
+    chat_template_kwargs: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -235,15 +243,38 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
                           "tool call is a structured output, which beam search does not "
                           "support", "tool_choice")
     _chat_logprobs(body, req.sampling_params)
+    kwargs = _chat_template_kwargs(body, req)
     name, value = (("max_completion_tokens", body["max_completion_tokens"])
                    if body.get("max_completion_tokens") is not None
                    else ("max_tokens", body.get("max_tokens")))
     _sampling(body, req, value, name)
     parsed = _parsed(body, req, "messages")
     parsed.tool_calls = None if req.sampling_params.use_beam_search else tool_calls
+    parsed.chat_template_kwargs = kwargs
+    include = _typed(body, "include_reasoning", bool)
+    parsed.include_reasoning = True if include is None else include
     if enforced:  # a grammar error is about the tools' parameters schemas
         parsed.structured_param = "tools"
     return parsed
+
+
+def _chat_template_kwargs(body: dict, req: api_pb2.GenerateRequest) -> dict:
+    """vLLM's ``chat_template_kwargs`` (an object of JSON values, or null) ->
+    ``req.chat.chat_template_kwargs`` as JSON text (the reserved keys are validation's).
+
+    Raises:
+        OpenAIError: 400 (param "chat_template_kwargs") when not an object, or holding a
+            string that is not valid Unicode.
+    """
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object of template variables, got "
+                          f"{kwargs!r}"[:200], "chat_template_kwargs")
+    req.chat.chat_template_kwargs = utf8(json.dumps(kwargs, ensure_ascii=False),
+                                         "chat_template_kwargs")
+    return kwargs
 
 
 def _chat_logprobs(body: dict, sp: api_pb2.SamplingParams) -> None:

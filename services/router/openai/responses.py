@@ -17,6 +17,16 @@ Chat with tools: each choice's text goes through its tool-call parser (``openai.
 streamed or whole alike: ``message`` / ``delta`` then carry ``tool_calls`` (content null when
 only whitespace is left), and a choice that made calls ends with ``finish_reason:
 "tool_calls"`` instead of "stop".
+
+Chat with ``--reasoning-parser``: each choice's text is first split by its
+``openai.reasoning.ReasoningSplitter``; the span goes to ``reasoning_content`` and
+``reasoning`` (vLLM's old and new names, the same text; null when the output began outside
+the span; both left out with ``include_reasoning: false``), the rest is the content, the only
+part the tool-call parser reads; ``content`` is null when nothing follows the span.
+``usage.completion_tokens_details.reasoning_tokens`` counts the tokens of every message that
+arrived while the span was open: the span's tokens and the one closing it (one token per
+message while streaming; a message holding several, e.g. a beam search's one message, counts
+whole).
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from typing import Any
 from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai.logprobs import LogprobsFormatter, merge
+from services.router.openai.reasoning import ReasoningOptions
 from services.router.openai.tool_calls import join as join_deltas
 from services.router.openai.tool_calls import merge as merge_deltas
 
@@ -58,15 +69,25 @@ class ResponseBuilder:
         echo: (completions) prepend the prompt to each choice: its text to the text of the
             choice's first message (whole or chunk), and with logprobs the prompt's logprobs
             (from that message's ``prompt_logprobs``) to its logprobs.
+        tool_calls: (chat) makes one choice's tool-call parser (``openai.tool_calls``), or
+            None: the text is content.
+        reasoning: (chat with ``--reasoning-parser``) how to split the reasoning span out,
+            or None: no reasoning fields.
     """
 
     def __init__(self, chat: bool, model: str, n: int, tokenizer=None,
-                 echo: Echo | None = None, tool_calls=None):
+                 echo: Echo | None = None, tool_calls=None,
+                 reasoning: ReasoningOptions | None = None):
         self.chat, self.model, self.n = chat, model, n
         self._echo = echo
         self._echo_pending = set(range(n)) if echo is not None else set()
         # one tool-call parser per choice (openai.tool_calls), or None: the text is content
         self._tools = [tool_calls() for _ in range(n)] if tool_calls is not None else None
+        self._reasoning = reasoning
+        self._splitters = ([reasoning.splitter() for _ in range(n)]
+                           if reasoning is not None else None)
+        self._reasoning_texts: list[list[str]] = [[] for _ in range(n)]
+        self._reasoning_tokens = [0] * n
         self._logprobs = ([LogprobsFormatter(tokenizer, chat) for _ in range(n)]
                           if tokenizer is not None else None)
         self._logprob_parts: list[list[dict]] = [[] for _ in range(n)]
@@ -79,7 +100,9 @@ class ResponseBuilder:
     def add(self, r: api_pb2.GenerateResponse) -> None:
         """Record one streamed message (non-streaming mode)."""
         prefix, prompt_logprobs = self._echoed(r)
-        self._texts[r.index].append(prefix + r.text)
+        reasoning, text = self._split(r)
+        self._reasoning_texts[r.index].append(reasoning)
+        self._texts[r.index].append(prefix + text)
         if prompt_logprobs is not None:
             self._logprob_parts[r.index].append(prompt_logprobs)
         if self._logprobs is not None:
@@ -96,9 +119,9 @@ class ResponseBuilder:
             text = "".join(self._texts[i])
             choice: dict[str, Any] = {"index": i}
             if self.chat:
-                choice["message"] = ({"role": "assistant", "content": text} if self._tools is None
-                                     else merge_deltas([self._tools[i].feed(text),
-                                                        self._tools[i].finish()]))
+                choice["message"] = self._message(i, (
+                    {"role": "assistant", "content": text} if self._tools is None
+                    else merge_deltas([self._tools[i].feed(text), self._tools[i].finish()])))
             else:
                 choice["text"] = text
             choice |= self._ending(final, i)
@@ -115,9 +138,41 @@ class ResponseBuilder:
         prompt = next((f.usage.prompt_tokens for f in finals.values()), 0)
         completion = sum(f.usage.completion_tokens for f in finals.values())
         cached = finals[0].usage.num_cached_tokens if 0 in finals else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                                 "total_tokens": prompt + completion,
+                                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self._reasoning is not None:
+            usage["completion_tokens_details"] = {
+                "reasoning_tokens": sum(self._reasoning_tokens[i] for i in finals)}
+        return usage
+
+    def _split(self, r: api_pb2.GenerateResponse) -> tuple[str, str]:
+        """``(reasoning, content)`` of message ``r``'s text (its choice's held-back rest too
+        on its last message); counts its tokens as reasoning while the span is open.
+        ``("", text)`` without a reasoning parser."""
+        if self._splitters is None:
+            return "", r.text
+        splitter = self._splitters[r.index]
+        if splitter.in_reasoning:
+            self._reasoning_tokens[r.index] += len(r.token_ids)
+        reasoning, content = splitter.feed(r.text)
+        if r.finish_reason:
+            rest_reasoning, rest_content = splitter.flush()
+            reasoning, content = reasoning + rest_reasoning, content + rest_content
+        return reasoning, content
+
+    def _message(self, index: int, message: dict) -> dict:
+        """(chat) A choice's whole message with its reasoning fields (see the module's
+        docstring)."""
+        if self._reasoning is None or self._splitters is None:
+            return message
+        if self._splitters[index].thinking and message["content"] == "":
+            message["content"] = None
+        if self._reasoning.include:
+            text = ("".join(self._reasoning_texts[index]) or None
+                    if self._splitters[index].thinking else None)
+            message |= {"reasoning_content": text, "reasoning": text}
+        return message
 
     # ---- stream chunks ------------------------------------------------------------------
     def role_chunks(self, include_usage: bool) -> list[dict]:
@@ -133,20 +188,25 @@ class ResponseBuilder:
         """The stream chunk for one message, or None when it shows nothing (no text, not
         final). A final message is also recorded for ``usage``."""
         prefix, prompt_logprobs = self._echoed(r)
+        reasoning, content = self._split(r)  # (counts the tokens of a message without text)
         if r.finish_reason:
             self._finals[r.index] = r
         elif not (prefix or r.text or prompt_logprobs
                   or (self._logprobs is not None and r.logprobs)):
             return None
         choice: dict[str, Any] = {"index": r.index}
-        if self.chat and self._tools is not None:
-            parser = self._tools[r.index]
-            delta = parser.feed(r.text)
-            choice["delta"] = join_deltas(delta, parser.finish()) if r.finish_reason else delta
-            if not (choice["delta"] or r.finish_reason or self._logprobs is not None):
-                return None  # all held back (a possible tool call)
-        elif self.chat:
-            choice["delta"] = {"content": r.text} if r.text else {}
+        if self.chat:
+            if self._tools is not None:
+                parser = self._tools[r.index]
+                delta = parser.feed(content)
+                delta = join_deltas(delta, parser.finish()) if r.finish_reason else delta
+            else:
+                delta = {"content": content} if content else {}
+            if reasoning and self._reasoning is not None and self._reasoning.include:
+                delta = {"reasoning_content": reasoning, "reasoning": reasoning, **delta}
+            choice["delta"] = delta
+            if not (delta or r.finish_reason or self._logprobs is not None):
+                return None  # all held back (a possible tag or tool call)
         else:
             choice["text"] = prefix + r.text
         choice["logprobs"] = (self._logprobs[r.index].format(r.logprobs)

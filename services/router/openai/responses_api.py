@@ -22,10 +22,11 @@ Stream events (``sequence_number`` counts from 0): ``response.created``,
 ``response.output_item.done``; last ``response.completed``, or ``response.incomplete``
 (``incomplete_details.reason: "max_output_tokens"``) when the choice ended by length.
 
-The reasoning seam: ``split`` makes a per-request splitter with ``feed(text) -> (reasoning,
-content)`` and ``finish() -> (reasoning, content)`` (the held-back rest), e.g. a ``<think>``
-parser; None: no reasoning, all text is content. ``output_tokens_details.reasoning_tokens``
-counts the tokens of the messages that carried reasoning text.
+Reasoning: ``split`` makes a per-request splitter with ``feed(text) -> (reasoning,
+content)`` and ``flush() -> (reasoning, content)`` (the held-back rest): the router's
+``--reasoning-parser`` (``openai.reasoning.ReasoningSplitter``); None: all text is content.
+``output_tokens_details.reasoning_tokens`` counts the tokens of the messages that carried
+reasoning text.
 """
 
 from __future__ import annotations
@@ -46,13 +47,18 @@ class ReasoningSplit(Protocol):
         """The (reasoning, content) that ``text`` adds (either may be held back)."""
         ...
 
-    def finish(self) -> tuple[str, str]:
+    def flush(self) -> tuple[str, str]:
         """The (reasoning, content) still held back, at the end of the choice."""
         ...
 
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def new_response_id() -> str:
+    """A new Response id, ``resp_`` and 32 hex digits."""
+    return _new_id("resp")
 
 
 class ResponseEvents:
@@ -64,12 +70,14 @@ class ResponseEvents:
         tool_calls: factory of the tool-call parser (``ParsedRequest.tool_calls``), or None
             when the text is the content.
         split: factory of the reasoning splitter (``ReasoningSplit``), or None.
+        response_id: the Response's id (default: a new ``resp_...``).
     """
 
     def __init__(self, model: str, echo: dict[str, Any],
                  tool_calls: Callable[[], Any] | None = None,
-                 split: Callable[[], ReasoningSplit] | None = None):
-        self.id = _new_id("resp")
+                 split: Callable[[], ReasoningSplit] | None = None,
+                 response_id: str | None = None):
+        self.id = response_id or new_response_id()
         self.created_at = int(time.time())  # seconds since the epoch
         self.model, self.echo = model, echo
         self._tools = tool_calls() if tool_calls is not None else None
@@ -116,7 +124,7 @@ class ResponseEvents:
         events: list[dict] = []
         reasoning, content = self._split.feed(r.text) if self._split else ("", r.text)
         if r.finish_reason and self._split is not None:
-            rest = self._split.finish()
+            rest = self._split.flush()
             reasoning, content = reasoning + rest[0], content + rest[1]
         if reasoning:
             self._reasoning_tokens += len(r.token_ids)

@@ -1,0 +1,153 @@
+"""A reasoning model's ``<think>…</think>`` span, split from the rest of its output.
+
+The router's ``--reasoning-parser`` (vLLM's flag and names) says how a model writes its
+reasoning; chat responses then carry the span as ``reasoning_content`` / ``reasoning`` and
+the rest as ``content`` (``openai.responses``). Public interface, also for other response
+shapes (e.g. the Responses API's reasoning items):
+
+- ``split(text, thinking=True) -> (reasoning | None, content)``: a whole output.
+- ``ReasoningSplitter(thinking)``: the same split incrementally, ``feed(delta) ->
+  (reasoning_delta, content_delta)`` then ``flush()`` at the end; any chunking of a text gives
+  the same two strings as ``split`` (tested), and a tag is never cut: a possible prefix of
+  ``<think>`` / ``</think>`` at the end of a delta is held back until the next one.
+- ``starts_in_reasoning(parser, chat_template_kwargs, prompt_ends_reasoning)``: whether the
+  output of a request begins inside the span (``thinking``).
+
+The rules (vLLM's ``deepseek_r1`` / ``qwen3`` parsers): the output begins inside the span,
+whether or not the model writes ``<think>`` itself (a template may have put it in the prompt);
+the span ends at the first ``</think>``, which belongs to neither part; ``<think>`` tags before
+it are dropped; without a ``</think>`` the whole output is reasoning (e.g. cut by max_tokens).
+The output begins outside the span, and is all content, when the prompt already closed it
+(its last tag is ``</think>``, e.g. Qwen3's template with ``enable_thinking: false`` writes
+``<think>\\n\\n</think>``), and with ``qwen3`` when the request's ``chat_template_kwargs`` has
+``enable_thinking: false``.
+
+NOTE: where vLLM differs: its whole-output split drops any text before a ``<think>`` and, for
+qwen3 with thinking off, still splits at a ``</think>`` the model writes; here text before a
+``<think>`` stays reasoning and thinking-off output is all content, so that a streamed
+response always equals the whole one. Qwen3.5's implicit end of reasoning at an XML
+``<tool_call><function=…>`` is not implemented (no parser here reads that tool format).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+PARSERS = ("deepseek_r1", "qwen3")  # router --reasoning-parser choices
+
+
+def _held(text: str) -> int:
+    """Length of the longest end of ``text`` that is a proper prefix of a tag."""
+    for k in range(min(len(text), len(END) - 1), 0, -1):
+        tail = text[-k:]
+        if END.startswith(tail) or START.startswith(tail):
+            return k
+    return 0
+
+
+class ReasoningSplitter:
+    """One choice's output, as it streams, split into reasoning and content.
+
+    Args:
+        thinking: the output begins inside the reasoning span (see ``starts_in_reasoning``);
+            False: everything is content and ``reasoning`` stays None.
+
+    Attributes:
+        in_reasoning: the span is still open (no ``</think>`` seen yet).
+    """
+
+    def __init__(self, thinking: bool = True):
+        self.thinking = thinking
+        self.in_reasoning = thinking
+        self._buf = ""  # held back: a possible prefix of a tag
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """``(reasoning, content)`` to send for the next piece of output text; either may be
+        empty (e.g. while a possible tag is held back)."""
+        if not self.in_reasoning:
+            return "", text
+        buf = self._buf + text
+        end = buf.find(END)
+        if end >= 0:
+            self._buf, self.in_reasoning = "", False
+            return buf[:end].replace(START, ""), buf[end + len(END):]
+        cut = len(buf) - _held(buf)
+        self._buf = buf[cut:]
+        return buf[:cut].replace(START, ""), ""
+
+    def flush(self) -> tuple[str, str]:
+        """``(reasoning, content)`` held back, at the end of the output (a tag's prefix that
+        never completed is reasoning text)."""
+        held, self._buf = self._buf, ""
+        return held, ""
+
+
+def split(text: str, thinking: bool = True) -> tuple[str | None, str]:
+    """A whole output as ``(reasoning, content)``; reasoning is None when ``thinking`` is False
+    (the output is all content), else a string, empty when the span was.
+
+    E.g. ``split("<think>a</think>b") == split("a</think>b") == ("a", "b")``,
+    ``split("a") == ("a", "")``, ``split("a", thinking=False) == (None, "a")``.
+    """
+    if not thinking:
+        return None, text
+    splitter = ReasoningSplitter()
+    reasoning, content = splitter.feed(text)
+    rest_reasoning, rest_content = splitter.flush()
+    return reasoning + rest_reasoning, content + rest_content
+
+
+def tag_ids(tokenizer) -> tuple[int, int] | None:
+    """The token ids of ``<think>`` and ``</think>`` when both are tokens of their own (added
+    tokens, as in Qwen3's and DeepSeek-R1's tokenizers), else None."""
+    added = tokenizer.get_added_vocab()
+    if START in added and END in added:
+        return added[START], added[END]
+    return None
+
+
+def prompt_ends_reasoning(prompt_token_ids: Sequence[int], ids: tuple[int, int] | None) -> bool:
+    """The prompt's last reasoning tag is ``</think>`` (``ids`` from ``tag_ids``; None: no
+    tag tokens, False)."""
+    if ids is None:
+        return False
+    start, end = ids
+    for token in reversed(prompt_token_ids):
+        if token == end:
+            return True
+        if token == start:
+            return False
+    return False
+
+
+def starts_in_reasoning(parser: str, chat_template_kwargs: Mapping,
+                        prompt_ends: bool = False) -> bool:
+    """Whether a request's output begins inside the reasoning span.
+
+    Args:
+        parser: one of ``PARSERS``.
+        chat_template_kwargs: the request's (``enable_thinking: false`` turns qwen3's off).
+        prompt_ends: ``prompt_ends_reasoning`` of the prompt.
+    """
+    if prompt_ends:
+        return False
+    return not (parser == "qwen3" and chat_template_kwargs.get("enable_thinking") is False)
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningOptions:
+    """How a chat request's choices are split (``openai.responses.ResponseBuilder``).
+
+    Attributes:
+        thinking: the output begins inside the span (``starts_in_reasoning``).
+        include: return the span (``include_reasoning``); False drops it.
+    """
+
+    thinking: bool
+    include: bool = True
+
+    def splitter(self) -> ReasoningSplitter:
+        """A splitter for one choice."""
+        return ReasoningSplitter(self.thinking)
