@@ -27,6 +27,8 @@ from services.cli.flags import serve_parser
     (["--max-restarts", "-1"], "argument --max-restarts: must be >= 0, got -1"),
     (["--restart-window", "0"], "argument --restart-window: must be > 0, got 0"),
     (["--tool-call-parser", "pythonic"], "argument --tool-call-parser: invalid choice"),
+    (["--max-logprobs", "-2"], "argument --max-logprobs: must be >= -1, got -2"),
+    (["--served-model-name"], "argument --served-model-name: expected at least one argument"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -81,6 +83,29 @@ def test_serve_passes_the_tool_flags_to_the_router_which_needs_both():
     alone = _service_parser("router").parse_args(["--enable-auto-tool-choice"])
     with pytest.raises(ValueError, match="--enable-auto-tool-choice requires --tool-call-parser"):
         asyncio.run(serve(alone))
+
+
+def test_serve_passes_served_model_names_and_max_logprobs_to_the_router(monkeypatch):
+    from services.cli.flags import _service_parser, forwarded_argv
+    from services.router.served_model import ServedModel
+
+    ns = serve_parser().parse_args(["--served-model-name", "a", "b/c", "--max-logprobs", "5"])
+    argv = forwarded_argv("router", ns)
+    assert argv[argv.index("--served-model-name"):][:4] == ["--served-model-name", "a", "b/c",
+                                                             "--max-logprobs"]
+    assert "--served-model-name" not in forwarded_argv("worker", ns)
+    router = _service_parser("router").parse_args(argv)
+    assert (router.served_model_name, router.max_logprobs) == (["a", "b/c"], 5)
+    defaults = serve_parser().parse_args([])
+    assert (defaults.served_model_name, defaults.max_logprobs) == (None, 20)
+    assert "--served-model-name" not in forwarded_argv("router", defaults)
+    monkeypatch.setenv("PAGEDSERVE_SERVED_MODEL_NAME", "x  y")
+    monkeypatch.setenv("PAGEDSERVE_MAX_LOGPROBS", "-1")
+    env = _service_parser("router").parse_args([])
+    assert (env.served_model_name, env.max_logprobs) == (["x", "y"], -1)
+    for names in (["a", "a"], ["a", ""]):
+        with pytest.raises(ValueError, match="--served-model-name"):
+            ServedModel(names)
 
 
 ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched-tokens": "128",

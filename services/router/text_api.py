@@ -10,6 +10,8 @@ the prompt Generate would send to the engine.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.router.tokenizer import encode_chat, encode_prompt
 from services.router.validation import invalid, validate_token_ids
@@ -43,16 +45,22 @@ def chat_to_generate(request: api_pb2.ChatRequest) -> api_pb2.GenerateRequest:
 
 
 def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
-             info: engine_pb2.GetEngineInfoResponse) -> api_pb2.TokenizeResponse:
+             info: engine_pb2.GetEngineInfoResponse, *,
+             chat_template_kwargs: Mapping | None = None) -> api_pb2.TokenizeResponse:
     """Token ids of a text or a conversation, as Generate would tokenize it.
 
     ``add_special_tokens`` unset means what Generate does: True for a prompt (the tokenizer's
     post-processor adds its BOS, if it has one), False for a chat (the template writes them).
     No length limit is applied: ``count`` may reach or exceed ``max_model_len`` (returned too).
 
+    Args:
+        chat_template_kwargs: (chat) extra template variables (the OpenAI API's
+            ``chat_template_kwargs``; see ``tokenizer.encode_chat``).
+
     Raises:
-        RequestError(INVALID_ARGUMENT): no input, an empty prompt or chat.messages, or a
-            conversation the chat template rejects.
+        RequestError(INVALID_ARGUMENT): no input, an empty prompt or chat.messages, a
+            conversation the chat template rejects, or ``continue_final_message`` with
+            ``add_generation_prompt``.
     """
     kind = request.WhichOneof("input")
     add_special = (request.add_special_tokens if request.HasField("add_special_tokens")
@@ -66,7 +74,9 @@ def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
                              if request.HasField("add_generation_prompt") else True)
         ids = encode_chat(tokenizer, messages, tools=request.chat.tools,
                           add_generation_prompt=generation_prompt,
-                          add_special_tokens=bool(add_special))
+                          continue_final_message=request.continue_final_message,
+                          add_special_tokens=bool(add_special),
+                          template_kwargs=chat_template_kwargs)
     else:
         raise invalid("prompt is empty: set one of prompt or chat")
     return api_pb2.TokenizeResponse(token_ids=ids, count=len(ids),
@@ -74,17 +84,21 @@ def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
 
 
 def detokenize(request: api_pb2.DetokenizeRequest, tokenizer,
-               info: engine_pb2.GetEngineInfoResponse) -> api_pb2.DetokenizeResponse:
+               info: engine_pb2.GetEngineInfoResponse, *,
+               field: str = "token_ids") -> api_pb2.DetokenizeResponse:
     """The text of token ids, decoded in one piece (``skip_special_tokens`` default True, as
     SamplingParams). Ids the tokenizer lacks but the model has (``vocab_size`` is often padded
     beyond the tokenizer) decode to nothing.
+
+    Args:
+        field: the name of the ids in error messages (the OpenAI API's is ``tokens``).
 
     Raises:
         RequestError(INVALID_ARGUMENT): an id outside [0, vocab_size), e.g.
             ``token_ids[2] must be in [0, 49152), got -1``.
     """
     ids = list(request.token_ids)
-    validate_token_ids("token_ids", ids, vocab_size=info.vocab_size)
+    validate_token_ids(field, ids, vocab_size=info.vocab_size)
     skip = (request.skip_special_tokens if request.HasField("skip_special_tokens") else True)
     return api_pb2.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
 

@@ -7,7 +7,7 @@ here for the router's callers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from transformers import PreTrainedTokenizerFast
 
@@ -18,6 +18,12 @@ from services.common.tokenizer_loading import (  # noqa: F401  (re-exported)
     read_chat_template,
 )
 from services.router.validation import invalid, validate_messages, validate_tools
+
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+_TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str, *,
@@ -34,7 +40,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str, *,
 
 def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
                 tools: Sequence[api_pb2.Tool] = (), add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:
+                continue_final_message: bool = False, add_special_tokens: bool = False,
+                template_kwargs: Mapping | None = None) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, followed (by
     default) by the assistant prefix.
 
@@ -51,25 +58,41 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
             none: the template gets no ``tools``.
         add_generation_prompt: append the assistant prefix (what Generate sends); False ends
             with the last message.
+        continue_final_message: end with the last message left open (no end-of-turn token),
+            so the model continues it (transformers' / vLLM's option; not with
+            ``add_generation_prompt``).
         add_special_tokens: also let the tokenizer's post-processor add its special tokens to
             the rendered text (vLLM's tokenize option; off for generation).
+        template_kwargs: extra variables for the template (vLLM's ``chat_template_kwargs``,
+            e.g. ``{"enable_thinking": False}``); the names of ``apply_chat_template``'s own
+            arguments are refused.
 
     Raises:
         RequestError(INVALID_ARGUMENT): no messages, a message ``validate_messages`` refuses
             (e.g. a role outside ``validation.CHAT_ROLES``, a tool message answering no tool
             call), a tool ``validate_tools`` refuses, no chat template, or the template
-            rejected the conversation (e.g. role order).
+            rejected the conversation (e.g. role order), ``continue_final_message`` with
+            ``add_generation_prompt``, or a reserved ``template_kwargs`` name.
     """
     if not messages:
         raise invalid("chat.messages is empty")
     rendered = validate_messages(messages)
     tool_dicts: list = validate_tools(tools)
+    if continue_final_message and add_generation_prompt:
+        raise invalid("continue_final_message and add_generation_prompt cannot both be true")
+    extra = dict(template_kwargs or {})
+    reserved = sorted(extra.keys() & _TEMPLATE_ARGUMENTS)
+    if reserved:
+        raise invalid(f"chat_template_kwargs must not set {', '.join(reserved)} (set the "
+                      "request's own field)")
     if not tokenizer.chat_template:
         raise invalid("this model has no chat template (a base model?): send a plain prompt "
                       "(/v1/completions), or start the router with --chat-template FILE")
     try:
         text = tokenizer.apply_chat_template(rendered, tools=tool_dicts or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
+                                             **extra)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() in the template
         raise invalid(f"chat template rejected the messages: {e}") from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
