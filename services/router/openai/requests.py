@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -148,7 +148,7 @@ def parse_completion(body: dict) -> ParsedCompletion:
     _refuse(body, suffix=None)
     template = api_pb2.GenerateRequest()
     sp = template.sampling_params
-    logprobs = _int32(body, "logprobs")  # the range is validation's: [0, 20]
+    logprobs = _int32(body, "logprobs")  # the range is validation's: [0, --max-logprobs]
     echo = _typed(body, "echo", bool) or False
     max_tokens = body.get("max_tokens")
     score_only = echo and _is_int(max_tokens) and max_tokens == 0
@@ -303,8 +303,7 @@ def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> Pars
 
 def _options(parsed: ParsedRequest, logprobs: bool) -> OutputOptions:
     """``parsed.options`` with ``logprobs`` set."""
-    o = parsed.options
-    return OutputOptions(logprobs, o.prompt_logprobs, o.token_ids_as_tokens, o.continuous_usage)
+    return replace(parsed.options, logprobs=logprobs)
 
 
 def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_name: str):
@@ -378,8 +377,8 @@ def _beam_search(body: dict, sp: api_pb2.SamplingParams) -> None:
         raise bad_request(f'early_stopping must be true, false or "never", got {early!r}',
                           "early_stopping")
     if use and sp.HasField("structured_outputs"):
-        field = error_param(body)
-        raise bad_request(f"{field} is not supported with use_beam_search", field)
+        param = error_param(body)
+        raise bad_request(f"{param} is not supported with use_beam_search", param)
 
 
 def _logit_bias(body: dict, sp: api_pb2.SamplingParams) -> None:

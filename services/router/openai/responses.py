@@ -33,7 +33,8 @@ from typing import Any
 
 from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router.openai.logprobs import LogprobsFormatter, merge, prompt_logprobs
+from services.router.openai.logprobs import LogprobsFormatter, merge
+from services.router.openai.logprobs import prompt_logprobs as vllm_prompt_logprobs
 from services.router.openai.tool_calls import join as join_deltas
 from services.router.openai.tool_calls import merge as merge_deltas
 
@@ -111,12 +112,12 @@ class ResponseBuilder:
         """Record one streamed message (non-streaming mode)."""
         k = self._options.prompt_logprobs
         if k is not None and r.prompt_logprobs and r.index not in self._prompt_logprobs:
-            self._prompt_logprobs[r.index] = prompt_logprobs(self._tokenizer, r.prompt_logprobs,
-                                                             k)
-        prefix, prompt_logprobs_ = self._echoed(r)
+            self._prompt_logprobs[r.index] = vllm_prompt_logprobs(self._tokenizer,
+                                                                  r.prompt_logprobs, k)
+        prefix, prompt_logprobs = self._echoed(r)
         self._texts[r.index].append(prefix + r.text)
-        if prompt_logprobs_ is not None:
-            self._logprob_parts[r.index].append(prompt_logprobs_)
+        if prompt_logprobs is not None:
+            self._logprob_parts[r.index].append(prompt_logprobs)
         if self._logprobs is not None:
             self._logprob_parts[r.index].append(self._logprobs[r.index].format(r.logprobs))
         if r.finish_reason:
