@@ -30,6 +30,8 @@ from services.cli.flags import serve_parser
     (["--responses-api-store-size", "0"], "argument --responses-api-store-size: must be >= 1"),
     (["--reasoning-parser", "granite"], "argument --reasoning-parser: invalid choice: 'granite' "
                                         "(choose from 'deepseek_r1', 'qwen3')"),
+    (["--max-logprobs", "-2"], "argument --max-logprobs: must be >= -1, got -2"),
+    (["--served-model-name"], "argument --served-model-name: expected at least one argument"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -99,6 +101,8 @@ def test_serve_passes_the_responses_store_flags_to_the_router(monkeypatch):
     assert "--responses-api-store-size" not in forwarded_argv("scheduler", ns)
     monkeypatch.setenv("PAGEDSERVE_ENABLE_RESPONSES_API_STORE", "true")
     assert serve_parser().parse_args([]).enable_responses_api_store is True
+
+
 def test_serve_passes_the_reasoning_parser_to_the_router(monkeypatch):
     from services.cli.flags import forwarded_argv
 
@@ -109,6 +113,29 @@ def test_serve_passes_the_reasoning_parser_to_the_router(monkeypatch):
     assert serve_parser().parse_args([]).reasoning_parser is None
     monkeypatch.setenv("PAGEDSERVE_REASONING_PARSER", "deepseek_r1")
     assert serve_parser().parse_args([]).reasoning_parser == "deepseek_r1"
+
+
+def test_serve_passes_served_model_names_and_max_logprobs_to_the_router(monkeypatch):
+    from services.cli.flags import _service_parser, forwarded_argv
+    from services.router.served_model import ServedModel
+
+    ns = serve_parser().parse_args(["--served-model-name", "a", "b/c", "--max-logprobs", "5"])
+    argv = forwarded_argv("router", ns)
+    assert argv[argv.index("--served-model-name"):][:4] == ["--served-model-name", "a", "b/c",
+                                                             "--max-logprobs"]
+    assert "--served-model-name" not in forwarded_argv("worker", ns)
+    router = _service_parser("router").parse_args(argv)
+    assert (router.served_model_name, router.max_logprobs) == (["a", "b/c"], 5)
+    defaults = serve_parser().parse_args([])
+    assert (defaults.served_model_name, defaults.max_logprobs) == (None, 20)
+    assert "--served-model-name" not in forwarded_argv("router", defaults)
+    monkeypatch.setenv("PAGEDSERVE_SERVED_MODEL_NAME", "x  y")
+    monkeypatch.setenv("PAGEDSERVE_MAX_LOGPROBS", "-1")
+    env = _service_parser("router").parse_args([])
+    assert (env.served_model_name, env.max_logprobs) == (["x", "y"], -1)
+    for names in (["a", "a"], ["a", ""]):
+        with pytest.raises(ValueError, match="--served-model-name"):
+            ServedModel(names)
 
 
 ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched-tokens": "128",

@@ -86,6 +86,8 @@ def forwarded_argv(name: str, ns: argparse.Namespace) -> list[str]:
         elif isinstance(action, argparse.BooleanOptionalAction):
             if value is not None:  # --flag / --no-flag
                 argv += [action.option_strings[0 if value else 1]]
+        elif isinstance(value, list):  # nargs="+": the flag, then each value
+            argv += [action.option_strings[0], *map(str, value)]
         elif value is not None:  # (a parsed value that is not a str gives its flag form)
             argv += [action.option_strings[0],
                      value.as_flag_value() if hasattr(value, "as_flag_value") else str(value)]

@@ -93,8 +93,9 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
     """``parser.add_argument`` whose default comes from the flag's environment variable.
 
     Boolean switches (``action="store_true"`` or ``argparse.BooleanOptionalAction``) read the
-    variable as 1/true/yes/on or 0/false/no/off. A variable the flag's type or choices refuse
-    ends the program with an argparse error naming the variable.
+    variable as 1/true/yes/on or 0/false/no/off; a list flag (``nargs`` "+" or "*") reads its
+    words (split on whitespace). A variable the flag's type or choices refuse ends the program
+    with an argparse error naming the variable.
     """
     env = os.environ.get(env_name(flag))
     if env is not None:
@@ -104,6 +105,8 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
                 if word not in _TRUE + _FALSE:
                     raise argparse.ArgumentTypeError(f"must be one of {_TRUE + _FALSE}")
                 kwargs["default"] = word in _TRUE
+            elif kwargs.get("nargs") in ("+", "*"):  # a list: the words of the variable
+                kwargs["default"] = [kwargs.get("type", str)(w) for w in env.split()]
             else:
                 value = kwargs.get("type", str)(env)
                 if "choices" in kwargs and value not in kwargs["choices"]:

@@ -41,6 +41,7 @@ from services.router.replicas import ReplicaSet
 from services.router.structured_outputs import compile_structured_outputs
 from services.router.tokenizer import encode_chat, encode_prompt
 from services.router.validation import (
+    MAX_LOGPROBS,
     RequestError,
     TextOptions,
     validate_n,
@@ -82,14 +83,20 @@ class PreparedRequest:
 
 
 def prepare(request: api_pb2.GenerateRequest, tokenizer,
-            info: engine_pb2.GetEngineInfoResponse) -> PreparedRequest:
+            info: engine_pb2.GetEngineInfoResponse, *,
+            max_logprobs: int = MAX_LOGPROBS) -> PreparedRequest:
     """Validate and tokenize a GenerateRequest.
+
+    Args:
+        max_logprobs: the router's --max-logprobs (the most ``logprobs`` /
+            ``prompt_logprobs``; -1: the vocabulary size).
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the field and its limit.
     """
     request_id = validate_request_id(request.request_id) or uuid.uuid4().hex
-    params, text = validate_sampling(request.sampling_params, vocab_size=info.vocab_size)
+    params, text = validate_sampling(request.sampling_params, vocab_size=info.vocab_size,
+                                     max_logprobs=max_logprobs)
     n = validate_n(request.sampling_params)
     priority = validate_priority(request.priority, scheduling_policy=info.scheduling_policy)
     kind = request.WhichOneof("input")

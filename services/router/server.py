@@ -41,8 +41,9 @@ from services.router.openai.reasoning import PARSERS as REASONING_PARSERS
 from services.router.openai.responses_store import DEFAULT_STORE_SIZE, ResponseStore
 from services.router.openai.tools import TOOL_PARSERS
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
+from services.router.served_model import ServedModel
 from services.router.tokenizer import load_tokenizer
-from services.router.validation import RequestError
+from services.router.validation import MAX_LOGPROBS, RequestError
 
 log = logging.getLogger(__name__)
 SERVICE = api_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
@@ -56,10 +57,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
     Detokenize, ListModels)."""
 
     def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None,
-                 max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER):
+                 max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER,
+                 served: ServedModel | None = None, max_logprobs: int = MAX_LOGPROBS):
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.served = served or ServedModel()  # --served-model-name: ListModels' id
+        self.max_logprobs = max_logprobs  # --max-logprobs
         self.inflight = InFlight()  # Generate/Chat calls running; draining: refuse new ones
         self.max_stream_buffer = max_stream_buffer  # see generation.OutputQueue
 
@@ -127,10 +131,12 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
 
     async def _info(self, context):
-        if self.engine.info is None:
+        info = self.engine.info
+        if info is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "router is connecting to its scheduler")
-        return self.engine.info
+        assert info is not None  # abort raised
+        return self.served.info(info)
 
     async def _call(self, context, request, fn: Callable[..., Any], *args):
         """``fn(*args, engine_info)``, on a thread for large requests; RequestError → status."""
@@ -150,9 +156,10 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         info = await self._info(context)
         try:
             if request.ByteSize() > INLINE_PREPARE_BYTES:  # keep the loop free for others
-                prepared = await asyncio.to_thread(prepare, request, self.tokenizer, info)
+                prepared = await asyncio.to_thread(prepare, request, self.tokenizer, info,
+                                                   max_logprobs=self.max_logprobs)
             else:
-                prepared = prepare(request, self.tokenizer, info)
+                prepared = prepare(request, self.tokenizer, info, max_logprobs=self.max_logprobs)
         except RequestError as e:
             await context.abort(e.code, e.message)
         request_id_var.set(prepared.request_id)
@@ -294,6 +301,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "answers is returned as reasoning_content / reasoning, not content "
                   "(deepseek_r1: the span may start without <think>, without </think> it is "
                   "all reasoning; qwen3: the same, unless enable_thinking is false)")
+    add_flag(p, "--served-model-name", nargs="+", default=None, metavar="NAME",
+             help="names the model is served under (default: the engine's, the model folder's "
+                  "or GGUF file's name): the first is reported (/v1/models, every response's "
+                  "model, ListModels), a request may name any (env: names separated by "
+                  "spaces)")
+    add_flag(p, "--max-logprobs", type=int_in(-1), default=MAX_LOGPROBS,
+             help="most logprobs (top tokens per token) a request may ask for, logprobs, "
+                  "top_logprobs and prompt_logprobs alike (vLLM's flag; -1: the vocabulary "
+                  "size); above it a request is refused naming the limit")
     add_flag(p, "--max-stream-buffer", type=int_in(1), default=DEFAULT_MAX_STREAM_BUFFER,
              help="responses buffered per streaming call while its client does not read; "
                   "past it the call fails with RESOURCE_EXHAUSTED and its engine requests are "
@@ -315,7 +331,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     """Load the tokenizer, connect to the scheduler, and serve until stopped.
 
     Raises:
-        ValueError: --enable-auto-tool-choice without --tool-call-parser.
+        ValueError: --enable-auto-tool-choice without --tool-call-parser, an empty or
+            repeated --served-model-name.
     """
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser "
@@ -340,15 +357,19 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     # NOTE: once draining, a replica that can serve again does not make the router SERVING.
     engine = replica_set(args, on_serving=lambda up: set_serving(
         health, up and not inflight.draining, [SERVICE]), metrics=metrics)
-    servicer = GenerationServicer(engine, tokenizer, metrics, args.max_stream_buffer)
+    served = ServedModel(args.served_model_name or ())
+    servicer = GenerationServicer(engine, tokenizer, metrics, args.max_stream_buffer,
+                                  served=served, max_logprobs=args.max_logprobs)
     inflight = servicer.inflight  # gRPC calls and HTTP requests: one count, one drain
     api_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         [SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-    http = (OpenAIServer(engine, tokenizer, metrics, max_body_bytes=args.max_request_bytes)
+    http = (OpenAIServer(engine, tokenizer, metrics, max_body_bytes=args.max_request_bytes,
+                         served=served)
             if args.http_port != DISABLED else None)
     if http is not None:
         http.max_stream_buffer = args.max_stream_buffer
+        http.max_logprobs = args.max_logprobs
         http.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
         if args.enable_responses_api_store:
             http.responses_store = ResponseStore(args.responses_api_store_size)

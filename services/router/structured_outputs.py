@@ -26,6 +26,10 @@ JSON options (the router's defaults; a schema's own ``"x-guidance"`` object over
   ``additionalProperties`` gets ``additionalProperties: false`` (what vLLM's default backend,
   xgrammar, and OpenAI's strict mode do), so the output has only the listed keys.
 
+Limits (checked before anything is compiled, so a hostile request costs little):
+``MAX_GRAMMAR_BYTES`` of UTF-8 text per constraint (a schema's JSON text, a regex, a grammar,
+a choice list's JSON) and ``MAX_SCHEMA_DEPTH`` nested JSON objects/arrays in a schema.
+
 Errors are ``RequestError`` INVALID_ARGUMENT ``structured_outputs.<kind>: <why>``; the
 compiled grammars, and the errors, are cached by (kind, text) in a bounded LRU shared by the
 router's requests (thread-safe: the compile runs on worker threads).
@@ -50,6 +54,13 @@ log = logging.getLogger(__name__)
 # Most cached grammars (each the grammar text, about the size of its schema).
 DEFAULT_CACHE_ENTRIES = 1024
 MAX_INDENT = 32  # most spaces/tabs after a newline between JSON tokens
+# NOTE: the limits of one constraint. 1 MiB holds any hand-written schema or grammar many
+# times over (OpenAI's strict mode allows 100,000 characters of property names and enums in
+# all) and a choice list of tens of thousands of strings; 64 nested JSON objects/arrays is 32
+# levels of subschemas (properties -> name -> ...), where OpenAI's strict mode allows 10. Both
+# bound the work llguidance does on one request.
+MAX_GRAMMAR_BYTES = 1024 * 1024
+MAX_SCHEMA_DEPTH = 64
 # llguidance's whitespace lexeme between JSON tokens (each gap matches it at most once)
 WHITESPACE_PATTERN = rf"(?:\x20|\n[\x20\t]{{0,{MAX_INDENT}}})"
 _WHITESPACE_OPTIONS = ("whitespace_flexible", "whitespace_pattern")
@@ -74,14 +85,30 @@ def cache_key(so: api_pb2.StructuredOutputs) -> tuple[str, str] | None:
     return kind, getattr(so, kind)
 
 
+def check_size(kind: str, text: str) -> None:
+    """Refuse a constraint text over ``MAX_GRAMMAR_BYTES`` (UTF-8 bytes).
+
+    Raises:
+        RequestError(INVALID_ARGUMENT): ``structured_outputs.<kind> must be at most 1048576
+            bytes, got 1100000``.
+    """
+    if len(text) > MAX_GRAMMAR_BYTES // 4:  # shorter texts cannot exceed it
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > MAX_GRAMMAR_BYTES:
+            raise invalid(f"structured_outputs.{kind} must be at most {MAX_GRAMMAR_BYTES} "
+                          f"bytes, got {size}")
+
+
 def build_grammar(kind: str, text: str) -> str:
     """The validated llguidance grammar for ``(kind, text)`` (see the module's table). CPU
     work (schema parsing, llguidance's grammar checks): run it off the event loop.
 
     Raises:
         RequestError(INVALID_ARGUMENT): ``structured_outputs.<kind>: ...``, e.g. an empty
-            choice list, a schema that is not a JSON object, or llguidance's message.
+            choice list, a schema that is not a JSON object or over the limits (module
+            note), or llguidance's message.
     """
+    check_size(kind, text)
     try:
         grammar = _grammar(kind, text)
     except ValueError as e:  # llguidance refused the text before validation
@@ -151,7 +178,25 @@ def _schema(text: str) -> dict:
     if not isinstance(schema, dict):
         raise invalid("structured_outputs.json must be a JSON Schema object, got "
                       f"{type(schema).__name__}")
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise invalid(f"structured_outputs.json must nest at most {MAX_SCHEMA_DEPTH} JSON "
+                      f"objects/arrays, got {depth}")
     return schema
+
+
+def _depth(value: Any) -> int:
+    """How many JSON objects/arrays nest in ``value`` (1 for ``{}``), without recursion."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        node, d = level.pop()
+        children = (node.values() if isinstance(node, dict)
+                    else node if isinstance(node, list) else None)
+        if children is None:
+            continue
+        deepest = max(deepest, d)
+        level.extend((c, d + 1) for c in children)
+    return deepest
 
 
 def _json_grammar(schema: dict) -> str:
@@ -270,6 +315,7 @@ async def compile_structured_outputs(so: api_pb2.StructuredOutputs,
     key = cache_key(so)
     if key is None:
         return ""
+    check_size(*key)  # before the cache: a huge text is not kept, nor hashed again
     cache = _CACHE if cache is None else cache
     hit = cache.lookup(key)
     if hit is not None:

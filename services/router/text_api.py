@@ -52,8 +52,9 @@ def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
     No length limit is applied: ``count`` may reach or exceed ``max_model_len`` (returned too).
 
     Raises:
-        RequestError(INVALID_ARGUMENT): no input, an empty prompt or chat.messages, or a
-            conversation the chat template rejects.
+        RequestError(INVALID_ARGUMENT): no input, an empty prompt or chat.messages, a
+            conversation the chat template rejects, a bad ``chat.chat_template_kwargs``, or
+            ``continue_final_message`` with ``add_generation_prompt``.
     """
     kind = request.WhichOneof("input")
     add_special = (request.add_special_tokens if request.HasField("add_special_tokens")
@@ -68,6 +69,7 @@ def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
         ids = encode_chat(tokenizer, messages, tools=request.chat.tools,
                           chat_template_kwargs=request.chat.chat_template_kwargs,
                           add_generation_prompt=generation_prompt,
+                          continue_final_message=request.continue_final_message,
                           add_special_tokens=bool(add_special))
     else:
         raise invalid("prompt is empty: set one of prompt or chat")
@@ -76,17 +78,21 @@ def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
 
 
 def detokenize(request: api_pb2.DetokenizeRequest, tokenizer,
-               info: engine_pb2.GetEngineInfoResponse) -> api_pb2.DetokenizeResponse:
+               info: engine_pb2.GetEngineInfoResponse, *,
+               field: str = "token_ids") -> api_pb2.DetokenizeResponse:
     """The text of token ids, decoded in one piece (``skip_special_tokens`` default True, as
     SamplingParams). Ids the tokenizer lacks but the model has (``vocab_size`` is often padded
     beyond the tokenizer) decode to nothing.
+
+    Args:
+        field: the name of the ids in error messages (the OpenAI API's is ``tokens``).
 
     Raises:
         RequestError(INVALID_ARGUMENT): an id outside [0, vocab_size), e.g.
             ``token_ids[2] must be in [0, 49152), got -1``.
     """
     ids = list(request.token_ids)
-    validate_token_ids("token_ids", ids, vocab_size=info.vocab_size)
+    validate_token_ids(field, ids, vocab_size=info.vocab_size)
     skip = (request.skip_special_tokens if request.HasField("skip_special_tokens") else True)
     return api_pb2.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
 

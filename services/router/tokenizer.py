@@ -46,7 +46,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerFast, text: str, *,
 
 def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
                 tools: Sequence[api_pb2.Tool] = (), chat_template_kwargs: str = "",
-                add_generation_prompt: bool = True,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
                 add_special_tokens: bool = False) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, followed (by
     default) by the assistant prefix.
@@ -66,6 +66,9 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
             ``{"enable_thinking": false}``); empty: none.
         add_generation_prompt: append the assistant prefix (what Generate sends); False ends
             with the last message.
+        continue_final_message: end with the last message left open (no end-of-turn token),
+            so the model continues it (transformers' / vLLM's option; not with
+            ``add_generation_prompt``).
         add_special_tokens: also let the tokenizer's post-processor add its special tokens to
             the rendered text (vLLM's tokenize option; off for generation).
 
@@ -73,20 +76,24 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
         RequestError(INVALID_ARGUMENT): no messages, a message ``validate_messages`` refuses
             (e.g. a role outside ``validation.CHAT_ROLES``, a tool message answering no tool
             call), a tool ``validate_tools`` refuses, ``chat_template_kwargs`` that is not a
-            JSON object or sets one of ``RESERVED_TEMPLATE_KWARGS``, no chat template, or the
-            template rejected the conversation (e.g. role order).
+            JSON object or sets one of ``RESERVED_TEMPLATE_KWARGS``, no chat template, the
+            template rejected the conversation (e.g. role order), or
+            ``continue_final_message`` with ``add_generation_prompt``.
     """
     if not messages:
         raise invalid("chat.messages is empty")
     rendered = validate_messages(messages)
     tool_dicts: list = validate_tools(tools)
     kwargs = validate_chat_template_kwargs(chat_template_kwargs, RESERVED_TEMPLATE_KWARGS)
+    if continue_final_message and add_generation_prompt:
+        raise invalid("continue_final_message and add_generation_prompt cannot both be true")
     if not tokenizer.chat_template:
         raise invalid("this model has no chat template (a base model?): send a plain prompt "
                       "(/v1/completions), or start the router with --chat-template FILE")
     try:
         text = tokenizer.apply_chat_template(rendered, tools=tool_dicts or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message,
                                              **kwargs)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() in the template
         raise invalid(f"chat template rejected the messages: {e}") from e

@@ -27,7 +27,7 @@ MAX_REQUEST_ID_CHARS = 128
 MAX_N = 64  # most choices (parallel samples) per request
 MAX_BEAM_WIDTH = 64  # most beams of one beam search
 EARLY_STOPPING = ("true", "false", "never")  # transformers' early_stopping values, as strings
-MAX_LOGPROBS = 20  # most top logprobs per token (vLLM's default max_logprobs)
+MAX_LOGPROBS = 20  # default router --max-logprobs: most top logprobs per token (vLLM's)
 MAX_LOGIT_BIAS = 1024  # most logit_bias entries per request
 LOGIT_BIAS_RANGE = 100.0  # a bias is in [-100, 100] (OpenAI's range)
 PRIORITY_POLICY = "priority"  # the scheduling policy under which priority != 0 is allowed
@@ -86,7 +86,8 @@ def _finite(name: str, x: float) -> float:
     return x
 
 
-def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
+def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int,
+                      max_logprobs: int = MAX_LOGPROBS
                       ) -> tuple[EngineSamplingParams, TextOptions]:
     """Check ``params`` and split them into what the engine samples with and what the router
     applies to the text. Unset fields take the defaults documented in api.proto.
@@ -127,8 +128,8 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int
         seed=params.seed if params.HasField("seed") else None,
         max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
         stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        logprobs=_logprobs(params, "logprobs"),
-        prompt_logprobs=_logprobs(params, "prompt_logprobs"),
+        logprobs=_logprobs(params, "logprobs", max_logprobs, vocab_size),
+        prompt_logprobs=_logprobs(params, "prompt_logprobs", max_logprobs, vocab_size),
         logit_bias=_logit_bias(params, vocab_size), **_penalties(params))
     text = TextOptions(
         stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
@@ -197,17 +198,22 @@ def _beam_search(params: api_pb2.SamplingParams, engine: EngineSamplingParams
         early_stopping=early_stopping)
 
 
-def _logprobs(params: api_pb2.SamplingParams, name: str) -> int | None:
-    """``params.<name>`` (logprobs or prompt_logprobs) in [0, MAX_LOGPROBS], or None (unset).
+def _logprobs(params: api_pb2.SamplingParams, name: str, limit: int, vocab_size: int
+              ) -> int | None:
+    """``params.<name>`` (logprobs or prompt_logprobs) in [0, limit] (the router's
+    --max-logprobs; -1: ``vocab_size``), or None (unset).
 
     Raises:
-        RequestError(INVALID_ARGUMENT): out of range.
+        RequestError(INVALID_ARGUMENT): out of range, e.g. ``logprobs must be in [0, 20]
+            (the router's --max-logprobs), got 21``.
     """
     if not params.HasField(name):
         return None
     value = getattr(params, name)
-    if not 0 <= value <= MAX_LOGPROBS:
-        raise invalid(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+    limit = vocab_size if limit < 0 else limit
+    if not 0 <= value <= limit:
+        raise invalid(f"{name} must be in [0, {limit}] (the router's --max-logprobs), "
+                      f"got {value}")
     return value
 
 

@@ -26,6 +26,8 @@ from services.router.openai.errors import OpenAIError
 from services.router.openai.requests import from_status, parse_chat, parse_completion
 from services.router.openai.structured import error_param
 from services.router.structured_outputs import (
+    MAX_GRAMMAR_BYTES,
+    MAX_SCHEMA_DEPTH,
     GrammarCache,
     build_grammar,
     cache_key,
@@ -267,6 +269,15 @@ def test_objects_with_properties_are_closed_unless_the_schema_says(lltok):
     assert accepts(lltok, build_grammar("json", '{"type": "object"}'), '{"z": 1}')
 
 
+def _nested(levels: int) -> dict:
+    """An object schema with ``levels`` nested object properties "a" around an integer: 2 *
+    levels + 1 nested JSON objects."""
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 @pytest.mark.parametrize("so, words", [
     (SO(json='{"type": "foo"}'), "structured_outputs.json: Invalid type: foo"),
     (SO(json='{"type": "string", "pattern": "(("}'), "structured_outputs.json: regex parse"),
@@ -283,14 +294,29 @@ def test_objects_with_properties_are_closed_unless_the_schema_says(lltok):
     (SO(grammar="root ::= ("), "structured_outputs.grammar: Failed to convert the grammar"),
     (SO(grammar=""), "structured_outputs.grammar is empty"),
     (SO(json_object=False), "structured_outputs.json_object must be true"),
+    (SO(regex="a" * (MAX_GRAMMAR_BYTES + 1)),
+     f"structured_outputs.regex must be at most {MAX_GRAMMAR_BYTES} bytes, got "
+     f"{MAX_GRAMMAR_BYTES + 1}"),
+    (SO(grammar="é" * (MAX_GRAMMAR_BYTES // 2 + 1)),  # counted in UTF-8 bytes
+     f"structured_outputs.grammar must be at most {MAX_GRAMMAR_BYTES} bytes, got "
+     f"{MAX_GRAMMAR_BYTES + 2}"),
+    (SO(json=json.dumps(_nested(MAX_SCHEMA_DEPTH // 2))),
+     f"structured_outputs.json must nest at most {MAX_SCHEMA_DEPTH} JSON objects/arrays, got "
+     f"{MAX_SCHEMA_DEPTH + 1}"),
 ])
 def test_invalid_forms_are_invalid_argument_naming_the_kind(so, words):
     with pytest.raises(RequestError) as err:
         asyncio.run(compile_structured_outputs(so, GrammarCache()))
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.message.startswith(words), err.value.message
-    if so.WhichOneof("kind") == "regex" and so.regex:
+    if so.WhichOneof("kind") == "regex" and so.regex == "((":
         assert "unclosed group" in err.value.message  # llguidance's own message
+
+
+def test_a_schema_at_the_depth_limit_compiles(lltok):
+    schema = _nested(MAX_SCHEMA_DEPTH // 2 - 1)  # 63 nested objects
+    grammar = build_grammar("json", json.dumps(schema))
+    assert accepts(lltok, grammar, '{"a": ' * 31 + "7" + "}" * 31)
 
 
 def test_unset_structured_outputs_is_no_grammar():

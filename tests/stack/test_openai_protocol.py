@@ -67,7 +67,7 @@ def test_completion_batch_echo_best_of_and_logit_bias_map_onto_the_grpc_requests
     p = parse_completion({"prompt": ["a", "b", "c"], "n": 2, "best_of": 3, "seed": 5,
                           "logit_bias": {"7": -100, "-1": 2.5}})
     assert [r.prompt for r in p.requests] == ["a", "b", "c"]
-    assert (p.n, p.best_of, p.echo, p.score_only, p.logprobs) == (2, 3, False, False, False)
+    assert (p.n, p.best_of, p.echo, p.score_only, p.logprobs) == (2, 3, False, False, None)
     for r in p.requests:  # best_of > n ranks by logprob: the engine is asked for them
         sp = r.sampling_params
         assert sp.logprobs == 0 and not sp.HasField("prompt_logprobs") and sp.seed == 5
@@ -102,7 +102,8 @@ def test_completion_batch_echo_best_of_and_logit_bias_map_onto_the_grpc_requests
     ({"prompt": ["a"] * 1025}, "prompt"),
     ({"prompt": "a", "suffix": "b"}, "suffix"),
     ({"prompt": "a", "logprobs": 1.5}, "logprobs"),
-    ({"prompt": "a", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "a", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "a", "prompt_logprobs": "1"}, "prompt_logprobs"),
     ({"prompt": "a", "n": 1.5}, "n"),
     ({"prompt": "a", "max_tokens": 2**40}, "max_tokens"),
     ({"prompt": "a", "ignore_eos": "yes"}, "ignore_eos"),
@@ -206,7 +207,7 @@ def _fake_generation(monkeypatch, fail_after: int, closed: list):
         finally:
             closed.append(True)
 
-    monkeypatch.setattr(openai_completions, "prepare", lambda req, tok, info: PreparedRequest(
+    monkeypatch.setattr(openai_completions, "prepare", lambda req, tok, info, **kw: PreparedRequest(
         "r", [1, 2], EngineSamplingParams(), TextOptions()))
     monkeypatch.setattr(openai_completions, "stream_responses", stream_responses)
 
@@ -285,7 +286,7 @@ def test_a_failing_prompt_of_a_batch_closes_the_others(monkeypatch):
         finally:
             closed.append(prepared.request_id)
 
-    monkeypatch.setattr(openai_completions, "prepare", lambda req, tok, info: PreparedRequest(
+    monkeypatch.setattr(openai_completions, "prepare", lambda req, tok, info, **kw: PreparedRequest(
         "r", [1, 2], EngineSamplingParams(), TextOptions()))
     monkeypatch.setattr(openai_completions, "stream_responses", stream_responses)
     status, text = asyncio.run(_post({"prompt": ["a", "b"], "model": "m"}))

@@ -122,6 +122,19 @@ def test_auto_returns_the_call_the_model_writes(client):
     assert chat(client, stream=True, extra_body=forced) == results
 
 
+def test_auto_with_parallel_tool_calls_false_returns_the_first_call_only(client):
+    second = (r'<tool_call>\n\{"name": "set_alarm", "arguments": \{"hour": [0-9]\}\}\n'
+              r'</tool_call>')
+    forced = {"structured_outputs": {"regex": CALL_REGEX + r"\n" + second}}
+    [(_, calls, finish)] = both = chat(client, max_tokens=120, extra_body=forced)
+    assert [name for name, _ in calls] == ["get_weather", "set_alarm"] and finish == "tool_calls"
+    for stream in (False, True):
+        [(content, calls, finish)] = chat(client, stream=stream, max_tokens=120,
+                                          parallel_tool_calls=False, extra_body=forced)
+        assert (content, finish) == (None, "tool_calls")
+        assert calls == both[0][1][:1]
+
+
 def test_auto_without_a_call_is_plain_content(client):
     sentence = "It will be sunny in Oslo."
     plain = {"structured_outputs": {"regex": sentence.replace(".", r"\.")}}

@@ -337,7 +337,9 @@ class Client(_ClientBase):
 
     def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                  add_special_tokens: bool | None = None,
-                 add_generation_prompt: bool | None = None, timeout=_DEFAULT) -> TokenizeResult:
+                 add_generation_prompt: bool | None = None,
+                 continue_final_message: bool | None = None,
+                 timeout=_DEFAULT) -> TokenizeResult:
         """Token ids of a text or a conversation, exactly as ``generate`` would send them.
 
         Args:
@@ -346,12 +348,15 @@ class Client(_ClientBase):
                 writes them).
             add_generation_prompt: messages only; None (default) or True appends the assistant
                 prefix, as ``generate`` does.
+            continue_final_message: messages only; True leaves the last message open (no
+                end-of-turn token), with ``add_generation_prompt=False`` (vLLM's option).
 
         Raises:
             ValueError: not exactly one of prompt / messages.
             grpc.RpcError: INVALID_ARGUMENT (empty input, template rejected the messages).
         """
-        req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt)
+        req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt,
+                               continue_final_message)
         return tokenize_result(self._unary(self._stub.Tokenize, req, timeout))
 
     def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None,
@@ -471,6 +476,7 @@ class AsyncClient(_ClientBase):
     async def tokenize(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                        add_special_tokens: bool | None = None,
                        add_generation_prompt: bool | None = None,
+                       continue_final_message: bool | None = None,
                        timeout=_DEFAULT) -> TokenizeResult:
         """Token ids of a text or a conversation (see ``Client.tokenize``).
 
@@ -478,7 +484,8 @@ class AsyncClient(_ClientBase):
             ValueError: not exactly one of prompt / messages.
             grpc.aio.AioRpcError: INVALID_ARGUMENT (empty input, template rejected it).
         """
-        req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt)
+        req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt,
+                               continue_final_message)
         return tokenize_result(await self._unary(self._stub.Tokenize, req, timeout))
 
     async def detokenize(self, token_ids: list[int], *,

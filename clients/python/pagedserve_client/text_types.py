@@ -50,8 +50,8 @@ def chat_request(generate: api_pb2.GenerateRequest) -> api_pb2.ChatRequest:
 
 
 def tokenize_request(prompt: str | None, messages: list[dict] | None,
-                     add_special_tokens: bool | None, add_generation_prompt: bool | None
-                     ) -> api_pb2.TokenizeRequest:
+                     add_special_tokens: bool | None, add_generation_prompt: bool | None,
+                     continue_final_message: bool | None = None) -> api_pb2.TokenizeRequest:
     """A TokenizeRequest for exactly one of ``prompt`` / ``messages``; None options are left
     unset (the server's defaults: see ``Client.tokenize``).
 
@@ -74,6 +74,8 @@ def tokenize_request(prompt: str | None, messages: list[dict] | None,
         req.add_special_tokens = add_special_tokens
     if add_generation_prompt is not None:
         req.add_generation_prompt = add_generation_prompt
+    if continue_final_message is not None:
+        req.continue_final_message = continue_final_message
     return req
 
 

@@ -32,7 +32,7 @@ from services.router.generation import PreparedRequest, prepare, stream_response
 from services.router.openai.requests import ParsedCompletion
 from services.router.openai.responses import Echo, ResponseBuilder
 from services.router.replicas import ReplicaSet
-from services.router.validation import RequestError
+from services.router.validation import MAX_LOGPROBS, RequestError
 
 
 @dataclass(slots=True)
@@ -63,11 +63,13 @@ class CompletionCall:
 
     @classmethod
     def prepare(cls, parsed: ParsedCompletion, request_id: str, tokenizer,
-                info: engine_pb2.GetEngineInfoResponse) -> CompletionCall:
+                info: engine_pb2.GetEngineInfoResponse,
+                max_logprobs: int = MAX_LOGPROBS) -> CompletionCall:
         """Validate and tokenize every prompt (``generation.prepare``); nothing is submitted.
 
         Args:
             request_id: the call's id; prompt p of a batch runs as ``f"{request_id}-{p}"``.
+            max_logprobs: the router's --max-logprobs.
 
         Raises:
             RequestError: INVALID_ARGUMENT from validation; an error about the prompt itself
@@ -78,7 +80,7 @@ class CompletionCall:
         for p, request in enumerate(parsed.requests):
             request.request_id = request_id
             try:
-                prepared = prepare(request, tokenizer, info)
+                prepared = prepare(request, tokenizer, info, max_logprobs=max_logprobs)
             except RequestError as e:
                 if batch and e.message.startswith("prompt"):
                     raise RequestError(e.code, f"prompt[{p}]: {e.message}") from None
@@ -91,9 +93,10 @@ class CompletionCall:
                 ids = prepared.prompt_token_ids
                 text = (request.prompt if request.WhichOneof("input") == "prompt"
                         else tokenizer.decode(ids))
-                echo = Echo(text, ids[0])
-            builder = ResponseBuilder(False, info.model, parsed.best_of,
-                                      tokenizer if parsed.logprobs else None, echo)
+                echo = Echo(text, ids[0], parsed.logprobs)
+            builder = ResponseBuilder(False, info.model, parsed.best_of, tokenizer, echo,
+                                      options=parsed.options,
+                                      prompt_tokens=len(prepared.prompt_token_ids))
             prompts.append(_Prompt(prepared, builder))
         return cls(parsed, prompts)
 

@@ -2,7 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (whole JSON, or
 server-sent events with ``stream: true``), GET /v1/responses/{id} (a stored answer),
-GET /v1/models, GET /health. A request goes the same
+GET /v1/models, vLLM's POST /tokenize and POST /detokenize (``openai.tokenization``) and
+GET /version, GET /health. A request goes the same
 way as a gRPC Generate call: ``openai.requests`` maps the JSON onto a GenerateRequest, then
 ``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
 detokenization, stop strings, n choices). Errors use OpenAI's body
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import logging
 import uuid
@@ -42,6 +44,7 @@ from services.router.generation import (
     stream_responses,
 )
 from services.router.metrics import RouterMetrics
+from services.router.openai import tokenization
 from services.router.openai.completions import CompletionCall
 from services.router.openai.errors import OpenAIError, bad_request
 from services.router.openai.reasoning import (
@@ -62,7 +65,8 @@ from services.router.openai.responses_input import ParsedResponses, parse_respon
 from services.router.openai.responses_store import ResponseStore
 from services.router.openai.structured import error_param
 from services.router.replicas import ReplicaSet
-from services.router.validation import RequestError
+from services.router.served_model import ServedModel
+from services.router.validation import MAX_LOGPROBS, RequestError
 
 log = logging.getLogger(__name__)
 # NOTE: the largest request the public APIs read (HTTP body; gRPC message, router
@@ -78,6 +82,13 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # The access-log status of a request whose client went away before its response (nginx's).
 CLIENT_CLOSED = 499
 _LOG = web.RequestKey("request_log", RequestLog)  # the request's access log entry
+# NOTE: aiohttp's limits on a request's head (its defaults, named here so the docs can state
+# them): a request line or header name longer than MAX_LINE_BYTES, a header value longer than
+# MAX_FIELD_BYTES, or more than MAX_HEADERS headers is answered 400 by aiohttp's parser before
+# any handler runs, and only that connection is closed.
+MAX_LINE_BYTES = 8190
+MAX_FIELD_BYTES = 8190
+MAX_HEADERS = 128
 
 
 def _error(e: OpenAIError) -> web.Response:
@@ -122,17 +133,22 @@ class OpenAIServer:
     """The OpenAI-compatible HTTP front end of one router.
 
     Args:
-        engine: the router's scheduler replicas (``engine.info.model`` is the served name).
+        engine: the router's scheduler replicas.
         tokenizer: the model's fast tokenizer.
         max_body_bytes: larger request bodies are refused with 413 (router
             --max-request-bytes).
+        served: the names the model is served under (router --served-model-name; default:
+            the engine's name).
     """
 
     def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 max_body_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 served: ServedModel | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.served = served or ServedModel()
+        self.max_logprobs = MAX_LOGPROBS  # router --max-logprobs
         self.max_stream_buffer = DEFAULT_MAX_STREAM_BUFFER  # router --max-stream-buffer
         # router --tool-call-parser, when --enable-auto-tool-choice is set (tool_choice "auto")
         self.tool_parser: str | None = None
@@ -148,6 +164,9 @@ class OpenAIServer:
                              web.post("/v1/responses", self.responses),
                              web.get("/v1/responses/{response_id}", self.stored_response),
                              web.get("/v1/models", self.models),
+                             web.post("/tokenize", self.tokenize),
+                             web.post("/detokenize", self.detokenize),
+                             web.get("/version", self.version),
                              web.get("/health", self.health)])
         self._runner: web.AppRunner | None = None
 
@@ -191,7 +210,8 @@ class OpenAIServer:
         # NOTE: handler_cancellation: a client that goes away cancels its handler, so the
         # engine requests are aborted even while no byte is being written.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=2.0)
+                                     shutdown_timeout=2.0, max_line_size=MAX_LINE_BYTES,
+                                     max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS)
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, host, port, ssl_context=ssl_context).start()
@@ -212,11 +232,33 @@ class OpenAIServer:
         return web.Response(status=200 if self.engine.serving.is_set() else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        """The served model, as OpenAI's model list."""
+        """The served model, as OpenAI's model list (``id``: the first served name, ``root``:
+        the engine's name, as vLLM)."""
         info = self._info()
         return web.json_response({"object": "list", "data": [{
             "id": info.model, "object": "model", "created": 0, "owned_by": "pagedserve",
-            "root": info.model, "max_model_len": info.max_model_len}]})
+            "root": self.engine.info.model if self.engine.info else info.model,
+            "max_model_len": info.max_model_len}]})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """pagedserve's version (its package metadata), as vLLM's ``GET /version``."""
+        return web.json_response({"version": importlib.metadata.version("pagedserve")})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize (vLLM's): the ids a completion or chat request would send."""
+        return await self._text(request, tokenization.tokenize)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize (vLLM's): the text of token ids."""
+        return await self._text(request, tokenization.detokenize)
+
+    async def _text(self, request: web.Request, fn) -> web.Response:
+        body, info = await self._body(request)
+        if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
+            answer = await asyncio.to_thread(fn, body, self.tokenizer, info)
+        else:
+            answer = fn(body, self.tokenizer, info)
+        return web.json_response(answer, dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: one prompt or a batch, echo, best_of
@@ -232,9 +274,10 @@ class OpenAIServer:
         try:
             if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
                 call = await asyncio.to_thread(CompletionCall.prepare, parsed, request_id,
-                                               self.tokenizer, info)
+                                               self.tokenizer, info, self.max_logprobs)
             else:
-                call = CompletionCall.prepare(parsed, request_id, self.tokenizer, info)
+                call = CompletionCall.prepare(parsed, request_id, self.tokenizer, info,
+                                              self.max_logprobs)
         except RequestError as e:
             raise from_status(e.code, e.message, "prompt") from None
         for prepared in call.prepared:
@@ -263,14 +306,19 @@ class OpenAIServer:
         return await self._generate(request)
 
     # ---- one request --------------------------------------------------------------------
-    def _info(self):
+    def _info(self) -> engine_pb2.GetEngineInfoResponse:
+        """The engine's info, ``model`` being the reported served name.
+
+        Raises:
+            OpenAIError: 503 while no scheduler replica can serve.
+        """
         if self.engine.info is None:
             raise OpenAIError(503, "router is connecting to its scheduler", "server_error",
                               code="unavailable")
         if not self.engine.serving.is_set():
             raise OpenAIError(503, self.engine.unavailable_reason(), "server_error",
                               code="unavailable")
-        return self.engine.info
+        return self.served.info(self.engine.info)
 
     async def _body(self, request: web.Request) -> tuple[dict, engine_pb2.GetEngineInfoResponse]:
         """The request's JSON object and the engine's info, the model checked.
@@ -288,7 +336,7 @@ class OpenAIServer:
             raise bad_request("the request body must be a JSON object")
         info = self._info()
         model = body.get("model")
-        if model not in (None, "", info.model):
+        if not (model is None or (isinstance(model, str) and self.served.accepts(model, info))):
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
                               code="model_not_found")
         return body, info
@@ -296,13 +344,14 @@ class OpenAIServer:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         """A chat completion."""
         body, info = await self._body(request)
-        parsed = parse_chat(body, self.tool_parser)
+        parsed = parse_chat(body, self.tool_parser, max_logprobs=(
+            self.max_logprobs if self.max_logprobs >= 0 else info.vocab_size))
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
         prepared = await self._prepare(request, parsed, info, "chatcmpl-" + uuid.uuid4().hex)
         entry: RequestLog = request[_LOG]
-        builder = ResponseBuilder(True, info.model, prepared.n, self.tokenizer
-                                  if prepared.params.logprobs is not None else None,
-                                  tool_calls=parsed.tool_calls,
+        builder = ResponseBuilder(True, info.model, prepared.n, self.tokenizer,
+                                  tool_calls=parsed.tool_calls, options=parsed.options,
+                                  prompt_tokens=len(prepared.prompt_token_ids),
                                   reasoning=self._reasoning(parsed.chat_template_kwargs,
                                                             parsed.include_reasoning,
                                                             prepared.prompt_token_ids))
@@ -346,9 +395,11 @@ class OpenAIServer:
         try:
             # len(read()): the body already read (cached), also when it came chunked
             if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
-                prepared = await asyncio.to_thread(prepare, parsed.request, self.tokenizer, info)
+                prepared = await asyncio.to_thread(prepare, parsed.request, self.tokenizer, info,
+                                                   max_logprobs=self.max_logprobs)
             else:
-                prepared = prepare(parsed.request, self.tokenizer, info)
+                prepared = prepare(parsed.request, self.tokenizer, info,
+                                   max_logprobs=self.max_logprobs)
         except RequestError as e:
             raise errors(from_status(e.code, e.message, parsed.prompt_param)) from None
         entry.accepted(prepared)

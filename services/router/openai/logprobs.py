@@ -10,8 +10,14 @@
   top_logprobs: [{token, logprob, bytes}]}]}``; ``bytes`` are the UTF-8 bytes of ``token``.
 
 A token string is ``tokenizer.decode([id])`` with special tokens kept (a token that holds part
-of a UTF-8 character decodes to U+FFFD, as in vLLM). Values are natural logs of the raw
-distribution (see api.proto ``SamplingParams.logprobs``).
+of a UTF-8 character decodes to U+FFFD, as in vLLM), or ``token_id:<id>`` with vLLM's
+``return_tokens_as_token_ids``. Values are natural logs of the raw distribution (see
+api.proto ``SamplingParams.logprobs``).
+
+vLLM's ``prompt_logprobs`` (``prompt_logprobs``, below) have their own shape: one entry per
+prompt token, ``null`` for the first, then ``{token_id: {"logprob", "rank", "decoded_token"}}``
+holding the prompt's token and the k most likely ones (ranks 1..k; the prompt's token's rank
+is null when it is not among them: the engine ranks only its top k).
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ class LogprobsFormatter:
     Args:
         tokenizer: the model's tokenizer (``decode``).
         chat: chat (``content`` list) or completions (the four parallel lists) format.
+        token_ids: spell every token ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``).
     """
 
-    def __init__(self, tokenizer, chat: bool):
+    def __init__(self, tokenizer, chat: bool, token_ids: bool = False):
         self._tokenizer = tokenizer
         self.chat = chat
+        self._token_ids = token_ids
         self._offset = 0  # characters of the token strings formatted so far (completions)
         self._cache: dict[int, str] = {}
 
@@ -37,7 +45,8 @@ class LogprobsFormatter:
         """The token's string (cached per id)."""
         text = self._cache.get(token_id)
         if text is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            text = (f"token_id:{token_id}" if self._token_ids
+                    else self._tokenizer.decode([token_id], skip_special_tokens=False))
             self._cache[token_id] = text
         return text
 
@@ -50,14 +59,17 @@ class LogprobsFormatter:
                                 [{self.token(x.token_id): x.logprob for x in t.top}
                                  for t in logprobs])
 
-    def format_prompt(self, first_token_id: int, logprobs: Sequence) -> dict:
+    def format_prompt(self, first_token_id: int, logprobs: Sequence, k: int | None = None
+                      ) -> dict:
         """(completions, ``echo``) The logprobs object of a whole prompt: its first token
         (``first_token_id``) with logprob and top_logprobs null, as OpenAI's, then one entry
-        per ``logprobs`` (the ``GenerateResponse.prompt_logprobs`` of the later tokens)."""
+        per ``logprobs`` (the ``GenerateResponse.prompt_logprobs`` of the later tokens), each
+        with its ``k`` most likely tokens (None: all that came)."""
         return self._completion(
             [first_token_id] + [t.token_id for t in logprobs],
             [None] + [t.logprob for t in logprobs],
-            [None] + [{self.token(x.token_id): x.logprob for x in t.top} for t in logprobs])
+            [None] + [{self.token(x.token_id): x.logprob for x in t.top[:k]}
+                      for t in logprobs])
 
     def _completion(self, token_ids: list[int], lps: list, tops: list) -> dict:
         tokens = [self.token(t) for t in token_ids]
@@ -82,3 +94,27 @@ def merge(parts: list[dict], chat: bool) -> dict:
         return {"content": [e for p in parts for e in p["content"]]}
     return {key: [v for p in parts for v in p[key]]
             for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+def prompt_logprobs(tokenizer, logprobs: Sequence, k: int) -> list[dict | None]:
+    """vLLM's ``prompt_logprobs`` list of a prompt: ``None`` for its first token, then per
+    ``logprobs`` entry (``GenerateResponse.prompt_logprobs``) a dict ``{token_id: {"logprob",
+    "rank", "decoded_token"}}`` of the prompt's token and its ``k`` most likely tokens (ranks
+    1..k; the prompt token's rank is None when it is not among them). JSON writes the ids as
+    strings, as vLLM's."""
+    cache: dict[int, str] = {}
+
+    def decoded(token_id: int) -> str:
+        if token_id not in cache:
+            cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return cache[token_id]
+
+    out: list[dict | None] = [None]
+    for t in logprobs:
+        entry = {t.token_id: {"logprob": t.logprob, "rank": None,
+                              "decoded_token": decoded(t.token_id)}}
+        for rank, x in enumerate(t.top[:k], 1):
+            entry[x.token_id] = {"logprob": x.logprob, "rank": rank,
+                                 "decoded_token": decoded(x.token_id)}
+        out.append(entry)
+    return out

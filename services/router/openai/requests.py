@@ -5,7 +5,9 @@ Only the JSON *types* are checked here (a number where a number belongs, an int3
 proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
 through ``generation.prepare`` exactly as for a gRPC call. Fields this module does not know are
 ignored, as OpenAI clients send extras; fields it knows but does not implement (suffix,
-prompt_logprobs, functions, ...) are refused with a 400 naming them.
+functions, ...) are refused with a 400 naming them. What the response carries besides the
+text (logprobs, vLLM's prompt_logprobs, return_tokens_as_token_ids, continuous usage) is the
+``OutputOptions`` of ``openai.responses``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -21,9 +23,10 @@ import grpc
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai.errors import OpenAIError, bad_request, utf8
 from services.router.openai.messages import parse_messages
+from services.router.openai.responses import OutputOptions
 from services.router.openai.structured import error_param, parse_structured_outputs
 from services.router.openai.tools import parse_tools
-from services.router.validation import MAX_N
+from services.router.validation import MAX_LOGPROBS, MAX_N
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_MODULUS = 2**64  # the proto's seed is a uint64; OpenAI's may be negative
@@ -40,11 +43,10 @@ _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # Field names that validation messages start with, as the OpenAI request spells them.
 _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
                                            "priority", "logprobs", "top_logprobs",
-                                           "logit_bias", "tools", "use_beam_search",
-                                           "beam_width", "length_penalty", "early_stopping",
-                                           "chat_template_kwargs"}
+                                           "prompt_logprobs", "logit_bias", "tools",
+                                           "use_beam_search", "beam_width", "length_penalty",
+                                           "early_stopping", "chat_template_kwargs"}
 STRUCTURED = "structured_outputs"  # the first word of a grammar error (structured_outputs.py)
-MAX_TOP_LOGPROBS = 20  # chat's top_logprobs range is [0, 20] (OpenAI's)
 MAX_BEST_OF = MAX_N  # candidates per prompt, as many as choices
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
 _INT_KEY = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key: a token id in decimal
@@ -94,6 +96,7 @@ class ParsedRequest:
             drops it.
         chat_template_kwargs: (chat) the extra template variables (also in ``request``, as
             text), read by the reasoning parser (``enable_thinking``).
+        options: what the response carries besides the text.
     """
 
     request: api_pb2.GenerateRequest
@@ -104,6 +107,7 @@ class ParsedRequest:
     structured_param: str = STRUCTURED
     include_reasoning: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)
+    options: OutputOptions = field(default_factory=OutputOptions)
 
 
 @dataclass(slots=True)
@@ -124,7 +128,8 @@ class ParsedCompletion:
         score_only: ``echo`` with ``max_tokens: 0``: the engine generates one token (it
             always does), which is not returned nor counted.
         logprobs: the client asked for logprobs (the engine may be asked even when not, for
-            best_of's ranking).
+            best_of's ranking): how many top logprobs, or None.
+        options: what the response carries besides the text.
     """
 
     requests: list[api_pb2.GenerateRequest]
@@ -134,7 +139,8 @@ class ParsedCompletion:
     best_of: int
     echo: bool
     score_only: bool
-    logprobs: bool
+    logprobs: int | None
+    options: OutputOptions = field(default_factory=OutputOptions)
 
 
 def parse_completion(body: dict) -> ParsedCompletion:
@@ -146,10 +152,10 @@ def parse_completion(body: dict) -> ParsedCompletion:
             [n, 64], ``best_of > n`` with ``stream`` or ``use_beam_search``, or
             ``max_tokens: 0`` with ``min_tokens``.
     """
-    _refuse(body, suffix=None, prompt_logprobs=None)
+    _refuse(body, suffix=None)
     template = api_pb2.GenerateRequest()
     sp = template.sampling_params
-    logprobs = _int32(body, "logprobs")  # the range is validation's: [0, 20]
+    logprobs = _int32(body, "logprobs")  # the range is validation's: [0, --max-logprobs]
     echo = _typed(body, "echo", bool) or False
     max_tokens = body.get("max_tokens")
     score_only = echo and _is_int(max_tokens) and max_tokens == 0
@@ -172,8 +178,8 @@ def parse_completion(body: dict) -> ParsedCompletion:
                           "when all have finished", "best_of")
     if logprobs is not None:
         sp.logprobs = logprobs
-        if echo:
-            sp.prompt_logprobs = logprobs
+        if echo:  # the engine's prompt_logprobs serve both echo and vLLM's prompt_logprobs
+            sp.prompt_logprobs = max(logprobs, sp.prompt_logprobs)
     elif best_of > n:
         sp.logprobs = 0  # the ranking needs each sampled token's logprob
     requests = []
@@ -183,7 +189,7 @@ def parse_completion(body: dict) -> ParsedCompletion:
         _prompt(req, prompt, name)
         requests.append(req)
     return ParsedCompletion(requests, parsed.stream, parsed.include_usage, n, best_of, echo,
-                            score_only, logprobs is not None)
+                            score_only, logprobs, _options(parsed, logprobs is not None))
 
 
 def _prompts(prompt) -> list[tuple[str, object]]:
@@ -215,7 +221,8 @@ def _prompt(req: api_pb2.GenerateRequest, prompt, name: str) -> None:
         raise bad_request(f"{name} must be a string or a list of token ids", "prompt")
 
 
-def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
+def parse_chat(body: dict, tool_parser: str | None = None,
+               max_logprobs: int = MAX_LOGPROBS) -> ParsedRequest:
     """Map a POST /v1/chat/completions body: ``messages`` (``openai.messages``), ``tools`` and
     ``tool_choice`` (``openai.tools``); ``max_completion_tokens`` wins over the deprecated
     ``max_tokens``.
@@ -223,6 +230,7 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
     Args:
         tool_parser: the router's ``--tool-call-parser`` if ``--enable-auto-tool-choice`` is
             set, else None (``tool_choice: "auto"`` is then refused).
+        max_logprobs: the most ``top_logprobs`` (the router's --max-logprobs, -1 resolved).
 
     With ``use_beam_search`` the output is plain content (no tool-call parsing), and a
     ``tool_choice`` that forces a call ("required", a named function) is refused: it is a
@@ -232,7 +240,7 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
         OpenAIError: 400 for a wrong JSON type, an unsupported field, or a forced tool call
             with beam search.
     """
-    _refuse(body, prompt_logprobs=None, functions=[])
+    _refuse(body, functions=[])
     req = api_pb2.GenerateRequest()
     req.chat.SetInParent()  # an empty list still selects "chat", so validation names it
     req.chat.messages.extend(parse_messages(body.get("messages")))
@@ -242,8 +250,8 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
         raise bad_request('tool_choice must be "none" or "auto" with use_beam_search: a forced '
                           "tool call is a structured output, which beam search does not "
                           "support", "tool_choice")
-    _chat_logprobs(body, req.sampling_params)
-    kwargs = _chat_template_kwargs(body, req)
+    _chat_logprobs(body, req.sampling_params, max_logprobs)
+    kwargs = chat_template_kwargs(body, req.chat)
     name, value = (("max_completion_tokens", body["max_completion_tokens"])
                    if body.get("max_completion_tokens") is not None
                    else ("max_tokens", body.get("max_tokens")))
@@ -253,14 +261,19 @@ def parse_chat(body: dict, tool_parser: str | None = None) -> ParsedRequest:
     parsed.chat_template_kwargs = kwargs
     include = _typed(body, "include_reasoning", bool)
     parsed.include_reasoning = True if include is None else include
+    parsed.options = _options(parsed, req.sampling_params.HasField("logprobs"))
     if enforced:  # a grammar error is about the tools' parameters schemas
         parsed.structured_param = "tools"
     return parsed
 
 
-def _chat_template_kwargs(body: dict, req: api_pb2.GenerateRequest) -> dict:
+def chat_template_kwargs(body: dict, chat: api_pb2.ChatMessages) -> dict:
     """vLLM's ``chat_template_kwargs`` (an object of JSON values, or null) ->
-    ``req.chat.chat_template_kwargs`` as JSON text (the reserved keys are validation's).
+    ``chat.chat_template_kwargs`` as JSON text (the reserved keys are validation's); also
+    ``/tokenize``'s.
+
+    Returns:
+        the object (empty when absent).
 
     Raises:
         OpenAIError: 400 (param "chat_template_kwargs") when not an object, or holding a
@@ -272,21 +285,21 @@ def _chat_template_kwargs(body: dict, req: api_pb2.GenerateRequest) -> dict:
     if not isinstance(kwargs, dict):
         raise bad_request("chat_template_kwargs must be an object of template variables, got "
                           f"{kwargs!r}"[:200], "chat_template_kwargs")
-    req.chat.chat_template_kwargs = utf8(json.dumps(kwargs, ensure_ascii=False),
-                                         "chat_template_kwargs")
+    chat.chat_template_kwargs = utf8(json.dumps(kwargs, ensure_ascii=False),
+                                     "chat_template_kwargs")
     return kwargs
 
 
-def _chat_logprobs(body: dict, sp: api_pb2.SamplingParams) -> None:
-    """Chat's ``logprobs`` (bool) and ``top_logprobs`` (int in [0, 20], only with logprobs)
+def _chat_logprobs(body: dict, sp: api_pb2.SamplingParams, limit: int) -> None:
+    """Chat's ``logprobs`` (bool) and ``top_logprobs`` (int in [0, limit], only with logprobs)
     -> ``sp.logprobs`` (set only when logprobs is true)."""
     wanted = _typed(body, "logprobs", bool)
     top = _int32(body, "top_logprobs")
     if top is not None and not wanted:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}",
-                          "top_logprobs")
+    if top is not None and not 0 <= top <= limit:
+        raise bad_request(f"top_logprobs must be in [0, {limit}] (the router's "
+                          f"--max-logprobs), got {top}", "top_logprobs")
     if wanted:
         sp.logprobs = top or 0
 
@@ -303,8 +316,28 @@ def _parsed(body: dict, req: api_pb2.GenerateRequest, prompt_param: str) -> Pars
     if include_usage is not None and not isinstance(include_usage, bool):
         raise bad_request("stream_options.include_usage must be a boolean", "stream_options")
     include_usage = bool(include_usage)
+    continuous = (options or {}).get("continuous_usage_stats")
+    if continuous is not None and not isinstance(continuous, bool):
+        raise bad_request("stream_options.continuous_usage_stats must be a boolean",
+                          "stream_options")
+    prompt_logprobs = _int32(body, "prompt_logprobs")  # the range is validation's
+    if prompt_logprobs is not None:
+        if stream:
+            raise bad_request("prompt_logprobs is not available with stream: true",
+                              "prompt_logprobs")
+        req.sampling_params.prompt_logprobs = prompt_logprobs
+    token_ids = _typed(body, "return_tokens_as_token_ids", bool) or False
+    # NOTE: as vLLM, continuous usage needs include_usage too; the options' logprobs flag is
+    # set by the caller once it knows whether logprobs were asked for.
+    options = OutputOptions(prompt_logprobs=prompt_logprobs, token_ids_as_tokens=token_ids,
+                            continuous_usage=include_usage and bool(continuous))
     return ParsedRequest(req, stream, include_usage, prompt_param,
-                         structured_param=error_param(body))
+                         structured_param=error_param(body), options=options)
+
+
+def _options(parsed: ParsedRequest, logprobs: bool) -> OutputOptions:
+    """``parsed.options`` with ``logprobs`` set."""
+    return replace(parsed.options, logprobs=logprobs)
 
 
 def _sampling(body: dict, req: api_pb2.GenerateRequest, max_tokens, max_tokens_name: str):
@@ -378,8 +411,8 @@ def _beam_search(body: dict, sp: api_pb2.SamplingParams) -> None:
         raise bad_request(f'early_stopping must be true, false or "never", got {early!r}',
                           "early_stopping")
     if use and sp.HasField("structured_outputs"):
-        field = error_param(body)
-        raise bad_request(f"{field} is not supported with use_beam_search", field)
+        param = error_param(body)
+        raise bad_request(f"{param} is not supported with use_beam_search", param)
 
 
 def _logit_bias(body: dict, sp: api_pb2.SamplingParams) -> None:

@@ -13,6 +13,11 @@ Usage of an n > 1 request: ``prompt_tokens`` counted once, ``completion_tokens``
 the choices, ``cached_tokens`` as reported for choice 0 (the other choices share its prompt
 blocks, so theirs would count the sharing, not the client's cache hit).
 
+vLLM's extras (``OutputOptions``): ``prompt_logprobs`` (a list per completion choice, one for
+the whole chat response; not streamed), ``return_tokens_as_token_ids`` (logprob tokens spelled
+``token_id:<id>``), ``stream_options.continuous_usage_stats`` (every chunk carries the usage so
+far: the prompt, and the tokens of the chunk's choice, as vLLM counts them).
+
 Chat with tools: each choice's text goes through its tool-call parser (``openai.tool_calls``),
 streamed or whole alike: ``message`` / ``delta`` then carry ``tool_calls`` (content null when
 only whitespace is left), and a choice that made calls ends with ``finish_reason:
@@ -39,9 +44,28 @@ from typing import Any
 from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai.logprobs import LogprobsFormatter, merge
+from services.router.openai.logprobs import prompt_logprobs as vllm_prompt_logprobs
 from services.router.openai.reasoning import ReasoningOptions
 from services.router.openai.tool_calls import join as join_deltas
 from services.router.openai.tool_calls import merge as merge_deltas
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """What a request asked its response to carry besides the text.
+
+    Attributes:
+        logprobs: the top logprobs of each generated token (``logprobs`` objects; else null).
+        prompt_logprobs: vLLM's ``prompt_logprobs`` with this many top tokens, or None.
+        token_ids_as_tokens: vLLM's ``return_tokens_as_token_ids``.
+        continuous_usage: (streaming) ``stream_options.continuous_usage_stats`` with
+            ``include_usage``: every chunk carries the usage so far.
+    """
+
+    logprobs: bool = False
+    prompt_logprobs: int | None = None
+    token_ids_as_tokens: bool = False
+    continuous_usage: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +75,13 @@ class Echo:
     Attributes:
         text: the prompt's text (the client's string, or its token ids decoded).
         first_token_id: the prompt's first token, the one without a prompt logprob.
+        top: top logprobs per prompt token (the request's ``logprobs``; the engine may have
+            been asked for more, for ``prompt_logprobs``).
     """
 
     text: str
     first_token_id: int
+    top: int | None = None
 
 
 class ResponseBuilder:
@@ -64,8 +91,7 @@ class ResponseBuilder:
         chat: chat completion (True) or text completion (False).
         model: the served model's name, echoed in every body.
         n: number of choices.
-        tokenizer: the model's tokenizer, to spell tokens in logprobs; None when the request
-            did not ask for logprobs (``logprobs`` is then null everywhere).
+        tokenizer: the model's tokenizer, to spell tokens in logprobs.
         echo: (completions) prepend the prompt to each choice: its text to the text of the
             choice's first message (whole or chunk), and with logprobs the prompt's logprobs
             (from that message's ``prompt_logprobs``) to its logprobs.
@@ -73,14 +99,20 @@ class ResponseBuilder:
             None: the text is content.
         reasoning: (chat with ``--reasoning-parser``) how to split the reasoning span out,
             or None: no reasoning fields.
+        options: the logprobs and usage the request asked for.
+        prompt_tokens: the prompt's length (for ``options.continuous_usage``).
     """
 
     def __init__(self, chat: bool, model: str, n: int, tokenizer=None,
                  echo: Echo | None = None, tool_calls=None,
-                 reasoning: ReasoningOptions | None = None):
+                 reasoning: ReasoningOptions | None = None,
+                 options: OutputOptions = OutputOptions(), prompt_tokens: int = 0):
         self.chat, self.model, self.n = chat, model, n
         self._echo = echo
         self._echo_pending = set(range(n)) if echo is not None else set()
+        self._tokenizer, self._options, self._prompt_tokens = tokenizer, options, prompt_tokens
+        self._num_tokens = [0] * n  # tokens so far per choice (continuous usage)
+        self._prompt_logprobs: dict[int, list] = {}  # choice -> vLLM's prompt_logprobs
         # one tool-call parser per choice (openai.tool_calls), or None: the text is content
         self._tools = [tool_calls() for _ in range(n)] if tool_calls is not None else None
         self._reasoning = reasoning
@@ -88,8 +120,8 @@ class ResponseBuilder:
                            if reasoning is not None else None)
         self._reasoning_texts: list[list[str]] = [[] for _ in range(n)]
         self._reasoning_tokens = [0] * n
-        self._logprobs = ([LogprobsFormatter(tokenizer, chat) for _ in range(n)]
-                          if tokenizer is not None else None)
+        self._logprobs = ([LogprobsFormatter(tokenizer, chat, options.token_ids_as_tokens)
+                           for _ in range(n)] if options.logprobs else None)
         self._logprob_parts: list[list[dict]] = [[] for _ in range(n)]
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())  # seconds since the epoch, as OpenAI
@@ -99,6 +131,10 @@ class ResponseBuilder:
     # ---- whole response -----------------------------------------------------------------
     def add(self, r: api_pb2.GenerateResponse) -> None:
         """Record one streamed message (non-streaming mode)."""
+        k = self._options.prompt_logprobs
+        if k is not None and r.prompt_logprobs and r.index not in self._prompt_logprobs:
+            self._prompt_logprobs[r.index] = vllm_prompt_logprobs(self._tokenizer,
+                                                                  r.prompt_logprobs, k)
         prefix, prompt_logprobs = self._echoed(r)
         reasoning, text = self._split(r)
         self._reasoning_texts[r.index].append(reasoning)
@@ -127,10 +163,16 @@ class ResponseBuilder:
             choice |= self._ending(final, i)
             choice["logprobs"] = (merge(self._logprob_parts[i], self.chat)
                                   if self._logprobs is not None else None)
+            if self._options.prompt_logprobs is not None and not self.chat:
+                choice["prompt_logprobs"] = self._prompt_logprobs.get(i)
             choices.append(choice)
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": choices,
-                "usage": self.usage()}
+        body: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created, "model": self.model, "choices": choices,
+            "usage": self.usage()}
+        if self._options.prompt_logprobs is not None and self.chat:  # one prompt: top level
+            body["prompt_logprobs"] = self._prompt_logprobs.get(0)
+        return body
 
     def usage(self) -> dict:
         """OpenAI's usage object over the choices that have finished."""
@@ -181,7 +223,7 @@ class ResponseBuilder:
         if not self.chat:
             return []
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}, include_usage)
+                             "logprobs": None, "finish_reason": None}, include_usage, i)
                 for i in range(self.n)]
 
     def chunk(self, r: api_pb2.GenerateResponse, include_usage: bool) -> dict | None:
@@ -189,6 +231,8 @@ class ResponseBuilder:
         final). A final message is also recorded for ``usage``."""
         prefix, prompt_logprobs = self._echoed(r)
         reasoning, content = self._split(r)  # (counts the tokens of a message without text)
+        self._num_tokens[r.index] = (r.usage.completion_tokens if r.finish_reason
+                                     else self._num_tokens[r.index] + len(r.token_ids))
         if r.finish_reason:
             self._finals[r.index] = r
         elif not (prefix or r.text or prompt_logprobs
@@ -215,7 +259,7 @@ class ResponseBuilder:
             choice["logprobs"] = merge([prompt_logprobs] + ([choice["logprobs"]]
                                                             if choice["logprobs"] else []), False)
         choice |= self._ending(r if r.finish_reason else None, r.index)
-        return self._chunk(choice, include_usage)
+        return self._chunk(choice, include_usage, r.index)
 
     def _echoed(self, r: api_pb2.GenerateResponse) -> tuple[str, dict | None]:
         """(echo) The prompt's text and logprobs object (None without logprobs) to put
@@ -224,7 +268,7 @@ class ResponseBuilder:
             return "", None
         self._echo_pending.discard(r.index)
         logprobs = (self._logprobs[r.index].format_prompt(self._echo.first_token_id,
-                                                          r.prompt_logprobs)
+                                                          r.prompt_logprobs, self._echo.top)
                     if self._logprobs is not None else None)
         return self._echo.text, logprobs
 
@@ -235,12 +279,17 @@ class ResponseBuilder:
         body["usage"] = self.usage()
         return body
 
-    def _chunk(self, choice: dict | None, include_usage: bool) -> dict:
+    def _chunk(self, choice: dict | None, include_usage: bool, index: int = 0) -> dict:
         body: dict[str, Any] = {
             "id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created, "model": self.model,
             "choices": [choice] if choice is not None else []}
-        if include_usage:
+        if include_usage and choice is not None and self._options.continuous_usage:
+            # vLLM's continuous usage: the prompt and the tokens of this chunk's choice so far
+            done = self._num_tokens[index]
+            body["usage"] = {"prompt_tokens": self._prompt_tokens, "completion_tokens": done,
+                             "total_tokens": self._prompt_tokens + done}
+        elif include_usage:
             body["usage"] = None  # OpenAI: null on every chunk but the last
         return body
 

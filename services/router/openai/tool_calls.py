@@ -135,10 +135,16 @@ def _held_prefix(text: str, tag: str) -> int:
 
 
 class HermesParser(_Parser):
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in free text."""
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks in free text.
 
-    def __init__(self):
+    Args:
+        one: keep only the first call (``parallel_tool_calls: false``, as vLLM): later valid
+            call blocks are dropped, neither calls nor content.
+    """
+
+    def __init__(self, one: bool = False):
         super().__init__()
+        self._one = one
         self._buf = ""  # text not yet sent: a possible START prefix, or an open call's body
         self._in_call = False
 
@@ -155,7 +161,7 @@ class HermesParser(_Parser):
                 call = _hermes_call(body)
                 if call is None:
                     content += self._content(START + body + END)
-                else:
+                elif not (self._one and self.called):
                     calls.append(self._call(*call))
                 continue
             start = self._buf.find(START)
@@ -176,7 +182,7 @@ class HermesParser(_Parser):
             self._in_call = False
             call = _hermes_call(rest)
             if call is not None:
-                calls = [self._call(*call)]
+                calls = [] if self._one and self.called else [self._call(*call)]
                 return _delta(self._flush_content(), calls)
             rest = START + rest
         content = self._content(rest)

@@ -18,7 +18,8 @@
     structured output (``response_format``, ``structured_outputs``) as well is a 400.
   - a choice other than "none" without tools, or naming a function not in ``tools``: 400.
 - ``parallel_tool_calls: false`` makes "required" ask for exactly one call (``maxItems`` 1); a
-  named function is one call anyway, and "auto" returns every call the model wrote.
+  named function is one call anyway, and "auto" returns only the first call the model wrote
+  (vLLM's rule; the others are dropped).
 
 Errors are 400 with ``param`` "tools" or "tool_choice".
 """
@@ -108,7 +109,7 @@ def parse_tools(body: dict, req: api_pb2.GenerateRequest, tool_parser: str | Non
     if tool_parser is None:
         raise bad_request(AUTO_NEEDS_FLAGS, "tool_choice")
     assert tool_parser in TOOL_PARSERS  # the flag's choices
-    return HermesParser
+    return (lambda: HermesParser(one=True)) if parallel is False else HermesParser
 
 
 def _spelled(choice: ToolChoice) -> str:
