@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp), served by the router on its own asyncio loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (whole JSON, or server-sent events
-with ``stream: true``), GET /v1/models, GET /health. A request goes the same way as a gRPC
+with ``stream: true``), POST /v1/embeddings (a pooling server's, ``openai.embeddings``),
+GET /v1/models, GET /health. A request goes the same way as a gRPC
 Generate call: ``openai.requests`` maps the JSON onto a GenerateRequest, then
 ``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
 detokenization, stop strings, n choices). Errors use OpenAI's body
@@ -40,6 +41,7 @@ from services.router.generation import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.openai.completions import CompletionCall
+from services.router.openai.embeddings import EmbeddingCall
 from services.router.openai.errors import OpenAIError, bad_request
 from services.router.openai.requests import from_status, parse_chat, parse_completion
 from services.router.openai.responses import ResponseBuilder
@@ -55,7 +57,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DISABLED = -1  # --http-port value that turns the HTTP server off
 # Routes whose requests get an access log line at INFO (others, e.g. probes, at DEBUG).
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 # HTTP header naming the request (as gRPC's x-request-id metadata), echoed in the response.
 REQUEST_ID_HEADER = "X-Request-Id"
 # The access-log status of a request whose client went away before its response (nginx's).
@@ -117,6 +119,7 @@ class OpenAIServer:
                                    client_max_size=max_body_bytes)
         self.app.add_routes([web.post("/v1/completions", self.completions),
                              web.post("/v1/chat/completions", self.chat_completions),
+                             web.post("/v1/embeddings", self.embeddings),
                              web.get("/v1/models", self.models),
                              web.get("/health", self.health)])
         self._runner: web.AppRunner | None = None
@@ -227,6 +230,27 @@ class OpenAIServer:
                 raise from_status(e.code, e.message, "prompt", structured_param) from None
             return web.json_response(call.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """POST /v1/embeddings: one vector per input (``openai.embeddings``)."""
+        body, info = await self._body(request)
+        client_id = request.headers.get(REQUEST_ID_HEADER, "")
+        request_id = client_id or "embd-" + uuid.uuid4().hex
+        entry: RequestLog = request[_LOG]
+        entry.request_id = request_id
+        request_id_var.set(request_id)
+        if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
+            call = await asyncio.to_thread(EmbeddingCall.parse, body, request_id,
+                                           self.tokenizer, info)
+        else:
+            call = EmbeddingCall.parse(body, request_id, self.tokenizer, info)
+        entry.prompt_tokens = sum(map(len, call.prompts))
+        try:
+            await call.run(self.engine)
+        except EngineError as e:
+            raise from_status(e.code, e.message, "input") from None
+        return web.json_response(call.response(info.model),
+                                 headers={REQUEST_ID_HEADER: request_id})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
