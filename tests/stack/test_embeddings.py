@@ -13,6 +13,7 @@ import openai
 import pytest
 import torch
 
+from pagedserve_client import Client
 from tests.helpers import TINY_LLAMA_CONFIG, _save_tiny
 from tests.stack.conftest import _leak_check
 from tests.stack_harness import InProcessStack
@@ -149,13 +150,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(last_stack, client, model_
     ({"input": []}, "input", "non-empty"),
     ({"input": [1, "a"]}, "input", "list of token ids"),
     ({"input": {"text": "a"}}, "input", "list of strings"),
-    ({"input": [[1, 2], []]}, "input", "token-id lists"),
-    ({"input": ["a"] * 2049}, "input", "at most 2048"),
+    ({"input": [[1, 2], []]}, "input", "input[1] is empty"),
+    ({"input": ["a"] * 2049}, "input", "between 1 and 2048"),
     ({"input": [[49152]]}, "input", "[0, 49152)"),
     ({"input": [list(range(1025))]}, "input", "max_model_len 1024"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format", "float, base64"),
     ({"input": "a", "dimensions": 16}, "dimensions", "matryoshka"),
     ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
+    ({"input": "a", "dimensions": "16"}, "dimensions", "must be an integer"),
 ])
 def test_bad_input_is_a_400_naming_the_field(last_stack, client, body, param, words):
     status, answer = _post(last_stack, body)
@@ -204,3 +206,29 @@ def test_mean_and_cls_auto_detected_eager(tmp_path, pooler):
         _leak_check(stack)
     finally:
         stack.stop()
+
+
+def test_grpc_embed_from_the_sdk(last_stack, client, model_dir):
+    """``Client.embed`` (gRPC Embed): the same vectors; its errors are INVALID_ARGUMENT naming
+    the field; Generate on a pooling server is refused."""
+    import grpc
+    from transformers import AutoTokenizer
+    prompts = [AutoTokenizer.from_pretrained(model_dir).encode(t) for t in TEXTS]
+    with Client(last_stack.address) as c:
+        r = c.embed(TEXTS)
+        assert r.prompt_tokens == [len(p) for p in prompts] and r.model == last_stack.info().model
+        for got, want in zip(r.embeddings, reference(model_dir, prompts, "LAST", True),
+                             strict=True):
+            _close(got, want)
+        _close(c.embed(prompts[0]).embeddings[0], np.asarray(r.embeddings[0], np.float32))
+        for kwargs, words in (({"input": ["a", ""]}, "input[1] is empty"),
+                              ({"input": "a", "dimensions": 8}, "dimensions")):
+            with pytest.raises(grpc.RpcError) as err:
+                c.embed(**kwargs)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words in err.value.details()
+        with pytest.raises(grpc.RpcError) as err:
+            c.generate("hi", max_tokens=2)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "does not support Completions API" in err.value.details()
+        assert len(c.embed("still serving").embeddings) == 1

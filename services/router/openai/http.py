@@ -31,6 +31,7 @@ from aiohttp import web
 
 from services.common.logs import request_id_var
 from services.common.pb.pagedserve.v1 import engine_pb2
+from services.router.embedding import prepare_embed, run_embed
 from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
     INLINE_PREPARE_BYTES,
@@ -41,7 +42,11 @@ from services.router.generation import (
 )
 from services.router.metrics import RouterMetrics
 from services.router.openai.completions import CompletionCall
-from services.router.openai.embeddings import EmbeddingCall
+from services.router.openai.embeddings import (
+    embedding_param,
+    embedding_response,
+    parse_embedding,
+)
 from services.router.openai.errors import OpenAIError, bad_request
 from services.router.openai.requests import from_status, parse_chat, parse_completion
 from services.router.openai.responses import ResponseBuilder
@@ -232,25 +237,29 @@ class OpenAIServer:
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
     async def embeddings(self, request: web.Request) -> web.Response:
-        """POST /v1/embeddings: one vector per input (``openai.embeddings``)."""
+        """POST /v1/embeddings: one vector per input (``openai.embeddings``, then the same
+        ``prepare_embed`` / ``run_embed`` as gRPC Embed)."""
         body, info = await self._body(request)
-        client_id = request.headers.get(REQUEST_ID_HEADER, "")
-        request_id = client_id or "embd-" + uuid.uuid4().hex
+        parsed, encoding_format = parse_embedding(body)
+        parsed.request_id = request.headers.get(REQUEST_ID_HEADER, "")
         entry: RequestLog = request[_LOG]
-        entry.request_id = request_id
-        request_id_var.set(request_id)
-        if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
-            call = await asyncio.to_thread(EmbeddingCall.parse, body, request_id,
-                                           self.tokenizer, info)
-        else:
-            call = EmbeddingCall.parse(body, request_id, self.tokenizer, info)
-        entry.prompt_tokens = sum(map(len, call.prompts))
         try:
-            await call.run(self.engine)
+            if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
+                prepared = await asyncio.to_thread(prepare_embed, parsed, self.tokenizer, info)
+            else:
+                prepared = prepare_embed(parsed, self.tokenizer, info)
+        except RequestError as e:
+            raise bad_request(e.message, embedding_param(e.message)) from None
+        entry.request_id = prepared.request_id
+        request_id_var.set(prepared.request_id)
+        entry.prompt_tokens = sum(map(len, prepared.prompts))
+        try:
+            vectors = await run_embed(self.engine, prepared)
         except EngineError as e:
             raise from_status(e.code, e.message, "input") from None
-        return web.json_response(call.response(info.model),
-                                 headers={REQUEST_ID_HEADER: request_id})
+        return web.json_response(
+            embedding_response(prepared, vectors, encoding_format, info.model),
+            headers={REQUEST_ID_HEADER: prepared.request_id})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
