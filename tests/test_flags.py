@@ -32,6 +32,10 @@ from services.cli.flags import serve_parser
                                         "(choose from 'deepseek_r1', 'qwen3')"),
     (["--max-logprobs", "-2"], "argument --max-logprobs: must be >= -1, got -2"),
     (["--served-model-name"], "argument --served-model-name: expected at least one argument"),
+    (["--runner", "embed"], "argument --runner: invalid choice"),
+    (["--pooler-config", '{"pooling_type": "MAX"}'],
+     "--pooler-config: pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"),
+    (["--pooler-config", '{"normalise": true}'], "--pooler-config: unknown field 'normalise'"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -210,3 +214,17 @@ def test_device_cuda_without_cuda_is_a_clear_error():
         return
     with pytest.raises(ValueError, match="--device cuda: torch sees no CUDA device"):
         resolve_device("cuda")
+
+
+def test_serve_passes_the_pooling_flags_to_the_worker(monkeypatch):
+    """--runner on the command line, --pooler-config from its environment variable: both go
+    to the worker (which alone loads the model and pools), neither elsewhere."""
+    from services.cli.flags import forwarded_argv
+
+    monkeypatch.setenv("PAGEDSERVE_POOLER_CONFIG", '{"pooling_type": "MEAN"}')
+    ns = serve_parser().parse_args(["--runner", "pooling"])
+    argv = forwarded_argv("worker", ns)
+    assert argv[argv.index("--runner") + 1] == "pooling"
+    assert argv[argv.index("--pooler-config") + 1] == '{"pooling_type": "MEAN"}'
+    for name in ("scheduler", "router"):
+        assert not {"--runner", "--pooler-config"} & set(forwarded_argv(name, ns))

@@ -117,8 +117,9 @@ class PromptChunkLogprobs:
 
 @dataclass(slots=True)
 class StepOutput:
-    """The sampled tokens of the requests whose chunk reached the end of their token list
-    (the driver's; every other rank answers an empty one with the same step_id)."""
+    """The sampled tokens (a pooling runner: the pooled vectors) of the requests whose chunk
+    reached the end of their token list (the driver's; every other rank answers an empty one
+    with the same step_id)."""
 
     step_id: int
     request_ids: list[str]
@@ -132,3 +133,7 @@ class StepOutput:
     # per request (parallel to request_ids), the drafts proposed to follow its new tokens
     # (StepInput.num_speculative_tokens > 0; [] where none); None = no proposals this step
     draft_token_ids: list[list[int]] | None = None
+    # pooling runner: per request (parallel to request_ids: those whose chunk computed their
+    # last prompt token), its pooled vector, float32; sampled_token_ids is then empty. None
+    # under the generate runner.
+    embeddings: list[list[float]] | None = None

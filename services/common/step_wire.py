@@ -143,6 +143,8 @@ def step_output_to_pb(out: StepOutput) -> worker_pb2.StepResult:
         result.sampled_logprobs.extend(lp.sampled_logprobs)
         result.top_token_ids.extend(lp.top_token_ids)
         result.top_logprobs.extend(lp.top_logprobs)
+    if out.embeddings is not None:
+        result.embeddings.extend(chain.from_iterable(out.embeddings))
     for pl in out.prompt_logprobs:
         result.prompt_request_ids.append(pl.request_id)
         result.prompt_first_positions.append(pl.first_position)
@@ -159,9 +161,16 @@ def step_output_from_pb(r: worker_pb2.StepResult) -> StepOutput:
 
     Raises:
         ValueError: columns that disagree in length (sampled tokens and their counts, drafts,
-            logprobs, prompt logprobs), naming which.
+            logprobs, prompt logprobs, embeddings), naming which.
     """
     n = len(r.request_ids)
+    if r.embeddings:  # a pooling runner's step: vectors, no tokens
+        size = len(r.embeddings) // max(n, 1)
+        if r.sampled_token_ids or size * n != len(r.embeddings):
+            raise ValueError(f"step {r.step_id}: malformed embeddings columns: {n} request ids, "
+                             f"{len(r.embeddings)} floats, {len(r.sampled_token_ids)} tokens")
+        return StepOutput(r.step_id, list(r.request_ids), [],
+                          embeddings=_cut(list(r.embeddings), [size] * n))
     counts = list(r.num_sampled_token_ids)
     if (len(counts) != n or sum(counts) != len(r.sampled_token_ids) or min(counts) < 1
             if counts else n != len(r.sampled_token_ids)):

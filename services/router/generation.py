@@ -92,8 +92,14 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
             ``prompt_logprobs``; -1: the vocabulary size).
 
     Raises:
-        RequestError: INVALID_ARGUMENT naming the field and its limit.
+        RequestError: INVALID_ARGUMENT naming the field and its limit, or that the server
+            runs the pooling runner (embeddings only: nothing can be generated).
     """
+    if info.runner == "pooling":
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "The model does not support Completions API or Chat Completions "
+                           "API: the server runs --runner pooling (an embedding model); use "
+                           "/v1/embeddings")
     request_id = validate_request_id(request.request_id) or uuid.uuid4().hex
     params, text = validate_sampling(request.sampling_params, vocab_size=info.vocab_size,
                                      max_logprobs=max_logprobs)

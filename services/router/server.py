@@ -25,6 +25,7 @@ from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, InFlight, add_shu
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.router import text_api
 from services.router.auth import ApiKeyInterceptor, add_api_key_flag
+from services.router.embedding import embed_response, prepare_embed, run_embed
 from services.router.engine_client import EngineClient
 from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
@@ -53,8 +54,8 @@ REQUEST_ID_METADATA = "x-request-id"
 
 class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
     """Decode the request → prepare → stream from the engine → encode; nothing else. The logic
-    lives in ``generation`` (Generate, Chat) and ``text_api`` (Chat's mapping, Tokenize,
-    Detokenize, ListModels)."""
+    lives in ``generation`` (Generate, Chat), ``embedding`` (Embed) and ``text_api`` (Chat's
+    mapping, Tokenize, Detokenize, ListModels)."""
 
     def __init__(self, engine: ReplicaSet, tokenizer, metrics: RouterMetrics | None = None,
                  max_stream_buffer: int = DEFAULT_MAX_STREAM_BUFFER,
@@ -95,6 +96,25 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         with self._counted("Detokenize", context):
             return await self._call(context, request, text_api.detokenize, request,
                                     self.tokenizer)
+
+    async def Embed(self, request, context):
+        entry = RequestLog(f"/{SERVICE}/Embed")
+        with self._counted("Embed", context, entry), self.inflight.track():
+            await self._admit(context)
+            if not request.request_id:  # the caller's x-request-id metadata names the request
+                request.request_id = dict(context.invocation_metadata() or ()).get(
+                    REQUEST_ID_METADATA, "")
+            info = await self._info(context)
+            prepared = await self._call(context, request, prepare_embed, request,
+                                        self.tokenizer)
+            entry.request_id, entry.prompt_tokens = (prepared.request_id,
+                                                     sum(map(len, prepared.prompts)))
+            request_id_var.set(prepared.request_id)
+            try:
+                vectors = await run_embed(self.engine, prepared)
+            except EngineError as e:
+                await context.abort(e.code, e.message)
+            return embed_response(prepared, vectors, info)
 
     async def ListModels(self, request, context):
         with self._counted("ListModels", context):

@@ -224,11 +224,15 @@ class Engine:
                 continue
             self.num_steps_total += 1
             token_logprobs = token_logprobs_of(result)  # (WorkerGroup.receive checked it)
-            sampled, spec = sampled_of(result, token_logprobs)
+            sampled, spec = ({}, None) if result.embeddings is not None else sampled_of(
+                result, token_logprobs)  # (a pooling step: vectors, no tokens)
+            embeddings = (None if result.embeddings is None
+                          else dict(zip(result.request_ids, result.embeddings, strict=True)))
             logprobs = (None if token_logprobs is None
                         else {rid: lps[-1] for rid, lps in token_logprobs.items()})
             self._publish(self.scheduler.update_from_output(out, sampled, logprobs,
-                                                            prompt_logprobs_of(result), spec))
+                                                            prompt_logprobs_of(result), spec,
+                                                            embeddings))
 
     async def _idle(self) -> None:
         """Sleep until a request arrives; raise WorkerError if a rank's stream ends meanwhile
@@ -300,6 +304,8 @@ class Engine:
                 out.new_token_logprobs.append(lp.logprob)
                 out.top_token_ids.extend(lp.top_token_ids)
                 out.top_logprobs.extend(lp.top_logprobs)
+            if u.embedding is not None:
+                out.embedding.extend(u.embedding)
             if u.beams is not None:
                 out.beams.extend(engine_pb2.BeamHypothesis(
                     token_ids=h.token_ids, score=h.score,

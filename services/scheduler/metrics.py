@@ -185,6 +185,8 @@ class SchedulerMetrics:
             if u.beams:  # (a beam search reports its prompt and hypotheses once, at the end)
                 self.prompt_tokens.inc(u.num_prompt_tokens)
                 self.generation_tokens.inc(sum(len(h.token_ids) for h in u.beams))
+            if u.embedding is not None:  # (a pooling request: its prompt, once, at the end)
+                self.prompt_tokens.inc(u.num_prompt_tokens)
             if u.new_token_ids:
                 self.generation_tokens.inc(len(u.new_token_ids))
                 if t.last_token is None:

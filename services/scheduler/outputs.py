@@ -41,6 +41,7 @@ class RequestUpdate:
     logprobs: list[TokenLogprobs] | None = None  # of new_token_ids (aligned), when asked
     prompt_logprobs: PromptLogprobs | None = None  # prompt tokens scored by this step's chunk
     beams: list[BeamHypothesis] | None = None  # a beam search's result, on its final update
+    embedding: list[float] | None = None  # a pooling request's vector, on its final update
 
 
 def request_update(

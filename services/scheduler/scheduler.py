@@ -61,13 +61,18 @@ class Scheduler:
         sliding_windows: per KV cache group, its sliding window (0 = full attention; the
             workers' ``kv_cache_groups``); default one full-attention group.
         vocab_size: the model's vocabulary (caps a beam's candidates), or None (no cap).
+        pooling: the workers run the pooling runner (embeddings): a request is its prompt's
+            forward only (up to ``max_model_len`` tokens, never a prefix-cache hit: MEAN and
+            CLS pooling need every prompt token's hidden state), finished (STOP, with its
+            vector) by the step that computes its last prompt token, which frees its blocks.
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens cannot fit in the KV cache.
     """
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int, eos_token_ids: list[int],
-                 sliding_windows: Sequence[int] = (0,), vocab_size: int | None = None):
+                 sliding_windows: Sequence[int] = (0,), vocab_size: int | None = None,
+                 pooling: bool = False):
         bs, max_len = config.block_size, config.max_model_len
         bm = BlockManager(num_kv_blocks, bs, config.enable_prefix_caching, sliding_windows)
         max_chunk = min(config.long_prefill_token_threshold or max_len,
@@ -81,6 +86,7 @@ class Scheduler:
                 f"--kv-cache-memory or lower --max-model-len"
             )
         self.config = config
+        self.pooling = pooling
         self.block_manager = bm
         self.eos_token_ids = frozenset(eos_token_ids)
         self.state = SchedulerState(bm, config.scheduling_policy)
@@ -142,7 +148,7 @@ class Scheduler:
         max_len = config.max_model_len
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id}: empty prompt")
-        if request.num_prompt_tokens >= max_len:
+        if request.num_prompt_tokens >= max_len + self.pooling:  # (pooling: no output)
             raise ValueError(
                 f"request {request.request_id}: prompt has {request.num_prompt_tokens} tokens, "
                 f"max_model_len={max_len} leaves no room for output"
@@ -316,7 +322,7 @@ class Scheduler:
                     len(running) + request.beam_group.beam_width > config.max_num_seqs):
                 break  # NOTE: its beams will be running sequences too
             # NOTE: prompt logprobs need every prompt position computed: no cache hit then.
-            hit_blocks, num_hit = (([], 0) if request.needs_prompt_logprobs
+            hit_blocks, num_hit = (([], 0) if request.needs_prompt_logprobs or self.pooling
                                    else bm.get_computed_blocks(request))
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
@@ -386,7 +392,7 @@ class Scheduler:
             if request.num_computed_tokens == (num_tokens + request.num_output_placeholders
                                                + len(drafts.get(request_id, ()))):
                 sampled.add(request_id)
-                if not send_tokens and request.beam_group is None:
+                if not send_tokens and request.beam_group is None and not self.pooling:
                     request.num_output_placeholders += 1  # NOTE: a beam waits for its pick
 
         self._step_id += 1
@@ -402,6 +408,7 @@ class Scheduler:
         logprobs: dict[str, TokenLogprobs] | None = None,
         prompt_logprobs: dict[str, PromptLogprobs] | None = None,
         spec: SpecDecodeResult | None = None,
+        embeddings: dict[str, list[float]] | None = None,
     ) -> list[RequestUpdate]:
         """Apply a finished step: append tokens, finish requests.
 
@@ -420,6 +427,8 @@ class Scheduler:
         are freed), their logprobs, and the next step's drafts. The accepted tokens and then
         the sampled one are appended one by one, each checked for a stop as if it came alone:
         what follows the one that finishes the request is dropped.
+        ``embeddings`` (a pooling scheduler): request_id -> its pooled vector, for the requests
+        whose last prompt token the step computed; each finishes (STOP) with it.
 
         Returns:
             One RequestUpdate per request that got a token (and maybe finished), in schedule
@@ -457,6 +466,10 @@ class Scheduler:
                 updates.append(request_update(request, [], None, prompt_logprobs=prompt_chunk))
             if not reached_end:
                 continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
+            if self.pooling:
+                updates.extend(self._pooled(request, (embeddings or {}).get(request_id)))
+                any_finished = True
+                continue
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
             drafts = output.spec_token_ids.get(request_id)
@@ -497,6 +510,20 @@ class Scheduler:
         if any_finished:
             state.running[:] = [r for r in state.running if r.status is RequestStatus.RUNNING]
         return updates
+
+    def _pooled(self, request: Request, embedding: list[float] | None) -> list[RequestUpdate]:
+        """Finish a pooling ``request`` whose prompt is computed with its ``embedding`` (its
+        final update), or, when the worker sent none (a worker bug), recompute it."""
+        state = self.state
+        if embedding is None:
+            state.running.remove(request)
+            state.preempt(request)
+            return []
+        del state.requests[request.request_id]
+        state.finish(request, FinishReason.STOP)
+        update = request_update(request, [], FinishReason.STOP)
+        update.embedding = embedding
+        return [update]
 
     def _append_run(self, request: Request, token_ids: list[int]
                     ) -> tuple[list[int], FinishReason | None]:

@@ -208,6 +208,9 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
         if info.kv_cache_dtype != first.kv_cache_dtype:
             raise ValueError(f"worker {addr} stores its KV cache as --kv-cache-dtype "
                              f"{info.kv_cache_dtype} but rank 0 as {first.kv_cache_dtype}")
+        if (info.runner or "generate") != (first.runner or "generate"):
+            raise ValueError(f"worker {addr} runs --runner {info.runner or 'generate'} but rank "
+                             f"0 runs {first.runner or 'generate'}")
         if info.quantization != first.quantization:
             raise ValueError(f"worker {addr} stores its weights as {info.quantization or 'none'}"
                              f" but rank 0 as {first.quantization or 'none'} (--quantization)")
@@ -222,7 +225,8 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     log.info("KV cache groups: %s", describe_kv_cache_groups(workers.kv_cache_groups))
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids),
                           sliding_windows=workers.sliding_windows,
-                          vocab_size=first.vocab_size or None)
+                          vocab_size=first.vocab_size or None,
+                          pooling=first.runner == "pooling")
     info = engine_pb2.GetEngineInfoResponse(
         model=first.model, max_model_len=max_model_len, block_size=args.block_size,
         num_kv_blocks=num_blocks, vocab_size=first.vocab_size,
@@ -230,7 +234,9 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy, kv_cache_dtype=first.kv_cache_dtype or "auto",
-        quantization=first.quantization)
+        quantization=first.quantization, runner=first.runner or "generate",
+        embedding_size=first.embedding_size,
+        matryoshka_dimensions=first.matryoshka_dimensions, is_matryoshka=first.is_matryoshka)
     return Engine(scheduler, workers), info
 
 

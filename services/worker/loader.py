@@ -21,6 +21,7 @@ warning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -45,6 +46,7 @@ from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
 from services.worker.packed_linear import PackedLinear, pack_model_linears, takes_silu_mul
 from services.worker.parallel import ShardPlan, shard_model
+from services.worker.pooler_config import PoolerConfig, checkpoint_pooler, resolve_runner
 from services.worker.quantized_linear import (
     QUANTIZATIONS,
     GroupInt8Linear,
@@ -105,6 +107,8 @@ class ModelInfo:
         quantization: how the decoder's linear weights are stored: ``--quantization``'s value
             (``"int8"``, ``"w8a8"``), ``"gguf_q8_0"`` (a GGUF's Q8_0 layers as stored, without
             the flag), ``""`` = the compute dtype.
+        runner / pooler / matryoshka_dimensions / is_matryoshka: the pooling runner's
+            (``services/worker/pooler.py``).
     """
 
     name: str
@@ -112,12 +116,17 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     quantization: str = ""
+    runner: str = "generate"  # --runner resolved: "generate" or "pooling" (no LM head)
+    pooler: PoolerConfig | None = None  # pooling: what the checkpoint declares (the default)
+    matryoshka_dimensions: tuple[int, ...] = ()  # pooling: config.json's, as vLLM reads them
+    is_matryoshka: bool = False  # pooling: shortened embeddings supported
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str,
                attn_backend: AttentionBackend | None = None,
                parallel: ParallelState | None = None, batch_invariant: bool = False,
-               quantization: str | None = None) -> tuple[Model, dict, ModelInfo]:
+               quantization: str | None = None, runner: str = "generate",
+               ) -> tuple[Model, dict, ModelInfo]:
     """Build the model on ``device`` with weights cast to ``dtype``.
 
     On a CPU the linear layers go to the native row-invariant kernel where needed
@@ -136,6 +145,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
             (``services/worker/quantized_linear.py``; the CPU only). Without it a GGUF's
             ``Q8_0`` linear layers are still served as int8 (their values as stored) on a
             single-rank-per-stage CPU worker.
+        runner: ``--runner``: ``"generate"``, ``"pooling"`` (the model without an LM head,
+            none read: an embedding checkpoint has none) or ``"auto"`` (``resolve_runner``).
     Returns:
         ``(model in eval mode, config.json dict, ModelInfo)``.
     Raises:
@@ -154,6 +165,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     config = json.loads((folder / "config.json").read_text())
     family = family_of(config, source.path)
     cfg = family.config.from_hf(config)
+    runner = resolve_runner(runner, config, folder)
+    if runner == "pooling":  # (a tied model builds no LM head, and none is read)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     plan = ShardPlan(cfg, parallel.config) if parallel and parallel.config.world_size > 1 else None
     with torch.device("meta"):
         net = family.model(cfg, attn_backend or select_backend("auto", device))
@@ -188,13 +202,17 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     if quantization:
         quantize_model_linears(net, quantization, skip=lambda m: isinstance(m, Int8Linear))
     _pack_linears(net, dtype, device, batch_invariant,
-                  is_last_stage=plan is None or plan.pc.is_last_stage)
+                  is_last_stage=(plan is None or plan.pc.is_last_stage) and runner != "pooling")
     if quantization or q8:
         _return_freed_memory()
     log.info("weights: %s", describe_weights(net, dtype, quantization, type_counts))
     info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
                      max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                     quantization=quantization or ("gguf_q8_0" if q8 else ""))
+                     quantization=quantization or ("gguf_q8_0" if q8 else ""), runner=runner,
+                     pooler=checkpoint_pooler(folder) if runner == "pooling" else None,
+                     matryoshka_dimensions=tuple(config.get("matryoshka_dimensions") or ()),
+                     is_matryoshka=bool(config.get("is_matryoshka")
+                                        or config.get("matryoshka_dimensions")))
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", source.name,
              len(net.layers), sum(p.numel() for p in net.parameters()) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)

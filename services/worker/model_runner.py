@@ -59,6 +59,7 @@ from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
 from services.worker.models.llama import DecoderLayer, lm_head_logits
 from services.worker.ngram_proposer import NgramProposer
 from services.worker.parallel import vocab_parallel_logits
+from services.worker.pooler import make_pooler
 from services.worker.sampler import Sampler
 from services.worker.spec_verify import verify_drafts
 from services.worker.step_batch import PreparedStep
@@ -132,6 +133,9 @@ class ModelRunner:
             ``Q8_0`` linear layers stay int8 on a CPU), ``"int8"`` (the decoder's linear
             weights int8 per output channel, weight-only) or ``"w8a8"`` (int8 weights and
             per-token int8 activations); ``services/worker/quantized_linear.py``. CPU only.
+        runner / pooler_config: ``--runner`` (``"generate"``, ``"pooling"``: embeddings, no
+            LM head, ``services/worker/pooler.py``; ``"auto"``: from the checkpoint) and
+            ``--pooler-config`` (JSON; default: what the checkpoint declares).
 
     The driver also holds the structured-output state (``structured``: llguidance matchers
     over the model's tokenizer, built in the background from here on); other ranks have None.
@@ -141,7 +145,8 @@ class ModelRunner:
             speculation with pipeline parallelism, or a draft model the target cannot pair
             with (another vocabulary; a target without full-attention layers), or
             ``batch_invariant`` off a CPU or without the native kernels, or a ``quantization``
-            that is unknown or cannot run here (its message names ``--quantization``).
+            that is unknown or cannot run here (its message names ``--quantization``), or a
+            bad ``runner`` / ``pooler_config`` (naming the field).
     """
 
     def __init__(self, model: str | None, dtype: str = "auto", device: str = "auto",
@@ -152,7 +157,8 @@ class ModelRunner:
                  max_num_seqs: int = 256, parallel: ParallelState | None = None,
                  enforce_eager: bool = False,
                  speculative: SpeculativeConfig | None = None,
-                 batch_invariant: bool = False, quantization: str | None = None) -> None:
+                 batch_invariant: bool = False, quantization: str | None = None,
+                 runner: str = "generate", pooler_config: str | None = None) -> None:
         if speculative is not None and parallel and parallel.config.pipeline_parallel_size > 1:
             raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
                              f"{parallel.config.pipeline_parallel_size} (> 1): drafts are "
@@ -184,7 +190,9 @@ class ModelRunner:
         self.parallel = parallel
         self.model, _, info = load_model(model, self.dtype, self.device, backend, parallel,
                                          batch_invariant=batch_invariant,
-                                         quantization=quantization)
+                                         quantization=quantization, runner=runner)
+        self.info = info  # (its runner, pooler defaults and Matryoshka sizes: worker_info)
+        self.pooler = make_pooler(info.runner, pooler_config, info.pooler)
         if max_model_len is not None and max_model_len > info.max_model_len:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {info.max_model_len}")
@@ -371,7 +379,7 @@ class ModelRunner:
             requests.append(NewRequest(f"__warmup_{i}", [0] * n, _WARMUP_SAMPLING,
                                        blocks * len(self.kv_cache_groups), 0, n))
         self.execute_step(StepInput(-2, requests, [], []))
-        self.execute_step(StepInput(-1, [], [
+        self.execute_step(StepInput(-1, [], [] if self.pooler else [  # (pooled: nothing next)
             CachedRequest(r.request_id, [] if owns_tokens else [0], [], False,
                           len(r.prompt_token_ids), 1) for r in requests], []))
         self.execute_step(StepInput(-1, [], [], [r.request_id for r in requests]))
@@ -433,6 +441,11 @@ class ModelRunner:
         if ps and not ps.config.is_last_stage:
             ps.send_to_next_stage(hidden)
             return StepOutput(step.step_id, [], [])
+        if self.pooler is not None:  # pooling runner: vectors where prompts end, no sampling
+            return self.pooler.step_output(
+                step, hidden, scheduled.request_ids, scheduled.num_computed_tokens,
+                scheduled.num_scheduled_tokens, self.input_batch.num_tokens[scheduled.rows],
+                ps is None or ps.config.is_driver)
         prompt_logprobs = self._prompt_logprobs(hidden, batch)  # (a collective under TP)
         if not batch.sampled_request_ids:
             return StepOutput(step.step_id, [], [], None, prompt_logprobs)

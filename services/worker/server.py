@@ -35,6 +35,7 @@ from services.common.step import StepInput
 from services.common.step_wire import step_from_pb, step_output_to_pb
 from services.common.tls import add_tls_flags, tls_from_args
 from services.worker.metrics import WorkerMetrics
+from services.worker.pooler_config import RUNNERS, PoolerConfig
 from services.worker.step_checks import check_block_copies, check_sampling
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "(torch._int_mm: oneDNN, VNNI / AMX-INT8). Unset: weights in --dtype, but a "
                   "GGUF's Q8_0 linear layers are served as stored (int8, a scale per 32). CPU "
                   "only")
+    add_flag(p, "--runner", default="auto", choices=list(RUNNERS),
+             help="what the server runs (vLLM's flag): generate = sample tokens; pooling = "
+                  "embeddings (/v1/embeddings: one forward per prompt, no LM head, no KV kept); "
+                  "auto = pooling for an embedding checkpoint (a sentence-transformers "
+                  "modules.json or 1_Pooling/config.json, or config.json architectures naming "
+                  "only ...Model), else generate")
+    add_flag(p, "--pooler-config", type=pooler_config_flag, default=None,
+             help='the pooling runner\'s pooling as JSON, vLLM\'s fields: {"pooling_type": '
+                  '"LAST" | "MEAN" | "CLS", "normalize": true | false}; fields left out: what '
+                  "the checkpoint's sentence-transformers config says, else LAST, normalized")
     add_flag(p, "--tensor-parallel-size", type=int_in(1), default=1,
              help="ranks each layer is split across (all-reduce over gloo/NCCL)")
     add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
@@ -247,6 +258,19 @@ def speculative_flag(text: str) -> str:
     """
     try:
         SpeculativeConfig.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def pooler_config_flag(text: str) -> str:
+    """``--pooler-config``'s argparse type: the text, once ``PoolerConfig.parse`` accepts it.
+
+    Raises:
+        argparse.ArgumentTypeError: parse's message (naming the field).
+    """
+    try:
+        PoolerConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -292,6 +316,8 @@ def build_runner(args):
                        parallel=parallel, enforce_eager=args.enforce_eager,
                        batch_invariant=args.batch_invariant,
                        quantization=getattr(args, "quantization", None),
+                       runner=getattr(args, "runner", "generate"),
+                       pooler_config=getattr(args, "pooler_config", None),
                        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config",
                                                                    None)))
 
@@ -311,9 +337,20 @@ def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
         pipeline_parallel_size=pp, group_id=ps.group_id if ps else "",
         max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
         kv_cache_dtype=runner.kv_cache_dtype_name, quantization=runner.weights_quantization,
+        **_pooling_info(runner),
         kv_cache_groups=[worker_pb2.KVCacheGroup(sliding_window=g.sliding_window,
                                                  layer_ids=g.layer_ids)
                          for g in runner.kv_cache_groups])
+
+
+def _pooling_info(runner) -> dict:
+    """The runner's GetWorkerInfoResponse fields about pooling (none for a generate runner)."""
+    info = getattr(runner, "info", None)
+    if info is None or info.runner != "pooling":
+        return {"runner": "generate"}
+    return {"runner": "pooling", "embedding_size": runner.model.config.hidden_size,
+            "matryoshka_dimensions": list(info.matryoshka_dimensions),
+            "is_matryoshka": info.is_matryoshka}
 
 
 async def serve(args, runner=None, ready: asyncio.Event | None = None,

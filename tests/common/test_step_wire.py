@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import fields, replace
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
 from services.common.pb.pagedserve.v1 import worker_pb2
@@ -127,3 +128,12 @@ def outputs(draw) -> StepOutput:
 @given(outputs())
 def test_an_output_round_trips(out):
     assert step_output_from_pb(step_output_to_pb(out)) == out
+
+
+def test_a_pooling_result_round_trips_and_is_checked():
+    out = StepOutput(7, ["a", "b"], [], embeddings=[[0.5, -1.0, 2.0], [0.25, 0.0, 1.0]])
+    assert step_output_from_pb(step_output_to_pb(out)) == out
+    bad = step_output_to_pb(out)
+    bad.embeddings.append(1.0)  # 7 floats for 2 requests
+    with pytest.raises(ValueError, match="embeddings"):
+        step_output_from_pb(bad)

@@ -50,6 +50,7 @@ def make_scheduler(
     eos_token_ids: tuple[int, ...] = (EOS,),
     sliding_windows: tuple[int, ...] = (0,),
     vocab_size: int | None = None,
+    pooling: bool = False,
     **config_kwargs,
 ) -> Scheduler:
     config = SchedulerConfig(
@@ -59,7 +60,8 @@ def make_scheduler(
         block_size=block_size,
         **config_kwargs,
     )
-    return Scheduler(config, num_kv_blocks, list(eos_token_ids), sliding_windows, vocab_size)
+    return Scheduler(config, num_kv_blocks, list(eos_token_ids), sliding_windows, vocab_size,
+                     pooling=pooling)
 
 
 def make_request(

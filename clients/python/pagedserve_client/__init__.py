@@ -6,6 +6,7 @@
 """
 
 from pagedserve_client.client import AsyncClient, Client, build_request
+from pagedserve_client.embeddings import EmbeddingResult
 from pagedserve_client.text_types import ModelInfo, TokenizeResult
 from pagedserve_client.types import (
     Choice,
@@ -16,5 +17,6 @@ from pagedserve_client.types import (
     Usage,
 )
 
-__all__ = ["AsyncClient", "Choice", "Client", "GenerationResult", "ModelInfo", "StreamDelta",
-           "TokenLogprob", "TokenizeResult", "TopLogprob", "Usage", "build_request"]
+__all__ = ["AsyncClient", "Choice", "Client", "EmbeddingResult", "GenerationResult", "ModelInfo",
+           "StreamDelta", "TokenLogprob", "TokenizeResult", "TopLogprob", "Usage",
+           "build_request"]

@@ -60,6 +60,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 
+from pagedserve_client.embeddings import EmbeddingResult, embed_request, embedding_result
 from pagedserve_client.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from pagedserve_client.sampling import early_stopping_str, set_logit_bias, structured_outputs_pb
 from pagedserve_client.text_types import (
@@ -370,6 +371,26 @@ class Client(_ClientBase):
         req = detokenize_request(token_ids, skip_special_tokens)
         return self._unary(self._stub.Detokenize, req, timeout).text
 
+    def embed(self, input: str | list[str] | list[int] | list[list[int]], *,
+              dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+              request_id: str = "", timeout=_DEFAULT) -> EmbeddingResult:
+        """Embeddings of ``input`` (a string, strings, a token-id list, or token-id lists)
+        from a pooling server (``--runner pooling``): one vector per input, in order.
+
+        Args:
+            dimensions: shorten each vector to this length, then L2-normalize it (Matryoshka
+                models only).
+            truncate_prompt_tokens: keep each input's last k tokens (-1: max_model_len).
+
+        Raises:
+            TypeError: another input shape.
+            grpc.RpcError: INVALID_ARGUMENT naming the field (the server does not pool, an
+                empty or too-long input, dimensions the model does not support, ...),
+                RESOURCE_EXHAUSTED, UNAVAILABLE.
+        """
+        req = embed_request(input, dimensions, truncate_prompt_tokens, request_id)
+        return embedding_result(self._unary(self._stub.Embed, req, timeout))
+
     def list_models(self, timeout=_DEFAULT) -> list[ModelInfo]:
         """The served model(s) (pagedserve serves one).
 
@@ -497,6 +518,19 @@ class AsyncClient(_ClientBase):
         """
         req = detokenize_request(token_ids, skip_special_tokens)
         return (await self._unary(self._stub.Detokenize, req, timeout)).text
+
+    async def embed(self, input: str | list[str] | list[int] | list[list[int]], *,
+                    dimensions: int | None = None, truncate_prompt_tokens: int | None = None,
+                    request_id: str = "", timeout=_DEFAULT) -> EmbeddingResult:
+        """Embeddings of ``input`` from a pooling server (see ``Client.embed``).
+
+        Raises:
+            TypeError: another input shape.
+            grpc.aio.AioRpcError: INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED,
+                UNAVAILABLE.
+        """
+        req = embed_request(input, dimensions, truncate_prompt_tokens, request_id)
+        return embedding_result(await self._unary(self._stub.Embed, req, timeout))
 
     async def list_models(self, timeout=_DEFAULT) -> list[ModelInfo]:
         """The served model(s) (see ``Client.list_models``).

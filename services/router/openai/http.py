@@ -2,9 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (whole JSON, or
 server-sent events with ``stream: true``), GET /v1/responses/{id} (a stored answer),
-GET /v1/models, vLLM's POST /tokenize and POST /detokenize (``openai.tokenization``) and
-GET /version, GET /health. A request goes the same
-way as a gRPC Generate call: ``openai.requests`` maps the JSON onto a GenerateRequest, then
+POST /v1/embeddings (a pooling server's, ``openai.embeddings``), GET /v1/models, vLLM's
+POST /tokenize and POST /detokenize (``openai.tokenization``) and GET /version, GET /health.
+A request goes the same way as a gRPC Generate call: ``openai.requests`` maps the JSON onto a
+GenerateRequest, then
 ``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
 detokenization, stop strings, n choices). Errors use OpenAI's body
 ``{"error": {message, type, param, code}}``: 400 invalid argument, 404 unknown model or route,
@@ -34,6 +35,7 @@ from aiohttp import web
 
 from services.common.logs import request_id_var
 from services.common.pb.pagedserve.v1 import engine_pb2
+from services.router.embedding import prepare_embed, run_embed
 from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
     INLINE_PREPARE_BYTES,
@@ -46,6 +48,11 @@ from services.router.generation import (
 from services.router.metrics import RouterMetrics
 from services.router.openai import tokenization
 from services.router.openai.completions import CompletionCall
+from services.router.openai.embeddings import (
+    embedding_param,
+    embedding_response,
+    parse_embedding,
+)
 from services.router.openai.errors import OpenAIError, bad_request
 from services.router.openai.reasoning import (
     ReasoningOptions,
@@ -76,7 +83,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DISABLED = -1  # --http-port value that turns the HTTP server off
 # Routes whose requests get an access log line at INFO (others, e.g. probes, at DEBUG).
-GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+                     "/v1/embeddings")
 # HTTP header naming the request (as gRPC's x-request-id metadata), echoed in the response.
 REQUEST_ID_HEADER = "X-Request-Id"
 # The access-log status of a request whose client went away before its response (nginx's).
@@ -163,6 +171,7 @@ class OpenAIServer:
                              web.post("/v1/chat/completions", self.chat_completions),
                              web.post("/v1/responses", self.responses),
                              web.get("/v1/responses/{response_id}", self.stored_response),
+                             web.post("/v1/embeddings", self.embeddings),
                              web.get("/v1/models", self.models),
                              web.post("/tokenize", self.tokenize),
                              web.post("/detokenize", self.detokenize),
@@ -300,6 +309,31 @@ class OpenAIServer:
                 raise from_status(e.code, e.message, "prompt", structured_param) from None
             return web.json_response(call.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """POST /v1/embeddings: one vector per input (``openai.embeddings``, then the same
+        ``prepare_embed`` / ``run_embed`` as gRPC Embed)."""
+        body, info = await self._body(request)
+        parsed, encoding_format = parse_embedding(body)
+        parsed.request_id = request.headers.get(REQUEST_ID_HEADER, "")
+        entry: RequestLog = request[_LOG]
+        try:
+            if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
+                prepared = await asyncio.to_thread(prepare_embed, parsed, self.tokenizer, info)
+            else:
+                prepared = prepare_embed(parsed, self.tokenizer, info)
+        except RequestError as e:
+            raise bad_request(e.message, embedding_param(e.message)) from None
+        entry.request_id = prepared.request_id
+        request_id_var.set(prepared.request_id)
+        entry.prompt_tokens = sum(map(len, prepared.prompts))
+        try:
+            vectors = await run_embed(self.engine, prepared)
+        except EngineError as e:
+            raise from_status(e.code, e.message, "input") from None
+        return web.json_response(
+            embedding_response(prepared, vectors, encoding_format, info.model),
+            headers={REQUEST_ID_HEADER: prepared.request_id})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/chat/completions."""
