@@ -46,7 +46,8 @@ def chat_request(generate: api_pb2.GenerateRequest) -> api_pb2.ChatRequest:
     """The ChatRequest of a GenerateRequest built with ``messages=`` (see ``build_request``)."""
     return api_pb2.ChatRequest(messages=generate.chat.messages,
                                sampling_params=generate.sampling_params,
-                               request_id=generate.request_id, priority=generate.priority)
+                               request_id=generate.request_id, priority=generate.priority,
+                               chat_template_kwargs=generate.chat.chat_template_kwargs)
 
 
 def tokenize_request(prompt: str | None, messages: list[dict] | None,
