@@ -70,7 +70,7 @@ def test_ids_start_at_one_and_are_never_reused(registry, model_and_adapters):
     assert registry.add("a", adapters[4]) == LoRARequest(1, "a", adapters[4])
     assert registry.add("b", adapters[8], "llama-base") == LoRARequest(2, "b", adapters[8])
     assert [lora.name for lora in registry] == ["a", "b"] and registry.parent("b") == "llama-base"
-    with pytest.raises(LoRAExistsError, match="The lora adapter 'a' has already been loaded."):
+    with pytest.raises(LoRAExistsError, match=r"The lora adapter 'a' has already been loaded\."):
         registry.add("a", adapters[8])
     assert registry.remove("a") == LoRARequest(1, "a", adapters[4])
     assert registry.get("a") is None
@@ -81,7 +81,7 @@ def test_ids_start_at_one_and_are_never_reused(registry, model_and_adapters):
 
 def test_bad_adapters_and_names_are_refused_and_leave_no_entry(registry, model_and_adapters):
     _, adapters = model_and_adapters
-    with pytest.raises(AdapterError, match="rank 32 .* above --max-lora-rank 16"):
+    with pytest.raises(AdapterError, match=r"rank 32 .* above --max-lora-rank 16"):
         registry.add("big", adapters[32])
     with pytest.raises(AdapterError, match="no such adapter folder"):
         registry.add("gone", "/nonexistent/adapter")

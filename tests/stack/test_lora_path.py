@@ -21,8 +21,8 @@ import grpc
 import openai
 import pytest
 import requests
-from pagedserve_client import Client
 
+from pagedserve_client import Client
 from tests.helpers import make_peft_lora, make_tiny_llama
 from tests.stack.conftest import _leak_check
 from tests.stack_harness import InProcessStack
@@ -91,8 +91,9 @@ def test_models_list_the_adapters_after_the_base_with_their_parent(oai, stack, a
 
 def test_a_request_naming_an_adapter_carries_it_to_the_engine(oai, stack):
     """Chat, completions and responses alike: the scheduler names the adapter it got."""
-    with pytest.raises(openai.BadRequestError, match=f"model 'a' {NO_ADAPTERS}"):
+    with pytest.raises(openai.BadRequestError, match=f"model 'a' {NO_ADAPTERS}") as e:
         oai.completions.create(model="a", prompt=IDS, max_tokens=2)
+    assert e.value.body["param"] == "model"
     with pytest.raises(openai.BadRequestError, match=f"model 'a' {NO_ADAPTERS}"):
         oai.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}],
                                     max_tokens=2)
@@ -106,9 +107,9 @@ def test_a_request_naming_an_adapter_carries_it_to_the_engine(oai, stack):
 
 
 def test_an_unknown_model_is_a_404_naming_it(oai, stack):
-    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist."):
+    with pytest.raises(openai.NotFoundError, match=r"The model `nope` does not exist\."):
         oai.completions.create(model="nope", prompt=IDS, max_tokens=2)
-    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist."):
+    with pytest.raises(openai.NotFoundError, match=r"The model `nope` does not exist\."):
         oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     with Client(stack.address, api_key=KEY) as c:
         with pytest.raises(grpc.RpcError) as e:
@@ -130,7 +131,7 @@ def test_load_then_unload_at_run_time(oai, stack, adapters):
     r = lora_call(stack, "unload_lora_adapter", {"lora_name": "b"})
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'b' removed successfully.")
     assert [m.id for m in oai.models.list().data][1:] == ["a"]
-    with pytest.raises(openai.NotFoundError, match="The model `b` does not exist."):
+    with pytest.raises(openai.NotFoundError, match=r"The model `b` does not exist\."):
         oai.completions.create(model="b", prompt=IDS, max_tokens=2)
     gone = lora_call(stack, "unload_lora_adapter", {"lora_name": "b"})
     assert gone.status_code == 404
