@@ -189,6 +189,22 @@ def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
         raise ValueError(f"{flag}: {e}") from None
 
 
+def lora_slots_of(infos: list[worker_pb2.GetWorkerInfoResponse], max_loras: int) -> int:
+    """The LoRA adapters every rank can hold active at once (0: the workers run none, so the
+    engine refuses requests naming one).
+
+    Raises:
+        ValueError: the scheduler's ``--max-loras`` is above the workers' (it would put more
+            adapters in one step than they hold), naming both.
+    """
+    slots = min(i.max_loras for i in infos)
+    if 0 < slots < max_loras:
+        raise ValueError(f"the scheduler has --max-loras {max_loras} but the workers hold "
+                         f"{slots} LoRA adapters at once (their --max-loras); start both with "
+                         "the same value")
+    return slots
+
+
 async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     """Connect to the workers and build the Engine.
 
@@ -223,11 +239,7 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     # (every rank accepted --max-model-len, so it is at most theirs)
     max_model_len = args.max_model_len or min(i.max_model_len for i in infos)
     config = scheduler_config(args, max_model_len, workers.pipeline_parallel_size)
-    lora_slots = min(i.max_loras for i in infos)
-    if 0 < lora_slots < config.max_loras:
-        raise ValueError(f"the scheduler has --max-loras {config.max_loras} but the workers "
-                         f"hold {lora_slots} LoRA adapters at once (their --max-loras); start "
-                         "both with the same value")
+    lora_slots = lora_slots_of(infos, config.max_loras)
     log.info("scheduling: %d steps in flight, async scheduling %s%s", config.max_steps_in_flight,
              "on" if config.async_scheduling else "off",
              f"; speculative decoding {config.speculative.to_json()}"

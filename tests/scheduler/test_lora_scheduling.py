@@ -176,3 +176,17 @@ def test_an_adapter_the_engine_cannot_run_is_refused_with_invalid_argument(
     batch = sink.queue.get_nowait()
     out = batch.outputs[0]
     assert out.error_code == 3 and message in out.error_message  # INVALID_ARGUMENT
+
+
+def test_the_engine_takes_its_adapter_slots_from_the_workers():
+    from services.common.pb.pagedserve.v1 import worker_pb2
+    from services.scheduler.server import lora_slots_of
+
+    def infos(*slots):
+        return [worker_pb2.GetWorkerInfoResponse(max_loras=n) for n in slots]
+
+    assert lora_slots_of(infos(0, 0), max_loras=4) == 0  # no LoRA: requests naming one refused
+    assert lora_slots_of(infos(4, 4), max_loras=2) == 4
+    with pytest.raises(ValueError, match="the scheduler has --max-loras 4 but the workers hold "
+                                         "2 LoRA adapters at once"):
+        lora_slots_of(infos(2, 2), max_loras=4)
