@@ -139,6 +139,20 @@ def test_load_then_unload_at_run_time(oai, stack, adapters):
     base_still_serves(oai)
 
 
+def test_load_and_unload_while_requests_stream(oai, stack, adapters):
+    """Load and unload while a stream is open (between the chunks it reads): both succeed and
+    the stream goes on to its end."""
+    stream = oai.completions.create(model="", prompt=IDS, max_tokens=48, stream=True,
+                                    extra_body={"ignore_eos": True})
+    chunks = [next(stream)]
+    assert lora_call(stack, "load_lora_adapter",
+                     {"lora_name": "c", "lora_path": adapters["b"]}).status_code == 200
+    assert lora_call(stack, "unload_lora_adapter", {"lora_name": "c"}).status_code == 200
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].text) > 0 for c in chunks) > 1
+
+
 @pytest.mark.parametrize(("name", "message"), [
     ("rank32", "rank 32 (layer 0 down_proj) is above --max-lora-rank 16"),
     ("missing", "no such adapter folder"),
