@@ -43,16 +43,19 @@ SERVICE = "pagedserve.v1.WorkerService"
 
 
 def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int,
-                       num_kv_blocks: int | None = None) -> StepInput:
+                       num_kv_blocks: int | None = None, max_loras: int = 0) -> StepInput:
     """Decode a StepRequest (``step_wire.step_from_pb``) and check what the runner will use.
 
     ``num_kv_blocks`` (the rank's; the servicer passes it) range-checks the block copies;
     None leaves that to the caller (in-process benchmarks, whose scheduler sized the cache).
+    ``max_loras`` (the rank's ``GetWorkerInfoResponse.max_loras``): 0 refuses a new request
+    with a LoRA adapter, which this rank cannot run (never silently the base model).
 
     Raises:
         ValueError: a malformed message: columns that disagree, a new request's sampling
             parameters the sampler cannot use (``check_sampling``; ``vocab_size``: the
-            model's), or block copies that cannot run as asked (``check_block_copies``).
+            model's), block copies that cannot run as asked (``check_block_copies``), or a
+            LoRA adapter on a rank without LoRA support.
     """
     step = step_from_pb(msg)
     for r in step.new_requests:
@@ -60,6 +63,10 @@ def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int,
             check_sampling(r.sampling_params, vocab_size)
         except ValueError as e:
             raise ValueError(f"new request {r.request_id!r}: {e}") from None
+        if r.lora is not None and not max_loras:
+            raise ValueError(f"new request {r.request_id!r} names LoRA adapter "
+                             f"{r.lora.name!r} but this worker runs no LoRA adapters "
+                             "(max_loras 0); the scheduler never sends one to it")
     if num_kv_blocks is not None:
         check_block_copies(step.blocks_to_copy, num_kv_blocks)
     return step
@@ -145,7 +152,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         loop = asyncio.get_running_loop()
         async for msg in request_iterator:
             try:
-                step = step_input_from_pb(msg, self.info.vocab_size, self.info.num_kv_blocks)
+                step = step_input_from_pb(msg, self.info.vocab_size, self.info.num_kv_blocks,
+                                          self.info.max_loras)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {e}")
             if step.new_requests and log.isEnabledFor(logging.DEBUG):

@@ -28,6 +28,10 @@ request reproduces every choice.
 server's scheduler runs ``--scheduling-policy priority``; otherwise a non-zero priority is
 INVALID_ARGUMENT.
 
+``model`` (default "": the base model) names the model to run, as OpenAI's clients do: a name
+of the base model or a LoRA adapter the server serves (``list_models``); another name is
+NOT_FOUND.
+
 Besides ``generate`` / ``stream``: ``chat`` / ``chat_stream`` (the Chat RPC: messages in, chat
 template applied), ``tokenize`` (text or messages → ``TokenizeResult``), ``detokenize`` (ids →
 text) and ``list_models`` (→ ``[ModelInfo]``); their result types are in ``text_types``.
@@ -111,7 +115,7 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
 def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   prompt_token_ids: list[int] | None = None, request_id: str = "",
                   priority: int = 0, chat_template_kwargs: dict | None = None,
-                  **sampling) -> api_pb2.GenerateRequest:
+                  model: str = "", **sampling) -> api_pb2.GenerateRequest:
     """Build a GenerateRequest from exactly one of prompt / messages / prompt_token_ids.
 
     Args:
@@ -120,6 +124,7 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
         chat_template_kwargs: (``messages`` only) extra variables for the chat template, e.g.
             ``{"enable_thinking": False}`` (vLLM's ``chat_template_kwargs``; every method
             that takes ``**sampling`` passes it here).
+        model: the base model's name or a LoRA adapter's; "" runs the base model.
         **sampling: SamplingParams fields by name (vLLM's names, including ``n`` and the beam
             search ones; ``structured_outputs``, ``logit_bias`` and ``early_stopping`` as in
             ``pagedserve_client.sampling``).
@@ -158,7 +163,7 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                 setattr(params, name, value)
         except (ValueError, TypeError) as e:  # protobuf's range/type checks
             raise type(e)(f"{name}={value!r}: {e}") from None
-    req = api_pb2.GenerateRequest(sampling_params=params, request_id=request_id)
+    req = api_pb2.GenerateRequest(sampling_params=params, request_id=request_id, model=model)
     try:
         req.priority = priority
     except (ValueError, TypeError) as e:
