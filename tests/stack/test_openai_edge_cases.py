@@ -78,7 +78,7 @@ def test_numbers_that_are_not_json_in_chat_template_kwargs_are_400s(tiny, oai, m
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"prompt": ""}, "prompt must be a non-empty string"),
+    ({"prompt": ""}, "prompt is empty: send a non-empty prompt, or messages"),
     ({"messages": []}, "messages is empty"),
 ])
 def test_tokenize_errors_name_the_http_fields(tiny, oai, model, body, words):

@@ -56,8 +56,10 @@ def tokenize(body: dict, tokenizer, info: engine_pb2.GetEngineInfoResponse) -> d
     strs = _flag(body, "return_token_strs")
     if prompt is not None:
         param = "prompt"
-        if not isinstance(prompt, str) or not prompt:
-            raise bad_request("prompt must be a non-empty string", param)
+        if not isinstance(prompt, str):
+            raise bad_request("prompt must be a string", param)
+        if not prompt:  # (text_api would name the gRPC API's fields)
+            raise bad_request("prompt is empty: send a non-empty prompt, or messages", param)
         req.prompt = utf8(prompt, param)
     else:
         param = "messages"
