@@ -125,7 +125,8 @@ class GrammarMask:
     """What the grammar allows on the constrained rows of one step, on the logits' device.
 
     Attributes:
-        rows: ``[C]`` int64, the constrained rows of the step's ``[S, V]`` logits, ascending.
+        rows: ``[C]`` int64, the constrained rows of the step's ``[S, V]`` logits, ascending
+            (rows still in their reasoning left out).
         disallowed: ``[C, V]`` bool, True = the token gets -inf.
         eos_rows / eos_ids: ``[E]`` int64 pairs (index into ``rows``, EOS id) set to 0 after
             the mask: the EOS-only rows.
@@ -151,7 +152,8 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
 
 @dataclass(slots=True)
 class _Masks:
-    """A mask job's numpy result: ``disallowed [C, V]`` bool, the EOS-only indices ``[E']``."""
+    """A mask job's numpy result over its masked rows (``M``, those not in reasoning):
+    ``disallowed [M, V]`` bool, the EOS-only indices ``[E']``."""
 
     disallowed: np.ndarray
     eos_only: np.ndarray
@@ -258,7 +260,7 @@ class StructuredOutputs:
             if not g.built:
                 self._build_matcher(g)
         words = self._eos_bits.shape[0]
-        bitmask = np.zeros((len(masked), words), dtype=np.int32)  # [C, W]
+        bitmask = np.zeros((len(masked), words), dtype=np.int32)  # [M, W]
         live = [(g.matcher, i) for i, g in enumerate(masked)
                 if g.matcher is not None and not g.matcher.is_stopped()]
         if live:
@@ -268,7 +270,7 @@ class StructuredOutputs:
         eos_only = np.flatnonzero(~np.any(bits & ~self._eos_bits, axis=1))  # [E']
         bits[eos_only] = self._eos_bits
         disallowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size,
-                                   bitorder="little") == 0  # [C, V]
+                                   bitorder="little") == 0  # [M, V]
         return _Masks(disallowed, eos_only)
 
     def _build_matcher(self, g: RequestGrammar) -> None:
