@@ -62,6 +62,9 @@ class EngineSamplingParams:
     beam_width: int = 0
     length_penalty: float = 1.0  # beam search: score = cumulative logprob / len ** this
     early_stopping: str = "false"  # beam search: "true" | "false" | "never" (transformers')
+    # structured_output is enforced only after this token id (the reasoning's end, </think>)
+    # is generated; the matcher starts at the token after it. None = from the first token.
+    reasoning_end_token_id: int | None = None
 
     @property
     def uses_penalties(self) -> bool:
@@ -94,4 +97,5 @@ class EngineSamplingParams:
 
 # the fields that are message fields of the same name (logit_bias travels as two columns)
 _FIELDS = tuple(f.name for f in fields(EngineSamplingParams) if f.name != "logit_bias")
-_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs")  # proto3 optional: None unset
+# proto3 optional: None unset
+_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "reasoning_end_token_id")

@@ -298,7 +298,8 @@ class InputBatch:
             state.logit_bias = (np.array([t for t, _ in sampling.logit_bias], dtype=np.int64),
                                 np.array([b for _, b in sampling.logit_bias], dtype=np.float32))
         if self.structured is not None and sampling.structured_output:
-            state.grammar = RequestGrammar(request_id, sampling.structured_output)
+            state.grammar = RequestGrammar(request_id, sampling.structured_output,
+                                           reasoning_end=sampling.reasoning_end_token_id)
         self.requests[request_id] = state
         row = self._bind(state, step)
         self.token_ids[row, :len(token_ids)] = token_ids

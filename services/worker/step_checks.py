@@ -13,11 +13,12 @@ from services.common.sampling_params import EngineSamplingParams
 
 def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
     """Refuse parameters the sampler cannot use: a temperature, top_p, min_p, penalty or
-    logit bias that is not a finite number in its domain, a stop token id, logit_bias token id
-    or logprobs count outside the vocabulary (a beam asks for more than the router's 20 top
-    logprobs, up to the vocabulary), a negative beam_width, or a structured_output that is not
-    llguidance grammar JSON (an object with a ``grammars`` list; the grammar itself is the
-    router's to validate, and a matcher that fails anyway only lets the request end).
+    logit bias that is not a finite number in its domain, a stop token id, logit_bias token id,
+    reasoning_end_token_id or logprobs count outside the vocabulary (a beam asks for more than
+    the router's 20 top logprobs, up to the vocabulary), a negative beam_width, or a
+    structured_output that is not llguidance grammar JSON (an object with a ``grammars`` list;
+    the grammar itself is the router's to validate, and a matcher that fails anyway only lets
+    the request end).
 
     Not a second validation: the router's (``services/router/validation.py``) names fields and
     limits, and all it accepts passes here. This is the worker's guard against a malformed
@@ -33,6 +34,7 @@ def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
     if not (all(map(math.isfinite, floats)) and p.temperature >= 0 and 0 < p.top_p <= 1
             and 0 <= p.min_p <= 1 and p.repetition_penalty > 0 and p.beam_width >= 0
             and all(0 <= t < vocab_size for t in p.stop_token_ids)
+            and (p.reasoning_end_token_id is None or 0 <= p.reasoning_end_token_id < vocab_size)
             and all(k is None or 0 <= k <= vocab_size for k in (p.logprobs, p.prompt_logprobs))):
         raise ValueError(f"sampling parameters the sampler cannot use (vocab_size {vocab_size}; "
                          f"the router never sends these): {p}")

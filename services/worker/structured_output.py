@@ -21,6 +21,16 @@ first structured request may wait for it), then each step's mask job::
                                  greedy / temperature / top-k / top-p / min-p
     step.consume(tokens)         each matcher advances by its sampled token
 
+After the reasoning (``EngineSamplingParams.reasoning_end_token_id`` = E, set by the router's
+``--reasoning-parser`` when the output begins inside the ``<think>`` span; vLLM's
+``reasoning_ended``): until the request samples E its row gets no mask and its matcher consumes
+nothing; E itself is unconstrained and not consumed; from the next token on the row is
+constrained as if the output began there. A resumed request replays only its outputs after
+the first E (none while E is not among them: it is still reasoning)::
+
+    outputs   r r r E j j j EOS        r: reasoning, free   E: </think>, free
+    matcher         ^ starts here      j: constrained by the grammar
+
 A row is EOS-only when its matcher is stopped (the grammar is complete), in error (a token it
 refused: warned once, naming the request), could not be built (no tokenizer), or its mask
 allows nothing but EOS ids. Its EOS logits are set to 0 after everything else, so min_tokens
@@ -66,6 +76,10 @@ class RequestGrammar:
         replay: output tokens the matcher consumes when it is built (a resumed request's).
         built: the mask job tried to build the matcher (since the request came or resumed).
         failed: its matcher could not be built or entered an error state (warned once).
+        reasoning_end: the token id E after which the grammar applies (the reasoning's end),
+            or None: it applies from the first output token.
+        reasoning: E has not been sampled yet: the row is unconstrained and its matcher
+            consumes nothing.
     """
 
     request_id: str
@@ -74,12 +88,36 @@ class RequestGrammar:
     replay: list[int] = field(default_factory=list)
     built: bool = False
     failed: bool = False
+    reasoning_end: int | None = None
+    reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        self.reasoning = self.reasoning_end is not None
 
     def reset(self, output_token_ids: Sequence[int]) -> None:
         """Start again from the grammar's start, then ``output_token_ids`` (a resume from
-        preemption: the outputs may differ from what this worker's matcher consumed)."""
+        preemption: the outputs may differ from what this worker's matcher consumed); with
+        ``reasoning_end``, only the outputs after its first occurrence (none, and still
+        reasoning, without one)."""
         self.matcher, self.built, self.failed = None, False, False
-        self.replay = list(output_token_ids)
+        outputs = list(output_token_ids)
+        if self.reasoning_end is not None:
+            self.reasoning = self.reasoning_end not in outputs
+            outputs = [] if self.reasoning else outputs[outputs.index(self.reasoning_end) + 1:]
+        self.replay = outputs
+
+    def advance(self, token: int) -> None:
+        """Consume the row's sampled ``token``: a reasoning row only watches for E; a
+        constrained one advances its matcher (a refused token: warned once, EOS-only)."""
+        if self.reasoning:
+            self.reasoning = token != self.reasoning_end
+            return
+        m = self.matcher
+        if m is not None and not m.consume_token(token) and not self.failed:
+            self.failed = True
+            log.warning("structured output: token %d broke the grammar (%s); the request "
+                        "can only end now (EOS)", token, m.get_error()[:500],
+                        extra={"request_id": self.request_id})
 
 
 @dataclass(slots=True)
@@ -87,7 +125,8 @@ class GrammarMask:
     """What the grammar allows on the constrained rows of one step, on the logits' device.
 
     Attributes:
-        rows: ``[C]`` int64, the constrained rows of the step's ``[S, V]`` logits, ascending.
+        rows: ``[C]`` int64, the constrained rows of the step's ``[S, V]`` logits, ascending
+            (rows still in their reasoning left out).
         disallowed: ``[C, V]`` bool, True = the token gets -inf.
         eos_rows / eos_ids: ``[E]`` int64 pairs (index into ``rows``, EOS id) set to 0 after
             the mask: the EOS-only rows.
@@ -113,42 +152,46 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
 
 @dataclass(slots=True)
 class _Masks:
-    """A mask job's numpy result: ``disallowed [C, V]`` bool, the EOS-only indices ``[E']``."""
+    """A mask job's numpy result over its masked rows (``M``, those not in reasoning):
+    ``disallowed [M, V]`` bool, the EOS-only indices ``[E']``."""
 
     disallowed: np.ndarray
     eos_only: np.ndarray
 
 
 class GrammarStep:
-    """One step's mask job (``StructuredOutputs.start``): collect the mask, then consume."""
+    """One step's mask job (``StructuredOutputs.start``): collect the mask, then consume.
 
-    def __init__(self, rows: np.ndarray, grammars: list[RequestGrammar],
+    Args:
+        rows: ``[C]`` int64, the rows of ``grammars`` (all of them consume).
+        masked: ``[M]`` int64, the rows the job masks (those not in reasoning), ascending.
+    """
+
+    def __init__(self, rows: np.ndarray, grammars: list[RequestGrammar], masked: np.ndarray,
                  job: Future[_Masks], eos_token_ids: tuple[int, ...]) -> None:
-        self.rows, self.grammars, self._job = rows, grammars, job
+        self.rows, self.grammars, self._masked, self._job = rows, grammars, masked, job
         self._eos_token_ids = eos_token_ids
 
-    def mask(self, device: torch.device) -> GrammarMask:
-        """Wait for the job and move its mask to ``device``."""
+    def mask(self, device: torch.device) -> GrammarMask | None:
+        """Wait for the job and move its mask to ``device``; None when every row is still in
+        its reasoning (nothing to mask)."""
         done = self._job.result()
+        if not len(self._masked):
+            return None
         eos_rows = np.repeat(done.eos_only, len(self._eos_token_ids))  # [E]
         eos_ids = np.tile(np.asarray(self._eos_token_ids, dtype=np.int64), len(done.eos_only))
 
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
-        return GrammarMask(tensor(self.rows), tensor(done.disallowed), tensor(eos_rows),
+        return GrammarMask(tensor(self._masked), tensor(done.disallowed), tensor(eos_rows),
                            tensor(eos_ids))
 
     def consume(self, token_ids: list[int]) -> None:
-        """Advance each matcher by its row's sampled token (after ``mask``: the job built
-        them)."""
+        """Advance each grammar by its row's sampled token (``RequestGrammar.advance``; after
+        ``mask``: the job built the matchers)."""
         for g, token in zip(self.grammars, token_ids, strict=True):
-            m = g.matcher
-            if m is not None and not m.consume_token(token) and not g.failed:
-                g.failed = True
-                log.warning("structured output: token %d broke the grammar (%s); the request "
-                            "can only end now (EOS)", token, m.get_error()[:500],
-                            extra={"request_id": g.request_id})
+            g.advance(token)
 
 
 class StructuredOutputs:
@@ -201,20 +244,24 @@ class StructuredOutputs:
 
     def start(self, rows: np.ndarray, grammars: list[RequestGrammar]) -> GrammarStep:
         """Start the mask job of the constrained rows ``rows [C]`` int64 (indices into the
-        step's sampled rows) with their ``grammars`` (nothing may consume meanwhile)."""
-        return GrammarStep(rows, grammars, self._thread.submit(self._fill, grammars),
-                           self.eos_token_ids)
+        step's sampled rows) with their ``grammars`` (nothing may consume meanwhile); the rows
+        still in their reasoning get no mask."""
+        active = [i for i, g in enumerate(grammars) if not g.reasoning]
+        job = self._thread.submit(self._fill, grammars, [grammars[i] for i in active])
+        return GrammarStep(rows, grammars, rows[active], job, self.eos_token_ids)
 
     # ---- the grammar thread --------------------------------------------------------------
 
-    def _fill(self, grammars: list[RequestGrammar]) -> _Masks:
-        """The mask job (grammar thread): matchers built, bitmasks filled and unpacked."""
+    def _fill(self, grammars: list[RequestGrammar], masked: list[RequestGrammar]) -> _Masks:
+        """The mask job (grammar thread): matchers built (also those still in reasoning: the
+        grammar compiles while the model thinks), the bitmasks of ``masked`` filled and
+        unpacked."""
         for g in grammars:
             if not g.built:
                 self._build_matcher(g)
         words = self._eos_bits.shape[0]
-        bitmask = np.zeros((len(grammars), words), dtype=np.int32)  # [C, W]
-        live = [(g.matcher, i) for i, g in enumerate(grammars)
+        bitmask = np.zeros((len(masked), words), dtype=np.int32)  # [M, W]
+        live = [(g.matcher, i) for i, g in enumerate(masked)
                 if g.matcher is not None and not g.matcher.is_stopped()]
         if live:
             fill_next_token_bitmask_par(self._executor, live, bitmask)
@@ -223,7 +270,7 @@ class StructuredOutputs:
         eos_only = np.flatnonzero(~np.any(bits & ~self._eos_bits, axis=1))  # [E']
         bits[eos_only] = self._eos_bits
         disallowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size,
-                                   bitorder="little") == 0  # [C, V]
+                                   bitorder="little") == 0  # [M, V]
         return _Masks(disallowed, eos_only)
 
     def _build_matcher(self, g: RequestGrammar) -> None:

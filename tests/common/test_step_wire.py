@@ -86,7 +86,8 @@ def test_the_output_is_the_step_result_field_for_field():
 
 ids = st.lists(st.integers(-1, 2**31 - 1), max_size=6)
 params = st.builds(EngineSamplingParams, temperature=st.sampled_from([0.0, 0.5]),
-                   seed=st.none() | st.integers(0, 2**63), beam_width=st.integers(0, 3))
+                   seed=st.none() | st.integers(0, 2**63), beam_width=st.integers(0, 3),
+                   reasoning_end_token_id=st.none() | st.integers(0, 2**31 - 1))
 loras = st.none() | st.builds(LoRARequest, st.integers(1, 2**31 - 1), st.text(max_size=4),
                               st.text(max_size=8))
 new_requests = st.builds(NewRequest, st.text(max_size=4), ids, params, ids,

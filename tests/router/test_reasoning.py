@@ -18,6 +18,7 @@ from services.router.openai.errors import OpenAIError
 from services.router.openai.reasoning import (
     ReasoningOptions,
     ReasoningSplitter,
+    constrain_after,
     prompt_ends_reasoning,
     split,
     starts_in_reasoning,
@@ -228,3 +229,15 @@ def test_chat_template_kwargs_reach_the_template_and_reserved_names_are_refused(
             encode_chat(tok, USER, chat_template_kwargs="[1]")
     finally:
         tok.chat_template = template
+
+
+def test_a_grammar_waits_for_the_end_tag_or_makes_the_output_content():
+    """With a grammar, a request that starts in the span waits for ``</think>``'s id; without
+    tag tokens there is nothing to wait for and the (constrained) output is content; without
+    a grammar, or outside the span, nothing changes."""
+    on, off = ReasoningOptions(True, include=False), ReasoningOptions(False)
+    assert constrain_after(on, (7, 8), constrained=True) == (on, 8)
+    assert constrain_after(on, None, constrained=True) == (ReasoningOptions(False, False), None)
+    for options, ids, constrained in ((on, (7, 8), False), (on, None, False),
+                                      (off, (7, 8), True), (off, None, True)):
+        assert constrain_after(options, ids, constrained) == (options, None)

@@ -16,7 +16,7 @@ FULL = EngineSamplingParams(
     ignore_eos=True, min_p=0.25, repetition_penalty=1.5, presence_penalty=-0.5,
     frequency_penalty=0.75, min_tokens=6, logprobs=0, prompt_logprobs=20,
     structured_output='{"grammars": [{"lark_grammar": "start: \\"a\\""}]}',
-    logit_bias=((3, 100.0), (0, -0.5)))
+    logit_bias=((3, 100.0), (0, -0.5)), reasoning_end_token_id=0)
 
 
 def test_the_message_is_the_type_field_for_field():
@@ -28,16 +28,18 @@ def test_the_message_is_the_type_field_for_field():
         "logit_bias_token_ids", "logit_bias_values"]
     assert [f.name for f in message] == names
     assert {f.name for f in message if f.has_presence} == {
-        "seed", "max_tokens", "logprobs", "prompt_logprobs"}
+        "seed", "max_tokens", "logprobs", "prompt_logprobs", "reasoning_end_token_id"}
     for params in (FULL, EngineSamplingParams()):
         assert EngineSamplingParams.from_pb(params.to_pb()) == params
 
 
 def test_unset_stays_unset_and_zero_stays_zero():
     wire = EngineSamplingParams().to_pb()
-    assert not any(wire.HasField(n) for n in ("seed", "max_tokens", "logprobs", "prompt_logprobs"))
+    assert not any(wire.HasField(n) for n in ("seed", "max_tokens", "logprobs", "prompt_logprobs",
+                                              "reasoning_end_token_id"))
     assert (wire.top_p, wire.repetition_penalty, wire.top_k) == (1.0, 1.0, -1)  # sent, not implied
     assert FULL.to_pb().HasField("logprobs") and FULL.to_pb().logprobs == 0
+    assert FULL.to_pb().HasField("reasoning_end_token_id")  # id 0 is an id, not "unset"
 
 
 def test_the_scheduler_forwards_the_submitted_message_unchanged():

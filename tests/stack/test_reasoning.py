@@ -4,15 +4,21 @@ and DeepSeek-R1's have) and a chat template that ends the generation prompt with
 (DeepSeek-R1 style), or with a closed ``<think>\\n\\n</think>\\n\\n`` when ``enable_thinking`` is
 false (Qwen3 style); the router runs ``--reasoning-parser deepseek_r1`` with Hermes tool calls.
 
-A random model writes no ``</think>`` by itself, so a ``structured_outputs`` grammar (Lark)
-makes it write a span, the ``</think>`` token (by id: llguidance counts added tokens as
-special, which only a grammar can name) and an answer."""
+A random model writes no ``</think>`` by itself, so a ``logit_bias`` on its id makes it: +100
+makes it the first token (an empty span, null), +10 makes it likely at each position (with seed
+0 it comes after five free tokens: a non-empty span). A grammar (``structured_outputs``,
+``response_format``, a forced tool call) applies only after the reasoning, from the token after
+``</think>`` (which it then forbids, whatever its bias), as vLLM's; with thinking off (the
+prompt closed the span) it applies from the first token, and there a grammar writes the span's
+look-alike, ``</think>`` (by id: llguidance counts added tokens as special, which only a grammar
+can name) and an answer, all of it content."""
 
 from __future__ import annotations
 
 import json
 import re
 
+import jsonschema
 import openai
 import pytest
 from tokenizers import AddedToken
@@ -29,13 +35,18 @@ TEMPLATE = (
     "{% else %}<think>\n{% endif %}{% endif %}")
 ASK = [{"role": "user", "content": "What is 2 + 2?"}]
 END_ID = 49153  # </think>: the tokenizer's 49152 tokens, then <think> and </think>
-# a span of two words, the end tag, an answer (then EOS: the grammar allows nothing more)
-GRAMMAR = rf"""start: /[a-z]{{2,6}} [a-z]{{2,6}}/ <[{END_ID}]> "\n\nThe answer is " /[0-9]/ "." """
-OUTPUT = re.compile(r"[a-z]{2,6} [a-z]{2,6}</think>\n\nThe answer is [0-9]\.")
+# the answer after the reasoning (then EOS: the grammar allows nothing more)
+GRAMMAR = r"""start: "\n\nThe answer is " /[0-9]/ "." """
 ANSWER = re.compile(r"\n\nThe answer is [0-9]\.")
+# thinking off: a grammar from the first token writes a span, the end tag and an answer
+WHOLE = rf"""start: /[a-z]{{2,6}} [a-z]{{2,6}}/ <[{END_ID}]> "\n\nThe answer is " /[0-9]/ "." """
+OUTPUT = re.compile(r"[a-z]{2,6} [a-z]{2,6}</think>\n\nThe answer is [0-9]\.")
 CALL = r'/<tool_call>\{"name": "ping", "arguments": \{"n": [0-9]\}\}<\/tool_call>/'
-TOOLS = [{"type": "function", "function": {
-    "name": "ping", "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]
+PING = {"type": "object", "required": ["n"], "additionalProperties": False,
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+TOOLS = [{"type": "function", "function": {"name": "ping", "parameters": PING}}]
+FIRST, LIKELY = 100, 10  # logit_bias on </think>: the first token / a few tokens in (SEED)
+SEED = 0  # with LIKELY: </think> is the 6th token
 
 
 @pytest.fixture(scope="module")
@@ -71,13 +82,16 @@ def client(reasoning_stack):
     _leak_check(reasoning_stack)
 
 
-def chat(client, stream: bool = False, grammar: str = GRAMMAR, **kwargs):
-    """``(message fields, usage)`` of one chat completion; a stream's deltas are folded into
-    the same fields (text joined, tool calls gathered)."""
-    kwargs = {"model": "", "messages": ASK, "max_tokens": 40, "seed": 3, "temperature": 1.0,
-              **kwargs}
-    kwargs["extra_body"] = {"structured_outputs": {"grammar": grammar},
-                            **kwargs.get("extra_body", {})}
+def chat(client, stream: bool = False, grammar: str | None = GRAMMAR, bias: int = LIKELY,
+         **kwargs):
+    """``(message fields, usage)`` of one chat completion (``bias`` on ``</think>``, ``grammar``
+    unless None); a stream's deltas are folded into the same fields (text joined, tool calls
+    gathered)."""
+    kwargs = {"model": "", "messages": ASK, "max_tokens": 40, "seed": SEED, "temperature": 1.0,
+              "logit_bias": {str(END_ID): bias}, **kwargs}
+    if grammar is not None:
+        kwargs["extra_body"] = {"structured_outputs": {"grammar": grammar},
+                                **kwargs.get("extra_body", {})}
     if not stream:
         r = client.chat.completions.create(**kwargs)
         m = r.choices[0].message
@@ -110,8 +124,9 @@ def chat(client, stream: bool = False, grammar: str = GRAMMAR, **kwargs):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_span_is_reasoning_content_and_the_answer_content(client, stream):
+    """Free tokens, ``</think>`` (likely, not first), then the grammar's answer."""
     message, usage = chat(client, stream)
-    assert re.fullmatch(r"[a-z]{2,6} [a-z]{2,6}", message["reasoning_content"])
+    assert message["reasoning_content"] and "</think>" not in message["reasoning_content"]
     assert message["reasoning"] == message["reasoning_content"]
     assert ANSWER.fullmatch(message["content"]) and message["finish_reason"] == "stop"
     reasoning_tokens = usage.completion_tokens_details.reasoning_tokens
@@ -129,9 +144,10 @@ def test_include_reasoning_false_drops_the_span(client):
 
 
 def test_an_output_cut_inside_the_span_is_all_reasoning(client):
-    message, usage = chat(client, max_tokens=3, grammar="start: /[a-z]{20,30}/")
+    """No ``</think>``: the grammar never applied (max_tokens bounds the whole output)."""
+    message, usage = chat(client, max_tokens=3, bias=0, grammar="start: /[a-z]{20,30}/")
     assert message["content"] is None and message["finish_reason"] == "length"
-    assert re.fullmatch(r"[a-z]+", message["reasoning_content"])
+    assert message["reasoning_content"]
     assert usage.completion_tokens_details.reasoning_tokens == usage.completion_tokens == 3
 
 
@@ -139,10 +155,12 @@ def test_chat_template_kwargs_reach_the_template(client, reasoning_stack):
     """enable_thinking false closes the span in the prompt: the output is all content (and
     the prompt longer); any other variable is printed by this template."""
     _, usage = chat(client)
-    off, off_usage = chat(client, extra_body={"chat_template_kwargs":
-                                              {"enable_thinking": False}})
+    off, off_usage = chat(client, grammar=WHOLE, bias=0, extra_body={
+        "chat_template_kwargs": {"enable_thinking": False}})
     assert off["reasoning_content"] is None and off["has_reasoning"]
-    assert OUTPUT.fullmatch(off["content"])  # the whole output, </think> and all
+    # the grammar applied from the first token (no span to wait for): the whole output,
+    # </think> and all, is content
+    assert OUTPUT.fullmatch(off["content"])
     assert off_usage.completion_tokens_details.reasoning_tokens == 0
     tokens = reasoning_stack.tokenizer.tokenize
     assert (off_usage.prompt_tokens - usage.prompt_tokens
@@ -152,11 +170,12 @@ def test_chat_template_kwargs_reach_the_template(client, reasoning_stack):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_tool_calls_are_parsed_from_the_content_only(client, stream):
-    grammar = f'start: "I could " {CALL} <[{END_ID}]> {CALL}'
-    message, _ = chat(client, stream, grammar=grammar, tools=TOOLS, max_tokens=80)
-    assert re.fullmatch(r"I could <tool_call>.*</tool_call>", message["reasoning_content"])
-    assert message["content"] is None and message["finish_reason"] == "tool_calls"
+def test_tool_calls_are_parsed_from_the_content(client, stream):
+    """tool_choice auto: a call the grammar writes after the span is parsed from the
+    content."""
+    message, _ = chat(client, stream, grammar=f"start: {CALL}", tools=TOOLS, max_tokens=80)
+    assert message["reasoning_content"] and message["content"] is None
+    assert message["finish_reason"] == "tool_calls"
     assert [name for name, _ in message["tool_calls"]] == ["ping"]
 
 
@@ -209,7 +228,8 @@ def test_responses_carry_the_span_as_a_reasoning_item(client, stream):
     the message, whose text is the answer only; streamed (``.stream``) as whole."""
     kwargs = {"model": "", "input": ASK[0]["content"], "max_output_tokens": 40,
               "temperature": 1.0,
-              "extra_body": {"seed": 3, "structured_outputs": {"grammar": GRAMMAR}}}
+              "extra_body": {"seed": SEED, "structured_outputs": {"grammar": GRAMMAR},
+                             "logit_bias": {str(END_ID): LIKELY}}}
     if stream:
         with client.responses.stream(**kwargs) as events:
             kinds = [e.type for e in events]
@@ -221,7 +241,7 @@ def test_responses_carry_the_span_as_a_reasoning_item(client, stream):
         r = client.responses.create(**kwargs)
     reasoning, message = r.output
     assert reasoning.type == "reasoning" and message.type == "message"
-    assert re.fullmatch(r"[a-z]{2,6} [a-z]{2,6}", reasoning.content[0].text)
+    assert reasoning.content[0].text
     assert ANSWER.fullmatch(r.output_text)
     assert 2 <= r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens - 5
     whole, usage = chat(client)  # the chat route splits the same output the same way
@@ -234,8 +254,10 @@ def test_responses_carry_the_span_as_a_reasoning_item(client, stream):
 
 
 def _responses(client, **kwargs):
-    """A whole /v1/responses answer for ASK on the span-then-answer grammar (seed 3)."""
-    extra = {"seed": 3, "structured_outputs": {"grammar": GRAMMAR}, **kwargs.pop("extra", {})}
+    """A whole /v1/responses answer for ASK: free reasoning, ``</think>`` (likely: SEED), then
+    the answer's grammar (``extra`` overrides these)."""
+    extra = {"seed": SEED, "logit_bias": {str(END_ID): LIKELY},
+             "structured_outputs": {"grammar": GRAMMAR}, **kwargs.pop("extra", {})}
     return client.responses.create(**{"model": "", "input": ASK[0]["content"],
                                       "max_output_tokens": 40, "temperature": 1.0,
                                       "extra_body": extra, **kwargs})
@@ -269,7 +291,8 @@ def test_responses_take_chat_template_kwargs_and_a_default_reasoning(client, rea
     chat's); a default ``reasoning`` is accepted."""
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     kwargs = {} if reasoning is None else {"reasoning": reasoning}
-    r = _responses(client, extra=off, **kwargs)
+    # thinking off: no span to wait for, a grammar applies from the first token (WHOLE)
+    r = _responses(client, extra={**off, "structured_outputs": {"grammar": WHOLE}}, **kwargs)
     _, chat_usage = chat(client, extra_body=off)
     assert [item.type for item in r.output] == ["message"]
     assert OUTPUT.fullmatch(r.output_text)  # the whole output, </think> and all
@@ -335,3 +358,100 @@ def test_the_async_sdk_tokenizes_with_chat_template_kwargs(reasoning_stack):
 
     off, used, plain = asyncio.run(counts())
     assert off == used > plain
+
+
+# ---- structured outputs after the reasoning (issue 34) --------------------------------------
+
+def _plain(client, **kwargs):
+    """One chat completion without a ``structured_outputs`` grammar (its own constraint in
+    ``kwargs``): ``(message, usage)``."""
+    kwargs = {"model": "", "messages": ASK, "max_tokens": 60, "seed": SEED, "temperature": 1.0,
+              "logit_bias": {str(END_ID): FIRST}, **kwargs}
+    r = client.chat.completions.create(**kwargs)
+    return r.choices[0], r.usage
+
+
+@pytest.mark.parametrize("bias", [FIRST, LIKELY])
+def test_response_format_json_schema_applies_after_the_span(client, bias):
+    """The span (empty, null: ``</think>`` first; or five free tokens) is reasoning, the JSON
+    the schema's, in the content (before the fix it was filed as reasoning, content null)."""
+    choice, usage = _plain(client, logit_bias={str(END_ID): bias}, response_format={
+        "type": "json_schema", "json_schema": {"name": "n", "schema": PING, "strict": True}})
+    extra = choice.message.model_extra or {}
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PING)
+    reasoning, tokens = extra["reasoning_content"], usage.completion_tokens_details
+    if bias == FIRST:
+        assert reasoning is None and tokens.reasoning_tokens == 1  # </think> alone
+    else:
+        assert reasoning and "</think>" not in reasoning and tokens.reasoning_tokens == 6
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "ping"}}])
+def test_forced_tool_calls_apply_after_the_span(client, choice):
+    """tool_choice required / named: the call comes after ``</think>``, in ``tool_calls``
+    with the arguments (before the fix: no calls, or arguments "")."""
+    result, _ = _plain(client, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+    calls = result.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["ping"] and result.message.content is None
+    jsonschema.validate(json.loads(calls[0].function.arguments), PING)
+    assert (result.message.model_extra or {})["reasoning_content"] is None  # (an empty span)
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "required"])
+def test_responses_forced_structures_apply_after_the_span(client, kind):
+    """/v1/responses: a json_schema text format gives the JSON as output_text, a required tool
+    a function_call item, each after the reasoning item (five free tokens)."""
+    kwargs: dict = {"model": "", "input": ASK[0]["content"], "max_output_tokens": 60,
+                    "temperature": 1.0,
+                    "extra_body": {"seed": SEED, "logit_bias": {str(END_ID): LIKELY}}}
+    if kind == "json_schema":
+        kwargs["text"] = {"format": {"type": "json_schema", "name": "n", "schema": PING,
+                                     "strict": True}}
+    else:
+        kwargs.update(tools=[{"type": "function", "name": "ping", "parameters": PING}],
+                      tool_choice="required", parallel_tool_calls=False)
+    r = client.responses.create(**kwargs)
+    assert r.status == "completed"
+    reasoning, *rest = r.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(r.output_text), PING)
+    else:
+        assert [item.type for item in rest] == ["function_call"] and rest[0].name == "ping"
+        jsonschema.validate(json.loads(rest[0].arguments), PING)
+
+
+@pytest.fixture(scope="module")
+def tagless_stack(tmp_path_factory):
+    """SmolLM2's tokenizer as it is (no ``<think>`` tokens) behind --reasoning-parser."""
+    from services.router.tokenizer import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-tagless")
+    make_tiny_llama(path, vocab_size=49152)  # the tokenizer's
+    load_tokenizer(None).save_pretrained(str(path))
+    stack = InProcessStack(str(path),
+                           worker_argv=["--dtype", "float32", "--kv-cache-memory", "32MiB",
+                                        "--enforce-eager"],
+                           router_argv=["--reasoning-parser", "deepseek_r1"]).start()
+    yield stack
+    stack.stop()
+
+
+def test_without_tag_tokens_a_constrained_output_is_content(tagless_stack):
+    """No ``</think>`` token to wait for: the grammar applies from the first token and its
+    output is content (reasoning null); an unconstrained answer is still reasoning."""
+    with openai.OpenAI(base_url=f"{tagless_stack.http_url}/v1", api_key="unused",
+                       max_retries=0, timeout=120) as c:
+        r = c.chat.completions.create(
+            model="", messages=ASK, max_tokens=60, seed=3, temperature=1.0,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "n", "schema": PING, "strict": True}})
+        message = r.choices[0].message
+        jsonschema.validate(json.loads(message.content), PING)
+        assert (message.model_extra or {})["reasoning_content"] is None
+        free = c.chat.completions.create(model="", messages=ASK, max_tokens=3, seed=3)
+        assert free.choices[0].message.content is None
+        assert (free.choices[0].message.model_extra or {})["reasoning_content"]
+    _leak_check(tagless_stack)

@@ -217,3 +217,99 @@ def test_tp2_only_the_driver_holds_matchers_and_both_ranks_agree(model, tok, tmp
     assert (driver, peer) == (True, False) and out0 == out1
     jsonschema.validate(json.loads(text(tok, out0[0])), SCHEMA)
     assert re.fullmatch(REGEX, text(tok, out0[1]))
+
+
+# ---- the grammar after the reasoning (reasoning_end_token_id) -------------------------------
+
+DIGITS = r"[0-9]{6}"
+
+
+def after_reasoning(tok, seed: int, **kw) -> EngineSamplingParams:
+    """Six digits after the reasoning, whose end E is the token of "Hello"."""
+    end = tok.encode("Hello")[0]
+    return sampled(llguidance.grammar_from("regex", DIGITS), seed, reasoning_end_token_id=end,
+                   **kw)
+
+
+def test_reasoning_rows_get_no_mask_until_e_then_the_matcher_starts_after_it(tok):
+    """Rows in reasoning are left out of the mask and their matcher consumes nothing; E itself
+    is free; the token after E is the grammar's first (digits only), next to a row constrained
+    from the start."""
+    so = StructuredOutputs(lambda: tok, len(tok), (EOS,))
+    end, word, digit = tok.encode("Hello")[0], tok.encode("abc")[0], tok.encode("7")[0]
+    grammar = llguidance.grammar_from("regex", DIGITS)
+    gated, plain = RequestGrammar("g", grammar, reasoning_end=end), RequestGrammar("p", grammar)
+    assert gated.reasoning and not plain.reasoning
+    step = so.start(np.array([0, 2]), [gated, plain])
+    mask = step.mask(torch.device("cpu"))
+    assert mask is not None and mask.rows.tolist() == [2]  # only the plain row is masked
+    step.consume([word, digit])  # not a digit: the reasoning row takes it, untouched
+    assert gated.reasoning and not gated.failed and not plain.failed
+    step = so.start(np.array([0]), [gated])
+    assert step.mask(torch.device("cpu")) is None  # nothing to mask at all
+    step.consume([end])  # E: the reasoning ends, the matcher has still consumed nothing
+    assert not gated.reasoning and not gated.failed
+    step = so.start(np.array([0]), [gated])
+    mask = step.mask(torch.device("cpu"))
+    assert mask is not None and mask.rows.tolist() == [0]
+    allowed = np.flatnonzero(~mask.disallowed.numpy()[0])
+    assert digit in allowed and word not in allowed and end not in allowed
+    assert all(tok.decode([t]).isdigit() for t in allowed)
+    so.close()
+
+
+def test_reset_replays_only_the_outputs_after_the_first_e():
+    end = 9
+    g = RequestGrammar("g", "{}", reasoning_end=end)
+    g.reset([1, 2, 3])
+    assert g.reasoning and g.replay == []
+    g.reset([1, end, 4, end, 5])
+    assert not g.reasoning and g.replay == [4, end, 5]
+    g.reset([])
+    assert g.reasoning and g.replay == []
+    plain = RequestGrammar("p", "{}")
+    plain.reset([1, end, 4])
+    assert not plain.reasoning and plain.replay == [1, end, 4]
+
+
+def test_e_first_then_the_grammar_through_the_runner(runner, tok):
+    """A large bias on E makes it the first token (free); from the next token on the grammar
+    masks E (whatever its bias): six digits, then EOS. Without reasoning_end_token_id the same
+    request never samples E (the grammar applies from the start)."""
+    end = tok.encode("Hello")[0]
+    bias = ((end, 100.0),)
+    gated, plain = generate(runner, [tok.encode("Think:")] * 2, [
+        after_reasoning(tok, 5, logit_bias=bias),
+        sampled(llguidance.grammar_from("regex", DIGITS), 5, logit_bias=bias)])
+    assert gated[0] == end and re.fullmatch(DIGITS, text(tok, gated[1:])), gated
+    assert end not in plain and re.fullmatch(DIGITS, text(tok, plain)), plain
+
+
+def test_before_e_the_output_is_the_unconstrained_one(runner, tok):
+    """While E is not sampled the request samples exactly what it would without a grammar (same
+    seed): tokens the grammar would refuse come out."""
+    prompt = tok.encode("Think:")
+    gated, free = generate(runner, [prompt, prompt], [
+        after_reasoning(tok, 11, max_tokens=8),
+        EngineSamplingParams(temperature=1.0, seed=11, max_tokens=8)])
+    assert tok.encode("Hello")[0] not in free  # (the case under test: E never came)
+    assert gated == free and not re.fullmatch(r"[0-9]*", tok.decode(free)), free
+
+
+def test_preempted_after_e_replays_only_the_tokens_after_it(runner, tok):
+    """E first, preempted after 3 outputs and resumed with 2 (E and one digit): the matcher
+    replays the digit alone, so exactly six digits follow E."""
+    end = tok.encode("Hello")[0]
+    outputs = generate(runner, [tok.encode("Think:")], [
+        after_reasoning(tok, 3, logit_bias=((end, 100.0),))], preempt=(3, 0))
+    out = outputs[0]
+    assert out[0] == end and re.fullmatch(DIGITS, text(tok, out[1:])), out
+
+
+def test_check_sampling_refuses_a_reasoning_end_outside_the_vocabulary():
+    grammar = llguidance.grammar_from("regex", "a+")
+    check_sampling(EngineSamplingParams(structured_output=grammar, reasoning_end_token_id=99), 100)
+    for bad in (100, -1):
+        with pytest.raises(ValueError, match="sampling parameters the sampler cannot use"):
+            check_sampling(EngineSamplingParams(structured_output=grammar,
+                                                reasoning_end_token_id=bad), 100)

@@ -30,6 +30,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 
 from aiohttp import web
 
@@ -57,6 +58,7 @@ from services.router.openai.embeddings import (
 from services.router.openai.errors import OpenAIError, bad_request
 from services.router.openai.reasoning import (
     ReasoningOptions,
+    constrain_after,
     prompt_ends_reasoning,
     starts_in_reasoning,
     tag_ids,
@@ -402,8 +404,7 @@ class OpenAIServer:
                                   tool_calls=parsed.tool_calls, options=parsed.options,
                                   prompt_tokens=len(prepared.prompt_token_ids),
                                   reasoning=self._reasoning(parsed.chat_template_kwargs,
-                                                            parsed.include_reasoning,
-                                                            prepared.prompt_token_ids))
+                                                            parsed.include_reasoning, prepared))
         if not client_id:
             builder.id = prepared.request_id
         headers = {REQUEST_ID_HEADER: prepared.request_id}
@@ -465,8 +466,7 @@ class OpenAIServer:
         response_id = new_response_id()
         prepared = await self._prepare(request, chat, info, response_id,
                                        lambda e: rename(e, chat.structured_param))
-        reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning,
-                                    prepared.prompt_token_ids)
+        reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning, prepared)
         events = ResponseEvents(info.model, parsed.echo, chat.tool_calls,
                                 reasoning.splitter if reasoning is not None else None,
                                 response_id=response_id)
@@ -524,17 +524,24 @@ class OpenAIServer:
                               "router", param="response_id", code="not_found")
         return web.json_response(entry.response,
                                  dumps=lambda o: json.dumps(o, ensure_ascii=False))
+
     def _reasoning(self, chat_template_kwargs: dict, include: bool,
-                   prompt_token_ids: list[int]) -> ReasoningOptions | None:
+                   prepared: PreparedRequest) -> ReasoningOptions | None:
         """How a chat request's output is split (``openai.reasoning``); None without
-        ``--reasoning-parser``."""
+        ``--reasoning-parser``. A grammar then applies after the reasoning: sets
+        ``prepared.params.reasoning_end_token_id`` (``reasoning.constrain_after``)."""
         if self.reasoning_parser is None:
             return None
         if not self._think_ids_known:
             self._think_ids, self._think_ids_known = tag_ids(self.tokenizer), True
-        ends = prompt_ends_reasoning(prompt_token_ids, self._think_ids)
-        return ReasoningOptions(starts_in_reasoning(self.reasoning_parser, chat_template_kwargs,
-                                                    ends), include)
+        ends = prompt_ends_reasoning(prepared.prompt_token_ids, self._think_ids)
+        options = ReasoningOptions(starts_in_reasoning(self.reasoning_parser,
+                                                       chat_template_kwargs, ends), include)
+        options, end = constrain_after(options, self._think_ids,
+                                       prepared.structured_outputs is not None)
+        if end is not None:
+            prepared.params = replace(prepared.params, reasoning_end_token_id=end)
+        return options
 
     async def _stream(self, request: web.Request, responses,
                       builder: ResponseBuilder | CompletionCall, usage: bool,

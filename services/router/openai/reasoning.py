@@ -16,6 +16,8 @@ shapes (e.g. the Responses API's reasoning items):
   while the span is open, the one that closes it included.
 - ``starts_in_reasoning(parser, chat_template_kwargs, prompt_ends_reasoning)``: whether the
   output of a request begins inside the span (``thinking``).
+- ``constrain_after(options, ids, constrained)``: with structured outputs, the token after
+  which the grammar applies, and the split that goes with it.
 
 The rules (vLLM's ``deepseek_r1`` / ``qwen3`` parsers): the output begins inside the span,
 whether or not the model writes ``<think>`` itself (a template may have put it in the prompt);
@@ -25,6 +27,14 @@ The output begins outside the span, and is all content, when the prompt already 
 (its last tag is ``</think>``, e.g. Qwen3's template with ``enable_thinking: false`` writes
 ``<think>\\n\\n</think>``), and with ``qwen3`` when the request's ``chat_template_kwargs`` has
 ``enable_thinking: false``.
+
+Structured outputs (a grammar: ``response_format``, ``structured_outputs``, a forced tool
+call) apply after the reasoning, as vLLM's: a request that begins inside the span is sent
+with ``EngineSamplingParams.reasoning_end_token_id`` = the ``</think>`` id, and the worker
+enforces the grammar from the token after it (``services/worker/structured_output.py``).
+When ``</think>`` is not a token of its own (``tag_ids`` None) there is no token to wait for:
+the grammar applies from the first token and the output is all content (thinking off for
+the split), so a constrained answer is never filed as reasoning.
 
 NOTE: where vLLM differs: its whole-output split drops any text before a ``<think>`` and, for
 qwen3 with thinking off, still splits at a ``</think>`` the model writes; here text before a
@@ -149,6 +159,24 @@ def starts_in_reasoning(parser: str, chat_template_kwargs: Mapping,
     if prompt_ends:
         return False
     return not (parser == "qwen3" and chat_template_kwargs.get("enable_thinking") is False)
+
+
+def constrain_after(options: ReasoningOptions, ids: tuple[int, int] | None,
+                    constrained: bool) -> tuple[ReasoningOptions, int | None]:
+    """How a request with a grammar (``constrained``) is split and gated.
+
+    Returns:
+        ``(options, end)``: ``end`` is the ``</think>`` token id after which the engine
+        enforces the grammar (``EngineSamplingParams.reasoning_end_token_id``), or None (no
+        grammar, output begins outside the span, or no tag tokens in ``ids``: the grammar
+        applies from the first token; in the last case ``options`` turn thinking off, so the
+        constrained output is content).
+    """
+    if not (constrained and options.thinking):
+        return options, None
+    if ids is None:
+        return ReasoningOptions(False, options.include), None
+    return options, ids[1]
 
 
 @dataclass(frozen=True, slots=True)
