@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from services.common.lora import LoRARequest
 from services.common.sampling_params import EngineSamplingParams
 
 
@@ -26,6 +27,7 @@ class NewRequest:
     # group (n each), in logical order; -1 = no block (before a sliding window)
     num_computed_tokens: int  # tokens whose K/V are already in the cache (e.g. a prefix hit)
     num_scheduled_tokens: int  # tokens to compute this step
+    lora: LoRARequest | None = None  # the adapter it runs with (--enable-lora); None = none
 
 
 @dataclass(slots=True)

@@ -1,0 +1,158 @@
+"""Multi-LoRA on the worker: greedy tokens of 3 random PEFT adapters of different ranks (one
+rsLoRA, one targeting only some layers), alone and mixed in one step with base-model requests,
+equal transformers + PEFT exactly at float32, eager and compiled; more adapters than slots
+(swapping, the CPU LRU); bad adapters refused without harming the runner; TP=2."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import random
+from pathlib import Path
+
+import pytest
+
+from services.common.lora import LoRARequest
+from services.worker.lora import LoRAConfig
+from services.worker.lora.adapter import LoRALoadError
+from services.worker.model_runner import ModelRunner
+from tests.worker.lora_driver import make_adapter, reference_greedy, run_batch, tp_rank
+
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    """Three adapters of the tiny Llama: rank 4 (all 7 targets), rank 8 rsLoRA (all), rank
+    16 (q, v, up, down only)."""
+    root = tmp_path_factory.mktemp("adapters")
+    return [
+        LoRARequest(1, "four", str(make_adapter(tiny_llama, root / "four", 1, 4, 8.0))),
+        LoRARequest(2, "eight", str(make_adapter(tiny_llama, root / "eight", 2, 8, 16.0,
+                                                 use_rslora=True))),
+        LoRARequest(3, "sixteen", str(make_adapter(
+            tiny_llama, root / "sixteen", 3, 16, 24.0,
+            targets=["q_proj", "v_proj", "up_proj", "down_proj"]))),
+    ]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(1, 512) for _ in range(n)] for n in (5, 11, 20, 9)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama, adapters, prompts):
+    """Per adapter (None = the base model), transformers + PEFT's tokens of every prompt."""
+    table = {None: reference_greedy(tiny_llama, None, prompts, NEW_TOKENS)}
+    for a in adapters:
+        table[a.lora_id] = reference_greedy(tiny_llama, a.path, prompts, NEW_TOKENS)
+        assert table[a.lora_id] != table[None]  # (the adapter changes the answer)
+    return table
+
+
+def _runner(model, lora: LoRAConfig, eager: bool = True) -> ModelRunner:
+    return ModelRunner(str(model), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
+                       max_num_seqs=16, max_num_batched_tokens=256, enforce_eager=eager,
+                       lora=lora)
+
+
+def _check_mixed(runner, adapters, prompts, expected) -> None:
+    """Each adapter alone, then all of them and the base model mixed in one batch."""
+    for a in adapters:
+        assert run_batch(runner, prompts, [a] * len(prompts), NEW_TOKENS,
+                         tag=f"{a.name}-") == expected[a.lora_id]
+    # mixed: every prompt under every adapter and the base model, interleaved
+    choices = [None, *adapters]
+    cases = [(p, choices[(i + j) % len(choices)]) for i, p in enumerate(prompts)
+             for j in range(len(choices))]
+    got = run_batch(runner, [p for p, _ in cases], [a for _, a in cases], NEW_TOKENS,
+                    tag="mixed-")
+    want = [expected[None if a is None else a.lora_id][prompts.index(p)] for p, a in cases]
+    assert got == want
+
+
+def test_adapters_alone_and_mixed_equal_peft_eager(tiny_llama, adapters, prompts, expected,
+                                                   one_torch_thread):
+    runner = _runner(tiny_llama, LoRAConfig(max_loras=3, max_lora_rank=16))
+    _check_mixed(runner, adapters, prompts, expected)
+    assert runner.lora is not None and runner.lora.loads == 3
+
+
+def test_adapters_alone_and_mixed_equal_peft_compiled(tiny_llama, adapters, prompts, expected):
+    runner = _runner(tiny_llama, LoRAConfig(max_loras=3, max_lora_rank=16), eager=False)
+    assert runner.eager_reason is None
+    _check_mixed(runner, adapters, prompts, expected)
+    # a one-token step (padded to two rows by the compiled forward) with an adapter
+    assert run_batch(runner, prompts[:1], adapters[:1], NEW_TOKENS) == expected[1][:1]
+    assert runner.forward.source in ("compiled", "loaded", "memory")  # (AOT, not the fallback)
+
+
+def test_more_adapters_than_slots_swap(tiny_llama, adapters, prompts, expected,
+                                       one_torch_thread):
+    """2 slots, 2 adapters in CPU memory, 3 adapters: steps of two adapters at a time in a
+    rotation evict slots and reload evicted adapters from disk; tokens stay exact. A step
+    naming three is refused, naming both numbers."""
+    runner = _runner(tiny_llama, LoRAConfig(max_loras=2, max_lora_rank=16, max_cpu_loras=2))
+    for first, second in ((0, 1), (2, 0), (1, 2), (0, 2)):
+        pair = [adapters[first], adapters[second], None]
+        got = run_batch(runner, prompts[:3], pair, NEW_TOKENS, tag=f"{first}{second}-")
+        assert got == [expected[adapters[first].lora_id][0],
+                       expected[adapters[second].lora_id][1], expected[None][2]]
+    assert runner.lora is not None and runner.lora.loads > 3  # (evicted ones were reloaded)
+    with pytest.raises(ValueError, match="3 distinct LoRA adapters, more than --max-loras 2"):
+        run_batch(runner, prompts[:3], adapters, NEW_TOKENS, tag="three-")
+
+
+def test_bad_adapters_are_refused_and_the_runner_keeps_serving(tiny_llama, adapters, prompts,
+                                                               expected, tmp_path,
+                                                               one_torch_thread):
+    runner = _runner(tiny_llama, LoRAConfig(max_loras=1, max_lora_rank=8))
+    too_big = adapters[2]  # rank 16 > 8
+    with pytest.raises(LoRALoadError, match="rank r=16 is above --max-lora-rank 8"):
+        run_batch(runner, prompts[:1], [too_big], NEW_TOKENS, tag="big-")
+    missing = LoRARequest(9, "missing", str(tmp_path / "nowhere"))
+    with pytest.raises(LoRALoadError, match=r"'missing'.*adapter_config\.json"):
+        run_batch(runner, prompts[:1], [missing], NEW_TOKENS, tag="missing-")
+    lacking = tmp_path / "lacking"
+    lacking.mkdir()
+    config = json.loads((Path(adapters[0].path) / "adapter_config.json").read_text())
+    (lacking / "adapter_config.json").write_text(
+        json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
+    with pytest.raises(LoRALoadError, match=r"target_modules \['lm_head'\]"):
+        run_batch(runner, prompts[:1], [LoRARequest(10, "lacking", str(lacking))],
+                  NEW_TOKENS, tag="lacking-")
+    no_weights = LoRARequest(11, "no-weights", str(lacking.parent / "no-weights"))
+    (lacking.parent / "no-weights").mkdir()
+    (lacking.parent / "no-weights" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(LoRALoadError, match=r"'no-weights'.*adapter_model\.safetensors"):
+        run_batch(runner, prompts[:1], [no_weights], NEW_TOKENS, tag="noweights-")
+    # the refused steps changed nothing: the runner serves the base model and a good adapter
+    assert run_batch(runner, prompts[:2], [adapters[0], None], NEW_TOKENS, tag="ok-") == [
+        expected[1][0], expected[None][1]]
+
+
+def test_tp2_shards_adapters_as_the_base_layers(tiny_llama, adapters, prompts, expected):
+    """TP=2 (gloo, two spawned ranks): two adapters and the base model mixed in one batch."""
+    from services.common.ports import free_port_range
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    loras = [adapters[1], adapters[2], None, adapters[1]]
+    port = free_port_range(1)
+    procs = [ctx.Process(target=tp_rank, args=(r, port, str(tiny_llama), prompts, loras,
+                                                NEW_TOKENS, results)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        got = results.get(timeout=240)
+        for p in procs:
+            p.join(60)
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    assert got == [expected[None if a is None else a.lora_id][i] for i, a in enumerate(loras)]
