@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from services.common.lora import LoRARequest
-from services.worker.lora import LoRAConfig
-from services.worker.lora.adapter import LoRALoadError
+from services.worker.lora import LoRAConfig, LoRALoadError
 from services.worker.model_runner import ModelRunner
+from services.worker.server import worker_info
 from tests.worker.lora_driver import make_adapter, reference_greedy, run_batch, tp_rank
 
 NEW_TOKENS = 6
@@ -78,6 +78,8 @@ def test_adapters_alone_and_mixed_equal_peft_eager(tiny_llama, adapters, prompts
     runner = _runner(tiny_llama, LoRAConfig(max_loras=3, max_lora_rank=16))
     _check_mixed(runner, adapters, prompts, expected)
     assert runner.lora is not None and runner.lora.loads == 3
+    info = worker_info(runner)  # (what the scheduler reads)
+    assert (info.max_loras, info.max_lora_rank, info.max_cpu_loras) == (3, 16, 3)
 
 
 def test_adapters_alone_and_mixed_equal_peft_compiled(tiny_llama, adapters, prompts, expected):

@@ -46,3 +46,8 @@ class LoRAConfig:
     def cpu_capacity(self) -> int:
         """Adapters the CPU-resident LRU holds."""
         return self.max_cpu_loras or self.max_loras
+
+
+class LoRALoadError(ValueError):
+    """An adapter could not be loaded; the message names the adapter and the problem. The
+    step that named it was not applied (``LoRAManager.update``), so the worker keeps serving."""

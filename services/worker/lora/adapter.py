@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from services.common.lora import LoRARequest
+from services.worker.lora import LoRALoadError
 
 # The linear layers an adapter may target (PEFT's module names) and where each sits.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -40,10 +41,6 @@ _UNSUPPORTED = ("use_dora", "lora_bias", "rank_pattern", "alpha_pattern", "modul
 # (dim, start, stop) of this rank's part of a base weight named like ``layers.N.<attn|mlp>.
 # <target>.weight`` (services/worker/parallel.ShardPlan.slice_of), None = all of it
 SliceOf = Callable[[str], "tuple[int, int, int] | None"]
-
-
-class LoRALoadError(ValueError):
-    """An adapter could not be loaded; the message names the adapter and the problem."""
 
 
 @dataclass(slots=True)
