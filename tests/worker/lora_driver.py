@@ -83,7 +83,8 @@ def run_batch(runner, prompts: list[list[int]], loras: list[LoRARequest | None],
 def tp_rank(rank: int, port: int, model: str, prompts, loras, max_new_tokens: int,
             results) -> None:
     """Rank ``rank`` of a TP=2 group (spawned): run ``run_batch`` with LoRA on; the driver
-    puts its tokens in ``results``."""
+    puts its tokens in ``results``. (``run_batch`` sends no new token ids, which a pipeline
+    stage before the last would need.)"""
     from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
     from services.worker.lora import LoRAConfig
     from services.worker.model_runner import ModelRunner
@@ -95,6 +96,6 @@ def tp_rank(rank: int, port: int, model: str, prompts, loras, max_new_tokens: in
                          max_num_seqs=8, max_num_batched_tokens=256, parallel=ps,
                          lora=LoRAConfig(max_loras=2, max_lora_rank=16))
     out = run_batch(runner, prompts, loras, max_new_tokens)
-    if rank == 0:
+    if ps.config.is_driver:
         results.put(out)
     destroy_distributed()

@@ -136,7 +136,8 @@ def test_bad_adapters_are_refused_and_the_runner_keeps_serving(tiny_llama, adapt
 
 
 def test_tp2_shards_adapters_as_the_base_layers(tiny_llama, adapters, prompts, expected):
-    """TP=2 (gloo, two spawned ranks): two adapters and the base model mixed in one batch."""
+    """TP=2 (gloo, two spawned ranks; A/B cut as the base layers, the row-parallel update in
+    the base layer's all-reduce): two adapters and the base model mixed in one batch."""
     from services.common.ports import free_port_range
 
     ctx = mp.get_context("spawn")
@@ -158,3 +159,33 @@ def test_tp2_shards_adapters_as_the_base_layers(tiny_llama, adapters, prompts, e
                 p.kill()
             p.join(10)
     assert got == [expected[None if a is None else a.lora_id][i] for i, a in enumerate(loras)]
+
+
+def test_a_preempted_request_resumes_with_its_adapter(tiny_llama, adapters, prompts, expected,
+                                                      one_torch_thread):
+    """Preempted after 3 tokens (its blocks freed, then resumed with its whole token list in
+    other blocks, recomputed from 0) while a base-model request keeps decoding: both finish
+    with transformers + PEFT's tokens."""
+    from services.common.step import CachedRequest, NewRequest, StepInput
+    from tests.worker.lora_driver import GREEDY
+
+    runner = _runner(tiny_llama, LoRAConfig(max_loras=1, max_lora_rank=16))
+    a, b = prompts[1], prompts[2]
+    blocks = iter(range(runner.num_kv_blocks))
+    step = StepInput(0, [NewRequest("a", list(a), GREEDY, [next(blocks), next(blocks)], 0,
+                                    len(a), adapters[0]),
+                         NewRequest("b", list(b), GREEDY, [next(blocks), next(blocks)], 0,
+                                    len(b))], [], [])
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    for k in range(NEW_TOKENS):
+        out = runner.execute_step(step)
+        for rid, t in zip(out.request_ids, out.sampled_token_ids, strict=True):
+            tokens[rid].append(t)
+        if k == 2:  # preempt "a": it is resumed at once, whole, into new blocks
+            resumed = CachedRequest("a", a + tokens["a"], [next(blocks), next(blocks)], True,
+                                    0, len(a) + len(tokens["a"]))
+        else:
+            resumed = CachedRequest("a", [], [], False, len(a) + k, 1)
+        step = StepInput(k + 1, [], [resumed, CachedRequest("b", [], [], False, len(b) + k, 1)],
+                         [])
+    assert tokens == {"a": expected[1][1], "b": expected[None][2]}
