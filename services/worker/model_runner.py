@@ -49,7 +49,7 @@ from services.worker.attention import (
     resolve_kv_cache_dtype,
     select_backend,
 )
-from services.worker.compiled import MIN_TOKENS, CompiledForward, why_eager
+from services.worker.compiled import CompiledForward, why_eager
 from services.worker.device import resolve_device, resolve_dtype
 from services.worker.distributed import ParallelState
 from services.worker.input_batch import InputBatch
@@ -425,10 +425,9 @@ class ModelRunner:
         if not scheduled:
             return StepOutput(step.step_id, [], [])
         batch = self.input_batch.prepare(scheduled)
-        if self.lora is not None:  # (rows as the forward pads them: compiled.MIN_TOKENS)
-            rows = batch.input_ids.shape[0]
+        if self.lora is not None:
             self.lora.set_step(scheduled.request_ids, scheduled.num_scheduled_tokens,
-                               rows if self.eager_reason else max(rows, MIN_TOKENS))
+                               batch.input_ids.shape[0], isinstance(self.forward, CompiledForward))
         grammar_step = (self.structured.start(batch.grammar_rows, batch.grammars)
                         if batch.grammars and self.structured is not None else None)
         ps = self.parallel

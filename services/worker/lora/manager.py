@@ -25,6 +25,7 @@ from torch import nn
 
 from services.common.lora import LoRARequest
 from services.common.step import StepInput
+from services.worker.compiled import MIN_TOKENS
 from services.worker.lora import LoRAConfig
 from services.worker.lora.adapter import LoRAAdapter, SliceOf, load_adapter
 from services.worker.lora.layers import SLICES, LoRAContext, LoRALinear
@@ -83,14 +84,15 @@ class LoRAManager:
                 self.request_loras[r.request_id] = r.lora
 
     def set_step(self, request_ids: list[str], num_scheduled_tokens: np.ndarray,
-                 num_rows: int) -> None:
+                 num_tokens: int, compiled: bool = False) -> None:
         """Put the step's adapters in slots and set the row -> slot mask.
 
         Args:
             request_ids: the step's ``B`` requests, in compute order.
             num_scheduled_tokens: ``[B]`` int64, their tokens, in order (the forward's rows).
-            num_rows: the forward's rows (``sum(num_scheduled_tokens)``, or more: padding rows
-                get no adapter).
+            num_tokens: the step's tokens (``sum(num_scheduled_tokens)``).
+            compiled: the forward is ``compiled.CompiledForward``, which pads a step to at
+                least ``MIN_TOKENS`` rows (the padding rows get no adapter).
 
         Raises:
             ValueError: more distinct adapters than ``--max-loras`` (naming both numbers).
@@ -105,6 +107,7 @@ class LoRAManager:
             self._activate(lora, needed)
         slot_of = [self.slots[lora.lora_id] if lora is not None else self.config.max_loras
                    for lora in loras]
+        num_rows = max(num_tokens, MIN_TOKENS) if compiled else num_tokens
         token_slots = np.full(num_rows, self.config.max_loras, dtype=np.int64)
         n = int(num_scheduled_tokens.sum())
         token_slots[:n] = np.repeat(np.asarray(slot_of, dtype=np.int64), num_scheduled_tokens)
