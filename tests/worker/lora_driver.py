@@ -63,7 +63,8 @@ def run_batch(runner, prompts: list[list[int]], loras: list[LoRARequest | None],
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     new = []
     for rid, p, lora in zip(ids, prompts, loras, strict=True):
-        blocks = [free.pop() for _ in range(-(-(len(p) + max_new_tokens) // bs))]
+        n = -(-(len(p) + max_new_tokens) // bs) * len(runner.kv_cache_groups)
+        blocks = [free.pop() for _ in range(n)]  # (one table per KV cache group, concatenated)
         new.append(NewRequest(rid, list(p), GREEDY, blocks, 0, len(p), lora))
     outputs: list[list[int]] = [[] for _ in prompts]
 

@@ -189,3 +189,21 @@ def test_a_preempted_request_resumes_with_its_adapter(tiny_llama, adapters, prom
         step = StepInput(k + 1, [], [resumed, CachedRequest("b", [], [], False, len(b) + k, 1)],
                          [])
     assert tokens == {"a": expected[1][1], "b": expected[None][2]}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_other_families_equal_peft(family, tmp_path, prompts, one_torch_thread):
+    """Qwen2 (q/k/v bias kept in the base layer) and Gemma 3 (GeGLU, q/k norms, sliding
+    layers): one rsLoRA adapter's rows mixed with base-model rows equal transformers + PEFT."""
+    from tests.helpers import make_tiny_gemma3, make_tiny_qwen2
+
+    make = {"qwen2": make_tiny_qwen2, "gemma3": make_tiny_gemma3}[family]
+    model = make(tmp_path / family)
+    adapter = LoRARequest(5, "a", str(make_adapter(model, tmp_path / "a", 5, 8, 16.0,
+                                                   use_rslora=True)))
+    want_lora = reference_greedy(model, adapter.path, prompts[:2], NEW_TOKENS)
+    want_base = reference_greedy(model, None, prompts[2:], NEW_TOKENS)
+    assert want_lora != reference_greedy(model, None, prompts[:2], NEW_TOKENS)
+    runner = _runner(model, LoRAConfig(max_loras=1, max_lora_rank=8))
+    assert run_batch(runner, prompts, [adapter, adapter, None, None], NEW_TOKENS) == (
+        want_lora + want_base)
