@@ -124,6 +124,25 @@ def make_servable_tiny_llama(path: str | Path, **overrides) -> str:
     return str(path)
 
 
+def make_peft_lora(model_dir: str | Path, path: str | Path, r: int = 8, seed: int = 0,
+                   target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                   "up_proj", "down_proj"), **config) -> str:
+    """Write a random PEFT LoRA adapter of ``model_dir``'s model into ``path`` (what
+    ``PeftModel.save_pretrained`` writes: adapter_config.json + adapter_model.safetensors).
+    Both A and B are random (PEFT's own init zeroes B, which would change nothing);
+    ``config`` adds ``LoraConfig`` fields (``lora_alpha``, ``use_rslora``, ...). Returns
+    ``path``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    lora = get_peft_model(model, LoraConfig(r=r, target_modules=list(target_modules),
+                                            init_lora_weights=False, **config))
+    lora.save_pretrained(str(path))
+    return str(path)
+
+
 def _permute_for_gguf(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """llama.cpp's Q/K row permutation (rotate-half -> interleaved RoPE), as its converter does."""
     rows = weight.shape[0]

@@ -36,6 +36,9 @@ from services.cli.flags import serve_parser
     (["--pooler-config", '{"pooling_type": "MAX"}'],
      "--pooler-config: pooling_type must be one of LAST, MEAN, CLS, got 'MAX'"),
     (["--pooler-config", '{"normalise": true}'], "--pooler-config: unknown field 'normalise'"),
+    (["--max-loras", "0"], "argument --max-loras: must be >= 1, got 0"),
+    (["--max-lora-rank", "0"], "argument --max-lora-rank: must be >= 1, got 0"),
+    (["--lora-modules", "sql"], "argument --lora-modules: expected name=path or a JSON object"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -228,3 +231,19 @@ def test_serve_passes_the_pooling_flags_to_the_worker(monkeypatch):
     assert argv[argv.index("--pooler-config") + 1] == '{"pooling_type": "MEAN"}'
     for name in ("scheduler", "router"):
         assert not {"--runner", "--pooler-config"} & set(forwarded_argv(name, ns))
+
+
+def test_serve_forwards_the_lora_flags(monkeypatch):
+    from services.cli.flags import forwarded_argv
+
+    monkeypatch.setenv("PAGEDSERVE_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    ns = serve_parser().parse_args([
+        "--enable-lora", "--lora-modules", "sql=/a/sql", '{"name":"b","path":"/a/b"}',
+        "--max-loras", "3", "--max-lora-rank", "32"])
+    router = forwarded_argv("router", ns)
+    i = router.index("--lora-modules")
+    assert router[i + 1:i + 3] == ["sql=/a/sql", "b=/a/b"]  # (the JSON entry, no base)
+    assert "--enable-lora" in router and "--allow-runtime-lora-updating" in router
+    assert router[router.index("--max-lora-rank") + 1] == "32"
+    scheduler = forwarded_argv("scheduler", ns)
+    assert scheduler[scheduler.index("--max-loras") + 1] == "3"

@@ -1,10 +1,31 @@
-"""LoRA adapters as the services name them (vLLM's ``LoRARequest``). Torch-free: the router
-registers adapters, the scheduler carries them with requests, the worker loads them from
-``path`` (``services/worker/lora/``)."""
+"""LoRA adapters (multi-LoRA serving): what a request runs with, and the one check of an
+adapter folder. Torch-free: the router validates adapters here at load, the worker calls the
+same check before it reads the weights.
+
+An adapter is a PEFT folder: ``adapter_config.json`` (``r``, ``lora_alpha``,
+``target_modules``, ``use_rslora``, ...) and ``adapter_model.safetensors`` whose tensors are
+named ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight``, with
+``lora_A`` ``[r, in_features]`` and ``lora_B`` ``[out_features, r]`` (PEFT's layout).
+``check_adapter`` reads the config and the safetensors header only (8-byte little-endian
+length, then that many bytes of JSON), never the weights.
+"""
 
 from __future__ import annotations
 
+import json
+import re
+import struct
 from dataclasses import dataclass
+from pathlib import Path
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The projections an adapter may target (Llama-family names): attention q/k/v/o, the MLP.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_WEIGHT_DTYPES = ("F32", "F16", "BF16")
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+                  r"(\w+)\.lora_([AB])(?:\.default)?\.weight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,3 +35,237 @@ class LoRARequest:
     lora_id: int
     name: str
     path: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """What ``check_adapter`` learned of a valid adapter.
+
+    Attributes:
+        rank: the largest rank ``r`` of its modules (``rank_pattern`` included).
+        lora_alpha: PEFT's ``lora_alpha`` (the update is scaled by ``lora_alpha / r``, or
+            ``lora_alpha / sqrt(r)`` with ``use_rslora``).
+        use_rslora: rank-stabilized scaling.
+        target_modules: the projections its tensors adapt, sorted (names of ``LORA_MODULES``).
+        base_model_name_or_path: the base model it was trained on, as its config says ("").
+    """
+
+    rank: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    base_model_name_or_path: str
+
+
+class AdapterError(ValueError):
+    """An adapter folder that cannot be served; the message names the problem."""
+
+
+def _shapes(config: dict) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(layer count, module -> (in_features, out_features)) of a transformers config dict."""
+    config = config.get("text_config", config)
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        inter = int(config["intermediate_size"])
+        layers = int(config["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise AdapterError(f"the model's config lacks {e} (cannot check an adapter)") from None
+    q, kv = heads * head_dim, kv_heads * head_dim
+    return layers, {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+                    "o_proj": (q, hidden), "gate_proj": (hidden, inter),
+                    "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file: tensor name -> {dtype, shape, data_offsets}
+    (plus ``__metadata__``), without reading the tensors.
+
+    Raises:
+        AdapterError: not a safetensors file (a short file, a header length past its end, a
+            header that is not a JSON object, data offsets past the end of the file).
+    """
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise AdapterError(f"{path.name} is not a safetensors file: {size} bytes")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(_MAX_HEADER_BYTES, size - 8):
+            raise AdapterError(f"{path.name} is not a safetensors file: header length {n} but "
+                               f"the file has {size} bytes")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise AdapterError(f"{path.name} is not a safetensors file: {e}") from None
+    if not isinstance(header, dict):
+        raise AdapterError(f"{path.name} is not a safetensors file: the header is not a JSON "
+                           "object")
+    end = size - 8 - n
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] <= end):
+            raise AdapterError(f"{path.name} is not a safetensors file: tensor {name} lies "
+                               "past the end of the file")
+    return header
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"{folder}: missing {ADAPTER_CONFIG}") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{folder / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{folder / ADAPTER_CONFIG} is not a JSON object")
+    kind = config.get("peft_type", "LORA")
+    if kind != "LORA":
+        raise AdapterError(f"{folder}: peft_type {kind!r} is not supported (only LORA)")
+    for key, off in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):
+        if config.get(key, off) not in (off, None):
+            raise AdapterError(f"{folder}: {key}={config[key]!r} is not supported (only "
+                               f"{off!r})")
+    if config.get("modules_to_save"):
+        raise AdapterError(f"{folder}: modules_to_save {config['modules_to_save']} is not "
+                           "supported (only LoRA updates of " + ", ".join(LORA_MODULES) + ")")
+    return config
+
+
+def _check_base(config: dict, model_config: dict, folder: Path) -> None:
+    """A base_model_name_or_path that is a local model folder must describe the same model
+    (where it is a hub id or absent, this cannot be decided here: the shapes check stands)."""
+    base = config.get("base_model_name_or_path") or ""
+    base_config = Path(base) / "config.json" if base else None
+    if base_config is None or not base_config.is_file():
+        return
+    try:
+        theirs = json.loads(base_config.read_text())
+    except (ValueError, OSError):
+        return
+    ours = model_config.get("text_config", model_config)
+    theirs = theirs.get("text_config", theirs)
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if key in ours and key in theirs and ours[key] != theirs[key]:
+            raise AdapterError(f"{folder}: base model mismatch: the adapter was trained on "
+                               f"{base} ({key}={theirs[key]}), the served model has "
+                               f"{key}={ours[key]}")
+
+
+def check_adapter(path: str, model_config: dict, max_lora_rank: int) -> AdapterInfo:
+    """Check that the PEFT folder ``path`` is a LoRA adapter this model can serve.
+
+    Args:
+        path: the adapter folder.
+        model_config: the base model's transformers config (``config.json`` as a dict;
+            ``model_config_of`` makes one for a GGUF file).
+        max_lora_rank: the largest rank served (``--max-lora-rank``).
+
+    Returns:
+        The adapter's rank, scaling and target modules.
+
+    Raises:
+        AdapterError: naming the problem: a missing folder or file, a config that is not
+            LoRA (or uses DoRA, a bias, modules_to_save), a rank above ``max_lora_rank``, a
+            target module the model lacks (or a layer past its last), a tensor whose shape
+            does not fit the base model (hidden size, head dims, intermediate size) or whose
+            dtype is not a float, no LoRA tensor at all, a base model that is decidably
+            another.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise AdapterError(f"{path}: no such adapter folder")
+    config = _read_config(folder)
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise AdapterError(f"{folder}: missing {ADAPTER_WEIGHTS}")
+    _check_base(config, model_config, folder)
+    num_layers, shapes = _shapes(model_config)
+    targets = config.get("target_modules")
+    for module in targets if isinstance(targets, list) else ():
+        if module not in shapes:
+            raise AdapterError(f"{folder}: target module {module!r} is one the model lacks "
+                               f"(it has {', '.join(LORA_MODULES)})")
+    ranks: dict[str, int] = {}  # module kind -> largest rank
+    pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
+    for name, t in read_safetensors_header(weights).items():
+        if name == "__metadata__":
+            continue
+        m = _KEY.fullmatch(name)
+        if m is None:
+            other = re.search(r"\.(\w+)\.lora_[AB]\.", name)
+            if other is not None:
+                raise AdapterError(f"{folder}: target module {other[1]!r} (tensor {name}) is "
+                                   f"one the model lacks (it has {', '.join(LORA_MODULES)})")
+            raise AdapterError(f"{folder}: tensor {name} is not a LoRA A/B weight of a decoder "
+                               "layer's projection (embedding, lm_head and bias tensors are not "
+                               "supported)")
+        layer, module, ab = int(m[1]), m[2], m[3]
+        if module not in shapes:
+            raise AdapterError(f"{folder}: target module {module!r} is one the model lacks "
+                               f"(it has {', '.join(LORA_MODULES)})")
+        if layer >= num_layers:
+            raise AdapterError(f"{folder}: tensor {name} is for layer {layer} but the model has "
+                               f"{num_layers} layers")
+        if t.get("dtype") not in _WEIGHT_DTYPES:
+            raise AdapterError(f"{folder}: tensor {name} has dtype {t.get('dtype')}, not one of "
+                               f"{', '.join(_WEIGHT_DTYPES)}")
+        pairs.setdefault((layer, module), {})[ab] = list(t.get("shape", ()))
+    if not pairs:
+        raise AdapterError(f"{folder}: {ADAPTER_WEIGHTS} has no LoRA tensor")
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layer {layer} {module}"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{folder}: {where} has lora_{''.join(ab)} without its pair")
+        (a, b), (d_in, d_out) = (ab["A"], ab["B"]), shapes[module]
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            raise AdapterError(f"{folder}: {where}: lora_A {a} and lora_B {b} are not "
+                               "[r, in] and [out, r] of one rank r")
+        if a[1] != d_in or b[0] != d_out:
+            raise AdapterError(f"{folder}: {where}: shapes lora_A {a}, lora_B {b} do not fit "
+                               f"the base model's {module} ({d_in} in, {d_out} out; hidden "
+                               "size, head dims or intermediate size differ)")
+        if a[0] > max_lora_rank:
+            raise AdapterError(f"{folder}: rank {a[0]} ({where}) is above --max-lora-rank "
+                               f"{max_lora_rank}")
+        ranks[module] = max(ranks.get(module, 0), a[0])
+    alpha = config.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise AdapterError(f"{folder}: lora_alpha {alpha!r} is not a number")
+    return AdapterInfo(rank=max(ranks.values()), lora_alpha=float(alpha),
+                       use_rslora=bool(config.get("use_rslora", False)),
+                       target_modules=tuple(sorted(ranks)),
+                       base_model_name_or_path=str(config.get("base_model_name_or_path") or ""))
+
+
+# GGUF metadata keys (after "<architecture>.") of the config fields check_adapter uses
+_GGUF_KEYS = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+              "num_attention_heads": "attention.head_count",
+              "num_key_value_heads": "attention.head_count_kv",
+              "intermediate_size": "feed_forward_length", "head_dim": "attention.key_length"}
+
+
+def model_config_of(model_path: str, is_gguf: bool) -> dict:
+    """The base model's config as a dict: its folder's ``config.json``, or for a GGUF file the
+    fields ``check_adapter`` needs, from the file's metadata (the ``gguf`` package, no torch).
+
+    Raises:
+        OSError: the file cannot be read. ValueError: not JSON / not a GGUF file.
+    """
+    if not is_gguf:
+        return json.loads(Path(model_path, "config.json").read_text())
+    import gguf  # (numpy only)
+
+    fields = gguf.GGUFReader(model_path).fields
+    arch = fields["general.architecture"].contents()
+    config: dict = {"model_type": arch}
+    for key, suffix in _GGUF_KEYS.items():
+        field = fields.get(f"{arch}.{suffix}")
+        if field is not None:
+            config[key] = int(field.contents())
+    return config

@@ -27,7 +27,8 @@ class NewRequest:
     # group (n each), in logical order; -1 = no block (before a sliding window)
     num_computed_tokens: int  # tokens whose K/V are already in the cache (e.g. a prefix hit)
     num_scheduled_tokens: int  # tokens to compute this step
-    lora: LoRARequest | None = None  # the adapter it runs with (--enable-lora); None = none
+    lora: LoRARequest | None = None  # the adapter it runs with (lora_id engine-wide); None:
+    # the base model alone
 
 
 @dataclass(slots=True)

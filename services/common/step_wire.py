@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 from itertools import accumulate, chain
 
-from services.common.pb.pagedserve.v1 import worker_pb2
+from services.common.lora import LoRARequest
+from services.common.pb.pagedserve.v1 import engine_pb2, worker_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import (
     CachedRequest,
@@ -61,6 +62,21 @@ def _cached_requests_to_pb(cached: list[CachedRequest], samples: bool
     return msg
 
 
+def lora_to_pb(lora: LoRARequest | None) -> engine_pb2.LoRARequest | None:
+    """The adapter as its message (None stays None: the field is left unset)."""
+    if lora is None:
+        return None
+    return engine_pb2.LoRARequest(lora_id=lora.lora_id, name=lora.name, path=lora.path)
+
+
+def lora_from_pb(msg, field: str = "lora") -> LoRARequest | None:
+    """The adapter in ``msg``'s ``field`` (a LoRARequest message), or None when unset."""
+    if not msg.HasField(field):
+        return None
+    lora = getattr(msg, field)
+    return LoRARequest(lora.lora_id, lora.name, lora.path)
+
+
 def step_to_pb(step: StepInput, samples: bool = True) -> worker_pb2.StepRequest:
     """Encode ``step`` as the StepRequest of a rank of the sampling (last) pipeline stage
     (``samples``), or of an earlier stage (which gets every new token id)."""
@@ -71,7 +87,7 @@ def step_to_pb(step: StepInput, samples: bool = True) -> worker_pb2.StepRequest:
                 request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
                 sampling_params=r.sampling_params.to_pb(), block_ids=r.block_ids,
                 num_computed_tokens=r.num_computed_tokens,
-                num_scheduled_tokens=r.num_scheduled_tokens)
+                num_scheduled_tokens=r.num_scheduled_tokens, lora=lora_to_pb(r.lora))
             for r in step.new_requests],
         cached_requests=_cached_requests_to_pb(step.cached_requests, samples),
         finished_request_ids=sorted(step.finished_request_ids),
@@ -121,7 +137,8 @@ def step_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
         new_requests=[NewRequest(
             r.request_id, list(r.prompt_token_ids),
             EngineSamplingParams.from_pb(r.sampling_params), list(r.block_ids),
-            r.num_computed_tokens, r.num_scheduled_tokens) for r in msg.new_requests],
+            r.num_computed_tokens, r.num_scheduled_tokens, lora_from_pb(r))
+            for r in msg.new_requests],
         cached_requests=cached_requests_from_pb(msg.cached_requests),
         finished_request_ids=list(msg.finished_request_ids),
         blocks_to_copy=list(zip(src, dst, strict=True)),

@@ -21,8 +21,10 @@ import logging
 import grpc
 
 from services.common.grpc_utils import CHANNEL_OPTIONS
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2, engine_pb2_grpc
 from services.common.sampling_params import EngineSamplingParams
+from services.common.step_wire import lora_to_pb
 from services.common.tls import aio_channel
 
 log = logging.getLogger(__name__)
@@ -93,8 +95,8 @@ class EngineClient:
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
                params: EngineSamplingParams, *, priority: int = 0,
-               queue: asyncio.Queue | None = None, parent_request_id: str = ""
-               ) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, parent_request_id: str = "",
+               lora: LoRARequest | None = None) -> asyncio.Queue:
         """Send a request; returns the queue its RequestOutputs arrive on (the last one has
         finish_reason set or an error_code). A request that cannot be sent gets its error output
         in the queue at once: UNAVAILABLE with the scheduler unreachable. The caller refuses an
@@ -108,6 +110,7 @@ class EngineClient:
                 ``request_id``.
             parent_request_id: for a choice of an n > 1 request, that request's id (its
                 choices share prompt KV blocks even with prefix caching off).
+            lora: the LoRA adapter it runs with (sent in full), or None.
         """
         queue = asyncio.Queue() if queue is None else queue
         if not self.connected.is_set():
@@ -119,7 +122,7 @@ class EngineClient:
         self._outgoing.put_nowait(engine_pb2.EngineRequest(submit=engine_pb2.SubmitRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             sampling_params=params.to_pb(),
-            priority=priority, parent_request_id=parent_request_id)))
+            priority=priority, parent_request_id=parent_request_id, lora=lora_to_pb(lora))))
         return queue
 
     def is_running(self, request_id: str) -> bool:

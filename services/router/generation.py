@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from services.common.logs import log_access
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.beam_search import BeamSearch
@@ -71,6 +72,7 @@ class PreparedRequest:
             "priority".
         structured_outputs: the requested constraint (compiled by ``stream_responses``), or
             None; ``params.structured_output`` is still "" here.
+        lora: the LoRA adapter every choice runs with (the request's ``model``), or None.
     """
 
     request_id: str
@@ -80,16 +82,20 @@ class PreparedRequest:
     n: int = 1
     priority: int = 0
     structured_outputs: api_pb2.StructuredOutputs | None = None
+    lora: LoRARequest | None = None
 
 
 def prepare(request: api_pb2.GenerateRequest, tokenizer,
             info: engine_pb2.GetEngineInfoResponse, *,
-            max_logprobs: int = MAX_LOGPROBS) -> PreparedRequest:
+            max_logprobs: int = MAX_LOGPROBS, lora: LoRARequest | None = None
+            ) -> PreparedRequest:
     """Validate and tokenize a GenerateRequest.
 
     Args:
         max_logprobs: the router's --max-logprobs (the most ``logprobs`` /
             ``prompt_logprobs``; -1: the vocabulary size).
+        lora: the adapter the request's ``model`` named (``ServedModel.resolve``, by the
+            caller: the one place a model name is checked), or None.
 
     Raises:
         RequestError: INVALID_ARGUMENT naming the field and its limit, or that the server
@@ -126,7 +132,8 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
     text = replace(text, stop_token_ids=frozenset(params.stop_token_ids) - eos)
     return PreparedRequest(request_id, ids, params, text, n=n, priority=priority,
                            structured_outputs=(sp.structured_outputs
-                                               if sp.HasField("structured_outputs") else None))
+                                               if sp.HasField("structured_outputs") else None),
+                           lora=lora)
 
 
 @dataclass(slots=True)
@@ -311,7 +318,8 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
             break
         engine.submit(rid, req.prompt_token_ids, child_params(params, i),
                       priority=req.priority, queue=queue,
-                      parent_request_id=req.request_id if len(choices) > 1 else "")
+                      parent_request_id=req.request_id if len(choices) > 1 else "",
+                      lora=req.lora)
     num_running = len(choices)
     try:
         while num_running:

@@ -53,6 +53,7 @@ import socket
 import struct
 from collections.abc import Sequence
 
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.engine_client import EngineClient, _unavailable
@@ -196,8 +197,8 @@ class ReplicaSet:
 
     def submit(self, request_id: str, prompt_token_ids: list[int],
                params: EngineSamplingParams, *, priority: int = 0,
-               queue: asyncio.Queue | None = None, parent_request_id: str = ""
-               ) -> asyncio.Queue:
+               queue: asyncio.Queue | None = None, parent_request_id: str = "",
+               lora: LoRARequest | None = None) -> asyncio.Queue:
         """``EngineClient.submit`` on the replica the policy picks (the choices of one n > 1
         request, i.e. one ``parent_request_id``, all on the first one's replica). With no
         replica available the request gets its UNAVAILABLE output in the queue at once. The
@@ -222,7 +223,7 @@ class ReplicaSet:
                 entry = self._parents[parent_request_id] = (client, [])
             entry[1].append(request_id)
         return client.submit(request_id, prompt_token_ids, params, priority=priority,
-                             queue=queue, parent_request_id=parent_request_id)
+                             queue=queue, parent_request_id=parent_request_id, lora=lora)
 
     def is_running(self, request_id: str) -> bool:
         """Whether a request with this id is in flight on any replica (draining ones too)."""

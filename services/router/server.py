@@ -35,9 +35,11 @@ from services.router.generation import (
     prepare,
     stream_responses,
 )
+from services.router.lora_registry import lora_module, registry_from_args
 from services.router.metrics import RouterMetrics, code_name
 from services.router.openai.errors import OpenAIError
 from services.router.openai.http import DEFAULT_MAX_REQUEST_BYTES, DISABLED, OpenAIServer
+from services.router.openai.lora_routes import LoRARoutes
 from services.router.openai.reasoning import PARSERS as REASONING_PARSERS
 from services.router.openai.responses_store import DEFAULT_STORE_SIZE, ResponseStore
 from services.router.openai.tools import TOOL_PARSERS
@@ -118,7 +120,9 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
 
     async def ListModels(self, request, context):
         with self._counted("ListModels", context):
-            return await self._call(context, request, text_api.list_models)
+            info = await self._info(context)
+            return text_api.list_models(info, [(lora.name, parent) for lora, parent
+                                               in self.served.adapters(info)])
 
     @contextlib.contextmanager
     def _counted(self, method: str, context, entry: RequestLog | None = None):
@@ -175,11 +179,13 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         entry.request_id = request.request_id or None
         info = await self._info(context)
         try:
+            lora = self.served.resolve(request.model, info)
             if request.ByteSize() > INLINE_PREPARE_BYTES:  # keep the loop free for others
                 prepared = await asyncio.to_thread(prepare, request, self.tokenizer, info,
-                                                   max_logprobs=self.max_logprobs)
+                                                   max_logprobs=self.max_logprobs, lora=lora)
             else:
-                prepared = prepare(request, self.tokenizer, info, max_logprobs=self.max_logprobs)
+                prepared = prepare(request, self.tokenizer, info, max_logprobs=self.max_logprobs,
+                                   lora=lora)
         except RequestError as e:
             await context.abort(e.code, e.message)
         request_id_var.set(prepared.request_id)
@@ -340,6 +346,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "HTTP bodies with 413")
     add_flag(p, "--scheduler-connect-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for the scheduler at start-up")
+    add_flag(p, "--enable-lora", action="store_true", default=False,
+             help="serve LoRA adapters over the model: a request whose model names one runs "
+                  "with it (the workers need --enable-lora too)")
+    add_flag(p, "--lora-modules", nargs="+", type=lora_module, default=None,
+             metavar="NAME=PATH",
+             help="LoRA adapters (PEFT folders) served from the start, each name=path or vLLM's "
+                  "JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; each is "
+                  "checked against --model at start (env: entries separated by spaces)")
+    add_flag(p, "--max-lora-rank", type=int_in(1), default=16,
+             help="highest LoRA rank served (vLLM's flag): an adapter of a higher rank is "
+                  "refused when it is loaded")
+    add_flag(p, "--allow-runtime-lora-updating", action="store_true", default=False,
+             help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                  "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind --api-key)")
     add_shutdown_flags(p)
     add_tls_flags(p)
     add_api_key_flag(p)
@@ -352,7 +372,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
 
     Raises:
         ValueError: --enable-auto-tool-choice without --tool-call-parser, an empty or
-            repeated --served-model-name.
+            repeated --served-model-name, LoRA flags without --enable-lora, a bad
+            --lora-modules adapter.
     """
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser "
@@ -377,7 +398,9 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     # NOTE: once draining, a replica that can serve again does not make the router SERVING.
     engine = replica_set(args, on_serving=lambda up: set_serving(
         health, up and not inflight.draining, [SERVICE]), metrics=metrics)
-    served = ServedModel(args.served_model_name or ())
+    loras = registry_from_args(args, lambda: (*(args.served_model_name or ()), *(
+        (engine.info.model,) if engine.info is not None else ())))
+    served = ServedModel(args.served_model_name or (), loras)
     servicer = GenerationServicer(engine, tokenizer, metrics, args.max_stream_buffer,
                                   served=served, max_logprobs=args.max_logprobs)
     inflight = servicer.inflight  # gRPC calls and HTTP requests: one count, one drain
@@ -394,6 +417,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         if args.enable_responses_api_store:
             http.responses_store = ResponseStore(args.responses_api_store_size)
         http.reasoning_parser = args.reasoning_parser
+        if loras is not None and args.allow_runtime_lora_updating:
+            LoRARoutes(loras).add_to(http.app)
     if http is not None:
         http.app.middlewares.append(_http_gate(inflight))
     await server.start()

@@ -10,6 +10,8 @@ the prompt Generate would send to the engine.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.router.tokenizer import encode_chat, encode_prompt
 from services.router.validation import invalid, validate_token_ids
@@ -28,7 +30,7 @@ def _messages(messages, field: str):
 
 def chat_to_generate(request: api_pb2.ChatRequest) -> api_pb2.GenerateRequest:
     """The GenerateRequest that a ChatRequest stands for (its messages as the ``chat`` input;
-    sampling_params, request_id and priority copied), so Chat streams exactly what Generate
+    sampling_params, request_id, priority and model copied), so Chat streams exactly what Generate
     would.
 
     Raises:
@@ -40,7 +42,7 @@ def chat_to_generate(request: api_pb2.ChatRequest) -> api_pb2.GenerateRequest:
         chat=api_pb2.ChatMessages(messages=request.messages, tools=request.tools,
                                   chat_template_kwargs=request.chat_template_kwargs),
         sampling_params=request.sampling_params, request_id=request.request_id,
-        priority=request.priority)
+        priority=request.priority, model=request.model)
 
 
 def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
@@ -97,8 +99,16 @@ def detokenize(request: api_pb2.DetokenizeRequest, tokenizer,
     return api_pb2.DetokenizeResponse(text=tokenizer.decode(ids, skip_special_tokens=skip))
 
 
-def list_models(info: engine_pb2.GetEngineInfoResponse) -> api_pb2.ListModelsResponse:
-    """The served model (one entry) as the engine describes it."""
-    return api_pb2.ListModelsResponse(models=[api_pb2.ModelInfo(
+def list_models(info: engine_pb2.GetEngineInfoResponse,
+                adapters: Sequence[tuple[str, str]] = ()) -> api_pb2.ListModelsResponse:
+    """The served model as the engine describes it, then its LoRA ``adapters`` ((name,
+    parent) pairs, in load order), each like the base but with its name and parent."""
+    base = api_pb2.ModelInfo(
         id=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-        dtype=info.dtype, eos_token_ids=info.eos_token_ids)])
+        dtype=info.dtype, eos_token_ids=info.eos_token_ids)
+    models = [base]
+    for name, parent in adapters:
+        models.append(api_pb2.ModelInfo())
+        models[-1].CopyFrom(base)
+        models[-1].id, models[-1].parent = name, parent
+    return api_pb2.ListModelsResponse(models=models)

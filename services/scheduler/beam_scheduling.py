@@ -202,7 +202,7 @@ class BeamScheduler:
         beam = Request(rid, root.prompt_token_ids, root.sampling_params, root.arrival_time,
                        RequestStatus.RUNNING, priority=root.priority,
                        arrival_seq=root.arrival_seq, num_cached_tokens=root.num_cached_tokens,
-                       extra_keys=root.extra_keys, beam_group=group)
+                       extra_keys=root.extra_keys, beam_group=group, lora=root.lora)
         self.state.requests[rid] = beam
         self.state.add_running(beam)
         return beam

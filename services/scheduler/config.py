@@ -29,10 +29,14 @@ class SchedulerConfig:
     max_steps_in_flight: int = 1  # steps scheduled before the oldest result (pipeline stages)
     async_scheduling: bool = False  # schedule requests whose token is still in flight
     speculative: SpeculativeConfig | None = None  # speculative decoding (no async scheduling)
+    max_loras: int = 1  # distinct LoRA adapters among the running requests (vLLM's max_loras)
+    # steps the oldest waiting request may be passed over because its adapter has no slot;
+    # then nothing behind it is admitted until it is (lora_admission.py)
+    max_lora_skips: int = 32
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "max_steps_in_flight"):
+                     "max_steps_in_flight", "max_loras", "max_lora_skips"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_prefill_token_threshold", "max_num_waiting_requests",

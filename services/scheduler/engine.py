@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import SHUTTING_DOWN
@@ -84,6 +85,11 @@ class Engine:
         self.num_loop_failures_total = 0  # unexpected exceptions the loop recovered from
         self.healthy = True
         self.draining = False  # shutting down: refuse new submits, finish the running ones
+        # (router stream, the router's adapter id) -> the adapter under its engine-wide id:
+        # router ids are per router, so two routers' id 1 may be two adapters
+        self._loras: dict[tuple[RouterSink, int], LoRARequest] = {}
+        self._num_loras = 0
+        self.lora_slots = 0  # the workers' max_loras: 0 = they run no adapter (refused here)
 
     # ---- requests from routers -------------------------------------------------------------
     def submit(self, sink: RouterSink, msg: engine_pb2.SubmitRequest) -> None:
@@ -101,7 +107,8 @@ class Engine:
             req = Request(request_id=rid, prompt_token_ids=list(msg.prompt_token_ids),
                           sampling_params=EngineSamplingParams.from_pb(msg.sampling_params),
                           arrival_time=time.monotonic(), priority=msg.priority,
-                          parent_request_id=msg.parent_request_id)
+                          parent_request_id=msg.parent_request_id,
+                          lora=self._engine_lora(sink, msg))
             self.scheduler.add_request(req)
         except ValueError as e:
             sink.queue.put_nowait(self._batch([error_output(
@@ -114,10 +121,36 @@ class Engine:
         self._sinks[rid] = sink
         sink.request_ids.add(rid)
         if self.metrics is not None:
-            self.metrics.observe_arrival(rid, req.arrival_time)
+            self.metrics.observe_arrival(rid, req.arrival_time,
+                                         req.lora.name if req.lora is not None else None)
         log.debug("request queued: %d prompt tokens, priority %d", len(req.prompt_token_ids),
                   req.priority, extra={"request_id": rid})
         self._wakeup.set()
+
+    def _engine_lora(self, sink: RouterSink, msg: engine_pb2.SubmitRequest
+                     ) -> LoRARequest | None:
+        """The request's adapter under its engine-wide id (one per router stream and router
+        id, numbered from 1 in order of first use; never reused), or None without one.
+
+        Raises:
+            ValueError: the workers run no adapters, or a lora_id below 1, or an empty name
+                or path.
+        """
+        if not msg.HasField("lora"):
+            return None
+        theirs = msg.lora
+        if not self.lora_slots:
+            raise ValueError(f"model {theirs.name!r} is a LoRA adapter but the workers run no "
+                             "adapters: start them with --enable-lora")
+        if theirs.lora_id < 1 or not theirs.name or not theirs.path:
+            raise ValueError(f"lora: an adapter needs a lora_id >= 1, a name and a path, got "
+                             f"id {theirs.lora_id}, name {theirs.name!r}, path {theirs.path!r}")
+        key = (sink, theirs.lora_id)
+        lora = self._loras.get(key)
+        if lora is None or (lora.name, lora.path) != (theirs.name, theirs.path):
+            self._num_loras += 1
+            lora = self._loras[key] = LoRARequest(self._num_loras, theirs.name, theirs.path)
+        return lora
 
     def abort(self, request_id: str) -> None:
         """Abort a request now (frees its blocks) and send its final output."""
@@ -141,6 +174,7 @@ class Engine:
     def detach(self, sink: RouterSink) -> None:
         """A router stream ended: abort everything it still has in flight."""
         self._routers.discard(sink)
+        self._loras = {key: lora for key, lora in self._loras.items() if key[0] is not sink}
         for rid in list(sink.request_ids):
             self._abort_unpublished(rid)
             self._sinks.pop(rid, None)

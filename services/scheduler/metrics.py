@@ -22,6 +22,11 @@ Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
 Observed by the engine loop (``SchedulerMetrics.observe_*``), all times ``time.monotonic()``
 seconds as the scheduler sees them:
 
+- LoRA (vLLM's info gauge) ``lora_requests_info{running_lora_adapters, waiting_lora_adapters,
+  max_lora}`` whose value is the scrape's Unix time (the adapters as comma-separated names,
+  sorted); and ours, counter ``lora_requests_total{lora_name}`` (requests that arrived naming
+  each adapter).
+
 - counters ``prompt_tokens_total`` (when a request's first token comes, i.e. its prefill is
   done), ``generation_tokens_total``, ``request_success_total{finished_reason}``
   (stop | length | abort);
@@ -33,6 +38,7 @@ seconds as the scheduler sees them:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -62,6 +68,20 @@ class _CoreCollector:
         c.add_metric(list(self.labels.values()), value)
         return c
 
+    def _lora_info(self) -> GaugeMetricFamily:
+        """vLLM's ``lora_requests_info``: the adapters of the running and of the waiting
+        requests, the limit, and the scrape time as its value."""
+        s = self.scheduler
+
+        def names(requests) -> str:
+            return ",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
+
+        g = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                              labels=["running_lora_adapters", "waiting_lora_adapters",
+                                      "max_lora"])
+        g.add_metric([names(s.running), names(s.waiting), str(s.config.max_loras)], time.time())
+        return g
+
     def collect(self):
         s = self.scheduler
         yield self._gauge("num_requests_running", "Requests in the running set.", s.num_running)
@@ -81,6 +101,7 @@ class _CoreCollector:
         yield self._counter("beam_blocks_copied",
                             "KV blocks copied on write (a beam writing into a block another "
                             "beam still reads).", s.num_blocks_copied_total)
+        yield self._lora_info()
         spec = s.config.speculative
         if spec is None:
             return
@@ -148,6 +169,8 @@ class SchedulerMetrics:
             model_name)
         self._success = counter("request_success", "Requests finished, by finish_reason.",
                                 ["finished_reason"])
+        self._lora_requests = counter("lora_requests", "Requests that arrived naming a LoRA "
+                                      "adapter, by adapter.", ["lora_name"])
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token (s).",
                               TTFT_BUCKETS).labels(model_name)
         self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens (s).",
@@ -163,8 +186,12 @@ class SchedulerMetrics:
         self._timings: dict[str, _Timing] = {}
         self._queued: set[str] = set()  # arrived, not yet scheduled
 
-    def observe_arrival(self, request_id: str, now: float) -> None:
-        """A request was accepted into the waiting queue at ``now``."""
+    def observe_arrival(self, request_id: str, now: float, lora_name: str | None = None
+                        ) -> None:
+        """A request was accepted into the waiting queue at ``now`` (naming LoRA adapter
+        ``lora_name``, or None)."""
+        if lora_name is not None:
+            self._lora_requests.labels(self._model_name, lora_name).inc()
         self._timings[request_id] = _Timing(now)
         self._queued.add(request_id)
 

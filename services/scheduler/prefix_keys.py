@@ -5,8 +5,10 @@ token ids and everything before it. Block ``j`` of a request gets the chained ke
 
     hash_j = blake2b(hash_{j-1} || token ids of block j || extra keys)       (hash_{-1} = b"")
 
-where the extra keys are what else the K/V depends on (``Request.extra_keys``) and, with prefix
-caching off, the request's ``parent_request_id`` (so only the n choices of one request match).
+where the extra keys are what else the K/V depends on (``Request.extra_keys``; the LoRA
+adapter's engine-wide id when it runs with one, so two adapters, or an adapter and the base
+model, never share K/V of the same text) and, with prefix caching off, the request's
+``parent_request_id`` (so only the n choices of one request match).
 The block manager caches a block under (KV cache group, key): ``CacheKey``.
 """
 
@@ -58,6 +60,8 @@ def block_hashes(request: Request, num_full_blocks: int, block_size: int,
         tokens = request.token_ids_from(len(hashes) * bs)
         parent = hashes[-1] if hashes else b""
         extra = request.extra_keys
+        if request.lora is not None:  # (its K/V differ from the base model's)
+            extra += b"\x00lora:" + str(request.lora.lora_id).encode()
         if not enable_prefix_caching:  # only the choices of one parent may match
             extra += b"\x00parent:" + request.parent_request_id.encode()
         for j in range(num_full_blocks - len(hashes)):

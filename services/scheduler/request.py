@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 
 from services.common.finish_reason import FinishReason
+from services.common.lora import LoRARequest
 from services.common.sampling_params import EngineSamplingParams
 from services.scheduler.beam_search import BeamGroup
 
@@ -90,6 +91,9 @@ class Request:
     # worker proposed to follow its tokens, for the next decode step to verify
     trimmed_to: int = -1  # blocks freed after rejected drafts: the tables' length the workers
     # must cut theirs to (the next step's first_new_block); -1 = none pending
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with (lora_id engine-wide, see
+    # engine.py); None: the base model. Part of every block key (prefix_keys.py).
+    num_lora_skips: int = 0  # steps admission passed it over: its adapter had no slot
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -22,6 +22,7 @@ from services.scheduler.beam_scheduling import BeamScheduler
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
+from services.scheduler.lora_admission import LoRAAdmission
 from services.scheduler.outputs import RequestUpdate, SchedulerOutput, request_update
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.spec_decode import SpecDecodeResult, SpecDecodeStats, num_drafts_to_verify
@@ -91,6 +92,7 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.state = SchedulerState(bm, config.scheduling_policy)
         self.beams = BeamScheduler(config, self.state, self.eos_token_ids, vocab_size)
+        self.loras = LoRAAdmission(config.max_loras, config.max_lora_skips)
         self.num_rejected_total = 0  # requests refused by load shedding
         self.prefix_cache_queries_total = 0  # tokens looked up at admission
         self.prefix_cache_hits_total = 0  # of those, tokens found
@@ -312,12 +314,14 @@ class Scheduler:
 
     def _admit_waiting(self, plan: StepPlan) -> None:
         """Waiting requests from the head, each from its longest cached prefix, while the
-        budget, ``max_num_seqs`` and the free blocks allow."""
+        budget, ``max_num_seqs``, the free blocks and the LoRA slots allow."""
         config, state, bm = self.config, self.state, self.block_manager
-        waiting, running = state.waiting, state.running
+        waiting, running, loras = state.waiting, state.running, self.loras.begin(state.running)
         threshold = config.long_prefill_token_threshold
         while waiting and plan.budget > 0 and len(running) < config.max_num_seqs:
-            request = waiting.peek()
+            request = loras.next_request(waiting)
+            if request is None:
+                break  # NOTE: the rest wait for a LoRA slot (lora_admission.py)
             if request.beam_group is not None and (
                     len(running) + request.beam_group.beam_width > config.max_num_seqs):
                 break  # NOTE: its beams will be running sequences too
@@ -346,6 +350,8 @@ class Scheduler:
             state.add_running(request)
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
+            loras.admitted(request)
+        loras.end(waiting)
 
     def _step_output(self, plan: StepPlan) -> SchedulerOutput:
         """The step for the workers: each request's diff (O(its new tokens + new blocks)),
@@ -366,7 +372,7 @@ class Scheduler:
                 new_reqs.append(NewRequest(
                     request_id, request.all_token_ids, request.sampling_params,
                     list(chain.from_iterable(request.block_ids)), request.num_computed_tokens,
-                    num_new))
+                    num_new, request.lora))
             elif request_id in resumed or request.resend:  # (a forked beam: its KV is new)
                 request.resend = False
                 cached_reqs.append(CachedRequest(

@@ -139,6 +139,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "\"num_speculative_tokens\": 4}' (also disable_by_batch_size, "
                   "prompt_lookup_min); workers and scheduler must agree; turns async "
                   "scheduling off")
+    add_flag(p, "--max-loras", type=int_in(1), default=1,
+             help="most distinct LoRA adapters among the requests of one step (vLLM's flag; "
+                  "the workers' active adapter slots: serve passes one value to both); a "
+                  "request whose adapter would be one more waits, without being starved")
     add_tls_flags(p)
     add_shutdown_flags(p)
     add_log_flags(p)
@@ -178,10 +182,27 @@ def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
             max_num_waiting_tokens=args.max_num_waiting_tokens,
             max_steps_in_flight=(pipeline_parallel_size if pipeline_parallel_size > 1
                                  else 2 if use_async else 1),
-            async_scheduling=use_async, speculative=speculative)
+            async_scheduling=use_async, speculative=speculative,
+            max_loras=getattr(args, "max_loras", 1))
     except ValueError as e:  # name the flag, not the field
         flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
         raise ValueError(f"{flag}: {e}") from None
+
+
+def lora_slots_of(infos: list[worker_pb2.GetWorkerInfoResponse], max_loras: int) -> int:
+    """The LoRA adapters every rank can hold active at once (0: the workers run none, so the
+    engine refuses requests naming one).
+
+    Raises:
+        ValueError: the scheduler's ``--max-loras`` is above the workers' (it would put more
+            adapters in one step than they hold), naming both.
+    """
+    slots = min(i.max_loras for i in infos)
+    if 0 < slots < max_loras:
+        raise ValueError(f"the scheduler has --max-loras {max_loras} but the workers hold "
+                         f"{slots} LoRA adapters at once (their --max-loras); start both with "
+                         "the same value")
+    return slots
 
 
 async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
@@ -218,6 +239,7 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     # (every rank accepted --max-model-len, so it is at most theirs)
     max_model_len = args.max_model_len or min(i.max_model_len for i in infos)
     config = scheduler_config(args, max_model_len, workers.pipeline_parallel_size)
+    lora_slots = lora_slots_of(infos, config.max_loras)
     log.info("scheduling: %d steps in flight, async scheduling %s%s", config.max_steps_in_flight,
              "on" if config.async_scheduling else "off",
              f"; speculative decoding {config.speculative.to_json()}"
@@ -237,7 +259,9 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
         quantization=first.quantization, runner=first.runner or "generate",
         embedding_size=first.embedding_size,
         matryoshka_dimensions=first.matryoshka_dimensions, is_matryoshka=first.is_matryoshka)
-    return Engine(scheduler, workers), info
+    engine = Engine(scheduler, workers)
+    engine.lora_slots = lora_slots
+    return engine, info
 
 
 async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):

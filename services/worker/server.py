@@ -37,25 +37,26 @@ from services.common.tls import add_tls_flags, tls_from_args
 from services.worker.lora import LoRAConfig, LoRALoadError
 from services.worker.metrics import WorkerMetrics
 from services.worker.pooler_config import RUNNERS, PoolerConfig
-from services.worker.step_checks import check_block_copies, check_loras, check_sampling
+from services.worker.step_checks import check_block_copies, check_sampling
 
 log = logging.getLogger(__name__)
 SERVICE = "pagedserve.v1.WorkerService"
 
 
 def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int,
-                       num_kv_blocks: int | None = None, lora_enabled: bool = False,
-                       ) -> StepInput:
+                       num_kv_blocks: int | None = None, max_loras: int = 0) -> StepInput:
     """Decode a StepRequest (``step_wire.step_from_pb``) and check what the runner will use.
 
     ``num_kv_blocks`` (the rank's; the servicer passes it) range-checks the block copies;
     None leaves that to the caller (in-process benchmarks, whose scheduler sized the cache).
+    ``max_loras`` (the rank's ``GetWorkerInfoResponse.max_loras``): 0 refuses a new request
+    with a LoRA adapter, which this rank cannot run (never silently the base model).
 
     Raises:
         ValueError: a malformed message: columns that disagree, a new request's sampling
             parameters the sampler cannot use (``check_sampling``; ``vocab_size``: the
-            model's), or block copies that cannot run as asked (``check_block_copies``), or a
-            LoRA adapter while ``lora_enabled`` is False (``check_loras``).
+            model's), block copies that cannot run as asked (``check_block_copies``), or a
+            LoRA adapter on a rank without LoRA support.
     """
     step = step_from_pb(msg)
     for r in step.new_requests:
@@ -63,9 +64,12 @@ def step_input_from_pb(msg: worker_pb2.StepRequest, vocab_size: int,
             check_sampling(r.sampling_params, vocab_size)
         except ValueError as e:
             raise ValueError(f"new request {r.request_id!r}: {e}") from None
+        if r.lora is not None and not max_loras:
+            raise ValueError(f"new request {r.request_id!r} names LoRA adapter "
+                             f"{r.lora.name!r} but this worker runs no LoRA adapters "
+                             "(max_loras 0); the scheduler never sends one to it")
     if num_kv_blocks is not None:
         check_block_copies(step.blocks_to_copy, num_kv_blocks)
-    check_loras(step, lora_enabled)
     return step
 
 
@@ -150,7 +154,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         async for msg in request_iterator:
             try:
                 step = step_input_from_pb(msg, self.info.vocab_size, self.info.num_kv_blocks,
-                                          self.info.max_loras > 0)
+                                          self.info.max_loras)
             except ValueError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {e}")
             if step.new_requests and log.isEnabledFor(logging.DEBUG):

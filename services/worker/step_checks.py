@@ -9,7 +9,6 @@ import json
 import math
 
 from services.common.sampling_params import EngineSamplingParams
-from services.common.step import StepInput
 
 
 def check_sampling(params: EngineSamplingParams, vocab_size: int) -> None:
@@ -74,20 +73,3 @@ def check_block_copies(pairs: list[tuple[int, int]], num_kv_blocks: int) -> None
         raise ValueError("block copies must write distinct blocks that no copy of the step "
                          f"reads; got {pairs[:8]}{' ...' if len(pairs) > 8 else ''}")
 
-
-def check_loras(step: StepInput, lora_enabled: bool) -> None:
-    """Refuse a new request that names a LoRA adapter when the worker runs without
-    ``--enable-lora`` (it would silently run on the base model), or an adapter id < 1.
-
-    Raises:
-        ValueError: naming the request and the adapter.
-    """
-    for r in step.new_requests:
-        if r.lora is None:
-            continue
-        if not lora_enabled:
-            raise ValueError(f"new request {r.request_id!r} names LoRA adapter {r.lora.name!r} "
-                             "but this worker runs without --enable-lora")
-        if r.lora.lora_id < 1:
-            raise ValueError(f"new request {r.request_id!r}: LoRA adapter {r.lora.name!r} has "
-                             f"lora_id {r.lora.lora_id} (must be >= 1)")

@@ -9,6 +9,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import worker_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import (
@@ -37,6 +38,17 @@ def _names(cls) -> list[str]:
 
 def test_new_request_is_the_message_field_for_field():
     assert set(_names(NewRequest)) == _proto_fields(worker_pb2.NewRequest)
+
+
+def test_a_new_requests_adapter_round_trips_and_none_stays_unset():
+    r = NewRequest("a", [1, 2], EngineSamplingParams(), [0], 0, 2, LoRARequest(7, "sql", "/x"))
+    msg = step_to_pb(StepInput(1, [r], [], []))
+    assert msg.new_requests[0].lora.lora_id == 7
+    assert step_from_pb(msg).new_requests[0].lora == LoRARequest(7, "sql", "/x")
+    r.lora = None
+    msg = step_to_pb(StepInput(1, [r], [], []))
+    assert not msg.new_requests[0].HasField("lora")
+    assert step_from_pb(msg).new_requests[0].lora is None
 
 
 def test_cached_request_is_one_row_of_the_columns():
@@ -75,8 +87,10 @@ def test_the_output_is_the_step_result_field_for_field():
 ids = st.lists(st.integers(-1, 2**31 - 1), max_size=6)
 params = st.builds(EngineSamplingParams, temperature=st.sampled_from([0.0, 0.5]),
                    seed=st.none() | st.integers(0, 2**63), beam_width=st.integers(0, 3))
+loras = st.none() | st.builds(LoRARequest, st.integers(1, 2**31 - 1), st.text(max_size=4),
+                              st.text(max_size=8))
 new_requests = st.builds(NewRequest, st.text(max_size=4), ids, params, ids,
-                         st.integers(0, 99), st.integers(0, 99))
+                         st.integers(0, 99), st.integers(0, 99), loras)
 cached_requests = st.builds(CachedRequest, st.text(max_size=4), ids, ids, st.booleans(),
                             st.integers(0, 99), st.integers(0, 99), st.integers(-1, 9), ids,
                             st.booleans())

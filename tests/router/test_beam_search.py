@@ -62,7 +62,7 @@ class BeamEngine:
         self.serving.set()
 
     def submit(self, request_id, prompt_token_ids, params, *, priority=0, queue=None,
-               parent_request_id=""):
+               parent_request_id="", lora=None):
         self.submitted.append((request_id, params, parent_request_id))
         for out in self.outputs:
             answer = engine_pb2.RequestOutput()

@@ -12,6 +12,7 @@ import asyncio
 import grpc
 import pytest
 
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.choices import child_params, child_request_id
@@ -34,17 +35,19 @@ class FakeEngine:
         self.running = set(running)  # ids of other callers' requests
         self.submitted: dict[str, tuple[EngineSamplingParams, int]] = {}
         self.parents: dict[str, str] = {}  # request id -> parent_request_id it was sent with
+        self.loras: dict[str, LoRARequest | None] = {}  # request id -> its adapter
         self.aborted: list[str] = []
         self.released: list[str] = []
 
     def submit(self, request_id, prompt_token_ids, params, *, priority=0, queue=None,
-               parent_request_id=""):
+               parent_request_id="", lora=None):
         assert list(prompt_token_ids) == PROMPT and queue is not None
         if not self.submitted:
             for out in self.outputs:
                 queue.put_nowait(out)
         self.submitted[request_id] = (params, priority)
         self.parents[request_id] = parent_request_id
+        self.loras[request_id] = lora
         return queue
 
     def is_running(self, request_id):
@@ -124,6 +127,19 @@ def test_n1_keeps_the_request_id_and_reports_cached_tokens():
         len(PROMPT), len(hello), 4)
     assert all(m.request_id == RID and m.index == 0 for m in msgs)
     assert engine.aborted == []
+
+
+def test_every_choice_is_submitted_with_the_requests_adapter():
+    lora = LoRARequest(3, "sql", "/adapters/sql")
+    a, b = ids_of(" one"), ids_of(" two")
+    engine = FakeEngine([out("0_req", a, LENGTH), out("1_req", b, LENGTH)])
+    req = prepared(n=2)
+    req.lora = lora
+    asyncio.run(collect(engine, req))
+    assert engine.loras == {"0_req": lora, "1_req": lora}
+    engine = FakeEngine([out(RID, a, LENGTH)])
+    asyncio.run(collect(engine, prepared()))
+    assert engine.loras == {RID: None}
 
 
 def test_n_choices_are_submitted_with_their_seeds_and_merged():

@@ -65,7 +65,7 @@ class FakeReplica:
         return len(self.pending)
 
     def submit(self, request_id, prompt_token_ids, params, *, priority=0, queue=None,
-               parent_request_id=""):
+               parent_request_id="", lora=None):
         queue = asyncio.Queue() if queue is None else queue
         self.pending[request_id] = parent_request_id
         self.submitted.append(request_id)

@@ -227,3 +227,20 @@ def test_responses_carry_the_span_as_a_reasoning_item(client, stream):
     whole, _ = chat(client)  # the chat route splits the same output the same way
     assert (reasoning.content[0].text, r.output_text) == (whole["reasoning_content"],
                                                           whole["content"])
+
+
+def test_the_sdk_passes_chat_template_kwargs(reasoning_stack):
+    """``Client.chat`` / ``generate(messages=...)`` take ``chat_template_kwargs``: the prompt
+    the engine got (usage) is what Tokenize counts with the same variables; without messages
+    the SDK refuses it before sending."""
+    from pagedserve_client import Client
+
+    messages = [{"role": "user", "content": "hi"}]
+    off = {"enable_thinking": False}
+    with Client(reasoning_stack.address) as c:
+        plain = c.tokenize(messages=messages).count
+        thinking_off = c.chat(messages, max_tokens=2, chat_template_kwargs=off)
+        whole = c.generate(messages=messages, max_tokens=2, chat_template_kwargs=off)
+        assert thinking_off.usage.prompt_tokens == whole.usage.prompt_tokens > plain
+        with pytest.raises(ValueError, match="needs messages"):
+            c.generate("hi", max_tokens=2, chat_template_kwargs=off)

@@ -1,6 +1,6 @@
 """Helpers of the LoRA tests, free of pytest imports (the TP test runs ``tp_rank`` in spawned
-processes): random PEFT adapters, transformers + PEFT's greedy tokens, and a minimal scheduler
-that runs requests (each with its adapter or none) through a ``ModelRunner``."""
+processes): transformers + PEFT's greedy tokens, and a minimal scheduler that runs requests
+(each with its adapter or none) through a ``ModelRunner``."""
 
 from __future__ import annotations
 
@@ -14,22 +14,6 @@ from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, NewRequest, StepInput
 
 GREEDY = EngineSamplingParams(temperature=0.0)
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base: Path, path: Path, seed: int, r: int, alpha: float,
-                 targets: list[str] = ALL_TARGETS, use_rslora: bool = False) -> Path:
-    """Write a random PEFT LoRA adapter of ``base`` (B not zero: ``init_lora_weights=False``)
-    into ``path``; returns ``path``."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    torch.manual_seed(seed)
-    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=use_rslora,
-                        init_lora_weights=False, lora_dropout=0.0)
-    get_peft_model(model, config).save_pretrained(path)
-    return path
 
 
 def reference_greedy(base: Path, adapter: Path | None, prompts: list[list[int]],

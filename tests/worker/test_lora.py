@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ from services.common.lora import LoRARequest
 from services.worker.lora import LoRAConfig, LoRALoadError
 from services.worker.model_runner import ModelRunner
 from services.worker.server import worker_info
-from tests.worker.lora_driver import make_adapter, reference_greedy, run_batch, tp_rank
+from tests.helpers import make_peft_lora
+from tests.worker.lora_driver import reference_greedy, run_batch, tp_rank
 
 NEW_TOKENS = 6
 
@@ -27,12 +29,12 @@ def adapters(tiny_llama, tmp_path_factory):
     16 (q, v, up, down only)."""
     root = tmp_path_factory.mktemp("adapters")
     return [
-        LoRARequest(1, "four", str(make_adapter(tiny_llama, root / "four", 1, 4, 8.0))),
-        LoRARequest(2, "eight", str(make_adapter(tiny_llama, root / "eight", 2, 8, 16.0,
-                                                 use_rslora=True))),
-        LoRARequest(3, "sixteen", str(make_adapter(
-            tiny_llama, root / "sixteen", 3, 16, 24.0,
-            targets=["q_proj", "v_proj", "up_proj", "down_proj"]))),
+        LoRARequest(1, "four", make_peft_lora(tiny_llama, root / "four", 4, 1, lora_alpha=8)),
+        LoRARequest(2, "eight", make_peft_lora(tiny_llama, root / "eight", 8, 2, lora_alpha=16,
+                                               use_rslora=True)),
+        LoRARequest(3, "sixteen", make_peft_lora(
+            tiny_llama, root / "sixteen", 16, 3, lora_alpha=24,
+            target_modules=("q_proj", "v_proj", "up_proj", "down_proj"))),
     ]
 
 
@@ -112,23 +114,25 @@ def test_bad_adapters_are_refused_and_the_runner_keeps_serving(tiny_llama, adapt
                                                                one_torch_thread):
     runner = _runner(tiny_llama, LoRAConfig(max_loras=1, max_lora_rank=8))
     too_big = adapters[2]  # rank 16 > 8
-    with pytest.raises(LoRALoadError, match="rank r=16 is above --max-lora-rank 8"):
+    with pytest.raises(LoRALoadError,
+                       match=r"'sixteen': .*rank 16 .*is above --max-lora-rank 8"):
         run_batch(runner, prompts[:1], [too_big], NEW_TOKENS, tag="big-")
     missing = LoRARequest(9, "missing", str(tmp_path / "nowhere"))
-    with pytest.raises(LoRALoadError, match=r"'missing'.*adapter_config\.json"):
+    with pytest.raises(LoRALoadError, match=r"'missing': .*no such adapter folder"):
         run_batch(runner, prompts[:1], [missing], NEW_TOKENS, tag="missing-")
-    lacking = tmp_path / "lacking"
-    lacking.mkdir()
+    lacking = Path(shutil.copytree(adapters[0].path, tmp_path / "lacking"))
     config = json.loads((Path(adapters[0].path) / "adapter_config.json").read_text())
     (lacking / "adapter_config.json").write_text(
         json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
-    with pytest.raises(LoRALoadError, match=r"target_modules \['lm_head'\]"):
+    with pytest.raises(LoRALoadError,
+                       match=r"'lacking': .*target module 'lm_head' is one the model lacks"):
         run_batch(runner, prompts[:1], [LoRARequest(10, "lacking", str(lacking))],
                   NEW_TOKENS, tag="lacking-")
     no_weights = LoRARequest(11, "no-weights", str(lacking.parent / "no-weights"))
     (lacking.parent / "no-weights").mkdir()
     (lacking.parent / "no-weights" / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(LoRALoadError, match=r"'no-weights'.*adapter_model\.safetensors"):
+    with pytest.raises(LoRALoadError,
+                       match=r"'no-weights': .*missing adapter_model\.safetensors"):
         run_batch(runner, prompts[:1], [no_weights], NEW_TOKENS, tag="noweights-")
     # the refused steps changed nothing: the runner serves the base model and a good adapter
     assert run_batch(runner, prompts[:2], [adapters[0], None], NEW_TOKENS, tag="ok-") == [
@@ -199,11 +203,25 @@ def test_other_families_equal_peft(family, tmp_path, prompts, one_torch_thread):
 
     make = {"qwen2": make_tiny_qwen2, "gemma3": make_tiny_gemma3}[family]
     model = make(tmp_path / family)
-    adapter = LoRARequest(5, "a", str(make_adapter(model, tmp_path / "a", 5, 8, 16.0,
-                                                   use_rslora=True)))
+    adapter = LoRARequest(5, "a", make_peft_lora(model, tmp_path / "a", 8, 5, lora_alpha=16,
+                                                 use_rslora=True))
     want_lora = reference_greedy(model, adapter.path, prompts[:2], NEW_TOKENS)
     want_base = reference_greedy(model, None, prompts[2:], NEW_TOKENS)
     assert want_lora != reference_greedy(model, None, prompts[:2], NEW_TOKENS)
     runner = _runner(model, LoRAConfig(max_loras=1, max_lora_rank=8))
     assert run_batch(runner, prompts, [adapter, adapter, None, None], NEW_TOKENS) == (
         want_lora + want_base)
+
+
+def test_per_module_ranks_and_alphas_equal_peft(tiny_llama, tmp_path, prompts, expected,
+                                                one_torch_thread):
+    """``rank_pattern`` / ``alpha_pattern`` (per-module r and alpha, which the router's check
+    accepts): each module's own scale, mixed with base rows, equal transformers + PEFT."""
+    path = make_peft_lora(tiny_llama, tmp_path / "patterns", 4, 7, lora_alpha=8,
+                          rank_pattern={"q_proj": 8, "down_proj": 2},
+                          alpha_pattern={"gate_proj": 32})
+    want = reference_greedy(tiny_llama, path, prompts[:2], NEW_TOKENS)
+    runner = _runner(tiny_llama, LoRAConfig(max_loras=1, max_lora_rank=8))
+    adapter = LoRARequest(7, "patterns", path)
+    assert run_batch(runner, prompts[:3], [adapter, adapter, None], NEW_TOKENS) == (
+        want + expected[None][2:3])

@@ -1,6 +1,6 @@
-"""LoRA at the worker's edges: its flags (through ``pagedserve serve`` and PAGEDSERVE_*), the
-step check that refuses an adapter when LoRA is off, and the servicer answering a step whose
-adapter cannot be loaded with INVALID_ARGUMENT while the worker keeps serving (no fatal)."""
+"""LoRA at the worker's edges: its flags (through ``pagedserve serve`` and PAGEDSERVE_*), and
+the servicer answering a step whose adapter cannot be loaded with INVALID_ARGUMENT while the
+worker keeps serving (no fatal)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,11 @@ import grpc
 import pytest
 
 from services.cli.flags import forwarded_argv, serve_parser
-from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from services.common.sampling_params import EngineSamplingParams
-from services.common.step import NewRequest, StepInput, StepOutput
+from services.common.step import StepInput, StepOutput
 from services.worker.lora import LoRAConfig, LoRALoadError
 from services.worker.server import WorkerServicer, lora_config
-from services.worker.step_checks import check_loras
 from tests.helpers import asynctest
-
-GREEDY = EngineSamplingParams(temperature=0.0)
 
 
 def test_serve_forwards_the_lora_flags_to_the_worker(monkeypatch):
@@ -51,20 +46,6 @@ def test_fewer_cpu_loras_than_slots_are_refused_naming_both_flags():
     ns = serve_parser().parse_args(["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"])
     with pytest.raises(ValueError, match="--max-cpu-loras 2 must be >= --max-loras 4"):
         lora_config(ns)
-
-
-def _new(request_id: str, lora: LoRARequest | None) -> NewRequest:
-    return NewRequest(request_id, [1, 2], GREEDY, [0], 0, 2, lora)
-
-
-def test_an_adapter_is_refused_when_lora_is_off():
-    step = StepInput(1, [_new("a", None), _new("b", LoRARequest(3, "sql", "/x"))], [], [])
-    check_loras(step, lora_enabled=True)
-    with pytest.raises(ValueError, match="'b' names LoRA adapter 'sql' but this worker runs "
-                                         "without --enable-lora"):
-        check_loras(step, lora_enabled=False)
-    with pytest.raises(ValueError, match="lora_id 0"):
-        check_loras(StepInput(2, [_new("c", LoRARequest(0, "z", "/x"))], [], []), True)
 
 
 class RefusingRunner:

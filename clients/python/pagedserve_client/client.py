@@ -28,6 +28,10 @@ request reproduces every choice.
 server's scheduler runs ``--scheduling-policy priority``; otherwise a non-zero priority is
 INVALID_ARGUMENT.
 
+``model`` (default "": the base model) names the model to run, as OpenAI's clients do: a name
+of the base model or a LoRA adapter the server serves (``list_models``); another name is
+NOT_FOUND.
+
 Besides ``generate`` / ``stream``: ``chat`` / ``chat_stream`` (the Chat RPC: messages in, chat
 template applied), ``tokenize`` (text or messages → ``TokenizeResult``), ``detokenize`` (ids →
 text) and ``list_models`` (→ ``[ModelInfo]``); their result types are in ``text_types``.
@@ -55,6 +59,7 @@ Deadlines, retries, cancellation:
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -109,23 +114,31 @@ _OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
 
 def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                   prompt_token_ids: list[int] | None = None, request_id: str = "",
-                  priority: int = 0, **sampling) -> api_pb2.GenerateRequest:
+                  priority: int = 0, chat_template_kwargs: dict | None = None,
+                  model: str = "", **sampling) -> api_pb2.GenerateRequest:
     """Build a GenerateRequest from exactly one of prompt / messages / prompt_token_ids.
 
     Args:
         request_id: echoed in every response; the server makes one when empty.
         priority: scheduling priority, an int32 (lower runs sooner).
+        chat_template_kwargs: (``messages`` only) extra variables for the chat template, e.g.
+            ``{"enable_thinking": False}`` (vLLM's ``chat_template_kwargs``; every method
+            that takes ``**sampling`` passes it here).
+        model: the base model's name or a LoRA adapter's; "" runs the base model.
         **sampling: SamplingParams fields by name (vLLM's names, including ``n`` and the beam
             search ones; ``structured_outputs``, ``logit_bias`` and ``early_stopping`` as in
             ``pagedserve_client.sampling``).
 
     Raises:
-        ValueError: not exactly one prompt form, an unknown sampling parameter, or a value out
-            of its wire type's range (e.g. a priority outside int32).
+        ValueError: not exactly one prompt form, an unknown sampling parameter, a value out
+            of its wire type's range (e.g. a priority outside int32), or
+            ``chat_template_kwargs`` without ``messages`` or not JSON-serializable.
         TypeError: a sampling parameter or priority of the wrong type.
     """
     if sum(x is not None for x in (prompt, messages, prompt_token_ids)) != 1:
         raise ValueError("pass exactly one of prompt=, messages= or prompt_token_ids=")
+    if chat_template_kwargs is not None and messages is None:
+        raise ValueError("chat_template_kwargs= needs messages= (it is for the chat template)")
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise ValueError(f"unknown sampling parameter(s) {sorted(unknown)}; "
@@ -150,7 +163,7 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
                 setattr(params, name, value)
         except (ValueError, TypeError) as e:  # protobuf's range/type checks
             raise type(e)(f"{name}={value!r}: {e}") from None
-    req = api_pb2.GenerateRequest(sampling_params=params, request_id=request_id)
+    req = api_pb2.GenerateRequest(sampling_params=params, request_id=request_id, model=model)
     try:
         req.priority = priority
     except (ValueError, TypeError) as e:
@@ -162,6 +175,11 @@ def build_request(prompt: str | None = None, messages: list[dict] | None = None,
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
             req.chat.messages.append(api_pb2.ChatMessage(role=m["role"], content=m["content"]))
+        if chat_template_kwargs is not None:
+            try:
+                req.chat.chat_template_kwargs = json.dumps(chat_template_kwargs)
+            except TypeError as e:
+                raise ValueError(f"chat_template_kwargs: {e}") from None
     else:
         try:
             req.prompt_token_ids.ids.extend(prompt_token_ids)

@@ -33,6 +33,7 @@ class ModelInfo:
         vocab_size: token ids are in [0, vocab_size).
         dtype: the workers' weight and compute dtype, e.g. "float32".
         eos_token_ids: ids that end generation unless ``ignore_eos``.
+        parent: for a LoRA adapter, the base model it runs over; "" for the base model.
     """
 
     id: str
@@ -40,13 +41,16 @@ class ModelInfo:
     vocab_size: int
     dtype: str
     eos_token_ids: list[int] = field(default_factory=list)
+    parent: str = ""
 
 
 def chat_request(generate: api_pb2.GenerateRequest) -> api_pb2.ChatRequest:
     """The ChatRequest of a GenerateRequest built with ``messages=`` (see ``build_request``)."""
     return api_pb2.ChatRequest(messages=generate.chat.messages,
                                sampling_params=generate.sampling_params,
-                               request_id=generate.request_id, priority=generate.priority)
+                               request_id=generate.request_id, priority=generate.priority,
+                               chat_template_kwargs=generate.chat.chat_template_kwargs,
+                               model=generate.model)
 
 
 def tokenize_request(prompt: str | None, messages: list[dict] | None,
@@ -104,5 +108,5 @@ def tokenize_result(msg: api_pb2.TokenizeResponse) -> TokenizeResult:
 
 def models_from_pb(msg: api_pb2.ListModelsResponse) -> list[ModelInfo]:
     """Convert a ListModelsResponse."""
-    return [ModelInfo(m.id, m.max_model_len, m.vocab_size, m.dtype, list(m.eos_token_ids))
-            for m in msg.models]
+    return [ModelInfo(m.id, m.max_model_len, m.vocab_size, m.dtype, list(m.eos_token_ids),
+                      m.parent) for m in msg.models]

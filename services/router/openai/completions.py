@@ -27,6 +27,7 @@ import contextlib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.router.generation import PreparedRequest, prepare, stream_responses
 from services.router.openai.requests import ParsedCompletion
@@ -64,12 +65,14 @@ class CompletionCall:
     @classmethod
     def prepare(cls, parsed: ParsedCompletion, request_id: str, tokenizer,
                 info: engine_pb2.GetEngineInfoResponse,
-                max_logprobs: int = MAX_LOGPROBS) -> CompletionCall:
+                max_logprobs: int = MAX_LOGPROBS, lora: LoRARequest | None = None
+                ) -> CompletionCall:
         """Validate and tokenize every prompt (``generation.prepare``); nothing is submitted.
 
         Args:
             request_id: the call's id; prompt p of a batch runs as ``f"{request_id}-{p}"``.
             max_logprobs: the router's --max-logprobs.
+            lora: the LoRA adapter the request's model named, or None.
 
         Raises:
             RequestError: INVALID_ARGUMENT from validation; an error about the prompt itself
@@ -80,7 +83,8 @@ class CompletionCall:
         for p, request in enumerate(parsed.requests):
             request.request_id = request_id
             try:
-                prepared = prepare(request, tokenizer, info, max_logprobs=max_logprobs)
+                prepared = prepare(request, tokenizer, info, max_logprobs=max_logprobs,
+                                   lora=lora)
             except RequestError as e:
                 if batch and e.message.startswith("prompt"):
                     raise RequestError(e.code, f"prompt[{p}]: {e.message}") from None

@@ -31,9 +31,11 @@ import logging
 import uuid
 from collections.abc import Callable
 
+import grpc
 from aiohttp import web
 
 from services.common.logs import request_id_var
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.router.embedding import prepare_embed, run_embed
 from services.router.generation import (
@@ -90,6 +92,7 @@ REQUEST_ID_HEADER = "X-Request-Id"
 # The access-log status of a request whose client went away before its response (nginx's).
 CLIENT_CLOSED = 499
 _LOG = web.RequestKey("request_log", RequestLog)  # the request's access log entry
+_LORA = web.RequestKey("lora", LoRARequest)  # the LoRA adapter its model names (absent: none)
 # NOTE: aiohttp's limits on a request's head (its defaults, named here so the docs can state
 # them): a request line or header name longer than MAX_LINE_BYTES, a header value longer than
 # MAX_FIELD_BYTES, or more than MAX_HEADERS headers is answered 400 by aiohttp's parser before
@@ -242,12 +245,15 @@ class OpenAIServer:
 
     async def models(self, request: web.Request) -> web.Response:
         """The served model, as OpenAI's model list (``id``: the first served name, ``root``:
-        the engine's name, as vLLM)."""
+        the engine's name, as vLLM), then its LoRA adapters (``root``: the adapter's folder,
+        ``parent``: the base model's id or the entry's base_model_name, as vLLM)."""
         info = self._info()
-        return web.json_response({"object": "list", "data": [{
-            "id": info.model, "object": "model", "created": 0, "owned_by": "pagedserve",
-            "root": self.engine.info.model if self.engine.info else info.model,
-            "max_model_len": info.max_model_len}]})
+        base = {"id": info.model, "object": "model", "created": 0, "owned_by": "pagedserve",
+                "root": self.engine.info.model if self.engine.info else info.model,
+                "parent": None, "max_model_len": info.max_model_len}
+        return web.json_response({"object": "list", "data": [base, *(
+            {**base, "id": lora.name, "root": lora.path, "parent": parent}
+            for lora, parent in self.served.adapters(info))]})
 
     async def version(self, request: web.Request) -> web.Response:
         """pagedserve's version (its package metadata), as vLLM's ``GET /version``."""
@@ -283,10 +289,11 @@ class OpenAIServer:
         try:
             if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
                 call = await asyncio.to_thread(CompletionCall.prepare, parsed, request_id,
-                                               self.tokenizer, info, self.max_logprobs)
+                                               self.tokenizer, info, self.max_logprobs,
+                                               request.get(_LORA))
             else:
                 call = CompletionCall.prepare(parsed, request_id, self.tokenizer, info,
-                                              self.max_logprobs)
+                                              self.max_logprobs, request.get(_LORA))
         except RequestError as e:
             raise from_status(e.code, e.message, "prompt") from None
         for prepared in call.prepared:
@@ -314,6 +321,9 @@ class OpenAIServer:
         """POST /v1/embeddings: one vector per input (``openai.embeddings``, then the same
         ``prepare_embed`` / ``run_embed`` as gRPC Embed)."""
         body, info = await self._body(request)
+        if request.get(_LORA) is not None:
+            raise bad_request(f"model: LoRA adapter {body['model']!r} does not embed (adapters "
+                              "run on generation only)", "model")
         parsed, encoding_format = parse_embedding(body)
         parsed.request_id = request.headers.get(REQUEST_ID_HEADER, "")
         entry: RequestLog = request[_LOG]
@@ -355,7 +365,8 @@ class OpenAIServer:
         return self.served.info(self.engine.info)
 
     async def _body(self, request: web.Request) -> tuple[dict, engine_pb2.GetEngineInfoResponse]:
-        """The request's JSON object and the engine's info, the model checked.
+        """The request's JSON object and the engine's info, the model checked: a LoRA
+        adapter's name is kept in ``request[_LORA]`` and is then the info's ``model``.
 
         Raises:
             OpenAIError: 400 not a JSON object, 404 another model, 503 no engine.
@@ -370,10 +381,16 @@ class OpenAIServer:
             raise bad_request("the request body must be a JSON object")
         info = self._info()
         model = body.get("model")
-        if not (model is None or (isinstance(model, str) and self.served.accepts(model, info))):
-            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
-                              code="model_not_found")
-        return body, info
+        try:
+            if not (model is None or isinstance(model, str)):
+                raise RequestError(grpc.StatusCode.NOT_FOUND,
+                                   f"The model `{model}` does not exist.")
+            lora = self.served.resolve(model, info)
+        except RequestError as e:
+            raise OpenAIError(404, e.message, param="model", code="model_not_found") from None
+        if lora is not None:
+            request[_LORA] = lora
+        return body, self.served.for_adapter(info, lora)
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         """A chat completion."""
@@ -430,10 +447,11 @@ class OpenAIServer:
             # len(read()): the body already read (cached), also when it came chunked
             if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
                 prepared = await asyncio.to_thread(prepare, parsed.request, self.tokenizer, info,
-                                                   max_logprobs=self.max_logprobs)
+                                                   max_logprobs=self.max_logprobs,
+                                                   lora=request.get(_LORA))
             else:
                 prepared = prepare(parsed.request, self.tokenizer, info,
-                                   max_logprobs=self.max_logprobs)
+                                   max_logprobs=self.max_logprobs, lora=request.get(_LORA))
         except RequestError as e:
             raise errors(from_status(e.code, e.message, parsed.prompt_param)) from None
         entry.accepted(prepared)

@@ -45,7 +45,7 @@ _PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_t
                                            "priority", "logprobs", "top_logprobs",
                                            "prompt_logprobs", "logit_bias", "tools",
                                            "use_beam_search", "beam_width", "length_penalty",
-                                           "early_stopping", "chat_template_kwargs"}
+                                           "early_stopping", "chat_template_kwargs", "model"}
 STRUCTURED = "structured_outputs"  # the first word of a grammar error (structured_outputs.py)
 MAX_BEST_OF = MAX_N  # candidates per prompt, as many as choices
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch

@@ -156,14 +156,14 @@ class LoRAManager:
     def _copy_into(self, slot: int, adapter: LoRAAdapter) -> None:
         """Write ``adapter``'s weights into ``slot`` of every layer (zeros where it has none,
         and past its rank)."""
-        r = adapter.rank
         for layer, module, targets in self.modules:
             for index, target in enumerate(targets):
                 a_dst, b_dst = module.slice_weights(slot, index)  # [R, in], [out, R]
                 a_dst.zero_()
                 b_dst.zero_()
                 weights = adapter.weights.get((layer, target))
-                if weights is not None:
+                if weights is not None:  # (its own rank: rank_pattern may vary it)
+                    r = weights[0].shape[0]
                     a_dst[:r].copy_(weights[0])
                     b_dst[:, :r].copy_(weights[1])
         self.scales[slot] = adapter.scale
