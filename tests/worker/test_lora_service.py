@@ -26,6 +26,11 @@ def test_serve_forwards_the_lora_flags_to_the_worker(monkeypatch):
                         ("--max-cpu-loras", "8")):
         assert argv[argv.index(flag) + 1] == value
     assert lora_config(ns) == LoRAConfig(4, 32, 8)
+    # one value each for the services that share a flag: --enable-lora and --max-lora-rank
+    # the router too (its registry), --max-loras the scheduler too (its admission)
+    router, scheduler = forwarded_argv("router", ns), forwarded_argv("scheduler", ns)
+    assert "--enable-lora" in router and router[router.index("--max-lora-rank") + 1] == "32"
+    assert scheduler[scheduler.index("--max-loras") + 1] == "4"
     assert lora_config(serve_parser().parse_args([])) is None  # (off without --enable-lora)
     monkeypatch.delenv("PAGEDSERVE_MAX_LORA_RANK")
     defaults = lora_config(serve_parser().parse_args(["--enable-lora"]))  # vLLM's defaults
