@@ -57,8 +57,9 @@ def prepare_embed(request: api_pb2.EmbedRequest, tokenizer,
     Raises:
         RequestError: INVALID_ARGUMENT naming the field and the limit: the server does not
             pool, no or too many inputs, an empty or over-long input (``max_model_len``), an
-            id outside the vocabulary, ``dimensions`` the model does not support, a bad
-            ``truncate_prompt_tokens`` or request_id.
+            id outside the vocabulary, ``dimensions`` the model does not support, a
+            ``truncate_prompt_tokens`` below 1 (but -1) or above ``max_model_len`` (vLLM's
+            rule), a bad request_id.
     """
     if info.runner != "pooling":
         raise _invalid("The model does not support Embeddings API (the server runs --runner "
@@ -75,6 +76,10 @@ def prepare_embed(request: api_pb2.EmbedRequest, tokenizer,
                        f"got {truncate}")
     if truncate == -1:
         truncate = info.max_model_len
+    if truncate is not None and truncate > info.max_model_len:
+        raise _invalid(f"truncate_prompt_tokens value ({truncate}) is greater than "
+                       f"max_model_len ({info.max_model_len}); select a smaller truncation "
+                       "size")
     prompts = []
     for i, item in enumerate(request.input):
         kind = item.WhichOneof("input")

@@ -105,7 +105,7 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                            "The model does not support Completions API or Chat Completions "
                            "API: the server runs --runner pooling (an embedding model); use "
-                           "/v1/embeddings")
+                           "the Embed RPC (gRPC) or POST /v1/embeddings (HTTP)")
     request_id = validate_request_id(request.request_id) or uuid.uuid4().hex
     params, text = validate_sampling(request.sampling_params, vocab_size=info.vocab_size,
                                      max_logprobs=max_logprobs)

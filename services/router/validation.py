@@ -442,13 +442,18 @@ def validate_chat_template_kwargs(text: str, reserved: Collection[str] = ()) -> 
             ``tokenize``, ...), which a client may not set.
 
     Raises:
-        RequestError(INVALID_ARGUMENT): not a JSON object, or a reserved key, e.g.
-            ``chat.chat_template_kwargs may not set 'tokenize' (an argument of the template
-            call, not a template variable)``.
+        RequestError(INVALID_ARGUMENT): not a JSON object, NaN or an infinite number in it,
+            or a reserved key, e.g. ``chat.chat_template_kwargs may not set 'tokenize' (an
+            argument of the template call, not a template variable)``.
     """
     if not text:
         return {}
     value = _json_object(text, "chat.chat_template_kwargs")
+    try:  # Python's json reads NaN, Infinity and 1e400 (as inf): none of them is JSON
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise invalid("chat.chat_template_kwargs must hold JSON values only: NaN and infinite "
+                      "numbers (e.g. 1e400) are not JSON") from None
     for key in value:
         if key in reserved:
             raise invalid(f"chat.chat_template_kwargs may not set {key!r} (an argument of the "

@@ -11,30 +11,14 @@ from pydantic import TypeAdapter
 from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai.errors import OpenAIError
+from services.router.openai.reasoning import ReasoningOptions, ReasoningSplitter
+from services.router.openai.responses import ResponseBuilder
 from services.router.openai.responses_api import ResponseEvents
-from services.router.openai.responses_input import parse_responses
+from services.router.openai.responses_input import parse_responses, rename
 from services.router.openai.responses_store import ResponseStore
 from services.router.openai.tool_calls import NamedParser
 
 EVENT = TypeAdapter(ResponseStreamEvent)
-
-
-class BarSplit:
-    """A trivial splitter: text before the first "|" is reasoning, the rest content."""
-
-    def __init__(self):
-        self.thinking = True
-
-    def feed(self, text: str) -> tuple[str, str]:
-        if not self.thinking:
-            return "", text
-        head, bar, tail = text.partition("|")
-        if bar:
-            self.thinking = False
-        return head, tail
-
-    def flush(self) -> tuple[str, str]:
-        return "", ""
 
 
 def _messages(*texts: str, reason: FinishReason = FinishReason.STOP):
@@ -61,8 +45,8 @@ def _echo(**overrides) -> dict:
 
 
 def test_split_seam_puts_a_reasoning_item_before_the_message():
-    builder = ResponseEvents("m", _echo(), split=BarSplit)
-    events = _run(builder, _messages("let me ", "think|The ", "answer."))
+    builder = ResponseEvents("m", _echo(), split=ReasoningSplitter)
+    events = _run(builder, _messages("let me ", "think</think>The ", "answer."))
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress",
         "response.output_item.added", "response.content_part.added",
@@ -78,11 +62,12 @@ def test_split_seam_puts_a_reasoning_item_before_the_message():
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
     assert reasoning.content[0].text == "let me think" and reasoning.summary == []
     assert message.type == "message" and final.output_text == "The answer."
-    assert final.usage.output_tokens_details.reasoning_tokens == 2  # the two thinking messages
+    assert final.usage.output_tokens_details.reasoning_tokens == 2  # up to the closing one
     assert final.usage.input_tokens_details.cached_tokens == 2
     assert final.usage.total_tokens == 8 and final.status == "completed"
-    whole = ResponseEvents("m", _echo(), split=BarSplit)
-    for m in _messages("let me ", "think|The ", "answer."):
+    assert reasoning.status == "completed" and message.status == "completed"
+    whole = ResponseEvents("m", _echo(), split=ReasoningSplitter)
+    for m in _messages("let me ", "think</think>The ", "answer."):
         whole.feed(m)
     assert whole.response()["output"][0]["content"] == final.output[0].model_dump()["content"]
 
@@ -95,6 +80,48 @@ def test_no_split_and_length_is_incomplete():
     assert final.incomplete_details.reason == "max_output_tokens"
     assert final.output[0].status == "incomplete" and final.output_text == "Hi there"
     assert final.max_output_tokens == 2 and final.usage.output_tokens_details.reasoning_tokens == 0
+
+
+@pytest.mark.parametrize("texts, reason, expected", [
+    (["a", "b", "</think>", "c"], FinishReason.STOP, 3),  # the closing message counts
+    (["<think>", "a", "</th", "ink>", "b"], FinishReason.STOP, 4),  # a tag over two messages
+    (["a", "b", "", "c"], FinishReason.LENGTH, 4),  # never closed: every token is reasoning
+    (["x</think>", "y"], FinishReason.STOP, 1),
+])
+def test_reasoning_tokens_are_counted_as_chat_counts_them(texts, reason, expected):
+    """One rule on both routes (``ReasoningSplitter.reasoning_tokens``): every token of a
+    message that arrives while the span is open, the one that closes it included."""
+    events = ResponseEvents("m", _echo(), split=ReasoningSplitter)
+    for m in _messages(*texts, reason=reason):
+        events.feed(m)
+    chat = ResponseBuilder(True, "m", 1, reasoning=ReasoningOptions(True))
+    for m in _messages(*texts, reason=reason):
+        chat.add(m)
+    usage = Response.model_validate(events.response()).usage
+    assert usage.output_tokens_details.reasoning_tokens == expected
+    assert chat.response()["usage"]["completion_tokens_details"]["reasoning_tokens"] == expected
+
+
+def test_a_length_finish_inside_the_span_leaves_an_incomplete_reasoning_item():
+    builder = ResponseEvents("m", _echo(max_output_tokens=4), split=ReasoningSplitter)
+    events = _run(builder, _messages("a", "b", "c", "d", reason=FinishReason.LENGTH))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [(i["type"], i["status"]) for i in done] == [("reasoning", "incomplete")]
+    final = Response.model_validate(events[-1]["response"])
+    (item,) = final.output
+    assert item.type == "reasoning" and item.status == "incomplete"
+    assert final.usage.output_tokens_details.reasoning_tokens == 4
+
+
+def test_every_item_type_has_a_status_as_the_openai_types_expect():
+    builder = ResponseEvents("m", _echo(), split=ReasoningSplitter,
+                             tool_calls=lambda: NamedParser("f"))
+    events = _run(builder, _messages("hm</think>", '{"a"', ": 1}"))
+    final = Response.model_validate(events[-1]["response"])
+    assert [(i.type, i.status) for i in final.output] == [("reasoning", "completed"),
+                                                          ("function_call", "completed")]
+    added = [e["item"]["status"] for e in events if e["type"] == "response.output_item.added"]
+    assert added == ["in_progress", "in_progress"]
 
 
 def test_named_call_streams_argument_deltas():
@@ -143,7 +170,15 @@ def test_items_map_onto_chat_messages():
     ({"input": [{"type": "function_call", "call_id": "a", "name": "f", "arguments": "[]"}]},
      "input", "input[0].arguments"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "reasoning.effort"),
+    ({"input": "x", "reasoning": {"summary": "auto"}}, "reasoning", "reasoning.summary"),
+    ({"input": "x", "reasoning": "high"}, "reasoning", "reasoning must be an object"),
+    ({"input": "x", "chat_template_kwargs": [1]}, "chat_template_kwargs",
+     "chat_template_kwargs must be an object"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input",
+     "input[0].content[0].text must be a string"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input", "'input_image'"),
     ({"input": "x", "store": True}, "store", "--enable-responses-api-store"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id",
      "--enable-responses-api-store"),
@@ -152,6 +187,26 @@ def test_errors_name_the_responses_field(body, param, words):
     with pytest.raises(OpenAIError) as e:
         parse_responses(body)
     assert e.value.status == 400 and e.value.param == param and words in e.value.message
+
+
+@pytest.mark.parametrize("reasoning", [None, {}, {"effort": None}, {"summary": None},
+                                       {"effort": None, "summary": None,
+                                        "generate_summary": None}])
+def test_a_default_reasoning_is_accepted(reasoning):
+    parsed = parse_responses({"input": "x", "reasoning": reasoning,
+                              "chat_template_kwargs": {"enable_thinking": False}})
+    assert parsed.chat.chat_template_kwargs == {"enable_thinking": False}
+    assert parsed.chat.request.chat.chat_template_kwargs == '{"enable_thinking": false}'
+
+
+def test_grammar_errors_of_text_format_name_text_format():
+    err = OpenAIError(400, "structured_outputs.json: bad schema", param="structured_outputs")
+    renamed = rename(err, "text")
+    assert renamed.message == "text.format.schema: bad schema" and renamed.param == "text"
+    err = OpenAIError(400, "structured_outputs.json_object must be true", param="x")
+    assert rename(err, "text").message == "text.format must be true"
+    own = OpenAIError(400, "structured_outputs.json: bad", param="structured_outputs")
+    assert rename(own, "structured_outputs").message == "structured_outputs.json: bad"
 
 
 def test_store_is_an_lru_of_conversations():

@@ -15,6 +15,7 @@ from services.router.validation import (
     CHAT_ROLES,
     RequestError,
     TextOptions,
+    validate_chat_template_kwargs,
     validate_messages,
     validate_n,
     validate_priority,
@@ -244,3 +245,15 @@ def test_chat_rpc_refuses_an_unknown_role_before_tokenizing():
     assert e.value.message.startswith("messages[0].role must be one of system,")
     chat.messages[0].role = "user"
     assert prepare(chat_to_generate(chat), tiny_bos_tokenizer(), info).prompt_token_ids
+
+
+@pytest.mark.parametrize("text", ['{"x": NaN}', '{"x": [Infinity]}', '{"x": {"y": -Infinity}}',
+                                  '{"x": 1e400}'])
+def test_chat_template_kwargs_refuse_numbers_that_are_not_json(text):
+    """Python's json reads them (1e400 as inf); gRPC and HTTP requests alike are refused."""
+    with pytest.raises(RequestError) as e:
+        validate_chat_template_kwargs(text)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.message.startswith("chat.chat_template_kwargs must hold JSON values only")
+    assert validate_chat_template_kwargs('{"x": 1e300, "y": [1, null]}') == {
+        "x": 1e300, "y": [1, None]}

@@ -153,6 +153,10 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(last_stack, client, model_
     ({"input": [[1, 2], []]}, "input", "input[1] is empty"),
     ({"input": ["a"] * 2049}, "input", "between 1 and 2048"),
     ({"input": [[49152]]}, "input", "[0, 49152)"),
+    ({"input": [1, 2, 99999]}, "input", "input[2] = 99999"),  # one id list: its index only
+    ({"input": [[1], [1, 2, 99999]]}, "input", "input[1][2] = 99999"),
+    ({"input": "a", "truncate_prompt_tokens": 100000}, "truncate_prompt_tokens",
+     "truncate_prompt_tokens value (100000) is greater than max_model_len (1024)"),
     ({"input": [list(range(1025))]}, "input", "max_model_len 1024"),
     ({"input": "a", "encoding_format": "int8"}, "encoding_format", "float, base64"),
     ({"input": "a", "dimensions": 16}, "dimensions", "matryoshka"),
@@ -231,4 +235,5 @@ def test_grpc_embed_from_the_sdk(last_stack, client, model_dir):
             c.generate("hi", max_tokens=2)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "does not support Completions API" in err.value.details()
+        assert "the Embed RPC (gRPC)" in err.value.details()  # what a gRPC user can call
         assert len(c.embed("still serving").embeddings) == 1

@@ -140,7 +140,7 @@ def test_tokenize_a_chat_is_what_chat_sends(root, oai, sdk, tokenizer):
     ("/tokenize", {"prompt": ""}, "prompt", ["prompt is empty"]),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, "add_special_tokens",
      ["boolean"]),
-    ("/tokenize", {"messages": []}, "messages", ["chat.messages is empty"]),
+    ("/tokenize", {"messages": []}, "messages", ["messages is empty"]),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, "messages",
      ["continue_final_message", "add_generation_prompt"]),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tools": []}},

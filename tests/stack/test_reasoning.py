@@ -224,9 +224,75 @@ def test_responses_carry_the_span_as_a_reasoning_item(client, stream):
     assert re.fullmatch(r"[a-z]{2,6} [a-z]{2,6}", reasoning.content[0].text)
     assert ANSWER.fullmatch(r.output_text)
     assert 2 <= r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens - 5
-    whole, _ = chat(client)  # the chat route splits the same output the same way
+    whole, usage = chat(client)  # the chat route splits the same output the same way
     assert (reasoning.content[0].text, r.output_text) == (whole["reasoning_content"],
                                                           whole["content"])
+    # and counts its reasoning tokens by the same rule
+    assert (r.usage.output_tokens_details.reasoning_tokens
+            == usage.completion_tokens_details.reasoning_tokens)
+    assert reasoning.status == message.status == "completed"
+
+
+def _responses(client, **kwargs):
+    """A whole /v1/responses answer for ASK on the span-then-answer grammar (seed 3)."""
+    extra = {"seed": 3, "structured_outputs": {"grammar": GRAMMAR}, **kwargs.pop("extra", {})}
+    return client.responses.create(**{"model": "", "input": ASK[0]["content"],
+                                      "max_output_tokens": 40, "temperature": 1.0,
+                                      "extra_body": extra, **kwargs})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_length_finish_inside_the_span(client, stream):
+    """max_output_tokens 4 inside the span: all 4 tokens are reasoning (chat's count) and
+    the reasoning item, the last, is incomplete."""
+    kwargs = {"model": "", "input": ASK[0]["content"], "max_output_tokens": 4,
+              "extra_body": {"structured_outputs": {"grammar": "start: /[a-z]{20,30}/"}}}
+    if stream:
+        # NOTE: the SDK's get_final_response() accepts only response.completed, so a length
+        # finish is read from the response.incomplete event itself
+        with client.responses.stream(**kwargs) as events:
+            (last,) = [e for e in events if e.type == "response.incomplete"]
+        r = last.response
+    else:
+        r = client.responses.create(**kwargs)
+    (item,) = r.output
+    assert r.status == "incomplete" and item.type == "reasoning" and item.status == "incomplete"
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 4
+    _, usage = chat(client, max_tokens=4, grammar="start: /[a-z]{20,30}/")
+    assert usage.completion_tokens_details.reasoning_tokens == 4
+
+
+@pytest.mark.parametrize("reasoning", [None, {}, {"effort": None}, {"summary": None}])
+def test_responses_take_chat_template_kwargs_and_a_default_reasoning(client, reasoning):
+    """chat_template_kwargs reach the template as on chat (enable_thinking false closes the
+    span in the prompt: no reasoning item, the whole output the message's, the prompt as
+    chat's); a default ``reasoning`` is accepted."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    kwargs = {} if reasoning is None else {"reasoning": reasoning}
+    r = _responses(client, extra=off, **kwargs)
+    _, chat_usage = chat(client, extra_body=off)
+    assert [item.type for item in r.output] == ["message"]
+    assert OUTPUT.fullmatch(r.output_text)  # the whole output, </think> and all
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
+    assert r.usage.input_tokens == chat_usage.prompt_tokens
+    on = _responses(client, **kwargs)
+    assert [item.type for item in on.output] == ["reasoning", "message"]
+    assert on.usage.input_tokens < r.usage.input_tokens
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs",
+     "may not set 'tokenize'"),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs",
+     "chat_template_kwargs must be an object"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning.effort"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning", "reasoning.summary"),
+])
+def test_responses_bad_template_and_reasoning_fields_are_400s(client, body, param, words):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="", input="hi", max_output_tokens=2, extra_body=body)
+    assert e.value.body["param"] == param and words in e.value.body["message"]
+    assert ANSWER.fullmatch(_responses(client).output_text)  # the server keeps serving
 
 
 def test_the_sdk_passes_chat_template_kwargs(reasoning_stack):
@@ -244,3 +310,28 @@ def test_the_sdk_passes_chat_template_kwargs(reasoning_stack):
         assert thinking_off.usage.prompt_tokens == whole.usage.prompt_tokens > plain
         with pytest.raises(ValueError, match="needs messages"):
             c.generate("hi", max_tokens=2, chat_template_kwargs=off)
+        counted = c.tokenize(messages=messages, chat_template_kwargs=off)
+        assert counted.count == thinking_off.usage.prompt_tokens
+        with pytest.raises(ValueError, match="needs messages"):
+            c.tokenize("hi", chat_template_kwargs=off)
+    _leak_check(reasoning_stack)
+
+
+def test_the_async_sdk_tokenizes_with_chat_template_kwargs(reasoning_stack):
+    import asyncio
+
+    from pagedserve_client import AsyncClient
+
+    messages = [{"role": "user", "content": "hi"}]
+
+    async def counts() -> tuple[int, int, int]:
+        async with AsyncClient(reasoning_stack.address) as c:
+            off = await c.tokenize(messages=messages,
+                                   chat_template_kwargs={"enable_thinking": False})
+            answer = await c.chat(messages, max_tokens=2,
+                                  chat_template_kwargs={"enable_thinking": False})
+            plain = await c.tokenize(messages=messages)
+            return off.count, answer.usage.prompt_tokens, plain.count
+
+    off, used, plain = asyncio.run(counts())
+    assert off == used > plain

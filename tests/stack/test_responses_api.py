@@ -306,5 +306,5 @@ def test_an_invalid_text_format_schema_is_a_400_naming_text(client, model, strea
                                 text={"format": {"type": "json_schema", "name": "x",
                                                  "schema": bad}})
     assert e.value.body["param"] == "text"
-    assert e.value.body["message"].startswith("structured_outputs.json: ")
+    assert e.value.body["message"].startswith("text.format.schema: ")  # the request's field
     assert client.responses.create(model=model, input="ok?", max_output_tokens=2).output_text

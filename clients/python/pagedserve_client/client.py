@@ -358,6 +358,7 @@ class Client(_ClientBase):
                  add_special_tokens: bool | None = None,
                  add_generation_prompt: bool | None = None,
                  continue_final_message: bool | None = None,
+                 chat_template_kwargs: dict | None = None,
                  timeout=_DEFAULT) -> TokenizeResult:
         """Token ids of a text or a conversation, exactly as ``generate`` would send them.
 
@@ -369,13 +370,16 @@ class Client(_ClientBase):
                 prefix, as ``generate`` does.
             continue_final_message: messages only; True leaves the last message open (no
                 end-of-turn token), with ``add_generation_prompt=False`` (vLLM's option).
+            chat_template_kwargs: messages only; extra variables for the chat template, as
+                ``chat`` takes them (e.g. ``{"enable_thinking": False}``).
 
         Raises:
-            ValueError: not exactly one of prompt / messages.
+            ValueError: not exactly one of prompt / messages; ``chat_template_kwargs``
+                without messages or not JSON-serializable.
             grpc.RpcError: INVALID_ARGUMENT (empty input, template rejected the messages).
         """
         req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt,
-                               continue_final_message)
+                               continue_final_message, chat_template_kwargs)
         return tokenize_result(self._unary(self._stub.Tokenize, req, timeout))
 
     def detokenize(self, token_ids: list[int], *, skip_special_tokens: bool | None = None,
@@ -516,6 +520,7 @@ class AsyncClient(_ClientBase):
                        add_special_tokens: bool | None = None,
                        add_generation_prompt: bool | None = None,
                        continue_final_message: bool | None = None,
+                       chat_template_kwargs: dict | None = None,
                        timeout=_DEFAULT) -> TokenizeResult:
         """Token ids of a text or a conversation (see ``Client.tokenize``).
 
@@ -524,7 +529,7 @@ class AsyncClient(_ClientBase):
             grpc.aio.AioRpcError: INVALID_ARGUMENT (empty input, template rejected it).
         """
         req = tokenize_request(prompt, messages, add_special_tokens, add_generation_prompt,
-                               continue_final_message)
+                               continue_final_message, chat_template_kwargs)
         return tokenize_result(await self._unary(self._stub.Tokenize, req, timeout))
 
     async def detokenize(self, token_ids: list[int], *,

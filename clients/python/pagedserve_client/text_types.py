@@ -3,6 +3,7 @@ detokenize and list_models (no protobuf in user code)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from pagedserve_client.pb.pagedserve.v1 import api_pb2
@@ -55,15 +56,19 @@ def chat_request(generate: api_pb2.GenerateRequest) -> api_pb2.ChatRequest:
 
 def tokenize_request(prompt: str | None, messages: list[dict] | None,
                      add_special_tokens: bool | None, add_generation_prompt: bool | None,
-                     continue_final_message: bool | None = None) -> api_pb2.TokenizeRequest:
+                     continue_final_message: bool | None = None,
+                     chat_template_kwargs: dict | None = None) -> api_pb2.TokenizeRequest:
     """A TokenizeRequest for exactly one of ``prompt`` / ``messages``; None options are left
     unset (the server's defaults: see ``Client.tokenize``).
 
     Raises:
-        ValueError: not exactly one input, or a message without 'role' and 'content'.
+        ValueError: not exactly one input, a message without 'role' and 'content',
+            ``chat_template_kwargs`` without ``messages`` or not JSON-serializable.
     """
     if (prompt is None) == (messages is None):
         raise ValueError("pass exactly one of prompt= or messages=")
+    if chat_template_kwargs is not None and messages is None:
+        raise ValueError("chat_template_kwargs= needs messages= (it is for the chat template)")
     req = api_pb2.TokenizeRequest()
     if prompt is not None:
         req.prompt = prompt
@@ -74,6 +79,11 @@ def tokenize_request(prompt: str | None, messages: list[dict] | None,
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
             req.chat.messages.append(api_pb2.ChatMessage(role=m["role"], content=m["content"]))
+        if chat_template_kwargs is not None:
+            try:
+                req.chat.chat_template_kwargs = json.dumps(chat_template_kwargs, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"chat_template_kwargs: {e}") from None
     if add_special_tokens is not None:
         req.add_special_tokens = add_special_tokens
     if add_generation_prompt is not None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.embedding import PreparedEmbed
-from services.router.openai.errors import bad_request, utf8
+from services.router.openai.errors import OpenAIError, bad_request, utf8
 
 ENCODING_FORMATS = ("float", "base64")
 _SHAPES = ("input must be a non-empty string, a list of strings, a list of token ids, or a "
@@ -70,6 +70,16 @@ def embedding_param(message: str) -> str | None:
     """The field a ``prepare_embed`` error names (its first word), for OpenAI's ``param``."""
     m = re.match(r"[a-z_]+", message)
     return m.group(0) if m and m.group(0) in _PARAMS else None
+
+
+def embedding_error(message: str, body: dict) -> OpenAIError:
+    """The 400 for a ``prepare_embed`` error about ``body``: ``param`` its field, and an
+    ``input`` that is one list of token ids named as the client sent it (``input[2]``, not
+    the gRPC request's ``input[0][2]``)."""
+    value = body.get("input")
+    if isinstance(value, list) and value and all(_is_int(x) for x in value):
+        message = re.sub(r"^input\[0\](?=\[)", "input", message)
+    return bad_request(message, embedding_param(message))
 
 
 def embedding_response(req: PreparedEmbed, vectors: list[list[float]], encoding_format: str,

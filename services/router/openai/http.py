@@ -31,7 +31,6 @@ import logging
 import uuid
 from collections.abc import Callable
 
-import grpc
 from aiohttp import web
 
 from services.common.logs import request_id_var
@@ -51,7 +50,7 @@ from services.router.metrics import RouterMetrics
 from services.router.openai import tokenization
 from services.router.openai.completions import CompletionCall
 from services.router.openai.embeddings import (
-    embedding_param,
+    embedding_error,
     embedding_response,
     parse_embedding,
 )
@@ -333,7 +332,7 @@ class OpenAIServer:
             else:
                 prepared = prepare_embed(parsed, self.tokenizer, info)
         except RequestError as e:
-            raise bad_request(e.message, embedding_param(e.message)) from None
+            raise embedding_error(e.message, body) from None
         entry.request_id = prepared.request_id
         request_id_var.set(prepared.request_id)
         entry.prompt_tokens = sum(map(len, prepared.prompts))
@@ -381,10 +380,9 @@ class OpenAIServer:
             raise bad_request("the request body must be a JSON object")
         info = self._info()
         model = body.get("model")
+        if not (model is None or isinstance(model, str)):
+            raise bad_request(f"model must be a string, got {json.dumps(model)}"[:200], "model")
         try:
-            if not (model is None or isinstance(model, str)):
-                raise RequestError(grpc.StatusCode.NOT_FOUND,
-                                   f"The model `{model}` does not exist.")
             lora = self.served.resolve(model, info)
         except RequestError as e:
             raise OpenAIError(404, e.message, param="model", code="model_not_found") from None
@@ -453,7 +451,8 @@ class OpenAIServer:
                 prepared = prepare(parsed.request, self.tokenizer, info,
                                    max_logprobs=self.max_logprobs, lora=request.get(_LORA))
         except RequestError as e:
-            raise errors(from_status(e.code, e.message, parsed.prompt_param)) from None
+            raise errors(from_status(e.code, e.message, parsed.prompt_param,
+                                     parsed.structured_param)) from None
         entry.accepted(prepared)
         return prepared
 
@@ -464,7 +463,8 @@ class OpenAIServer:
         parsed = parse_responses(body, self.tool_parser, self.responses_store)
         chat = parsed.chat
         response_id = new_response_id()
-        prepared = await self._prepare(request, chat, info, response_id, rename)
+        prepared = await self._prepare(request, chat, info, response_id,
+                                       lambda e: rename(e, chat.structured_param))
         reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning,
                                     prepared.prompt_token_ids)
         events = ResponseEvents(info.model, parsed.echo, chat.tool_calls,
@@ -487,8 +487,8 @@ class OpenAIServer:
                     return web.json_response(events.response(), headers=headers,
                                              dumps=lambda o: json.dumps(o, ensure_ascii=False))
             except EngineError as e:  # e.g. an invalid grammar (before any message)
-                raise rename(from_status(e.code, e.message, "input", chat.structured_param)
-                             ) from None
+                raise rename(from_status(e.code, e.message, "input", chat.structured_param),
+                             chat.structured_param) from None
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **headers})
             await resp.prepare(request)
@@ -504,7 +504,8 @@ class OpenAIServer:
                 self._keep(parsed, events)
             except EngineError as e:
                 entry.error = e.code.name
-                err = rename(from_status(e.code, e.message, "input", chat.structured_param))
+                err = rename(from_status(e.code, e.message, "input", chat.structured_param),
+                             chat.structured_param)
                 await resp.write(_event(events.error(err.message, err.code, err.param)))
             await resp.write_eof()
             return resp

@@ -6,10 +6,14 @@ the rest as ``content`` (``openai.responses``). Public interface, also for other
 shapes (e.g. the Responses API's reasoning items):
 
 - ``split(text, thinking=True) -> (reasoning | None, content)``: a whole output.
-- ``ReasoningSplitter(thinking)``: the same split incrementally, ``feed(delta) ->
+- ``ReasoningSplitter(thinking)``: the same split incrementally, ``feed(delta, tokens) ->
   (reasoning_delta, content_delta)`` then ``flush()`` at the end; any chunking of a text gives
   the same two strings as ``split`` (tested), and a tag is never cut: a possible prefix of
-  ``<think>`` / ``</think>`` at the end of a delta is held back until the next one.
+  ``<think>`` / ``</think>`` at the end of a delta is held back until the next one. Its
+  ``reasoning_tokens`` is the one count both chat's
+  ``completion_tokens_details.reasoning_tokens`` and the Responses API's
+  ``output_tokens_details.reasoning_tokens`` report: every token of a message that arrives
+  while the span is open, the one that closes it included.
 - ``starts_in_reasoning(parser, chat_template_kwargs, prompt_ends_reasoning)``: whether the
   output of a request begins inside the span (``thinking``).
 
@@ -56,16 +60,27 @@ class ReasoningSplitter:
 
     Attributes:
         in_reasoning: the span is still open (no ``</think>`` seen yet).
+        reasoning_tokens: the tokens of the messages fed while the span was open, the message
+            that closes it included (a message holding several tokens counts whole).
     """
 
     def __init__(self, thinking: bool = True):
         self.thinking = thinking
         self.in_reasoning = thinking
+        self.reasoning_tokens = 0
         self._buf = ""  # held back: a possible prefix of a tag
 
-    def feed(self, text: str) -> tuple[str, str]:
+    def feed(self, text: str, tokens: int = 0) -> tuple[str, str]:
         """``(reasoning, content)`` to send for the next piece of output text; either may be
-        empty (e.g. while a possible tag is held back)."""
+        empty (e.g. while a possible tag is held back).
+
+        Args:
+            text: the message's text.
+            tokens: the message's token count, added to ``reasoning_tokens`` when the span is
+                open as it arrives.
+        """
+        if self.in_reasoning:
+            self.reasoning_tokens += tokens
         if not self.in_reasoning:
             return "", text
         buf = self._buf + text

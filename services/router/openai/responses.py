@@ -28,10 +28,10 @@ Chat with ``--reasoning-parser``: each choice's text is first split by its
 ``reasoning`` (vLLM's old and new names, the same text; null when the output began outside
 the span; both left out with ``include_reasoning: false``), the rest is the content, the only
 part the tool-call parser reads; ``content`` is null when nothing follows the span.
-``usage.completion_tokens_details.reasoning_tokens`` counts the tokens of every message that
-arrived while the span was open: the span's tokens and the one closing it (one token per
-message while streaming; a message holding several, e.g. a beam search's one message, counts
-whole).
+``usage.completion_tokens_details.reasoning_tokens`` is the splitter's count
+(``ReasoningSplitter.reasoning_tokens``, the Responses API's too): the tokens of every message
+that arrived while the span was open, the one closing it included (one token per message while
+streaming; a message holding several, e.g. a beam search's one message, counts whole).
 """
 
 from __future__ import annotations
@@ -119,7 +119,6 @@ class ResponseBuilder:
         self._splitters = ([reasoning.splitter() for _ in range(n)]
                            if reasoning is not None else None)
         self._reasoning_texts: list[list[str]] = [[] for _ in range(n)]
-        self._reasoning_tokens = [0] * n
         self._logprobs = ([LogprobsFormatter(tokenizer, chat, options.token_ids_as_tokens)
                            for _ in range(n)] if options.logprobs else None)
         self._logprob_parts: list[list[dict]] = [[] for _ in range(n)]
@@ -132,7 +131,7 @@ class ResponseBuilder:
     def add(self, r: api_pb2.GenerateResponse) -> None:
         """Record one streamed message (non-streaming mode)."""
         k = self._options.prompt_logprobs
-        if k is not None and r.prompt_logprobs and r.index not in self._prompt_logprobs:
+        if k is not None and r.index not in self._prompt_logprobs:  # the choice's first message
             self._prompt_logprobs[r.index] = vllm_prompt_logprobs(self._tokenizer,
                                                                   r.prompt_logprobs, k)
         prefix, prompt_logprobs = self._echoed(r)
@@ -184,8 +183,9 @@ class ResponseBuilder:
                                  "total_tokens": prompt + completion,
                                  "prompt_tokens_details": {"cached_tokens": cached}}
         if self._reasoning is not None:
+            assert self._splitters is not None
             usage["completion_tokens_details"] = {
-                "reasoning_tokens": sum(self._reasoning_tokens[i] for i in finals)}
+                "reasoning_tokens": sum(self._splitters[i].reasoning_tokens for i in finals)}
         return usage
 
     def _split(self, r: api_pb2.GenerateResponse) -> tuple[str, str]:
@@ -195,9 +195,7 @@ class ResponseBuilder:
         if self._splitters is None:
             return "", r.text
         splitter = self._splitters[r.index]
-        if splitter.in_reasoning:
-            self._reasoning_tokens[r.index] += len(r.token_ids)
-        reasoning, content = splitter.feed(r.text)
+        reasoning, content = splitter.feed(r.text, len(r.token_ids))
         if r.finish_reason:
             rest_reasoning, rest_content = splitter.flush()
             reasoning, content = reasoning + rest_reasoning, content + rest_content

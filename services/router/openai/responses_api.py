@@ -8,11 +8,15 @@ agree however the text was split.
 Output items, in the order the text produced them:
 
 - ``{"type": "reasoning", "id": "rs_...", "summary": [], "content": [{"type":
-  "reasoning_text", "text"}]}``: what the reasoning splitter (``split``) took out of the text;
+  "reasoning_text", "text"}], "status"}``: what the reasoning splitter (``split``) took out of
+  the text;
 - ``{"type": "message", "id": "msg_...", "role": "assistant", "status", "content":
   [{"type": "output_text", "text", "annotations": []}]}``: the content;
 - ``{"type": "function_call", "id": "fc_...", "call_id", "name", "arguments", "status"}``: each
   tool call the chat tool-call parser (``openai.tool_calls``) read out of the content.
+
+Every item's ``status`` is ``in_progress`` while it is written, then ``completed``, or
+``incomplete`` for the last one of a length finish.
 
 Stream events (``sequence_number`` counts from 0): ``response.created``,
 ``response.in_progress``; per item ``response.output_item.added``, then its parts
@@ -25,8 +29,9 @@ Stream events (``sequence_number`` counts from 0): ``response.created``,
 Reasoning: ``split`` makes a per-request splitter with ``feed(text) -> (reasoning,
 content)`` and ``flush() -> (reasoning, content)`` (the held-back rest): the router's
 ``--reasoning-parser`` (``openai.reasoning.ReasoningSplitter``); None: all text is content.
-``output_tokens_details.reasoning_tokens`` counts the tokens of the messages that carried
-reasoning text.
+``output_tokens_details.reasoning_tokens`` is the splitter's ``reasoning_tokens``, chat's rule
+(``openai.reasoning``): every token of a message that arrives while the span is open, the one
+that closes it included.
 """
 
 from __future__ import annotations
@@ -43,8 +48,11 @@ from services.common.pb.pagedserve.v1 import api_pb2
 class ReasoningSplit(Protocol):
     """Splits one choice's text, as it streams, into reasoning and content."""
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """The (reasoning, content) that ``text`` adds (either may be held back)."""
+    reasoning_tokens: int  # tokens of the messages fed while the span was open
+
+    def feed(self, text: str, tokens: int = 0) -> tuple[str, str]:
+        """The (reasoning, content) that ``text`` (``tokens`` tokens) adds (either may be
+        held back)."""
         ...
 
     def flush(self) -> tuple[str, str]:
@@ -86,7 +94,6 @@ class ResponseEvents:
         self.output: list[dict] = []  # items so far, finished or open
         self._open: dict | None = None  # the item being written (always the last of output)
         self._final: api_pb2.GenerateResponse | None = None
-        self._reasoning_tokens = 0
 
     # ---- whole response -----------------------------------------------------------------
     def response(self) -> dict:
@@ -102,7 +109,8 @@ class ResponseEvents:
                      "input_tokens_details": {"cached_tokens": u.num_cached_tokens,
                                               "cache_write_tokens": 0},
                      "output_tokens": u.completion_tokens,
-                     "output_tokens_details": {"reasoning_tokens": self._reasoning_tokens},
+                     "output_tokens_details": {"reasoning_tokens": (
+                         self._split.reasoning_tokens if self._split is not None else 0)},
                      "total_tokens": u.prompt_tokens + u.completion_tokens}
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": status, "error": None,
@@ -122,12 +130,12 @@ class ResponseEvents:
         """The events of one message of the choice; the final one (``finish_reason`` set) also
         closes every item and ends with ``response.completed`` / ``response.incomplete``."""
         events: list[dict] = []
-        reasoning, content = self._split.feed(r.text) if self._split else ("", r.text)
+        reasoning, content = (self._split.feed(r.text, len(r.token_ids)) if self._split
+                              else ("", r.text))
         if r.finish_reason and self._split is not None:
             rest = self._split.flush()
             reasoning, content = reasoning + rest[0], content + rest[1]
         if reasoning:
-            self._reasoning_tokens += len(r.token_ids)
             events += self._reasoning(reasoning)
         if self._tools is not None:
             delta = self._tools.feed(content)
@@ -229,8 +237,6 @@ class ResponseEvents:
                                       text=part["text"], **extra))
             events.append(self._event("response.content_part.done", **where, content_index=0,
                                       part=dict(part)))
-        if item["type"] == "reasoning":
-            del item["status"]  # OpenAI's reasoning items carry none once done
         events.append(self._event("response.output_item.done", **where, item=dict(item)))
         return events
 

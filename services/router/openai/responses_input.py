@@ -26,8 +26,10 @@ vLLM's sampling extras (``seed``, ``top_k``, ``stop``, ``ignore_eos``, ...; open
 (``openai.responses_store``) ``store`` (default true) keeps the answer and
 ``previous_response_id`` puts a stored conversation before the input; without it both are
 refused. ``background: true``, ``include``, ``truncation: "auto"``, ``conversation``,
-``prompt``, ``reasoning``, ``max_tool_calls`` and non-zero ``top_logprobs`` are refused with a
-400 naming them, as are hosted tools (web_search, file_search, ...) and input items other than
+``prompt``, ``max_tool_calls``, non-zero ``top_logprobs`` and a ``reasoning`` with a non-null
+``effort`` / ``summary`` are refused with a 400 naming them (``reasoning: {}`` is the default;
+vLLM's ``chat_template_kwargs`` passes to the template as on chat, e.g. ``{"enable_thinking":
+false}``), as are hosted tools (web_search, file_search, ...) and input items other than
 the above. Errors from the shared chat mapping are renamed to the
 Responses fields (``rename``), so every 400 names a field of the request the client sent.
 """
@@ -47,12 +49,14 @@ from services.router.openai.responses_store import ResponseStore
 _EXTRAS = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty",
            "frequency_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
            "skip_special_tokens", "include_stop_str_in_output", "priority", "logit_bias",
-           "structured_outputs")
+           "structured_outputs", "chat_template_kwargs")
 _PASSED = (*_EXTRAS, "temperature", "top_p", "stream", "parallel_tool_calls", "model")
 # Fields refused unless null or this default: what a stateless server cannot serve.
 _REFUSED: dict[str, Any] = {"background": False, "conversation": None, "prompt": None,
-                            "include": [], "truncation": "disabled", "reasoning": None,
+                            "include": [], "truncation": "disabled",
                             "max_tool_calls": None, "top_logprobs": 0}
+# ``reasoning``'s fields: only null (the model's default) is served; the template decides.
+_REASONING = ("effort", "summary", "generate_summary")
 NO_STORE = "this router stores no responses (see --enable-responses-api-store)"
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -64,6 +68,9 @@ _RENAMES = [(re.compile(r"\b(?:max_completion_tokens|max_tokens)\b"), "max_outpu
             (re.compile(r"\b(?:chat\.)?messages\b"), "input")]
 _PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text", "messages": "input"}
+# A grammar error's chat-side name (``structured_outputs.<kind>``) when text.format set it.
+_GRAMMAR_RENAMES = [(re.compile(r"\bstructured_outputs\.json_object\b"), "text.format"),
+                    (re.compile(r"\bstructured_outputs\.json\b"), "text.format.schema")]
 
 
 @dataclass(slots=True)
@@ -107,6 +114,7 @@ def parse_responses(body: dict, tool_parser: str | None = None,
         value = body.get(name)
         if value is not None and value != default:
             raise bad_request(f"{name} is not supported by this server", name)
+    _reasoning(body.get("reasoning"))
     keep = body.get("store")
     if keep is not None and not isinstance(keep, bool):
         raise bad_request("store must be a boolean", "store")
@@ -163,15 +171,47 @@ def parse_responses(body: dict, tool_parser: str | None = None,
     return ParsedResponses(parsed, echo, messages, echo["store"])
 
 
-def rename(e: OpenAIError) -> OpenAIError:
+def rename(e: OpenAIError, structured_param: str | None = None) -> OpenAIError:
     """``e`` with the chat field names of its message and ``param`` replaced by the Responses
     fields they came from (``max_tokens`` -> ``max_output_tokens``, ``response_format`` ->
-    ``text.format``, ``messages`` -> ``input``, ``tools[i].function.x`` -> ``tools[i].x``)."""
+    ``text.format``, ``messages`` -> ``input``, ``tools[i].function.x`` -> ``tools[i].x``).
+
+    Args:
+        structured_param: the request's ``ParsedRequest.structured_param``; "text" (the
+            grammar is ``text.format``'s) also renames grammar errors,
+            ``structured_outputs.json`` -> ``text.format.schema``,
+            ``structured_outputs.json_object`` -> ``text.format`` (param "text").
+    """
     message = e.message
     for pattern, name in _RENAMES:
         message = pattern.sub(name, message)
     param = _PARAMS.get(e.param, e.param) if e.param is not None else None
+    if structured_param == "text" and re.match(r"(?:request \S+: )?structured_outputs\.",
+                                                message):
+        for pattern, name in _GRAMMAR_RENAMES:
+            message = pattern.sub(name, message)
+        param = "text"
     return OpenAIError(e.status, message, e.type, param, e.code)
+
+
+def _reasoning(reasoning) -> None:
+    """``reasoning``: null, or an object whose ``effort`` / ``summary`` are null (the model's
+    default; ``chat_template_kwargs`` such as ``{"enable_thinking": false}`` turn a template's
+    thinking off).
+
+    Raises:
+        OpenAIError: 400 naming ``reasoning.<field>`` when one is set.
+    """
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, dict):
+        raise bad_request("reasoning must be an object {effort, summary} or null", "reasoning")
+    for name in _REASONING:
+        if reasoning.get(name) is not None:
+            raise bad_request(f"reasoning.{name} is not supported by this server, got "
+                              f"{reasoning[name]!r}: only null (the model's default); turn a "
+                              "template's thinking off with chat_template_kwargs "
+                              '{"enable_thinking": false}', "reasoning")
 
 
 def _history(previous, store: ResponseStore | None) -> list[dict]:
@@ -255,7 +295,10 @@ def _content(content, where: str, field: str = "content") -> str:
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+        if kind in _TEXT_PARTS and not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.{field}[{j}].text must be a string (a {kind} part's "
+                              "text)", "input")
+        if kind not in _TEXT_PARTS:
             raise bad_request(f"{where}.{field}[{j}]: only text parts ({{\"type\": "
                               f"\"input_text\", \"text\": ...}}) are supported, got {kind!r}",
                               "input")

@@ -17,6 +17,7 @@ rest (empty input, the chat template's refusals, ids outside the vocabulary) is
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
@@ -57,6 +58,8 @@ def tokenize(body: dict, tokenizer, info: engine_pb2.GetEngineInfoResponse) -> d
         param = "prompt"
         if not isinstance(prompt, str):
             raise bad_request("prompt must be a string", param)
+        if not prompt:  # (text_api would name the gRPC API's fields)
+            raise bad_request("prompt is empty: send a non-empty prompt, or messages", param)
         req.prompt = utf8(prompt, param)
     else:
         param = "messages"
@@ -75,7 +78,8 @@ def tokenize(body: dict, tokenizer, info: engine_pb2.GetEngineInfoResponse) -> d
         out = text_api.tokenize(req, tokenizer, info)
     except RequestError as e:
         kwargs_error = e.message.startswith("chat.chat_template_kwargs")
-        raise OpenAIError(400, e.message, param="chat_template_kwargs" if kwargs_error
+        message = re.sub(r"^chat\.messages\b", "messages", e.message)  # the gRPC field's name
+        raise OpenAIError(400, message, param="chat_template_kwargs" if kwargs_error
                           else param, code=e.code.name.lower()) from None
     answer: dict[str, Any] = {"count": out.count, "max_model_len": out.max_model_len,
                               "tokens": list(out.token_ids)}
