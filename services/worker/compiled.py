@@ -209,7 +209,7 @@ _LOADED: dict[str, Any] = {}
 _SOURCES = ("services/worker/models", "kernels", "services/worker/compiled.py",
             "services/worker/attention.py",
             "services/worker/kv_cache_groups.py", "services/worker/packed_linear.py",
-            "services/worker/quantized_linear.py")
+            "services/worker/quantized_linear.py", "services/worker/lora")
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h")
 
 
@@ -219,10 +219,10 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
     the CPU's vector ISA, the model class and config (its layers' sliding windows too, which
     fix the KV cache groups: how many metadata objects the graph takes and which layers share a
     K/V tensor pair), its dtype and device, the attention backend, the block size and KV cache
-    dtype (None = the model's) and layout (``kernels/kv_layout.py``), the classes
-    of its modules (packed linear layers: a 16-bit model's, or ``--batch-invariant``'s), and
-    the text of the model, kernel (native ones included), packing, compile and grouping
-    modules."""
+    dtype (None = the model's) and layout (``kernels/kv_layout.py``), the sizes of its
+    LoRA slots (``services/worker/lora/layers.py``), the classes of its modules (packed
+    linear layers: a 16-bit model's, or ``--batch-invariant``'s), and the text of the model,
+    kernel (native ones included), packing, compile, grouping and LoRA modules."""
     root = Path(__file__).resolve().parents[2]
     param = next(model.parameters())
     h = hashlib.sha256()
@@ -232,6 +232,9 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
                  str(param.dtype), param.device.type, backend_name, str(block_size),
                  str(kv_cache_dtype or param.dtype), kv_layout,
                  str(len(getattr(model, "layers", ()))),
+                 # (static sizes of buffers: LoRA's --max-loras x --max-lora-rank slots)
+                 ",".join(f"{n}{tuple(b.shape)}" for n, b in model.named_buffers()
+                          if "lora" in n),
                  ",".join(sorted({type(m).__qualname__ for m in model.modules()}))):
         h.update(part.encode() + b"\0")
     for rel in _SOURCES:
@@ -245,7 +248,10 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
 def _mark_dynamic(args: tuple) -> None:
     """Mark the sizes that vary between steps dynamic on the example ``args`` (model,
     input_ids, positions, kv_caches, meta, hidden_states) before tracing."""
-    _, input_ids, positions, kv_caches, metas, hidden_states = args
+    model, input_ids, positions, kv_caches, metas, hidden_states = args
+    for module in model.modules():  # per-token tensors of a module (LoRA's row -> slot mask)
+        for t in getattr(module, "dynamic_rows", tuple)():
+            torch._dynamo.mark_dynamic(t, 0)
     for t in (input_ids, positions):
         torch._dynamo.mark_dynamic(t, 0)
     for meta in {id(m): m for m in metas}.values():  # one per KV cache group

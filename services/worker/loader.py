@@ -42,6 +42,8 @@ from services.common.model_files import ModelSource, resolve_model
 from services.worker.attention import AttentionBackend, select_backend
 from services.worker.distributed import ParallelState
 from services.worker.gguf_q8_0 import Q8_0Weight, read_q8_0_linears, tensor_type_counts
+from services.worker.lora import LoRAConfig
+from services.worker.lora.layers import wrap_lora_layers
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
 from services.worker.packed_linear import PackedLinear, pack_model_linears, takes_silu_mul
@@ -126,7 +128,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
                attn_backend: AttentionBackend | None = None,
                parallel: ParallelState | None = None, batch_invariant: bool = False,
                quantization: str | None = None, runner: str = "generate",
-               ) -> tuple[Model, dict, ModelInfo]:
+               lora: LoRAConfig | None = None) -> tuple[Model, dict, ModelInfo]:
     """Build the model on ``device`` with weights cast to ``dtype``.
 
     On a CPU the linear layers go to the native row-invariant kernel where needed
@@ -147,6 +149,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
             single-rank-per-stage CPU worker.
         runner: ``--runner``: ``"generate"``, ``"pooling"`` (the model without an LM head,
             none read: an embedding checkpoint has none) or ``"auto"`` (``resolve_runner``).
+        lora: ``--enable-lora``'s limits: the targetable linear layers are wrapped in
+            ``LoRALinear``s (``services/worker/lora/layers.py``) before packing, and the
+            gate_up layer's SiLU epilogue is not fused; None = no LoRA.
     Returns:
         ``(model in eval mode, config.json dict, ModelInfo)``.
     Raises:
@@ -193,11 +198,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         parent, _, attr = name.rpartition(".")
         old = cast(nn.Linear, net.get_submodule(name))
         owner = net.get_submodule(parent)
-        silu_mul = takes_silu_mul(owner, attr)
+        silu_mul = takes_silu_mul(owner, attr) and lora is None  # (LoRA adds to gate/up)
         owner.register_module(attr, GroupInt8Linear(weight.q, weight.scale, old.bias,
                                                     silu_mul=silu_mul))
         if silu_mul:
             owner.act = nn.Identity()
+    if lora is not None:
+        wrap_lora_layers(net, lora.max_loras, lora.max_lora_rank, dtype)
     net = net.to(device).eval().requires_grad_(False)  # moves the float32 inv_freq buffer
     if quantization:
         quantize_model_linears(net, quantization, skip=lambda m: isinstance(m, Int8Linear))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -56,6 +56,8 @@ from services.worker.input_batch import InputBatch
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.loader import Model, load_model
 from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
+from services.worker.lora import LoRAConfig
+from services.worker.lora.manager import make_lora_manager
 from services.worker.models.llama import DecoderLayer, lm_head_logits
 from services.worker.ngram_proposer import NgramProposer
 from services.worker.parallel import vocab_parallel_logits
@@ -65,26 +67,14 @@ from services.worker.spec_verify import verify_drafts
 from services.worker.step_batch import PreparedStep
 from services.worker.structured_output import StructuredOutputs
 
+if TYPE_CHECKING:  # (imported where the draft_model method needs it)
+    from services.worker.draft_model import DraftModelProposer as DraftProposer
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # bytes
 # The dummy requests sample with top-k and top-p, so the sort those take is in the profile.
 _WARMUP_SAMPLING = EngineSamplingParams(temperature=1.0, top_p=0.9, top_k=50)
-
-
-class DraftProposer(Protocol):
-    """What the runner asks of a draft-model proposer (``draft_model.DraftModelProposer``):
-    its KV bytes per block and head_dim, its KV cache, drafts for requests, and forgetting one."""
-
-    bytes_per_block: int
-    head_dim: int  # its caches share the runner's KV layout (choose_kv_layout checks it fits)
-
-    def allocate_kv_cache(self, num_blocks: int) -> None: ...
-
-    def propose(self, request_ids: list[str], token_ids: list[np.ndarray],
-                block_tables: list[np.ndarray], k: int) -> list[list[int]]: ...
-
-    def drop(self, request_id: str) -> None: ...
 
 
 class ModelRunner:
@@ -136,6 +126,8 @@ class ModelRunner:
         runner / pooler_config: ``--runner`` (``"generate"``, ``"pooling"``: embeddings, no
             LM head, ``services/worker/pooler.py``; ``"auto"``: from the checkpoint) and
             ``--pooler-config`` (JSON; default: what the checkpoint declares).
+        lora: ``--enable-lora``'s limits (``services/worker/lora/``: ``NewRequest.lora``
+            loaded at first use, its rows updated in the batched forward), or None.
 
     The driver also holds the structured-output state (``structured``: llguidance matchers
     over the model's tokenizer, built in the background from here on); other ranks have None.
@@ -158,7 +150,8 @@ class ModelRunner:
                  enforce_eager: bool = False,
                  speculative: SpeculativeConfig | None = None,
                  batch_invariant: bool = False, quantization: str | None = None,
-                 runner: str = "generate", pooler_config: str | None = None) -> None:
+                 runner: str = "generate", pooler_config: str | None = None,
+                 lora: LoRAConfig | None = None) -> None:
         if speculative is not None and parallel and parallel.config.pipeline_parallel_size > 1:
             raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
                              f"{parallel.config.pipeline_parallel_size} (> 1): drafts are "
@@ -188,9 +181,10 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             non_torch_before = total - free - torch.cuda.memory_reserved(self.device)
         self.parallel = parallel
-        self.model, _, info = load_model(model, self.dtype, self.device, backend, parallel,
-                                         batch_invariant=batch_invariant,
-                                         quantization=quantization, runner=runner)
+        self.model, config, info = load_model(model, self.dtype, self.device, backend, parallel,
+                                              batch_invariant=batch_invariant,
+                                              quantization=quantization, runner=runner, lora=lora)
+        self.lora = make_lora_manager(self.model, lora, config, parallel) if lora else None
         self.info = info  # (its runner, pooler defaults and Matryoshka sizes: worker_info)
         self.pooler = make_pooler(info.runner, pooler_config, info.pooler)
         if max_model_len is not None and max_model_len > info.max_model_len:
@@ -425,10 +419,15 @@ class ModelRunner:
         if self.draft is not None:  # its KV of these is stale or gone: recompute from 0
             for request_id in self._dropped(step):
                 self.draft.drop(request_id)
+        if self.lora is not None:  # (first: an adapter that fails to load changes nothing)
+            self.lora.update(step)
         scheduled = self.input_batch.update(step)
         if not scheduled:
             return StepOutput(step.step_id, [], [])
         batch = self.input_batch.prepare(scheduled)
+        if self.lora is not None:
+            self.lora.set_step(scheduled.request_ids, scheduled.num_scheduled_tokens,
+                               batch.input_ids.shape[0], isinstance(self.forward, CompiledForward))
         grammar_step = (self.structured.start(batch.grammar_rows, batch.grammars)
                         if batch.grammars and self.structured is not None else None)
         ps = self.parallel

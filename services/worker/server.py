@@ -34,6 +34,7 @@ from services.common.speculative import SpeculativeConfig
 from services.common.step import StepInput
 from services.common.step_wire import step_from_pb, step_output_to_pb
 from services.common.tls import add_tls_flags, tls_from_args
+from services.worker.lora import LoRAConfig, LoRALoadError
 from services.worker.metrics import WorkerMetrics
 from services.worker.pooler_config import RUNNERS, PoolerConfig
 from services.worker.step_checks import check_block_copies, check_sampling
@@ -164,6 +165,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             t0 = time.perf_counter()
             try:
                 out = await loop.run_in_executor(self._executor, self.runner.execute_step, step)
+            except LoRALoadError as e:  # a bad adapter: the step was not applied; keep serving
+                log.warning("step %d refused: %s", msg.step_id, e)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {e}")
             except Exception as e:  # a bug or OOM in the forward: fail the stream loudly
                 log.exception("step %d failed", msg.step_id)
                 if self.fatal is not None:
@@ -236,6 +240,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help='the pooling runner\'s pooling as JSON, vLLM\'s fields: {"pooling_type": '
                   '"LAST" | "MEAN" | "CLS", "normalize": true | false}; fields left out: what '
                   "the checkpoint's sentence-transformers config says, else LAST, normalized")
+    add_flag(p, "--enable-lora", action="store_true",
+             help="serve LoRA adapters (vLLM's flag): each request may name a PEFT adapter, "
+                  "loaded from its folder at first use; rows of different adapters run in "
+                  "one step (services/worker/lora/)")
+    add_flag(p, "--max-loras", type=int_in(1), default=1,
+             help="LoRA adapters resident at once, so the most distinct adapters in one step "
+                  "(vLLM's flag; the scheduler's may not be larger)")
+    add_flag(p, "--max-lora-rank", type=int_in(1), default=16,
+             help="the largest LoRA rank served (vLLM's flag); each resident slot is this "
+                  "wide, and an adapter of a higher rank is refused")
+    add_flag(p, "--max-cpu-loras", type=int_in(1), default=None,
+             help="LoRA adapters kept loaded in CPU memory, least recently used evicted "
+                  "(vLLM's flag; default and minimum: --max-loras)")
     add_flag(p, "--tensor-parallel-size", type=int_in(1), default=1,
              help="ranks each layer is split across (all-reduce over gloo/NCCL)")
     add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
@@ -327,7 +344,16 @@ def build_runner(args):
                        runner=getattr(args, "runner", "generate"),
                        pooler_config=getattr(args, "pooler_config", None),
                        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config",
-                                                                   None)))
+                                                                   None)),
+                       lora=lora_config(args))
+
+
+def lora_config(args) -> LoRAConfig | None:
+    """The LoRA limits of ``--enable-lora`` and its flags, or None without it. Raises
+    ValueError (naming the flags) when --max-cpu-loras is below --max-loras."""
+    if not getattr(args, "enable_lora", False):
+        return None
+    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
@@ -345,10 +371,20 @@ def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
         pipeline_parallel_size=pp, group_id=ps.group_id if ps else "",
         max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
         kv_cache_dtype=runner.kv_cache_dtype_name, quantization=runner.weights_quantization,
-        **_pooling_info(runner),
+        **_pooling_info(runner), **_lora_info(runner),
         kv_cache_groups=[worker_pb2.KVCacheGroup(sliding_window=g.sliding_window,
                                                  layer_ids=g.layer_ids)
                          for g in runner.kv_cache_groups])
+
+
+def _lora_info(runner) -> dict:
+    """The runner's GetWorkerInfoResponse fields about LoRA (none when it is off)."""
+    manager = getattr(runner, "lora", None)
+    if manager is None:
+        return {}
+    cfg = manager.config
+    return {"max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
+            "max_cpu_loras": cfg.cpu_capacity}
 
 
 def _pooling_info(runner) -> dict:

@@ -74,3 +74,4 @@ def check_block_copies(pairs: list[tuple[int, int]], num_kv_blocks: int) -> None
     if len(set(dst)) != len(dst) or chained:
         raise ValueError("block copies must write distinct blocks that no copy of the step "
                          f"reads; got {pairs[:8]}{' ...' if len(pairs) > 8 else ''}")
+

@@ -1,0 +1,183 @@
+"""``LoRAManager``: which adapter each request runs with, the CPU-resident adapters, the
+active slots, and each step's row -> slot mask (S-LoRA's adapter paging, Sheng et al. 2023).
+
+- CPU: an LRU of at most ``--max-cpu-loras`` loaded adapters (``adapter.load_adapter``),
+  loaded from its path the first time a request names its id; one evicted while requests
+  still use it is loaded again when a step needs it.
+- Slots: ``--max-loras`` of them in every ``LoRALinear``; a step's adapters are put in slots
+  (a copy into the layers' buffers) before its forward, evicting the least recently used
+  slots the step does not need. The scheduler admits at most ``--max-loras`` distinct
+  adapters per step; a step with more is refused, naming both numbers.
+
+Nothing is shared across adapters: a slot holds one adapter's weights, a row reads only its
+own slot (the KV cache is the scheduler's to key by adapter).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.common.lora import LoRARequest
+from services.common.step import StepInput
+from services.worker.compiled import MIN_TOKENS
+from services.worker.lora import LoRAConfig
+from services.worker.lora.adapter import LoRAAdapter, SliceOf, load_adapter
+from services.worker.lora.layers import SLICES, LoRAContext, LoRALinear
+
+log = logging.getLogger(__name__)
+
+
+class LoRAManager:
+    """The worker's adapters (the module docstring).
+
+    Args:
+        model: this rank's model, wrapped by ``layers.wrap_lora_layers``.
+        config: the limits.
+        model_config: the base model's ``config.json`` (adapters are checked against it).
+        layers: the global indices of this rank's layers, in order.
+        slice_of: this rank's part of a base weight under tensor parallelism, or None.
+    """
+
+    def __init__(self, model: nn.Module, config: LoRAConfig, model_config: dict, layers: range,
+                 slice_of: SliceOf | None = None) -> None:
+        self.config, self.model_config, self.layers, self.slice_of = (
+            config, model_config, layers, slice_of)
+        self.ctx = cast(LoRAContext, model.lora_context)
+        self.dtype = self.ctx.mask.dtype
+        self.device = next(model.parameters()).device
+        # per local layer, its LoRALinear modules and their slices' PEFT targets
+        self.modules: list[tuple[int, LoRALinear, tuple[str, ...]]] = [
+            (layers[li], getattr(getattr(layer, part), name), SLICES[name])
+            for li, layer in enumerate(cast(nn.ModuleList, model.layers))
+            for part, name in (("attn", "qkv_proj"), ("attn", "o_proj"),
+                               ("mlp", "gate_up_proj"), ("mlp", "down_proj"))]
+        self.request_loras: dict[str, LoRARequest] = {}  # request id -> its adapter
+        self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_id -> loaded, LRU first
+        self.slots: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, LRU first
+        self.scales = torch.zeros(config.max_loras, dtype=torch.float32)  # per slot
+        self.loads = 0  # adapters read from disk (tests: the LRU's effect)
+
+    def update(self, step: StepInput) -> None:
+        """Note the adapters of ``step``'s new requests (loading those not in the CPU LRU)
+        and forget its finished requests'. Call before the runner applies the step, so an
+        adapter that fails to load leaves the runner's state as it was.
+
+        Raises:
+            LoRALoadError: an adapter of a new request could not be loaded (its message
+                names the adapter and the problem).
+        """
+        for request_id in step.finished_request_ids:
+            self.request_loras.pop(request_id, None)
+        for r in step.new_requests:
+            if r.lora is not None:
+                self._adapter(r.lora)
+        for r in step.new_requests:
+            if r.lora is None:
+                self.request_loras.pop(r.request_id, None)
+            else:
+                self.request_loras[r.request_id] = r.lora
+
+    def set_step(self, request_ids: list[str], num_scheduled_tokens: np.ndarray,
+                 num_tokens: int, compiled: bool = False) -> None:
+        """Put the step's adapters in slots and set the row -> slot mask.
+
+        Args:
+            request_ids: the step's ``B`` requests, in compute order.
+            num_scheduled_tokens: ``[B]`` int64, their tokens, in order (the forward's rows).
+            num_tokens: the step's tokens (``sum(num_scheduled_tokens)``).
+            compiled: the forward is ``compiled.CompiledForward``, which pads a step to at
+                least ``MIN_TOKENS`` rows (the padding rows get no adapter).
+
+        Raises:
+            ValueError: more distinct adapters than ``--max-loras`` (naming both numbers).
+            LoRALoadError: an adapter evicted from the CPU LRU could not be loaded again.
+        """
+        loras = [self.request_loras.get(r) for r in request_ids]
+        needed = {lora.lora_id: lora for lora in loras if lora is not None}
+        if len(needed) > self.config.max_loras:
+            raise ValueError(f"a step has {len(needed)} distinct LoRA adapters, more than "
+                             f"--max-loras {self.config.max_loras}")
+        for lora in needed.values():
+            self._activate(lora, needed)
+        slot_of = [self.slots[lora.lora_id] if lora is not None else self.config.max_loras
+                   for lora in loras]
+        num_rows = max(num_tokens, MIN_TOKENS) if compiled else num_tokens
+        token_slots = np.full(num_rows, self.config.max_loras, dtype=np.int64)
+        n = int(num_scheduled_tokens.sum())
+        token_slots[:n] = np.repeat(np.asarray(slot_of, dtype=np.int64), num_scheduled_tokens)
+        s, r = self.config.max_loras, self.config.max_lora_rank
+        table = torch.zeros(s + 1, s, r, dtype=torch.float32)  # row s: no adapter
+        table[torch.arange(s), torch.arange(s)] = self.scales[:, None]
+        index = torch.from_numpy(token_slots)
+        self.ctx.mask = table.view(s + 1, s * r)[index].to(self.device, self.dtype)
+
+    def _adapter(self, lora: LoRARequest) -> LoRAAdapter:
+        """``lora`` loaded (from the CPU LRU, else from its path, evicting the LRU's oldest)."""
+        adapter = self.cpu.get(lora.lora_id)
+        if adapter is not None:
+            self.cpu.move_to_end(lora.lora_id)
+            return adapter
+        adapter = load_adapter(lora, self.model_config, self.config.max_lora_rank, self.dtype,
+                               self.layers, self.slice_of)
+        self.loads += 1
+        self.cpu[lora.lora_id] = adapter
+        while len(self.cpu) > self.config.cpu_capacity:
+            evicted, _ = self.cpu.popitem(last=False)
+            log.info("LoRA adapter id %d evicted from CPU memory (--max-cpu-loras %d)",
+                     evicted, self.config.cpu_capacity)
+        log.info("LoRA adapter %r (id %d, rank %d, scale %g) loaded from %s", lora.name,
+                 lora.lora_id, adapter.rank, adapter.scale, lora.path)
+        return adapter
+
+    def _activate(self, lora: LoRARequest, keep: dict[int, LoRARequest]) -> None:
+        """Put ``lora`` in a slot if it is in none: a free slot, else the least recently used
+        one whose adapter is not in ``keep`` (this step's)."""
+        if lora.lora_id in self.slots:
+            self.slots.move_to_end(lora.lora_id)
+            return
+        used = set(self.slots.values())
+        free = [s for s in range(self.config.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(i for i in self.slots if i not in keep)
+            slot = self.slots.pop(victim)
+        adapter = self._adapter(lora)
+        self._copy_into(slot, adapter)
+        self.slots[lora.lora_id] = slot
+
+    @torch.inference_mode()
+    def _copy_into(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Write ``adapter``'s weights into ``slot`` of every layer (zeros where it has none,
+        and past its rank)."""
+        for layer, module, targets in self.modules:
+            for index, target in enumerate(targets):
+                a_dst, b_dst = module.slice_weights(slot, index)  # [R, in], [out, R]
+                a_dst.zero_()
+                b_dst.zero_()
+                weights = adapter.weights.get((layer, target))
+                if weights is not None:  # (its own rank: rank_pattern may vary it)
+                    r = weights[0].shape[0]
+                    a_dst[:r].copy_(weights[0])
+                    b_dst[:, :r].copy_(weights[1])
+        self.scales[slot] = adapter.scale
+
+
+def make_lora_manager(model: nn.Module, config: LoRAConfig, model_config: dict,
+                      parallel) -> LoRAManager:
+    """The manager of this rank (``parallel``: its ``ParallelState``, or None): its layers'
+    global indices and, under tensor parallelism, its shard of each adapter weight."""
+    from services.worker.parallel import ShardPlan
+
+    cfg = cast(Any, model).config  # (a LlamaConfig or Gemma3Config)
+    if parallel is None or parallel.config.world_size == 1:
+        return LoRAManager(model, config, model_config, range(cfg.num_hidden_layers))
+    plan = ShardPlan(cfg, parallel.config)
+    return LoRAManager(model, config, model_config, plan.layers,
+                       plan.slice_of if parallel.config.tensor_parallel_size > 1 else None)

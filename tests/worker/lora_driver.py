@@ -1,0 +1,86 @@
+"""Helpers of the LoRA tests, free of pytest imports (the TP test runs ``tp_rank`` in spawned
+processes): transformers + PEFT's greedy tokens, and a minimal scheduler that runs requests
+(each with its adapter or none) through a ``ModelRunner``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from services.common.lora import LoRARequest
+from services.common.sampling_params import EngineSamplingParams
+from services.common.step import CachedRequest, NewRequest, StepInput
+
+GREEDY = EngineSamplingParams(temperature=0.0)
+
+
+def reference_greedy(base: Path, adapter: Path | None, prompts: list[list[int]],
+                     max_new_tokens: int) -> list[list[int]]:
+    """transformers (+ PEFT with ``adapter``, None = the base model) greedy tokens at
+    float32, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(input_ids=torch.tensor([p]), max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def run_batch(runner, prompts: list[list[int]], loras: list[LoRARequest | None],
+              max_new_tokens: int, step_id: int = 0, tag: str = "r") -> list[list[int]]:
+    """Prefill every prompt in one step, then decode them together for ``max_new_tokens``
+    tokens; each request's blocks are given up front and freed at the end. Returns each
+    request's tokens (empty lists on a rank that does not sample)."""
+    bs = runner.block_size
+    free = list(range(runner.num_kv_blocks))
+    ids = [f"{tag}{i}" for i in range(len(prompts))]
+    new = []
+    for rid, p, lora in zip(ids, prompts, loras, strict=True):
+        n = -(-(len(p) + max_new_tokens) // bs) * len(runner.kv_cache_groups)
+        blocks = [free.pop() for _ in range(n)]  # (one table per KV cache group, concatenated)
+        new.append(NewRequest(rid, list(p), GREEDY, blocks, 0, len(p), lora))
+    outputs: list[list[int]] = [[] for _ in prompts]
+
+    def collect(out) -> None:
+        for rid, token in zip(out.request_ids, out.sampled_token_ids, strict=True):
+            outputs[ids.index(rid)].append(token)
+
+    collect(runner.execute_step(StepInput(step_id, new, [], [])))
+    for k in range(1, max_new_tokens):
+        cached = [CachedRequest(rid, [], [], False, len(p) + k - 1, 1)
+                  for rid, p in zip(ids, prompts, strict=True)]
+        collect(runner.execute_step(StepInput(step_id + k, [], cached, [])))
+    runner.execute_step(StepInput(step_id + max_new_tokens, [], [], ids))
+    return outputs
+
+
+def tp_rank(rank: int, port: int, model: str, prompts, loras, max_new_tokens: int,
+            results) -> None:
+    """Rank ``rank`` of a TP=2 group (spawned): run ``run_batch`` with LoRA on; the driver
+    puts its tokens in ``results``. (``run_batch`` sends no new token ids, which a pipeline
+    stage before the last would need.)"""
+    from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
+    from services.worker.lora import LoRAConfig
+    from services.worker.model_runner import ModelRunner
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ps = init_distributed(ParallelConfig(2, 1, rank), torch.device("cpu"), timeout_s=60)
+    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=4 << 20,
+                         max_num_seqs=8, max_num_batched_tokens=256, parallel=ps,
+                         lora=LoRAConfig(max_loras=2, max_lora_rank=16))
+    out = run_batch(runner, prompts, loras, max_new_tokens)
+    if ps.config.is_driver:
+        results.put(out)
+    destroy_distributed()
