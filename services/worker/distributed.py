@@ -243,16 +243,22 @@ def init_distributed(config: ParallelConfig, device: torch.device, timeout_s: fl
 
 
 def interface_of(host: str) -> str | None:
-    """The name of this host's network interface that holds address ``host`` (an IP or a
-    name resolving to one), or None (not a local address: e.g. 127.0.0.2, routed by lo)."""
+    """The name of this host's network interface whose IPv4 address is ``host`` (an IP or a
+    name resolving to one), or None (not an interface's address: e.g. 127.0.0.2, which lo
+    routes but does not hold; or IPv6, where GLOO_SOCKET_IFNAME is the way)."""
+    import fcntl
     import socket
-
-    import psutil
+    import struct
     try:
-        ips = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
     except (socket.gaierror, UnicodeError):
         return None
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] in ips for a in addrs):
-            return name
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(raw[20:24]) in ips:
+                return name
     return None

@@ -48,12 +48,12 @@ def rendezvous_address(init_addr: str | None) -> tuple[str, int]:
             raise ValueError(f"--dist-init-addr {init_addr!r}: must be HOST:PORT (rank 0's "
                              "host, and a free port there for the rendezvous)")
         return host.strip("[]"), int(port)
-    port = os.environ.get("MASTER_PORT")
-    if not port:
+    env_port = os.environ.get("MASTER_PORT")
+    if not env_port:
         raise ValueError("a worker rank of a group needs --dist-init-addr HOST:PORT (or "
                          "MASTER_ADDR and MASTER_PORT): the torch.distributed rendezvous "
                          "address of rank 0")
-    return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(port)
+    return os.environ.get("MASTER_ADDR") or "127.0.0.1", int(env_port)
 
 
 def rendezvous(host: str, port: int, rank: int, world_size: int, timeout_s: float,
