@@ -171,6 +171,13 @@ class ParallelState:
         return out
 
 
+def stop_heartbeat() -> None:
+    """Stop this process's heartbeat (a rank leaving on purpose: its peers are stopping too, and
+    a peer that leaves first must not end this one as lost). A no-op when none runs."""
+    if _heartbeat is not None:
+        _heartbeat.stop()
+
+
 def destroy_distributed(timeout_s: float = 30.0) -> None:
     """Leave the default group cleanly: wait for every rank (a barrier, so no peer is still in a
     collective with this one), then destroy all process groups. A no-op when none was joined.
@@ -181,8 +188,7 @@ def destroy_distributed(timeout_s: float = 30.0) -> None:
     Raises:
         RuntimeError: a peer did not reach the barrier within ``timeout_s`` seconds.
     """
-    if _heartbeat is not None:  # first: the peers leave once past the barrier
-        _heartbeat.stop()
+    stop_heartbeat()  # first: the peers leave once past the barrier
     if not dist.is_initialized():
         return
     # NOTE: monitored_barrier is gloo-only; barrier with the group's own timeout covers NCCL.

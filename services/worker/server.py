@@ -443,6 +443,9 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
+        if fatal is not None and not fatal.is_set():  # stopping on purpose, as its peers are
+            from services.worker.distributed import stop_heartbeat
+            stop_heartbeat()
         if fatal is None or not fatal.is_set():  # keep stepping until the scheduler drained
             await drain("worker", health, [SERVICE], args.shutdown_timeout,
                         servicer.streams.begin_drain, servicer.streams.wait_idle)
