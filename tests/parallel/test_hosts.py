@@ -40,6 +40,8 @@ from tests.parallel.conftest import (
 )
 from tests.stack_harness import _args
 
+pytestmark = pytest.mark.slow  # rank processes on two hosts, twice
+
 MAX_TOKENS = 5
 TIMEOUT = "4"  # --distributed-timeout: seconds a rank waits on a silent peer
 

@@ -47,6 +47,7 @@ def _layer_bytes(model: str) -> int:
     return sum(p.numel() * 4 for p in m.model.layers[0].parameters())
 
 
+@pytest.mark.slow  # three PP=2 stacks
 def test_uneven_splits_give_the_even_split_tokens(five_layers):
     expected = reference_greedy(five_layers, PROMPTS, MAX_TOKENS)  # one rank: all 5 layers
     layer_bytes = _layer_bytes(five_layers)
@@ -70,6 +71,7 @@ def test_uneven_splits_give_the_even_split_tokens(five_layers):
         assert all(r["kv_cache_bytes"] > 0 and r["peak_activation_bytes"] > 0 for r in ranks)
 
 
+@pytest.mark.slow  # two rank processes
 def test_a_partition_that_does_not_sum_to_the_layers_is_refused_at_start(five_layers):
     port = free_port_range(2)
     p = subprocess.run(
