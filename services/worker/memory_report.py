@@ -13,7 +13,8 @@ cost more) shows in the start-up log and in the metrics, without a debugger.
   ``TorchDispatchMode`` that adds the bytes of every new storage an operator returns and
   subtracts them once the last tensor on it is freed, keeping the maximum. Every rank runs
   the step at the same point of its start-up (the stages pass hidden states to each other),
-  through the eager model.
+  through the eager model. A single CPU rank skips the step (it has no stages to balance and
+  the step costs seconds at every start): its peak is reported as not measured.
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ class MemoryReport:
 
     weights_bytes: int
     kv_cache_bytes: int
-    peak_activation_bytes: int
+    peak_activation_bytes: int | None  # None: not measured (a single CPU rank)
 
     def describe(self) -> str:
         """E.g. ``weights 12.3 MiB, KV cache 16.0 MiB, peak activations 2.1 MiB``."""
+        peak = ("not measured" if self.peak_activation_bytes is None
+                else f"{self.peak_activation_bytes / 2**20:.1f} MiB")
         return (f"weights {self.weights_bytes / 2**20:.1f} MiB, KV cache "
-                f"{self.kv_cache_bytes / 2**20:.1f} MiB, peak activations "
-                f"{self.peak_activation_bytes / 2**20:.1f} MiB")
+                f"{self.kv_cache_bytes / 2**20:.1f} MiB, peak activations {peak}")
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -128,7 +130,10 @@ def _prefill(runner, lens: list[int]) -> None:
 
 
 def measure(runner) -> MemoryReport:
-    """Run one dummy step on ``runner`` (a ``ModelRunner``, started) and report its memory.
+    """Report the memory of ``runner`` (a ``ModelRunner``, started): the peak activations from
+    one dummy step on a rank of a group or on CUDA; not on a single CPU rank (no stages to
+    balance; the step would cost seconds at every start, e.g. ~5 s for SmolLM2's 2048 tokens
+    on 2 cores).
 
     Call it on every rank of a group at the same point (the step's collectives and
     pipeline sends need every rank). Uses KV blocks 0.. (not handed out before the
@@ -139,6 +144,12 @@ def measure(runner) -> MemoryReport:
     draft = getattr(runner, "draft", None)
     kv = runner.num_kv_blocks * (runner.bytes_per_block
                                  + (draft.bytes_per_block if draft is not None else 0))
+    ps = getattr(runner, "parallel", None)
+    if runner.device.type != "cuda" and (ps is None or ps.config.world_size == 1):
+        report = MemoryReport(weights, kv, None)
+        log.info("memory: %s (one CPU rank: no stages to balance, so no dummy step)",
+                 report.describe())
+        return report
     forward, runner.forward = runner.forward, runner.model  # eager: a dispatch mode sees it
     try:
         lens = dummy_lens(runner, _fewest_blocks(runner))

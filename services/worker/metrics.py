@@ -35,8 +35,10 @@ class WorkerMetrics:
         self.batch_requests = Histogram(
             "pagedserve:worker_batch_requests", "Sequences per step.", labels,
             buckets=REQUEST_BUCKETS, registry=self.registry).labels(str(rank))
+        self.rank = str(rank)
+        # (labelled when set: a gauge never set, e.g. an unmeasured peak, is not exported)
         self.memory = {name: Gauge(f"pagedserve:worker_{name}", what, labels,
-                                   registry=self.registry).labels(str(rank))
+                                   registry=self.registry)
                        for name, what in (
                            ("weights_bytes", "Bytes of this rank's weights."),
                            ("kv_cache_bytes", "Bytes of this rank's KV cache."),
@@ -45,9 +47,11 @@ class WorkerMetrics:
 
     def set_memory(self, report) -> None:
         """Set the memory gauges from a ``memory_report.MemoryReport``."""
-        self.memory["weights_bytes"].set(report.weights_bytes)
-        self.memory["kv_cache_bytes"].set(report.kv_cache_bytes)
-        self.memory["peak_activation_bytes"].set(report.peak_activation_bytes)
+        self.memory["weights_bytes"].labels(self.rank).set(report.weights_bytes)
+        self.memory["kv_cache_bytes"].labels(self.rank).set(report.kv_cache_bytes)
+        if report.peak_activation_bytes is not None:  # (a single CPU rank: not measured)
+            self.memory["peak_activation_bytes"].labels(self.rank).set(
+                report.peak_activation_bytes)
 
     def observe_step(self, seconds: float, num_tokens: int, num_requests: int) -> None:
         """One step that computed ``num_tokens`` tokens of ``num_requests`` sequences."""

@@ -94,3 +94,18 @@ def test_partition_checks_name_the_numbers():
     with pytest.raises(ValueError, match="comma-separated layer counts"):
         parse_partition("3;2")
     assert parse_partition("") is None
+
+
+def test_a_single_cpu_rank_reports_weights_and_kv_cache_without_a_dummy_step():
+    from prometheus_client import generate_latest
+
+    from services.worker.memory_report import MemoryReport
+    from services.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics(rank=3)
+    metrics.set_memory(MemoryReport(1000, 2000, None))
+    text = generate_latest(metrics.registry).decode()
+    assert 'pagedserve:worker_weights_bytes{rank="3"} 1000.0' in text
+    assert 'pagedserve:worker_kv_cache_bytes{rank="3"} 2000.0' in text
+    assert "peak_activation_bytes{" not in text  # not measured: not exported as 0
+    assert MemoryReport(1000, 2000, None).describe().endswith("peak activations not measured")
