@@ -205,8 +205,8 @@ def init_distributed(config: ParallelConfig, device: torch.device, timeout_s: fl
     $MASTER_PORT``; ``services/worker/rendezvous.py``), join it and build the tp groups, and
     start this rank's heartbeat.
 
-    Blocks until all ``world_size`` ranks joined (at least ``RENDEZVOUS_MIN_S`` seconds, at
-    most ``max(timeout_s, RENDEZVOUS_MIN_S)``). gloo on CPU, NCCL on CUDA; every later
+    Blocks until all ``world_size`` ranks joined (waiting at most ``max(timeout_s,
+    RENDEZVOUS_MIN_S)`` seconds). gloo on CPU, NCCL on CUDA; every later
     collective times out after ``timeout_s``, and a peer silent for ``timeout_s`` ends this
     process (the heartbeat). ``address``: where the scheduler reaches this rank (logged).
 

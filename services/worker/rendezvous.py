@@ -7,8 +7,8 @@ host, on PORT); every other rank connects to it, registers, and waits until rank
 all ``world_size`` ranks. A rank that finds a store whose group is already complete (the
 previous start's rank 0, not yet gone after a peer restarted) does not join it: it retries
 until that rank 0 has exited and its successor opened a fresh store. The wait is at least
-``RENDEZVOUS_MIN_S`` seconds, so hosts that start a little apart (a slow image pull, a model
-load before) still meet; each rank also writes the address the scheduler reaches it on, and
+``RENDEZVOUS_MIN_S`` seconds (5 minutes), so hosts that start apart (a slow image pull, a pod
+scheduled late) still meet; each rank also writes the address the scheduler reaches it on, and
 rank 0 logs them all as the scheduler's ``--workers`` value.
 
 Heartbeat (``Heartbeat``): each rank increments its own counter in the store every
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-RENDEZVOUS_MIN_S = 60.0  # the least a rank waits for its peers at start
+RENDEZVOUS_MIN_S = 300.0  # the least a rank waits for its peers at start
 _JOINED, _FORMED = "pagedserve/joined", "pagedserve/formed"
 
 

@@ -239,7 +239,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="number of ranks; must equal tensor x pipeline parallel size (a check)")
     add_flag(p, "--distributed-timeout", type=float_in(0, lo_open=True), default=60.0,
              help="seconds a rank waits on a peer (a collective, a missed heartbeat) before "
-                  "failing; the rendezvous at start waits at least 60 s")
+                  "failing; the rendezvous at start waits up to 5 minutes, or this if longer")
     add_flag(p, "--pipeline-layer-partition", type=partition_flag,
              default=os.environ.get("VLLM_PP_LAYER_PARTITION"),
              help="layers per pipeline stage, e.g. 10,20 (must sum to the model's layer count; "
