@@ -1,7 +1,9 @@
 """A worker group spanning two hosts: greedy tokens equal one rank's (float32, exactly) through
 router -> scheduler -> ranks, for PP=2 (one stage per host) and TP=2 (one shard per host); and
 the remote rank killed mid-stream: in-flight requests end UNAVAILABLE, the scheduler reports
-NOT_SERVING, and the group serves again once the remote host's launcher restarted its rank.
+NOT_SERVING, and the group serves again once the remote host's launcher restarted its rank;
+then (network namespaces only) the link to the remote host cut while idle: NOT_SERVING within
+the timeout, serving again once the link is back.
 
 The two hosts: this network namespace ("host A": the router, the scheduler and node 0's
 launcher with rank 0) and a network namespace made here ("host B": node 1's launcher, started
@@ -53,6 +55,7 @@ class Hosts:
     a: str
     b: str
     prefix_b: list[str]  # argv prefix that runs a command on host B
+    link: str = ""  # host A's end of the link to B (network namespaces only)
 
 
 def _sh(*argv: str) -> None:
@@ -78,7 +81,8 @@ def _make_netns() -> tuple[Hosts | None, str, list[list[str]]]:
         for cmd in cleanup:
             subprocess.run(cmd, capture_output=True)
         return None, f"cannot make a network namespace here: {e} {detail.decode().strip()}", []
-    return Hosts(f"10.213.{net}.1", f"10.213.{net}.2", ["ip", "netns", "exec", ns]), "", cleanup
+    return (Hosts(f"10.213.{net}.1", f"10.213.{net}.2", ["ip", "netns", "exec", ns], va), "",
+            cleanup)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +146,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def _kill_remote_rank_mid_stream(stack: TwoHostStack) -> None:
+def _kill_remote_rank_mid_stream(stack: TwoHostStack, expected: list[int]) -> None:
     health = lambda: asyncio.run(health_status(stack.scheduler_address, 1.0))  # noqa: E731
     errors: list = []
     streaming = threading.Event()
@@ -170,8 +174,21 @@ def _kill_remote_rank_mid_stream(stack: TwoHostStack) -> None:
     with Client(stack.address) as c:
         r = c.generate(prompt_token_ids=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                        ignore_eos=True)
-    assert list(r.token_ids) == reference_greedy(stack.worker_args.model, PROMPTS[:1],
-                                                 MAX_TOKENS)[0]
+    assert list(r.token_ids) == expected
+
+
+def _cut_the_link_while_idle(stack: TwoHostStack, expected: list[int]) -> None:
+    """Host B unreachable (its link down), no rank dead: the heartbeat ends the ranks on both
+    sides within the timeout, the scheduler turns NOT_SERVING, and once the link is back the
+    hosts' launchers restart their ranks, which meet again."""
+    health = lambda: asyncio.run(health_status(stack.scheduler_address, 1.0))  # noqa: E731
+    _sh("ip", "link", "set", stack.hosts.link, "down")
+    try:
+        _wait_for(lambda: health() == "NOT_SERVING", float(TIMEOUT) + 5, "NOT_SERVING (cut)")
+    finally:
+        _sh("ip", "link", "set", stack.hosts.link, "up")
+    _wait_for(lambda: health() == "SERVING", 90, "scheduler serving again (link back)")
+    assert stack_greedy(stack, PROMPTS[:1], MAX_TOKENS) == [expected]
 
 
 def _check_two_hosts(model: str, hosts: Hosts) -> None:
@@ -181,7 +198,9 @@ def _check_two_hosts(model: str, hosts: Hosts) -> None:
         try:
             assert stack_greedy(stack, PROMPTS, MAX_TOKENS) == expected, (tp, pp)
             if pp == 2:
-                _kill_remote_rank_mid_stream(stack)
+                _kill_remote_rank_mid_stream(stack, expected[0])
+                if hosts.link:
+                    _cut_the_link_while_idle(stack, expected[0])
         finally:
             stack.stop()
 
