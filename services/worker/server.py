@@ -6,10 +6,12 @@ a forward pass; the same thread loaded the model, see ``forward_thread``), and t
 tokens go back as a StepResult.
 
 Parallel workers (``--tensor-parallel-size N --pipeline-parallel-size M``): ``serve`` serves one
-rank, ``--rank``, joining the group at ``MASTER_ADDR:MASTER_PORT``; the process layer starts
-and supervises all N*M (``pagedserve worker`` without ``--rank``: services/cli/ranks.py), rank
-r serving on ``--port + r``. A rank whose step fails (e.g. a peer died during a collective)
-stops serving and exits with code 1: its process group is unusable, so the group restarts.
+rank, ``--rank``, joining the group at ``--dist-init-addr`` (or ``MASTER_ADDR:MASTER_PORT``;
+services/worker/rendezvous.py); the process layer starts and supervises all N*M, or one host's
+share of them (``pagedserve worker`` without ``--rank``: services/cli/ranks.py), rank r serving
+on ``--port + r``. A rank whose step fails (e.g. a peer died during a collective) stops serving
+and exits with code 1: its process group is unusable, so the group restarts. After loading,
+each rank reports its memory (services/worker/memory_report.py) in its log and metrics.
 """
 
 from __future__ import annotations
@@ -233,8 +235,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
              help="pipeline stages the layers are split into (one rank group per stage)")
     add_flag(p, "--rank", type=int_in(0), default=None,
-             help="serve only this rank (rendezvous at MASTER_ADDR:MASTER_PORT); unset with "
-                  "more than one rank: start all ranks here, rank r on --port + r")
+             help="serve only this rank (rendezvous at --dist-init-addr, or MASTER_ADDR:"
+                  "MASTER_PORT); unset with more than one rank: start all ranks here (or this "
+                  "host's share, --nnodes), rank r on --port + r")
     add_flag(p, "--world-size", type=int_in(1), default=None,
              help="number of ranks; must equal tensor x pipeline parallel size (a check)")
     add_flag(p, "--distributed-timeout", type=float_in(0, lo_open=True), default=60.0,
