@@ -50,10 +50,14 @@ def test_serve_forwards_the_host_flags_to_the_worker_only():
         assert "--pipeline-layer-partition" not in forwarded_argv(name, ns)
 
 
-def test_serve_refuses_several_hosts(capsys):
+def test_serve_refuses_several_hosts_and_a_partition_of_other_stages(capsys):
     ns = serve_parser().parse_args(["--nnodes", "2", "--pipeline-parallel-size", "2"])
     assert run_stack(ns, {}) == 1
     assert "--nnodes 2: serve runs every rank on this host" in capsys.readouterr().err
+    ns = serve_parser().parse_args(["--pipeline-layer-partition", "1,2"])
+    assert run_stack(ns, {}) == 1
+    assert ("--pipeline-layer-partition 1,2 has 2 stages but --pipeline-parallel-size is 1"
+            in capsys.readouterr().err)
 
 
 def _worker(argv: list[str]) -> argparse.Namespace:
@@ -86,3 +90,13 @@ def test_rendezvous_address(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "1234")
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     assert rendezvous_address(None) == ("127.0.0.1", 1234)
+
+
+def test_a_partition_with_another_stage_count_is_refused_before_any_rank_starts():
+    from services.worker.server import world_size
+    with pytest.raises(ValueError, match="--pipeline-layer-partition 1,2,3 has 3 stages but "
+                                         "--pipeline-parallel-size is 2"):
+        world_size(_worker(["--pipeline-parallel-size", "2", "--pipeline-layer-partition",
+                            "1,2,3"]))
+    assert world_size(_worker(["--pipeline-parallel-size", "2", "--pipeline-layer-partition",
+                               "1,2"])) == 2

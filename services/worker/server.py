@@ -313,11 +313,18 @@ def pooler_config_flag(text: str) -> str:
 
 
 def world_size(args) -> int:
-    """Ranks the flags ask for. Raises ValueError when --world-size disagrees."""
+    """Ranks the flags ask for. Raises ValueError when --world-size disagrees, or
+    --pipeline-layer-partition has another number of stages than --pipeline-parallel-size."""
+    from services.worker.layer_partition import parse_partition
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     if args.world_size is not None and args.world_size != world:
         raise ValueError(f"--world-size {args.world_size} != --tensor-parallel-size "
                          f"{args.tensor_parallel_size} x --pipeline-parallel-size "
+                         f"{args.pipeline_parallel_size}")
+    partition = parse_partition(getattr(args, "pipeline_layer_partition", None))
+    if partition is not None and len(partition) != args.pipeline_parallel_size:
+        raise ValueError(f"--pipeline-layer-partition {args.pipeline_layer_partition} has "
+                         f"{len(partition)} stages but --pipeline-parallel-size is "
                          f"{args.pipeline_parallel_size}")
     return world
 
