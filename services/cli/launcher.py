@@ -85,6 +85,18 @@ def run_stack(ns, service_argv: dict[str, list[str]],
     except (ValueError, FileNotFoundError) as e:
         print(f"pagedserve serve: {e}", file=sys.stderr)
         return 1
+    try:  # flags that disagree: refused before any process starts
+        from services.worker.server import world_size
+        world_size(ns)
+    except ValueError as e:
+        print(f"pagedserve serve: {e}", file=sys.stderr)
+        return 1
+    if getattr(ns, "nnodes", 1) > 1:
+        print(f"pagedserve serve: --nnodes {ns.nnodes}: serve runs every rank on this host; for "
+              "several hosts run `pagedserve worker --nnodes N --node-rank K --dist-init-addr "
+              "HOST:PORT` on each host, and the scheduler and router apart "
+              "(README.md, Several hosts)", file=sys.stderr)
+        return 1
     host = "127.0.0.1"
     ports = {"worker": ns.worker_port, "scheduler": ns.scheduler_port, "router": ns.port}
     # NOTE: with tensor/pipeline parallelism serve starts every rank itself, rank r on

@@ -1,8 +1,14 @@
 """``pagedserve worker --tensor-parallel-size N --pipeline-parallel-size M`` (no ``--rank``):
-start and keep up N*M rank processes on this machine.
+start and keep up N*M rank processes on this machine, or this host's share of them.
 
 Rank r runs ``pagedserve worker --rank r --world-size N*M --port PORT+r`` (every other flag as
-given) with ``MASTER_ADDR=127.0.0.1`` and a fresh ``MASTER_PORT``. The ranks are one unit of
+given) with ``MASTER_ADDR=127.0.0.1`` and a fresh ``MASTER_PORT``. Several hosts
+(``--nnodes K --node-rank k --dist-init-addr HOST:PORT``, SGLang's flags): each host runs
+this launcher for its N*M/K ranks (``local_ranks``), the i-th of them on ``PORT + i``, and
+they all meet at rank 0's store on HOST:PORT (``services/worker/rendezvous.py``). Each host's
+launcher supervises its own ranks; a rank on another host that dies is noticed by the
+heartbeat (or a failing collective) within ``--distributed-timeout``, so every rank of the
+group exits and each host restarts its own. The ranks are one unit of
 the process layer's supervisor (services/cli/supervision.py), the same one ``pagedserve serve``
 runs: when any rank exits, the others are stopped too (their process group is broken: a
 collective on a dead peer fails or blocks) and the whole group is started again on the same
@@ -41,18 +47,47 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
 
 
 def rank_group(argv: list[str], world: int, port: int, metrics_port: int,
-               env: dict[str, str] | None = None, stderr=None) -> ProcessGroup:
-    """Start ``world`` ranks of ``pagedserve worker ARGV``: rank r on ``port + r``, its metrics
-    on ``metrics_port + r`` (-1 off and 0 any stay as they are), one fresh rendezvous port."""
-    env = {**(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+               env: dict[str, str] | None = None, stderr=None,
+               ranks: range | None = None, rendezvous: bool = True) -> ProcessGroup:
+    """Start ranks ``ranks`` (default all ``world``) of ``pagedserve worker ARGV``: the i-th
+    on ``port + i``, its metrics on ``metrics_port + i`` (-1 off and 0 any stay as they
+    are). ``rendezvous``: set MASTER_ADDR / MASTER_PORT to a fresh local port (one host);
+    False when ``argv`` names ``--dist-init-addr`` (several hosts)."""
+    ranks = range(world) if ranks is None else ranks
+    env = {**(env or {}),
+           **({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())} if rendezvous
+              else {})}
     procs = [spawn_cli(["worker", *argv, "--rank", str(r), "--world-size", str(world),
-                        "--port", str(port + r),
-                        "--metrics-port", str(metrics_port + r if metrics_port > 0
+                        "--port", str(port + i),
+                        "--metrics-port", str(metrics_port + i if metrics_port > 0
                                               else metrics_port)], env, stderr)
-             for r in range(world)]
-    log.info("started %d worker ranks (pids %s) on ports %d-%d", world,
-             [p.pid for p in procs], port, port + world - 1)
-    return ProcessGroup(procs, [f"worker rank {r}" for r in range(world)])
+             for i, r in enumerate(ranks)]
+    log.info("started worker ranks %d-%d of %d (pids %s) on ports %d-%d", ranks[0], ranks[-1],
+             world, [p.pid for p in procs], port, port + len(ranks) - 1)
+    return ProcessGroup(procs, [f"worker rank {r}" for r in ranks])
+
+
+def local_ranks(args: argparse.Namespace) -> range:
+    """The ranks this host starts: ``--node-rank`` k of ``--nnodes`` n gets ranks
+    ``[k * W/n, (k + 1) * W/n)`` of world size W (stage-major: with W/n = tp size, one
+    pipeline stage per host).
+
+    Raises:
+        ValueError: n does not divide W, k is not below n, or several hosts without
+            ``--dist-init-addr`` (naming the flags and values).
+    """
+    world = args.tensor_parallel_size * args.pipeline_parallel_size
+    nnodes, node = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
+    if world % nnodes:
+        raise ValueError(f"--nnodes {nnodes} must divide the world size {world} "
+                         "(--tensor-parallel-size x --pipeline-parallel-size)")
+    if node >= nnodes:
+        raise ValueError(f"--node-rank {node} must be below --nnodes {nnodes}")
+    if nnodes > 1 and not getattr(args, "dist_init_addr", None):
+        raise ValueError(f"--nnodes {nnodes}: give every host --dist-init-addr HOST:PORT, "
+                         "the address of rank 0's host (--node-rank 0) and a free port there")
+    per_node = world // nnodes
+    return range(node * per_node, (node + 1) * per_node)
 
 
 def convert_once(model: str | None) -> None:
@@ -72,20 +107,24 @@ class RankSupervisor:
         base_delay: seconds before the first restart (the supervisor's backoff then doubles).
 
     Attributes:
-        addresses: rank r's gRPC address at index r.
+        ranks: the ranks this host runs (all of them unless ``--nnodes`` > 1).
+        addresses: the gRPC address of ``ranks[i]`` at index i.
     """
 
     def __init__(self, args: argparse.Namespace, base_delay: float = BASE_DELAY) -> None:
         self.args = args
         self.world_size = args.tensor_parallel_size * args.pipeline_parallel_size
+        self.ranks = local_ranks(args)
         if args.port == 0:
             raise ValueError("--port 0 (any port) cannot be used when starting "
-                             f"{self.world_size} ranks: rank r serves on --port + r")
-        self.addresses = [f"{args.host}:{args.port + r}" for r in range(self.world_size)]
+                             f"{len(self.ranks)} ranks: rank r serves on --port + r")
+        self.addresses = [f"{args.host}:{args.port + i}" for i in range(len(self.ranks))]
         argv = rank_argv(args)
+        local = not getattr(args, "dist_init_addr", None)
         # the ranks serve TLS with this worker's --ssl-* flags: health checks use them too
         self.supervisor = Supervisor(
-            {"worker": lambda: rank_group(argv, self.world_size, args.port, args.metrics_port)},
+            {"worker": lambda: rank_group(argv, self.world_size, args.port, args.metrics_port,
+                                          ranks=self.ranks, rendezvous=local)},
             {"worker": self.addresses},
             getattr(args, "max_restarts", DEFAULT_MAX_RESTARTS),
             getattr(args, "restart_window", DEFAULT_RESTART_WINDOW), base_delay,
@@ -93,7 +132,7 @@ class RankSupervisor:
 
     @property
     def procs(self) -> list:
-        """The current rank processes, index = rank (tests kill one of them)."""
+        """The current rank processes, index i = ``ranks[i]`` (tests kill one of them)."""
         return self.supervisor.procs["worker"].procs
 
     @property

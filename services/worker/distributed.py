@@ -15,11 +15,12 @@ Each stage's ranks form one tensor-parallel group (all-reduce of the row-paralle
 all-gather of the vocab-parallel logits). Hidden states ``[T, E]`` go from rank ``r`` to rank
 ``r + tp_size`` (same tp_rank, next stage) with point-to-point send/recv.
 
-Backends: gloo on CPU, NCCL on CUDA. Rendezvous is TCP at ``MASTER_ADDR:MASTER_PORT`` (the
-torch.distributed environment variables). Every collective has a timeout, so a rank whose peer
-died fails its step instead of blocking forever; such a rank must then exit (its process group
-is unusable) and the whole group be restarted (the process layer, ``services/cli/ranks.py``,
-does that).
+Backends: gloo on CPU, NCCL on CUDA. Rendezvous is at rank 0's TCPStore, ``--dist-init-addr
+HOST:PORT`` (or the torch.distributed variables ``MASTER_ADDR`` / ``MASTER_PORT``), on this host
+or another (``services/worker/rendezvous.py``). Every collective has a timeout, and a heartbeat
+through the store notices a silent peer, so a rank whose peer died fails (or ends) instead of
+blocking forever; such a rank must then exit (its process group is unusable) and the group be
+restarted (the process layer, ``services/cli/ranks.py``, does that on each host).
 
 Teardown: a process that joined a group must not reach interpreter exit with the group alive.
 ProcessGroupGloo owns C++ worker threads; if its destructor has not run by then, they are
@@ -40,7 +41,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from services.worker.layer_partition import format_partition
+from services.worker.rendezvous import Heartbeat, rendezvous, rendezvous_address
+
 log = logging.getLogger(__name__)
+_heartbeat: Heartbeat | None = None  # this process's, once it joined a group
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     rank: int = 0
+    layer_partition: tuple[int, ...] | None = None  # layers per stage; None = even
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -61,6 +67,12 @@ class ParallelConfig:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"--rank {self.rank} is not in [0, {self.world_size}) (world size = "
                              "--tensor-parallel-size x --pipeline-parallel-size)")
+        if self.layer_partition is not None and (
+                len(self.layer_partition) != self.pipeline_parallel_size):
+            raise ValueError(
+                f"--pipeline-layer-partition {format_partition(self.layer_partition)} has "
+                f"{len(self.layer_partition)} stages but --pipeline-parallel-size is "
+                f"{self.pipeline_parallel_size}")
 
     @property
     def world_size(self) -> int:
@@ -88,12 +100,22 @@ class ParallelConfig:
         return self.is_last_stage and self.tp_rank == 0
 
     def layer_range(self, num_layers: int) -> range:
-        """This stage's contiguous layers; earlier stages take one extra when uneven.
+        """This stage's contiguous layers: ``layer_partition``'s count when given, else an even
+        split where earlier stages take one extra when uneven.
 
         Raises:
-            ValueError: fewer layers than stages.
+            ValueError: fewer layers than stages, or a partition that does not sum to
+                ``num_layers`` (naming both numbers).
         """
         m = self.pipeline_parallel_size
+        if self.layer_partition is not None:
+            total = sum(self.layer_partition)
+            if total != num_layers:
+                raise ValueError(
+                    f"--pipeline-layer-partition {format_partition(self.layer_partition)} sums "
+                    f"to {total} layers but the model has {num_layers}")
+            start = sum(self.layer_partition[:self.pp_rank])
+            return range(start, start + self.layer_partition[self.pp_rank])
         if num_layers < m:
             raise ValueError(f"--pipeline-parallel-size {m} exceeds the model's {num_layers} "
                              "layers")
@@ -149,6 +171,13 @@ class ParallelState:
         return out
 
 
+def stop_heartbeat() -> None:
+    """Stop this process's heartbeat (a rank leaving on purpose: its peers are stopping too, and
+    a peer that leaves first must not end this one as lost). A no-op when none runs."""
+    if _heartbeat is not None:
+        _heartbeat.stop()
+
+
 def destroy_distributed(timeout_s: float = 30.0) -> None:
     """Leave the default group cleanly: wait for every rank (a barrier, so no peer is still in a
     collective with this one), then destroy all process groups. A no-op when none was joined.
@@ -159,6 +188,7 @@ def destroy_distributed(timeout_s: float = 30.0) -> None:
     Raises:
         RuntimeError: a peer did not reach the barrier within ``timeout_s`` seconds.
     """
+    stop_heartbeat()  # first: the peers leave once past the barrier
     if not dist.is_initialized():
         return
     # NOTE: monitored_barrier is gloo-only; barrier with the group's own timeout covers NCCL.
@@ -169,31 +199,37 @@ def destroy_distributed(timeout_s: float = 30.0) -> None:
     dist.destroy_process_group()
 
 
-def init_distributed(config: ParallelConfig, device: torch.device,
-                     timeout_s: float = 60.0) -> ParallelState:
-    """Join the group at ``tcp://$MASTER_ADDR:$MASTER_PORT`` and build the tp groups.
+def init_distributed(config: ParallelConfig, device: torch.device, timeout_s: float = 60.0,
+                     init_addr: str | None = None, address: str = "") -> ParallelState:
+    """Meet the group at rank 0's store (``init_addr`` HOST:PORT, else ``$MASTER_ADDR:
+    $MASTER_PORT``; ``services/worker/rendezvous.py``), join it and build the tp groups, and
+    start this rank's heartbeat.
 
-    Blocks until all ``world_size`` ranks joined (at most ``timeout_s`` seconds). gloo on CPU,
-    NCCL on CUDA; every later collective also times out after ``timeout_s``.
+    Blocks until all ``world_size`` ranks joined (waiting at most ``max(timeout_s,
+    RENDEZVOUS_MIN_S)`` seconds). gloo on CPU, NCCL on CUDA; every later
+    collective times out after ``timeout_s``, and a peer silent for ``timeout_s`` ends this
+    process (the heartbeat). ``address``: where the scheduler reaches this rank (logged).
 
     Raises:
-        ValueError: MASTER_PORT is not set.
+        ValueError: no rendezvous address.
         RuntimeError / DistStoreError: the rendezvous timed out.
     """
     if config.world_size == 1:
         return ParallelState(config, None, uuid.uuid4().hex, device)
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = os.environ.get("MASTER_PORT")
-    if not port:
-        raise ValueError("a worker rank of a group needs MASTER_PORT (and MASTER_ADDR) set: the "
-                         "torch.distributed rendezvous address of rank 0")
+    host, port = rendezvous_address(init_addr)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif "GLOO_SOCKET_IFNAME" not in os.environ:  # several hosts: gloo on the advertised one
+        interface = interface_of(address.rpartition(":")[0])
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     timeout = timedelta(seconds=timeout_s)
-    log.info("rank %d/%d joining %s group at %s:%s", config.rank, config.world_size, backend,
-             addr, port)
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=config.rank,
+    log.info("rank %d/%d joining %s group at %s:%d", config.rank, config.world_size, backend,
+             host, port)
+    store = rendezvous(host, port, config.rank, config.world_size, timeout_s, address)
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=store, rank=config.rank,
                             world_size=config.world_size, timeout=timeout)
     n = config.tensor_parallel_size
     tp_group = None
@@ -205,4 +241,30 @@ def init_distributed(config: ParallelConfig, device: torch.device,
     dist.broadcast_object_list(ids, src=0, device=device if device.type == "cuda" else None)
     group_id = ids[0]
     assert group_id is not None  # rank 0's, broadcast to every rank
+    beat_store = dist.TCPStore(host, port, config.world_size, is_master=False, timeout=timeout)
+    global _heartbeat
+    _heartbeat = Heartbeat(beat_store, config.rank, config.world_size, group_id,
+                           timeout_s).start()
     return ParallelState(config, tp_group if n > 1 else None, group_id, device)
+
+
+def interface_of(host: str) -> str | None:
+    """The name of this host's network interface whose IPv4 address is ``host`` (an IP or a
+    name resolving to one), or None (not an interface's address: e.g. 127.0.0.2, which lo
+    routes but does not hold; or IPv6, where GLOO_SOCKET_IFNAME is the way)."""
+    import fcntl
+    import socket
+    import struct
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except (socket.gaierror, UnicodeError):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:  # SIOCGIFADDR: the interface's IPv4 address
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(raw[20:24]) in ips:
+                return name
+    return None

@@ -3,12 +3,15 @@
 - ``pagedserve:worker_step_seconds{rank}``: wall time of one ``execute_step`` (applying the
   diffs, the forward pass, sampling), seconds;
 - ``pagedserve:worker_batch_tokens{rank}``: tokens computed per step;
-- ``pagedserve:worker_batch_requests{rank}``: sequences per step.
+- ``pagedserve:worker_batch_requests{rank}``: sequences per step;
+- ``pagedserve:worker_weights_bytes{rank}``, ``pagedserve:worker_kv_cache_bytes{rank}``,
+  ``pagedserve:worker_peak_activation_bytes{rank}``: what the rank's memory goes to, set once
+  at start (``services/worker/memory_report.py``).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from services.common.metrics import TOKEN_BUCKETS
 
@@ -32,6 +35,23 @@ class WorkerMetrics:
         self.batch_requests = Histogram(
             "pagedserve:worker_batch_requests", "Sequences per step.", labels,
             buckets=REQUEST_BUCKETS, registry=self.registry).labels(str(rank))
+        self.rank = str(rank)
+        # (labelled when set: a gauge never set, e.g. an unmeasured peak, is not exported)
+        self.memory = {name: Gauge(f"pagedserve:worker_{name}", what, labels,
+                                   registry=self.registry)
+                       for name, what in (
+                           ("weights_bytes", "Bytes of this rank's weights."),
+                           ("kv_cache_bytes", "Bytes of this rank's KV cache."),
+                           ("peak_activation_bytes", "Peak bytes of the activations of this "
+                                                     "rank's largest (dummy) step."))}
+
+    def set_memory(self, report) -> None:
+        """Set the memory gauges from a ``memory_report.MemoryReport``."""
+        self.memory["weights_bytes"].labels(self.rank).set(report.weights_bytes)
+        self.memory["kv_cache_bytes"].labels(self.rank).set(report.kv_cache_bytes)
+        if report.peak_activation_bytes is not None:  # (a single CPU rank: not measured)
+            self.memory["peak_activation_bytes"].labels(self.rank).set(
+                report.peak_activation_bytes)
 
     def observe_step(self, seconds: float, num_tokens: int, num_requests: int) -> None:
         """One step that computed ``num_tokens`` tokens of ``num_requests`` sequences."""

@@ -6,10 +6,12 @@ a forward pass; the same thread loaded the model, see ``forward_thread``), and t
 tokens go back as a StepResult.
 
 Parallel workers (``--tensor-parallel-size N --pipeline-parallel-size M``): ``serve`` serves one
-rank, ``--rank``, joining the group at ``MASTER_ADDR:MASTER_PORT``; the process layer starts
-and supervises all N*M (``pagedserve worker`` without ``--rank``: services/cli/ranks.py), rank
-r serving on ``--port + r``. A rank whose step fails (e.g. a peer died during a collective)
-stops serving and exits with code 1: its process group is unusable, so the group restarts.
+rank, ``--rank``, joining the group at ``--dist-init-addr`` (or ``MASTER_ADDR:MASTER_PORT``;
+services/worker/rendezvous.py); the process layer starts and supervises all N*M, or one host's
+share of them (``pagedserve worker`` without ``--rank``: services/cli/ranks.py), rank r serving
+on ``--port + r``. A rank whose step fails (e.g. a peer died during a collective) stops serving
+and exits with code 1: its process group is unusable, so the group restarts. After loading,
+each rank reports its memory (services/worker/memory_report.py) in its log and metrics.
 """
 
 from __future__ import annotations
@@ -258,12 +260,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
              help="pipeline stages the layers are split into (one rank group per stage)")
     add_flag(p, "--rank", type=int_in(0), default=None,
-             help="serve only this rank (rendezvous at MASTER_ADDR:MASTER_PORT); unset with "
-                  "more than one rank: start all ranks here, rank r on --port + r")
+             help="serve only this rank (rendezvous at --dist-init-addr, or MASTER_ADDR:"
+                  "MASTER_PORT); unset with more than one rank: start all ranks here (or this "
+                  "host's share, --nnodes), rank r on --port + r")
     add_flag(p, "--world-size", type=int_in(1), default=None,
              help="number of ranks; must equal tensor x pipeline parallel size (a check)")
     add_flag(p, "--distributed-timeout", type=float_in(0, lo_open=True), default=60.0,
-             help="seconds a rank waits on a peer (rendezvous, collective) before failing")
+             help="seconds a rank waits on a peer (a collective, a missed heartbeat) before "
+                  "failing; the rendezvous at start waits up to 5 minutes, or this if longer")
+    add_flag(p, "--pipeline-layer-partition", type=partition_flag,
+             default=os.environ.get("VLLM_PP_LAYER_PARTITION"),
+             help="layers per pipeline stage, e.g. 10,20 (must sum to the model's layer count; "
+                  "unset: an even split). Also read from vLLM's VLLM_PP_LAYER_PARTITION")
+    add_flag(p, "--dist-init-addr", default=None,
+             help="HOST:PORT of the torch.distributed rendezvous (rank 0's host; its store "
+                  "listens on PORT): needed when the ranks span hosts; unset: MASTER_ADDR / "
+                  "MASTER_PORT, or a fresh local port when all ranks start here")
+    add_flag(p, "--nnodes", type=int_in(1), default=1,
+             help="hosts the ranks span (without --rank: this host starts its world size / "
+                  "nnodes ranks, ranks node_rank x that .. on --port + local index)")
+    add_flag(p, "--node-rank", type=int_in(0), default=0,
+             help="this host's index among --nnodes (0: the host of rank 0 and the rendezvous)")
+    add_flag(p, "--advertise-host", default=None,
+             help="the host name or address the scheduler reaches this host's ranks on "
+                  "(logged and reported to rank 0; default --host, or this host's name when "
+                  "--host is a wildcard)")
     add_flag(p, "--speculative-config", type=speculative_flag, default=None,
              help='speculative decoding as JSON, vLLM\'s fields, e.g. {"method": "ngram", '
                   '"num_speculative_tokens": 4} or {"model": DRAFT, "num_speculative_tokens": '
@@ -288,6 +309,21 @@ def speculative_flag(text: str) -> str:
     return text
 
 
+def partition_flag(text: str) -> str:
+    """``--pipeline-layer-partition``'s argparse type: the text, once ``parse_partition``
+    accepts it (the sum is checked against the model at load).
+
+    Raises:
+        argparse.ArgumentTypeError: parse_partition's message.
+    """
+    from services.worker.layer_partition import parse_partition
+    try:
+        parse_partition(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def pooler_config_flag(text: str) -> str:
     """``--pooler-config``'s argparse type: the text, once ``PoolerConfig.parse`` accepts it.
 
@@ -302,13 +338,29 @@ def pooler_config_flag(text: str) -> str:
 
 
 def world_size(args) -> int:
-    """Ranks the flags ask for. Raises ValueError when --world-size disagrees."""
+    """Ranks the flags ask for. Raises ValueError when --world-size disagrees, or
+    --pipeline-layer-partition has another number of stages than --pipeline-parallel-size."""
+    from services.worker.layer_partition import parse_partition
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     if args.world_size is not None and args.world_size != world:
         raise ValueError(f"--world-size {args.world_size} != --tensor-parallel-size "
                          f"{args.tensor_parallel_size} x --pipeline-parallel-size "
                          f"{args.pipeline_parallel_size}")
+    partition = parse_partition(getattr(args, "pipeline_layer_partition", None))
+    if partition is not None and len(partition) != args.pipeline_parallel_size:
+        raise ValueError(f"--pipeline-layer-partition {args.pipeline_layer_partition} has "
+                         f"{len(partition)} stages but --pipeline-parallel-size is "
+                         f"{args.pipeline_parallel_size}")
     return world
+
+
+def advertised_host(args) -> str:
+    """Where the scheduler reaches this host's ranks: ``--advertise-host``, else ``--host``
+    unless that is a wildcard (0.0.0.0, ::), else this host's name."""
+    import socket
+    if getattr(args, "advertise_host", None):
+        return args.advertise_host
+    return args.host if args.host not in ("", "0.0.0.0", "::", "[::]") else socket.getfqdn()
 
 
 def build_runner(args):
@@ -316,12 +368,14 @@ def build_runner(args):
     cache (slow: seconds to minutes)."""
     from services.worker.device import resolve_device
     from services.worker.distributed import ParallelConfig, init_distributed
+    from services.worker.layer_partition import parse_partition
     from services.worker.model_runner import ModelRunner
     world_size(args)
     if getattr(args, "speculative_config", None) and args.pipeline_parallel_size > 1:
         raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
                          f"{args.pipeline_parallel_size} (> 1)")
-    pc = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.rank or 0)
+    pc = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.rank or 0,
+                        parse_partition(getattr(args, "pipeline_layer_partition", None)))
     parallel, device = None, args.device
     if pc.world_size > 1:
         resolved = resolve_device(args.device)
@@ -330,7 +384,9 @@ def build_runner(args):
             local_rank = int(os.environ.get("LOCAL_RANK", pc.rank))
             resolved = torch.device("cuda", local_rank % torch.cuda.device_count())
         device = str(resolved)
-        parallel = init_distributed(pc, resolved, args.distributed_timeout)
+        parallel = init_distributed(pc, resolved, args.distributed_timeout,
+                                    getattr(args, "dist_init_addr", None),
+                                    f"{advertised_host(args)}:{args.port}")
     return ModelRunner(model=args.model, dtype=args.dtype, device=device,
                        block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                        kv_cache_dtype=args.kv_cache_dtype,
@@ -411,13 +467,19 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         raise ValueError(f"{world_size(args)} ranks and no --rank: give the rank this process "
                          "serves, or start them all with `pagedserve worker`")
     forward = forward_thread()
-    runner = runner or await asyncio.get_running_loop().run_in_executor(forward, build_runner,
-                                                                        args)
+    report = None
+    if runner is None:
+        loop = asyncio.get_running_loop()
+        runner = await loop.run_in_executor(forward, build_runner, args)
+        from services.worker.memory_report import measure
+        report = await loop.run_in_executor(forward, measure, runner)
     server, port, health = await new_server(args.host, args.port, tls=tls_from_args(args))
     args.port = port
     fatal = asyncio.Event() if getattr(runner, "parallel", None) else None
     info = worker_info(runner)
     metrics = WorkerMetrics(rank=info.rank)
+    if report is not None:
+        metrics.set_memory(report)
     servicer = WorkerServicer(runner, info, fatal, metrics, forward)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     await server.start()
@@ -435,6 +497,9 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for w in waits:
             w.cancel()
+        if fatal is not None and not fatal.is_set():  # stopping on purpose, as its peers are
+            from services.worker.distributed import stop_heartbeat
+            stop_heartbeat()
         if fatal is None or not fatal.is_set():  # keep stepping until the scheduler drained
             await drain("worker", health, [SERVICE], args.shutdown_timeout,
                         servicer.streams.begin_drain, servicer.streams.wait_idle)

@@ -15,6 +15,7 @@ from services.common.grpc_utils import LIVENESS
 from tests.deploy.conftest import CHART, output, run, tool, unknown_env
 
 CI_VALUES = CHART / "ci" / "values-cuda-tp4.yaml"
+LWS_VALUES = CHART / "ci" / "values-lws-pp2.yaml"
 HELM = [sys.executable, "-m", "tests.deploy.helm_cli"]
 # Everything optional switched on, on top of the defaults.
 ALL_ON = {"autoscaling": {"enabled": True}, "podDisruptionBudget": {"enabled": True},
@@ -22,7 +23,8 @@ ALL_ON = {"autoscaling": {"enabled": True}, "podDisruptionBudget": {"enabled": T
 # Custom resources: kubernetes-validate knows only the built-in APIs (its schemas are bundled in
 # the wheel, offline) and says "Couldn't find schema" for these; they are checked structurally
 # below instead (test_service_monitor_selects_the_metrics_ports).
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"),
+             ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")}
 MIN_KUBE = "1.27.0"  # Chart.yaml kubeVersion (native gRPC probes)
 
 
@@ -48,7 +50,7 @@ def _objects(files: list[Path]) -> list[dict]:
     return [doc for f in files for doc in yaml.safe_load_all(f.read_text()) if doc]
 
 
-VALUE_SETS = {"default": [], "cuda-tp4": [CI_VALUES]}
+VALUE_SETS = {"default": [], "cuda-tp4": [CI_VALUES], "lws-pp2": [LWS_VALUES]}
 
 
 @pytest.mark.parametrize("case", VALUE_SETS)
@@ -260,7 +262,8 @@ def test_readme_documents_every_value():
                 yield key
     missing = [k for k in leaves(values) if f"| `{k}` |" not in readme]
     assert not missing, f"values missing from helm/pagedserve/README.md's table: {missing}"
-    for name in ("values.schema.json", "templates/NOTES.txt", "ci/values-cuda-tp4.yaml"):
+    for name in ("values.schema.json", "templates/NOTES.txt", "ci/values-cuda-tp4.yaml",
+                 "ci/values-lws-pp2.yaml"):
         assert (CHART / name).is_file()
 
 
