@@ -11,6 +11,7 @@ import random
 
 import openai
 import pytest
+import requests
 
 from tests.helpers import make_peft_lora
 from tests.stack.conftest import _leak_check, generate_at_once
@@ -35,8 +36,9 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 def stack(tiny_model_dir, adapters):
     stack = InProcessStack(tiny_model_dir, worker_argv=WORKER,
                            scheduler_argv=["--max-num-batched-tokens", "256", "--max-loras", "2"],
-                           router_argv=["--enable-lora", "--lora-modules",
-                                        f"a={adapters['a']}", f"b={adapters['b']}"]).start()
+                           router_argv=["--enable-lora", "--allow-runtime-lora-updating",
+                                        "--lora-modules", f"a={adapters['a']}",
+                                        f"b={adapters['b']}"]).start()
     yield stack
     stack.stop()
 
@@ -68,3 +70,40 @@ def test_the_openai_client_runs_an_adapter(stack):
     for (model, answer), expected in zip(answers.items(), grpc_answers, strict=True):
         assert answer.model == model and answer.usage.completion_tokens == MAX_NEW
         assert answer.choices[0].text == expected.text
+
+
+def test_unload_lets_running_requests_finish_and_load_does_not_disturb_others(stack, adapters):
+    """Unload "a" while its request streams: that stream ends normally with the same text as
+    before (vLLM's rule: running requests keep their adapter), a new request naming "a" is a
+    404. Load "a" again as "a2" while a request of "b" streams: "b" finishes, "a2" answers
+    as "a" did. Nothing leaks."""
+    oai = openai.OpenAI(base_url=f"{stack.http_url}/v1", api_key="unused", max_retries=0)
+    ids, extra = [5, 6, 7, 8, 9, 10], {"ignore_eos": True}
+
+    def whole(model: str) -> str:
+        return oai.completions.create(model=model, prompt=ids, max_tokens=24, temperature=0,
+                                      extra_body=extra).choices[0].text
+
+    def lora(route: str, body: dict) -> int:
+        return requests.post(f"{stack.http_url}/v1/{route}", json=body, timeout=60).status_code
+
+    want = {"a": whole("a"), "b": whole("b")}
+    stream = oai.completions.create(model="a", prompt=ids, max_tokens=24, temperature=0,
+                                    stream=True, extra_body=extra)
+    chunks = [next(stream)]
+    assert lora("unload_lora_adapter", {"lora_name": "a"}) == 200
+    chunks += list(stream)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in chunks) == want["a"]
+    with pytest.raises(openai.NotFoundError, match=r"The model `a` does not exist\."):
+        whole("a")
+    stream = oai.completions.create(model="b", prompt=ids, max_tokens=24, temperature=0,
+                                    stream=True, extra_body=extra)
+    chunks = [next(stream)]
+    assert lora("load_lora_adapter", {"lora_name": "a2", "lora_path": adapters["a"]}) == 200
+    chunks += list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want["b"]
+    assert whole("a2") == want["a"]
+    assert lora("unload_lora_adapter", {"lora_name": "a2"}) == 200
+    assert lora("load_lora_adapter", {"lora_name": "a", "lora_path": adapters["a"]}) == 200
+    _leak_check(stack)
