@@ -40,7 +40,8 @@ class ParallelStack(_BackgroundStack):
     ``scheduler_address`` the scheduler's, ``supervisor.procs[r]`` rank r's process."""
 
     def __init__(self, model: str | None, tp: int = 1, pp: int = 1,
-                 worker_argv: list[str] = (), scheduler_argv: list[str] = ()):
+                 worker_argv: list[str] = (), scheduler_argv: list[str] = (),
+                 router_argv: list[str] = ()):
         model_flag = ["--model", model] if model else []
         world = tp * pp
         self.worker_args = _args(worker_server, [
@@ -52,7 +53,8 @@ class ParallelStack(_BackgroundStack):
             "--port", "0", "--workers", ",".join(reversed(self.supervisor.addresses)),
             "--worker-connect-timeout", "120", *_no_metrics(scheduler_server), *scheduler_argv])
         self.router_args = _args(router_server, ["--port", "0", "--http-port", "-1",
-                                                 *model_flag, *_no_metrics(router_server)])
+                                                 *model_flag, *_no_metrics(router_server),
+                                                 *router_argv])
         super().__init__()
         self._stop: asyncio.Event | None = None
         self._tasks: list = []
