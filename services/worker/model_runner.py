@@ -219,6 +219,7 @@ class ModelRunner:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       num_kv_cache_groups=len(self.kv_cache_groups),
                                       structured=self.structured)
+        self.forward: Model | CompiledForward = self.model  # (the CUDA profile's steps run it)
         if self.device.type == "cuda":
             kv_bytes = self._profile_cuda(max_num_batched_tokens, max_num_seqs,
                                           gpu_memory_utilization, total, non_torch_before)
@@ -247,7 +248,6 @@ class ModelRunner:
                  self.num_layers)
         world = parallel.config.world_size if parallel else 1
         self.eager_reason = why_eager(enforce_eager, self.device, backend.name, world)
-        self.forward: Model | CompiledForward = self.model
         if self.eager_reason is None:
             self.forward = CompiledForward(self.model, backend, self.block_size,
                                            self.kv_cache_dtype)
