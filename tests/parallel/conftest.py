@@ -9,6 +9,8 @@ single-rank greedy tokens with a ``ModelRunner`` in this process.
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,36 @@ def tp2_stack(tiny_model):
     stack = ParallelStack(tiny_model, tp=2).start()
     yield stack
     stack.stop()
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` every 0.1 s until true; fails the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def stream_in_background(address: str) -> tuple[threading.Thread, list]:
+    """A stream that only a failure ends (``ignore_eos``, no max_tokens) on a thread, already
+    streaming when this returns; the list gets ``(status code, time.monotonic())`` of the
+    ``grpc.RpcError`` that ends it."""
+    import grpc
+
+    from pagedserve_client import Client
+
+    errors: list = []
+    streaming = threading.Event()
+
+    def long_stream():
+        try:
+            with Client(address) as c:
+                for _ in c.stream(prompt_token_ids=[5, 6, 7], ignore_eos=True):
+                    streaming.set()
+        except grpc.RpcError as e:
+            errors.append((e.code(), time.monotonic()))
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    assert streaming.wait(30), "no token streamed"
+    return t, errors

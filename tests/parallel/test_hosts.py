@@ -21,15 +21,14 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
 import grpc
 import psutil
 import pytest
-from pagedserve_client import Client
 
+from pagedserve_client import Client
 from services.common.grpc_utils import health_status
 from services.common.ports import free_port, free_port_range
 from services.worker import server as worker_server
@@ -39,6 +38,8 @@ from tests.parallel.conftest import (
     ParallelStack,
     reference_greedy,
     stack_greedy,
+    stream_in_background,
+    wait_for,
 )
 from tests.stack_harness import _args
 
@@ -139,29 +140,9 @@ class TwoHostStack(ParallelStack):
                     self.remote.wait()
 
 
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def _kill_remote_rank_mid_stream(stack: TwoHostStack, expected: list[int]) -> None:
     health = lambda: asyncio.run(health_status(stack.scheduler_address, 1.0))  # noqa: E731
-    errors: list = []
-    streaming = threading.Event()
-
-    def long_stream():
-        try:
-            with Client(stack.address) as c:
-                for _ in c.stream(prompt_token_ids=[5, 6, 7], ignore_eos=True):
-                    streaming.set()
-        except grpc.RpcError as e:
-            errors.append((e.code(), time.monotonic()))
-
-    t = threading.Thread(target=long_stream)
-    t.start()
-    assert streaming.wait(30), "no token streamed"
+    t, errors = stream_in_background(stack.address)
     [rank] = stack.remote_ranks()
     rank.kill()
     killed_at = time.monotonic()
@@ -169,8 +150,8 @@ def _kill_remote_rank_mid_stream(stack: TwoHostStack, expected: list[int]) -> No
     assert not t.is_alive(), "the in-flight request never ended"
     assert errors and errors[0][0] == grpc.StatusCode.UNAVAILABLE, errors
     assert errors[0][1] - killed_at < float(TIMEOUT) + 3, "not failed within the timeout"
-    _wait_for(lambda: health() == "NOT_SERVING", 5, "scheduler NOT_SERVING")
-    _wait_for(lambda: health() == "SERVING", 90, "scheduler serving again")
+    wait_for(lambda: health() == "NOT_SERVING", 5, "scheduler NOT_SERVING")
+    wait_for(lambda: health() == "SERVING", 90, "scheduler serving again")
     with Client(stack.address) as c:
         r = c.generate(prompt_token_ids=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                        ignore_eos=True)
@@ -184,10 +165,10 @@ def _cut_the_link_while_idle(stack: TwoHostStack, expected: list[int]) -> None:
     health = lambda: asyncio.run(health_status(stack.scheduler_address, 1.0))  # noqa: E731
     _sh("ip", "link", "set", stack.hosts.link, "down")
     try:
-        _wait_for(lambda: health() == "NOT_SERVING", float(TIMEOUT) + 5, "NOT_SERVING (cut)")
+        wait_for(lambda: health() == "NOT_SERVING", float(TIMEOUT) + 5, "NOT_SERVING (cut)")
     finally:
         _sh("ip", "link", "set", stack.hosts.link, "up")
-    _wait_for(lambda: health() == "SERVING", 90, "scheduler serving again (link back)")
+    wait_for(lambda: health() == "SERVING", 90, "scheduler serving again (link back)")
     assert stack_greedy(stack, PROMPTS[:1], MAX_TOKENS) == [expected]
 
 
