@@ -96,6 +96,37 @@ def cpu_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return _ops().linear(x, packed, out_features, bias, out_dtype, weight_scale, silu_mul)
 
 
+def write_packed(packed: torch.Tensor, row: int, col: int, block: torch.Tensor) -> None:
+    """Overwrite a block of a packed weight in place: after it, ``packed`` is what
+    ``pack_linear_weight`` gives for the weight with ``W[row:row + r, col:col + c] = block``.
+    A fused LoRA layer's slot swap writes its adapter's A and B this way
+    (``services/worker/lora/layers.py``), where repacking would copy the whole weight.
+
+    Args:
+        packed: ``pack_linear_weight``'s result for a float32, bfloat16 or float16 weight
+            ``[N, K]`` (``[ceil(N/32), K, 32]`` or ``[ceil(N/32), ceil(K/2), 32, 2]``).
+        row, col: the block's first output and input feature.
+        block: ``[r, c]``, any float dtype (cast to ``packed``'s); it must lie within the
+            packed blocks (rows up to ``32 * ceil(N/32)``, columns up to K rounded up to even
+            for 16-bit weights).
+
+    Raises:
+        ValueError: a block outside the packed weight, or a packed int8 weight.
+    """
+    r, c = block.shape
+    rows = packed.shape[0] * 32
+    cols = packed.shape[1] * (1 if packed.dim() == 3 else 2)
+    if packed.dtype == torch.int8 or min(row, col) < 0 or row + r > rows or col + c > cols:
+        raise ValueError(f"cannot write a [{r}, {c}] block at ({row}, {col}) into a packed "
+                         f"{packed.dtype} weight {tuple(packed.shape)}")
+    n = torch.arange(row, row + r)[:, None]
+    k = torch.arange(col, col + c)[None, :]
+    if packed.dim() == 3:  # float32: W[n, k] at [n / 32, k, n % 32]
+        packed[n // 32, k, n % 32] = block.to(packed.dtype)
+    else:  # 16-bit: W[n, k] at [n / 32, k / 2, n % 32, k % 2]
+        packed[n // 32, k // 2, n % 32, k % 2] = block.to(packed.dtype)
+
+
 def pack_group_scale(scale: torch.Tensor) -> torch.Tensor:
     """Per-group scales ``[N, K/G]`` (float32) -> ``cpu_linear``'s ``[ceil(N/32), K/G, 32]``:
     group g of row n at ``[n // 32, g, n % 32]`` (N zero-padded to whole blocks of 32)."""

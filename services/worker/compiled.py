@@ -225,6 +225,7 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
     kernel (native ones included), packing, compile, grouping and LoRA modules."""
     root = Path(__file__).resolve().parents[2]
     param = next(model.parameters())
+    lora = getattr(model, "lora_context", None)
     h = hashlib.sha256()
     for part in (torch.__version__, sys.version, torch.backends.cpu.get_cpu_capability(),
                  type(model).__qualname__, repr(getattr(model, "config", None)),
@@ -232,9 +233,8 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
                  str(param.dtype), param.device.type, backend_name, str(block_size),
                  str(kv_cache_dtype or param.dtype), kv_layout,
                  str(len(getattr(model, "layers", ()))),
-                 # (static sizes of buffers: LoRA's --max-loras x --max-lora-rank slots)
-                 ",".join(f"{n}{tuple(b.shape)}" for n, b in model.named_buffers()
-                          if "lora" in n),
+                 # (static sizes: LoRA's --max-loras x --max-lora-rank slots)
+                 "" if lora is None else f"lora {lora.num_slots}x{lora.rank}",
                  ",".join(sorted({type(m).__qualname__ for m in model.modules()}))):
         h.update(part.encode() + b"\0")
     for rel in _SOURCES:

@@ -204,7 +204,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         if silu_mul:
             owner.act = nn.Identity()
     if lora is not None:
-        wrap_lora_layers(net, lora.max_loras, lora.max_lora_rank, dtype)
+        wrap_lora_layers(net, lora.max_loras, lora.max_lora_rank, dtype,
+                         fuse=not quantization)
     net = net.to(device).eval().requires_grad_(False)  # moves the float32 inv_freq buffer
     if quantization:
         quantize_model_linears(net, quantization, skip=lambda m: isinstance(m, Int8Linear))

@@ -26,7 +26,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from kernels.cpu_linear import gate_up_blocks, pack_linear_weight
+from kernels.cpu_linear import gate_up_blocks, pack_linear_weight, write_packed
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +88,24 @@ class PackedLinear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
 
+    @torch.no_grad()
+    def write(self, row: int, col: int, block: torch.Tensor) -> None:
+        """``W[row:row + r, col:col + c] = block``, in place, its rows in the weight's own
+        order (for ``silu_mul``: gate then up, reordered here as the packing did, so only whole
+        columns, ``row`` 0 and ``r = N``). A fused LoRA layer's slot swap
+        (``services/worker/lora/layers.py``).
+
+        Raises:
+            ValueError: the block does not fit the weight (``write_packed``), or a partial
+                column of a ``silu_mul`` layer.
+        """
+        if self.silu_mul:
+            if row != 0 or block.shape[0] != self.out_features:
+                raise ValueError("a silu_mul layer's packed weight is written whole columns")
+            block = gate_up_blocks(block)
+        write_packed(self.packed, row, col, block)
+
+
 def pack_model_linears(model: nn.Module, *, lm_head: bool, decoder: bool) -> None:
     """Swap ``model``'s linear layers for ``PackedLinear``s, in place.
 
@@ -142,11 +160,17 @@ def takes_silu_mul(parent: nn.Module, name: str) -> bool:
 def fuse_silu_mul(layer: nn.Module) -> None:
     """Give a decoder layer's SwiGLU MLP (``takes_silu_mul``) whose gate_up is a plain
     ``nn.Linear`` a ``PackedLinear`` that applies the gate in its epilogue, and make its
-    ``act`` an identity; other MLPs (GeGLU, quantized layers) stay as they are. In place."""
+    ``act`` an identity; other MLPs (GeGLU, quantized layers) stay as they are. In place. A
+    fused LoRA gate_up (``services/worker/lora/layers.py``) gets it in its base: its update
+    is part of the sums the gate reads."""
     mlp = getattr(layer, "mlp", None)
-    if mlp is None or type(mlp.gate_up_proj) is not nn.Linear or not takes_silu_mul(
-            mlp, "gate_up_proj"):
+    if mlp is None:
         return
-    gate_up = mlp.gate_up_proj
-    mlp.gate_up_proj = PackedLinear(gate_up.weight, gate_up.bias, silu_mul=True)
+    # a LoRA layer whose update runs inside its base GEMM (``LoRALinear.fused``): its base
+    owner, name = ((mlp.gate_up_proj, "base") if getattr(mlp.gate_up_proj, "fused", False)
+                   else (mlp, "gate_up_proj"))
+    gate_up = getattr(owner, name)
+    if type(gate_up) is not nn.Linear or not takes_silu_mul(mlp, "gate_up_proj"):
+        return
+    setattr(owner, name, PackedLinear(gate_up.weight, gate_up.bias, silu_mul=True))
     mlp.act = nn.Identity()

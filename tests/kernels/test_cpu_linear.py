@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from kernels.cpu_linear import cpu_linear, gate_up_blocks, pack_linear_weight
+from kernels.cpu_linear import cpu_linear, gate_up_blocks, pack_linear_weight, write_packed
 from services.worker.packed_linear import PackedLinear, pack_model_linears
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -220,3 +220,37 @@ def test_pack_model_linears_fuses_swiglu_and_keeps_the_output():
     assert isinstance(mlp.gate_up_proj, PackedLinear) and mlp.gate_up_proj.silu_mul
     assert isinstance(mlp.act, nn.Identity) and isinstance(mlp.down_proj, PackedLinear)
     torch.testing.assert_close(mlp(x).float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_packed_equals_packing_the_written_weight(dtype):
+    """A block written into a packed weight (a LoRA slot swap) leaves exactly what packing
+    the weight with that block gives: odd and even first rows and columns, the last column of
+    an odd K, a whole column; outside the weight it is refused."""
+    n, k = 70, 37
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    packed = pack_linear_weight(w)
+    for row, col, r, c in ((3, 5, 20, 7), (0, 36, 70, 1), (33, 0, 1, 37), (64, 10, 6, 2)):
+        block = torch.randn(r, c, generator=gen).to(dtype)
+        write_packed(packed, row, col, block)
+        w[row:row + r, col:col + c] = block
+        assert torch.equal(packed, pack_linear_weight(w)), (row, col, r, c)
+    with pytest.raises(ValueError, match="cannot write"):
+        write_packed(packed, 95, 0, torch.zeros(3, 3))  # (rows padded to 96)
+    with pytest.raises(ValueError, match="cannot write"):
+        write_packed(packed, 0, 37 if dtype == torch.float32 else 38, torch.zeros(3, 1))
+
+
+def test_packed_linear_write_keeps_the_gate_up_order():
+    """``PackedLinear.write`` of a SwiGLU layer takes whole columns in gate-then-up order and
+    computes what a layer packed from the written weight computes; a partial column is
+    refused."""
+    x, w, bias = _problem(64, 40, 9, torch.bfloat16, seed=7)
+    layer = PackedLinear(w, bias, silu_mul=True)
+    columns = torch.randn(64, 6).to(torch.bfloat16)
+    layer.write(0, 30, columns)
+    w[:, 30:36] = columns
+    assert torch.equal(layer(x), PackedLinear(w, bias, silu_mul=True)(x))
+    with pytest.raises(ValueError, match="whole columns"):
+        layer.write(1, 0, columns[1:])

@@ -158,14 +158,9 @@ class LoRAManager:
         and past its rank)."""
         for layer, module, targets in self.modules:
             for index, target in enumerate(targets):
-                a_dst, b_dst = module.slice_weights(slot, index)  # [R, in], [out, R]
-                a_dst.zero_()
-                b_dst.zero_()
-                weights = adapter.weights.get((layer, target))
-                if weights is not None:  # (its own rank: rank_pattern may vary it)
-                    r = weights[0].shape[0]
-                    a_dst[:r].copy_(weights[0])
-                    b_dst[:, :r].copy_(weights[1])
+                # (its own rank: rank_pattern may vary it; None: zeros)
+                a, b = adapter.weights.get((layer, target), (None, None))
+                module.write_slot(slot, index, a, b)
         self.scales[slot] = adapter.scale
 
 
