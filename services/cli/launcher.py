@@ -50,11 +50,13 @@ def _stop_all(supervisor: Supervisor, timeout: float = 10.0, drain: float = 0.0)
     """Stop the stack gracefully: router and scheduler first (they get ``drain`` seconds,
     --shutdown-timeout, to finish the requests in flight, plus ``timeout`` s to exit), then
     the worker, which keeps executing steps until its scheduler has drained. A second Ctrl-C
-    / SIGTERM meanwhile kills what is left."""
+    / SIGTERM meanwhile kills what is left (and further ones are ignored: no traceback)."""
     try:
         supervisor.stop(["router", "scheduler"], drain + timeout)
         supervisor.stop(["worker"], timeout)
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         supervisor.kill_all()
 
 
