@@ -1,6 +1,7 @@
 """Helpers of the LoRA tests, free of pytest imports (the TP test runs ``tp_rank`` in spawned
-processes): transformers + PEFT's greedy tokens, and a minimal scheduler that runs requests
-(each with its adapter or none) through a ``ModelRunner``."""
+processes): transformers + PEFT's greedy tokens (a tiny model's, SmolLM2's with a random
+adapter), and a minimal scheduler that runs requests (each with its adapter or none) through a
+``ModelRunner``."""
 
 from __future__ import annotations
 
@@ -35,6 +36,48 @@ def reference_greedy(base: Path, adapter: Path | None, prompts: list[list[int]],
                                  pad_token_id=0)
             out.append(ids[0, len(p):].tolist())
     return out
+
+
+def greedy_past_eos(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """``model``'s (transformers or PEFT) greedy tokens, past EOS as the worker samples them
+    with ``ignore_eos`` (generate's ``min_new_tokens`` would mask EOS instead, SmolLM2's first
+    token of some prompts): one whole forward per token, one prompt at a time."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = list(p)
+            for _ in range(new_tokens):
+                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            out.append(ids[len(p):])
+    return out
+
+
+def smollm2_lora_reference(adapter_dir: Path, prompts: list[list[int]], new_tokens: int,
+                           r: int = 8, lora_alpha: int = 16
+                           ) -> tuple[list[list[int]], list[list[int]]]:
+    """Write a random PEFT LoRA adapter (rank ``r``, seed 0, every projection) of SmolLM2
+    (the packaged GGUF, float32) into ``adapter_dir``; return (the base model's, the
+    adapter's) greedy tokens of ``prompts`` (``greedy_past_eos``), by transformers + PEFT.
+
+    NOTE: transformers loads the worker's float32 conversion of the GGUF (``convert_gguf``:
+    transformers' own GGUF load, saved as safetensors), not the GGUF itself: the same weights
+    in ~1 s instead of ~15 s of dequantizing. tests/stack/test_smollm2.py checks the
+    conversion against transformers' GGUF load."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from services.common.lora import LORA_MODULES
+    from services.common.model_files import resolve_model
+    from services.worker.loader import convert_gguf
+
+    model = AutoModelForCausalLM.from_pretrained(convert_gguf(resolve_model(None)),
+                                                 dtype=torch.float32).eval()
+    want_base = greedy_past_eos(model, prompts, new_tokens)
+    torch.manual_seed(0)
+    peft = get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, init_lora_weights=False,
+                                            target_modules=list(LORA_MODULES))).eval()
+    peft.save_pretrained(str(adapter_dir))
+    return want_base, greedy_past_eos(peft, prompts, new_tokens)
 
 
 def run_batch(runner, prompts: list[list[int]], loras: list[LoRARequest | None],
