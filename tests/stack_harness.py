@@ -75,8 +75,9 @@ class _BackgroundStack:
         """
         ready = asyncio.Event()
         task = asyncio.ensure_future(module.serve(args, ready=ready, stop=stop))
-        done, _ = await asyncio.wait([task, asyncio.ensure_future(ready.wait())],
-                                     return_when=asyncio.FIRST_COMPLETED)
+        waiter = asyncio.ensure_future(ready.wait())
+        done, _ = await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()  # (left pending, it would outlive the stack and fail its stop())
         if task in done:  # serve() returned or raised before it was ready
             task.result()
             raise RuntimeError(f"{module.__name__} stopped during start-up")

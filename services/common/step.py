@@ -140,3 +140,8 @@ class StepOutput:
     # last prompt token), its pooled vector, float32; sampled_token_ids is then empty. None
     # under the generate runner.
     embeddings: list[list[float]] | None = None
+    # requests the step left out because they cannot run (a LoRA adapter the worker could not
+    # load), every rank the same ones, and why (aligned, naming the adapter and the problem):
+    # the scheduler ends them with that error; the worker ignores them until they finish
+    failed_request_ids: list[str] = field(default_factory=list)
+    failed_messages: list[str] = field(default_factory=list)

@@ -162,6 +162,8 @@ def step_output_to_pb(out: StepOutput) -> worker_pb2.StepResult:
         result.top_logprobs.extend(lp.top_logprobs)
     if out.embeddings is not None:
         result.embeddings.extend(chain.from_iterable(out.embeddings))
+    result.failed_request_ids.extend(out.failed_request_ids)
+    result.failed_messages.extend(out.failed_messages)
     for pl in out.prompt_logprobs:
         result.prompt_request_ids.append(pl.request_id)
         result.prompt_first_positions.append(pl.first_position)
@@ -178,16 +180,21 @@ def step_output_from_pb(r: worker_pb2.StepResult) -> StepOutput:
 
     Raises:
         ValueError: columns that disagree in length (sampled tokens and their counts, drafts,
-            logprobs, prompt logprobs, embeddings), naming which.
+            logprobs, prompt logprobs, embeddings, failed requests), naming which.
     """
     n = len(r.request_ids)
+    if len(r.failed_request_ids) != len(r.failed_messages):
+        raise ValueError(f"step {r.step_id}: malformed failed request columns: "
+                         f"{len(r.failed_request_ids)} ids, {len(r.failed_messages)} messages")
+    failed_ids, failed_messages = list(r.failed_request_ids), list(r.failed_messages)
     if r.embeddings:  # a pooling runner's step: vectors, no tokens
         size = len(r.embeddings) // max(n, 1)
         if r.sampled_token_ids or size * n != len(r.embeddings):
             raise ValueError(f"step {r.step_id}: malformed embeddings columns: {n} request ids, "
                              f"{len(r.embeddings)} floats, {len(r.sampled_token_ids)} tokens")
         return StepOutput(r.step_id, list(r.request_ids), [],
-                          embeddings=_cut(list(r.embeddings), [size] * n))
+                          embeddings=_cut(list(r.embeddings), [size] * n),
+                          failed_request_ids=failed_ids, failed_messages=failed_messages)
     counts = list(r.num_sampled_token_ids)
     if (len(counts) != n or sum(counts) != len(r.sampled_token_ids) or min(counts) < 1
             if counts else n != len(r.sampled_token_ids)):
@@ -218,4 +225,5 @@ def step_output_from_pb(r: worker_pb2.StepResult) -> StepOutput:
         strict=True)]
     return StepOutput(r.step_id, list(r.request_ids), list(r.sampled_token_ids), logprobs,
                       prompt, counts or None,
-                      _cut(list(r.draft_token_ids), num_drafts) if num_drafts else None)
+                      _cut(list(r.draft_token_ids), num_drafts) if num_drafts else None,
+                      failed_request_ids=failed_ids, failed_messages=failed_messages)

@@ -54,11 +54,13 @@ NOTE: blocks are registered when they are ALLOCATED for a step, before the worke
 them. That is safe because (a) the worker writes every token's K/V of a layer before any
 attention of that layer reads the cache, so a request that hits a block registered earlier in
 the same step reads it after it is written; (b) the scheduler never preempts a request it
-already scheduled in the same step, so a registered block is always computed; (c) after a worker
-failure every request is aborted and ``reset_prefix_cache`` forgets all keys. Likewise a block a
-sliding window released while an earlier step that reads it is still in flight may be handed to
-another request at once: the workers run steps in order, so it is rewritten only after that
-step.
+already scheduled in the same step, so a registered block is always computed, except by a
+request the workers leave out (a LoRA adapter they cannot load), whose adapter id the engine
+retires with its requests (``Engine._fail_requests``: only that id's requests could hit those
+blocks); (c) after a worker failure every request is aborted and ``reset_prefix_cache`` forgets
+all keys. Likewise a block a sliding window released while an earlier step that reads it is
+still in flight may be handed to another request at once: the workers run steps in order, so
+it is rewritten only after that step.
 """
 
 from __future__ import annotations

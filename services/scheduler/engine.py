@@ -257,6 +257,7 @@ class Engine:
                 await self._fail_and_reconnect(f"worker failed: {e}")
                 continue
             self.num_steps_total += 1
+            self._fail_requests(result.failed_request_ids, result.failed_messages)
             token_logprobs = token_logprobs_of(result)  # (WorkerGroup.receive checked it)
             sampled, spec = ({}, None) if result.embeddings is not None else sampled_of(
                 result, token_logprobs)  # (a pooling step: vectors, no tokens)
@@ -267,6 +268,38 @@ class Engine:
             self._publish(self.scheduler.update_from_output(out, sampled, logprobs,
                                                             prompt_logprobs_of(result), spec,
                                                             embeddings))
+
+    def _fail_requests(self, request_ids: list[str], messages: list[str]) -> None:
+        """End the requests a step left out because they cannot run (``StepOutput.
+        failed_request_ids``: a LoRA adapter the workers could not load) with
+        INVALID_ARGUMENT and the worker's message (it names the adapter and the problem),
+        freeing their blocks; the rest of the step stands. Before ``update_from_output``, which
+        would otherwise recompute a request that got no token.
+
+        NOTE: every other request of a failed adapter ends too, and the adapter gets a new
+        engine-wide id for the requests that come later (a retry loads it again): blocks were
+        registered in the prefix cache under the old id for K/V the workers never wrote, and
+        only a request of that id could hit them.
+        """
+        for request_id, message in zip(request_ids, messages, strict=True):
+            request = self.scheduler.get_request(request_id)
+            if request is None:
+                continue  # (ended already: aborted, or with its adapter's first failure)
+            doomed = [request]
+            if request.lora is not None:
+                bad = request.lora.lora_id
+                self._loras = {k: v for k, v in self._loras.items() if v.lora_id != bad}
+                doomed += [r for r in self.scheduler.requests.values()
+                           if r is not request and r.lora is not None and r.lora.lora_id == bad]
+            for rid in dict.fromkeys(r.beam_group.root.request_id if r.beam_group is not None
+                                     else r.request_id for r in doomed):  # (a group is one)
+                log.warning("request failed: %s", message, extra={"request_id": rid})
+                self._abort_unpublished(rid)
+                sink = self._sinks.pop(rid, None)
+                if sink is not None:
+                    sink.request_ids.discard(rid)
+                    sink.queue.put_nowait(self._batch([error_output(
+                        rid, grpc.StatusCode.INVALID_ARGUMENT, message)]))
 
     async def _idle(self) -> None:
         """Sleep until a request arrives; raise WorkerError if a rank's stream ends meanwhile

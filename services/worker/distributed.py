@@ -160,6 +160,14 @@ class ParallelState:
             dist.broadcast(x, src=self.config.pp_rank * n, group=self.tp_group)
         return x
 
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Each flag OR-ed over every rank of the group, all stages (the default group): for a
+        decision every rank must take alike, e.g. which adapters failed to load."""
+        x = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        if self.config.world_size > 1:
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in x.tolist()]
+
     def send_to_next_stage(self, hidden: torch.Tensor) -> None:
         """Send ``hidden [T, E]`` to the same tp rank of the next stage (blocking)."""
         dist.send(hidden.contiguous(), dst=self.config.rank + self.config.tensor_parallel_size)

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from services.common.step import StepInput
 from services.worker.attention import AttentionBackend, AttentionMetadata
 from services.worker.loader import load_model
 
@@ -142,6 +143,14 @@ class DraftModelProposer:
     def drop(self, request_id: str) -> None:
         """Forget ``request_id``'s state (finished, or new/resumed: recomputed from 0)."""
         self._states.pop(request_id, None)
+
+    def drop_stale(self, step: StepInput) -> None:
+        """Forget the state of the requests ``step`` invalidates: finished, sent anew, or
+        resumed from preemption (their blocks were freed and given out again)."""
+        for request_id in [*step.finished_request_ids, *(r.request_id for r in step.new_requests),
+                           *(c.request_id for c in step.cached_requests
+                             if c.resumed_from_preemption)]:
+            self.drop(request_id)
 
     def _valid_prefix(self, request_id: str, tokens: np.ndarray, table: np.ndarray) -> int:
         """Leading positions of ``tokens`` whose draft K/V is in the cache: fed with the same

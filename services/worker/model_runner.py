@@ -412,15 +412,21 @@ class ModelRunner:
         ``num_speculative_tokens > 0`` the driver then proposes drafts to follow each sampled
         request's new tokens (``StepOutput.draft_token_ids``).
 
+        A request whose LoRA adapter cannot be loaded is left out, on every rank alike, and
+        reported in ``StepOutput.failed_request_ids`` (``LoRAManager.execute``).
+
         Safe to call from any (one at a time) thread. Raises KeyError / ValueError on an
         inconsistent step (unknown request, tokens or blocks missing, bad block id).
         """
+        if self.lora is None:
+            return self._execute_step(step)
+        return self.lora.execute(step, self._execute_step)
+
+    def _execute_step(self, step: StepInput) -> StepOutput:
+        """``execute_step`` once the step's adapters are loaded."""
         self._copy_blocks(step.blocks_to_copy)
         if self.draft is not None:  # its KV of these is stale or gone: recompute from 0
-            for request_id in self._dropped(step):
-                self.draft.drop(request_id)
-        if self.lora is not None:  # (first: an adapter that fails to load changes nothing)
-            self.lora.update(step)
+            self.draft.drop_stale(step)
         scheduled = self.input_batch.update(step)
         if not scheduled:
             return StepOutput(step.step_id, [], [])
@@ -554,13 +560,6 @@ class ModelRunner:
         for i, p in zip(eligible, proposed, strict=True):
             drafts[i] = p[:int(room[i])]
         return drafts
-
-    @staticmethod
-    def _dropped(step: StepInput) -> list[str]:
-        """The requests whose draft-model state ``step`` invalidates: finished, sent anew, or
-        resumed from preemption (their blocks were freed and given out again)."""
-        return [*step.finished_request_ids, *(r.request_id for r in step.new_requests),
-                *(c.request_id for c in step.cached_requests if c.resumed_from_preemption)]
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block ``src`` into block ``dst`` in every K and V tensor this rank

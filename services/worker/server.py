@@ -36,7 +36,7 @@ from services.common.speculative import SpeculativeConfig
 from services.common.step import StepInput
 from services.common.step_wire import step_from_pb, step_output_to_pb
 from services.common.tls import add_tls_flags, tls_from_args
-from services.worker.lora import LoRAConfig, LoRALoadError
+from services.worker.lora import LoRAConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.pooler_config import RUNNERS, PoolerConfig
 from services.worker.step_checks import check_block_copies, check_sampling
@@ -167,9 +167,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             t0 = time.perf_counter()
             try:
                 out = await loop.run_in_executor(self._executor, self.runner.execute_step, step)
-            except LoRALoadError as e:  # a bad adapter: the step was not applied; keep serving
-                log.warning("step %d refused: %s", msg.step_id, e)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {msg.step_id}: {e}")
             except Exception as e:  # a bug or OOM in the forward: fail the stream loudly
                 log.exception("step %d failed", msg.step_id)
                 if self.fatal is not None:

@@ -134,9 +134,12 @@ def outputs(draw) -> StepOutput:
                                           list(range(m * k)), [-2.0] * (m * k)))
     drafts = draw(st.none() | st.lists(ids.map(lambda t: [abs(x) for x in t]), min_size=n,
                                        max_size=n))
+    failed = draw(st.lists(st.text(max_size=4), max_size=2))
     return StepOutput(draw(st.integers(0, 99)), [f"r{i}" for i in range(n)], tokens, logprobs,
                       prompt, counts if any(c != 1 for c in counts) else None,
-                      drafts if drafts and any(drafts) else None)
+                      drafts if drafts and any(drafts) else None,
+                      failed_request_ids=failed,
+                      failed_messages=[f"LoRA adapter {rid!r}: gone" for rid in failed])
 
 
 @settings(max_examples=200, deadline=None)
@@ -151,4 +154,14 @@ def test_a_pooling_result_round_trips_and_is_checked():
     bad = step_output_to_pb(out)
     bad.embeddings.append(1.0)  # 7 floats for 2 requests
     with pytest.raises(ValueError, match="embeddings"):
+        step_output_from_pb(bad)
+
+
+def test_failed_requests_round_trip_beside_embeddings_and_are_checked():
+    out = StepOutput(3, ["a"], [], embeddings=[[1.0]], failed_request_ids=["b"],
+                     failed_messages=["LoRA adapter 'x' (/x): no such adapter folder"])
+    assert step_output_from_pb(step_output_to_pb(out)) == out
+    bad = step_output_to_pb(out)
+    bad.failed_messages.append("an error without its request")
+    with pytest.raises(ValueError, match="malformed failed request columns: 1 ids, 2 messages"):
         step_output_from_pb(bad)

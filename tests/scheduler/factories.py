@@ -20,13 +20,19 @@ scheduler has released a block out of the window (the worker is not told; it nev
 The fake model: the token sampled for a request depends only on (its id's number, the position
 it is sampled at), so a run's outputs can be predicted without any scheduling
 (``expected_output``) and compared exactly.
+
+For the engine loop: ``FakeRanks`` (a WorkerGroup stand-in over a ``FakeWorker``) and
+``final_outputs`` (a request's RequestOutputs on a router sink, up to its final one).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.common.step import StepOutput
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.outputs import RequestUpdate, SchedulerOutput
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
@@ -271,3 +277,40 @@ def run_to_completion(
         updates += scheduler.update_from_output(out, sampled)
         scheduler.block_manager.check_invariants(scheduler.requests.values())
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+class FakeRanks:
+    """A WorkerGroup stand-in: each step is executed when sent (ranks run steps in order) and
+    its result comes back ``delay`` seconds later, oldest first; ``connect`` opens new streams
+    (results still queued on the old ones are gone)."""
+
+    def __init__(self, scheduler, delay: float = 0.002):
+        self.worker = FakeWorker(scheduler)
+        self.delay = delay
+        self.queue: deque = deque()
+        self.broken = None
+        self.connects = 0
+
+    async def send(self, out) -> None:
+        self.queue.append((out.step_id, self.worker.execute(out)))
+        await asyncio.sleep(0)  # a stream write yields: submits and aborts interleave here too
+
+    async def receive(self, out) -> StepOutput:
+        await asyncio.sleep(self.delay)  # submits and aborts interleave here
+        step_id, sampled = self.queue.popleft()
+        assert step_id == out.step_id
+        return StepOutput(step_id, list(sampled), list(sampled.values()))
+
+    async def connect(self, timeout: float) -> None:
+        self.queue.clear()
+        self.connects += 1
+
+
+async def final_outputs(sink, rid: str, timeout: float = 10.0) -> list[engine_pb2.RequestOutput]:
+    """Every RequestOutput for ``rid`` on ``sink`` up to its final one (other ids dropped)."""
+    got = []
+    async with asyncio.timeout(timeout):
+        while not got or got[-1].finish_reason == api_pb2.FINISH_REASON_UNSPECIFIED:
+            batch = await sink.queue.get()
+            got += [o for o in batch.outputs if o.request_id == rid]
+    return got

@@ -7,44 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
 
 import grpc
 import pytest
 
-from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.common.pb.pagedserve.v1 import engine_pb2
 from services.common.sampling_params import EngineSamplingParams
-from services.common.step import StepOutput
 from services.scheduler.engine import Engine
 from tests.helpers import asynctest
-from tests.scheduler.factories import FakeWorker, fake_token, make_scheduler
-
-
-class FakeRanks:
-    """A WorkerGroup stand-in: each step is executed when sent (ranks run steps in order) and
-    its result comes back ``delay`` seconds later, oldest first; ``connect`` opens new streams
-    (results still queued on the old ones are gone)."""
-
-    def __init__(self, scheduler, delay: float = 0.002):
-        self.worker = FakeWorker(scheduler)
-        self.delay = delay
-        self.queue: deque = deque()
-        self.broken = None
-        self.connects = 0
-
-    async def send(self, out) -> None:
-        self.queue.append((out.step_id, self.worker.execute(out)))
-        await asyncio.sleep(0)  # a stream write yields: submits and aborts interleave here too
-
-    async def receive(self, out) -> StepOutput:
-        await asyncio.sleep(self.delay)  # submits and aborts interleave here
-        step_id, sampled = self.queue.popleft()
-        assert step_id == out.step_id
-        return StepOutput(step_id, list(sampled), list(sampled.values()))
-
-    async def connect(self, timeout: float) -> None:
-        self.queue.clear()
-        self.connects += 1
+from tests.scheduler.factories import FakeRanks, fake_token, final_outputs, make_scheduler
 
 
 def _submit(engine: Engine, sink, index: int, prompt_len: int, max_tokens: int) -> str:
@@ -53,16 +24,6 @@ def _submit(engine: Engine, sink, index: int, prompt_len: int, max_tokens: int) 
         request_id=rid, prompt_token_ids=[1000 * index + j for j in range(prompt_len)],
         sampling_params=EngineSamplingParams(max_tokens=max_tokens, ignore_eos=True).to_pb()))
     return rid
-
-
-async def _outputs(sink, rid: str, timeout: float = 10.0) -> list[engine_pb2.RequestOutput]:
-    """Every RequestOutput for ``rid`` on ``sink`` up to its final one (other ids dropped)."""
-    got = []
-    async with asyncio.timeout(timeout):
-        while not got or got[-1].finish_reason == api_pb2.FINISH_REASON_UNSPECIFIED:
-            batch = await sink.queue.get()
-            got += [o for o in batch.outputs if o.request_id == rid]
-    return got
 
 
 def _engine(max_steps_in_flight: int = 1, **kwargs) -> tuple[Engine, FakeRanks, list[bool]]:
@@ -101,7 +62,7 @@ async def test_aborts_while_steps_are_in_flight_never_stop_the_loop(stages):
         engine.abort(rid)
     engine.abort(long)
     last = _submit(engine, sink, 90, 9, 12)
-    tokens = [t for o in await _outputs(sink, last) for t in o.new_token_ids]
+    tokens = [t for o in await final_outputs(sink, last) for t in o.new_token_ids]
     assert tokens == [fake_token(last, 9 + k) for k in range(12)]
     assert not loop.done() and health == [] and engine.num_loop_failures_total == 0
     async with asyncio.timeout(10):
@@ -130,13 +91,13 @@ async def test_an_unexpected_exception_fails_the_requests_and_the_loop_restarts(
     loop = asyncio.create_task(engine.run())
     a, b = _submit(engine, sink, 1, 5, 20), _submit(engine, sink, 2, 6, 20)
     for rid in (a, b):
-        final = (await _outputs(sink, rid))[-1]
+        final = (await final_outputs(sink, rid))[-1]
         assert final.error_code == grpc.StatusCode.INTERNAL.value[0]
         assert "engine loop failed: RuntimeError: injected" in final.error_message
     assert health == [False, True] and ranks.connects == 1
     assert engine.num_loop_failures_total == 1 and "Traceback" in caplog.text
     c = _submit(engine, sink, 3, 4, 5)  # the loop is back
-    assert [t for o in await _outputs(sink, c) for t in o.new_token_ids] == [
+    assert [t for o in await final_outputs(sink, c) for t in o.new_token_ids] == [
         fake_token(c, 4 + k) for k in range(5)]
     assert not loop.done()
     loop.cancel()
@@ -176,9 +137,9 @@ async def test_an_id_running_from_another_router_is_refused_on_the_second_stream
         sink.queue.get_nowait()  # the handshake batches
     rid = _submit(engine, first, 0, 4, 6)
     _submit(engine, second, 0, 4, 6)
-    (refused,) = await _outputs(second, rid)
+    (refused,) = await final_outputs(second, rid)
     assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert refused.error_message == f"request_id {rid!r} is already running"
-    tokens = [t for o in await _outputs(first, rid) for t in o.new_token_ids]
+    tokens = [t for o in await final_outputs(first, rid) for t in o.new_token_ids]
     assert tokens == [fake_token(rid, 4 + k) for k in range(6)]
     loop.cancel()

@@ -2,19 +2,31 @@
 request takes no slot), a request whose adapter has no slot waits without being starved, the
 adapter goes to the workers with the new request and survives preemption, the prefix cache
 never shares blocks between adapters, the engine maps each router's adapter ids to its own,
+an adapter the workers cannot load ends its requests (only those) with the workers' error,
 and the metrics report the adapters."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import grpc
 import pytest
 
 from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import engine_pb2
+from services.common.sampling_params import EngineSamplingParams
+from services.common.step import StepOutput
 from services.scheduler.engine import Engine, RouterSink
 from services.scheduler.metrics import SchedulerMetrics
-from tests.scheduler.factories import FakeWorker, make_request, make_scheduler
+from tests.helpers import asynctest
+from tests.scheduler.factories import (
+    FakeRanks,
+    FakeWorker,
+    final_outputs,
+    make_request,
+    make_scheduler,
+)
 
 A, B, C = (LoRARequest(i, name, f"/adapters/{name}") for i, name in ((1, "a"), (2, "b"), (3, "c")))
 
@@ -190,3 +202,71 @@ def test_the_engine_takes_its_adapter_slots_from_the_workers():
     with pytest.raises(ValueError, match="the scheduler has --max-loras 4 but the workers hold "
                                          "2 LoRA adapters at once"):
         lora_slots_of(infos(2, 2), max_loras=4)
+
+
+class AdapterFailingRanks(FakeRanks):
+    """Fake ranks that cannot load the adapter named "bad" in the first step that names it
+    (its folder is back after that): that step leaves its new requests of "bad" out and
+    reports them, as the workers' ``LoRAManager`` does (the fake worker still ran them: the
+    engine must not use what it sampled)."""
+
+    MESSAGE = "LoRA adapter 'bad': /a/bad: no such adapter folder"
+    failed_once = False
+
+    async def receive(self, out) -> StepOutput:
+        result = await super().receive(out)
+        failed = [] if self.failed_once else [
+            r.request_id for r in out.new_requests if r.lora and r.lora.name == "bad"]
+        self.failed_once |= bool(failed)
+        kept = [(rid, t) for rid, t in zip(result.request_ids, result.sampled_token_ids,
+                                           strict=True) if rid not in failed]
+        return StepOutput(result.step_id, [rid for rid, _ in kept], [t for _, t in kept],
+                          failed_request_ids=failed, failed_messages=[self.MESSAGE] * len(failed))
+
+
+@asynctest
+async def test_an_adapter_the_workers_cannot_load_ends_its_requests_and_only_those():
+    """Two requests of "bad" (one running, one still waiting behind max_num_seqs), one of
+    "good" and one of the base model: both "bad" ones end with INVALID_ARGUMENT and the
+    workers' message (the waiting one too: under the failed id it could hit blocks that were
+    registered but never written), the others finish, no block leaks, and a later request of
+    "bad" gets a new engine-wide adapter id and runs (the workers load it again)."""
+    scheduler = make_scheduler(64, max_loras=2, max_num_seqs=3)
+    engine = Engine(scheduler, AdapterFailingRanks(scheduler))
+    engine.lora_slots = 2
+    sink = RouterSink()
+    params = EngineSamplingParams(max_tokens=4, ignore_eos=True).to_pb()
+    adapters = {"bad": (1, "/a/bad"), "good": (2, "/a/good")}
+
+    def submit(index: int, model: str) -> str:
+        rid = f"req-{index}"
+        msg = engine_pb2.SubmitRequest(request_id=rid, prompt_token_ids=[1, 2, 3, index],
+                                       sampling_params=params)
+        if model:
+            lora_id, path = adapters[model]
+            msg.lora.CopyFrom(engine_pb2.LoRARequest(lora_id=lora_id, name=model, path=path))
+        engine.submit(sink, msg)
+        return rid
+
+    rids = [submit(i, model) for i, model in enumerate(["bad", "good", "", "bad"])]
+    failed_id = scheduler.get_request(rids[0]).lora.lora_id
+    loop = asyncio.ensure_future(engine.run())
+    try:
+        finals: dict[str, engine_pb2.RequestOutput] = {}
+        async with asyncio.timeout(10):
+            while len(finals) < len(rids):
+                finals.update((o.request_id, o) for o in (await sink.queue.get()).outputs
+                              if o.finish_reason)
+        for rid in (rids[0], rids[3]):
+            assert finals[rid].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert finals[rid].error_message == AdapterFailingRanks.MESSAGE
+        for rid in (rids[1], rids[2]):
+            assert finals[rid].error_code == 0 and finals[rid].finish_reason
+        assert not scheduler.has_unfinished_requests()
+        assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+        retry = submit(4, "bad")
+        assert scheduler.get_request(retry).lora.lora_id != failed_id
+        final = (await final_outputs(sink, retry))[-1]
+        assert final.error_code == 0 and final.finish_reason
+    finally:
+        loop.cancel()

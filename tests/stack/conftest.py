@@ -49,9 +49,12 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return make_servable_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def generate_at_once(address: str, requests: list[dict]) -> list:
+def generate_at_once(address: str, requests: list[dict], return_exceptions: bool = False
+                     ) -> list:
     """Send every request (``Client.generate`` keyword arguments) on one channel in one
-    event-loop turn and return the ``GenerationResult`` of each, in order.
+    event-loop turn and return the ``GenerationResult`` of each, in order (with
+    ``return_exceptions``, a failed request's ``grpc.RpcError`` in its place; else the first
+    error is raised).
 
     The tests that need requests to overlap (to force preemption) use this: one thread per
     request, each connecting on its own, could reach the router tens of milliseconds apart on
@@ -59,7 +62,8 @@ def generate_at_once(address: str, requests: list[dict]) -> list:
     async def main():
         async with AsyncClient(address) as c:
             await c.list_models()  # the channel is connected before the first request
-            return await asyncio.gather(*(c.generate(**kw) for kw in requests))
+            return await asyncio.gather(*(c.generate(**kw) for kw in requests),
+                                        return_exceptions=return_exceptions)
     return asyncio.run(main())
 
 

@@ -1,24 +1,27 @@
 """Multi-LoRA on the worker: greedy tokens of 3 random PEFT adapters of different ranks (one
 rsLoRA, one targeting only some layers), alone and mixed in one step with base-model requests,
 equal transformers + PEFT exactly at float32, eager and compiled; more adapters than slots
-(swapping, the CPU LRU); bad adapters refused without harming the runner; TP=2."""
+(swapping, the CPU LRU); a request whose adapter cannot be loaded fails alone, when new and
+when its evicted adapter must be read again; TP=2."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
 import random
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from services.common.lora import LoRARequest
-from services.worker.lora import LoRAConfig, LoRALoadError
+from services.common.step import CachedRequest, NewRequest, StepInput
+from services.worker.lora import LoRAConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.server import worker_info
 from tests.helpers import make_peft_lora
-from tests.worker.lora_driver import reference_greedy, run_batch, tp_rank
+from tests.worker.lora_driver import GREEDY, reference_greedy, run_batch, tp_rank
 
 NEW_TOKENS = 6
 
@@ -109,47 +112,92 @@ def test_more_adapters_than_slots_swap(tiny_llama, adapters, prompts, expected,
         run_batch(runner, prompts[:3], adapters, NEW_TOKENS, tag="three-")
 
 
-def test_bad_adapters_are_refused_and_the_runner_keeps_serving(tiny_llama, adapters, prompts,
-                                                               expected, tmp_path,
-                                                               one_torch_thread):
+def _tokens(out) -> dict[str, int]:
+    return dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
+
+
+def test_a_request_whose_adapter_cannot_be_loaded_fails_alone(tiny_llama, adapters, prompts,
+                                                              expected, tmp_path,
+                                                              one_torch_thread):
+    """Each bad adapter (a rank above --max-lora-rank, no folder, a target the model lacks, no
+    weights file) fails only its request: left out of the step and reported with an error
+    naming the adapter and the problem, while a base-model request in the same step decodes;
+    its later entries are ignored until the scheduler finishes it. The runner then serves a
+    good adapter."""
     runner = _runner(tiny_llama, LoRAConfig(max_loras=1, max_lora_rank=8))
-    too_big = adapters[2]  # rank 16 > 8
-    with pytest.raises(LoRALoadError,
-                       match=r"'sixteen': .*rank 16 .*is above --max-lora-rank 8"):
-        run_batch(runner, prompts[:1], [too_big], NEW_TOKENS, tag="big-")
-    missing = LoRARequest(9, "missing", str(tmp_path / "nowhere"))
-    with pytest.raises(LoRALoadError, match=r"'missing': .*no such adapter folder"):
-        run_batch(runner, prompts[:1], [missing], NEW_TOKENS, tag="missing-")
     lacking = Path(shutil.copytree(adapters[0].path, tmp_path / "lacking"))
     config = json.loads((Path(adapters[0].path) / "adapter_config.json").read_text())
     (lacking / "adapter_config.json").write_text(
         json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
-    with pytest.raises(LoRALoadError,
-                       match=r"'lacking': .*target module 'lm_head' is one the model lacks"):
-        run_batch(runner, prompts[:1], [LoRARequest(10, "lacking", str(lacking))],
-                  NEW_TOKENS, tag="lacking-")
-    no_weights = LoRARequest(11, "no-weights", str(lacking.parent / "no-weights"))
-    (lacking.parent / "no-weights").mkdir()
-    (lacking.parent / "no-weights" / "adapter_config.json").write_text(json.dumps(config))
-    with pytest.raises(LoRALoadError,
-                       match=r"'no-weights': .*missing adapter_model\.safetensors"):
-        run_batch(runner, prompts[:1], [no_weights], NEW_TOKENS, tag="noweights-")
-    # the refused steps changed nothing: the runner serves the base model and a good adapter
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "adapter_config.json").write_text(json.dumps(config))
+    bad = [(adapters[2], r"'sixteen': .*rank 16 .*is above --max-lora-rank 8"),
+           (LoRARequest(9, "missing", str(tmp_path / "nowhere")),
+            r"'missing': .*no such adapter folder"),
+           (LoRARequest(10, "lacking", str(lacking)),
+            r"'lacking': .*target module 'lm_head' is one the model lacks"),
+           (LoRARequest(11, "no-weights", str(tmp_path / "no-weights")),
+            r"'no-weights': .*missing adapter_model\.safetensors")]
+    p, b = prompts[0], prompts[1]
+    for k, (lora, message) in enumerate(bad):
+        step = StepInput(3 * k, [NewRequest("bad", list(p), GREEDY, [0, 1], 0, len(p), lora),
+                                 NewRequest("base", list(b), GREEDY, [2, 3], 0, len(b))], [], [])
+        out = runner.execute_step(step)
+        assert out.failed_request_ids == ["bad"] and len(out.failed_messages) == 1
+        assert re.search(message, out.failed_messages[0]), out.failed_messages[0]
+        assert _tokens(out) == {"base": expected[None][1][0]}
+        out = runner.execute_step(StepInput(3 * k + 1, [], [  # (async scheduling's next step)
+            CachedRequest("bad", [], [], False, len(p), 1),
+            CachedRequest("base", [], [], False, len(b), 1)], []))
+        assert _tokens(out) == {"base": expected[None][1][1]} and not out.failed_request_ids
+        runner.execute_step(StepInput(3 * k + 2, [], [], ["bad", "base"]))
     assert run_batch(runner, prompts[:2], [adapters[0], None], NEW_TOKENS, tag="ok-") == [
         expected[1][0], expected[None][1]]
 
 
-def test_tp2_shards_adapters_as_the_base_layers(tiny_llama, adapters, prompts, expected):
-    """TP=2 (gloo, two spawned ranks; A/B cut as the base layers, the row-parallel update in
-    the base layer's all-reduce): two adapters and the base model mixed in one batch."""
+def test_an_evicted_adapter_that_cannot_be_read_again_fails_its_running_request(
+        tiny_llama, adapters, prompts, expected, tmp_path, one_torch_thread):
+    """One slot, one adapter in CPU memory: X's request decodes, then a request of another
+    adapter takes the slot and the CPU LRU while X's waits, and X's folder is deleted. X's
+    request's next step fails it (the runner drops it) and the base request beside it goes
+    on; the other adapter's request then decodes with its own tokens."""
+    runner = _runner(tiny_llama, LoRAConfig(max_loras=1, max_lora_rank=16, max_cpu_loras=1))
+    x = LoRARequest(21, "x", shutil.copytree(adapters[0].path, tmp_path / "x"))
+    px, py, pb = prompts[0], prompts[1], prompts[2]
+
+    def cached(rid: str, prompt: list[int], k: int) -> CachedRequest:
+        return CachedRequest(rid, [], [], False, len(prompt) + k, 1)
+
+    out = runner.execute_step(StepInput(0, [
+        NewRequest("x", list(px), GREEDY, [0, 1], 0, len(px), x),
+        NewRequest("b", list(pb), GREEDY, [2, 3], 0, len(pb))], [], []))
+    assert _tokens(out) == {"x": expected[1][0][0], "b": expected[None][2][0]}
+    out = runner.execute_step(StepInput(1, [
+        NewRequest("y", list(py), GREEDY, [4, 5], 0, len(py), adapters[1])],
+        [cached("b", pb, 0)], []))
+    assert _tokens(out) == {"y": expected[2][1][0], "b": expected[None][2][1]}
+    shutil.rmtree(x.path)
+    out = runner.execute_step(StepInput(2, [], [cached("x", px, 0), cached("b", pb, 1)], []))
+    assert out.failed_request_ids == ["x"]
+    assert re.search(r"'x': .*no such adapter folder", out.failed_messages[0])
+    assert _tokens(out) == {"b": expected[None][2][2]}
+    out = runner.execute_step(StepInput(3, [], [cached("x", px, 1), cached("y", py, 0),
+                                                cached("b", pb, 2)], []))
+    assert _tokens(out) == {"y": expected[2][1][1], "b": expected[None][2][3]}
+    runner.execute_step(StepInput(4, [], [], ["x", "y", "b"]))
+
+
+def _tp2(model, prompts, loras, unreadable: str = "") -> tuple[list[list[int]], dict]:
+    """``run_batch`` on a TP=2 group (gloo, two spawned ranks, ``lora_driver.tp_rank``; rank
+    1 cannot read the adapter named ``unreadable``): the driver's tokens and failures."""
     from services.common.ports import free_port_range
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    loras = [adapters[1], adapters[2], None, adapters[1]]
     port = free_port_range(1)
-    procs = [ctx.Process(target=tp_rank, args=(r, port, str(tiny_llama), prompts, loras,
-                                                NEW_TOKENS, results)) for r in range(2)]
+    procs = [ctx.Process(target=tp_rank, args=(r, port, str(model), prompts, loras,
+                                                NEW_TOKENS, results, unreadable))
+             for r in range(2)]
     try:
         for p in procs:
             p.start()
@@ -162,7 +210,29 @@ def test_tp2_shards_adapters_as_the_base_layers(tiny_llama, adapters, prompts, e
             if p.is_alive():
                 p.kill()
             p.join(10)
+    return got
+
+
+def test_tp2_shards_adapters_as_the_base_layers(tiny_llama, adapters, prompts, expected):
+    """TP=2 (A/B cut as the base layers, the row-parallel update in the base layer's
+    all-reduce): two adapters and the base model mixed in one batch."""
+    loras = [adapters[1], adapters[2], None, adapters[1]]
+    got, failed = _tp2(tiny_llama, prompts, loras)
     assert got == [expected[None if a is None else a.lora_id][i] for i, a in enumerate(loras)]
+    assert failed == {}
+
+
+def test_tp2_ranks_agree_on_an_adapter_only_one_of_them_cannot_load(tiny_llama, adapters,
+                                                                    prompts, expected):
+    """Rank 1 cannot read adapter "eight" (as if its files were unreadable on its host), the
+    driver can: both leave its requests out (no collective hangs, no rank runs them), the
+    driver reports them, and the other adapter's and the base model's rows are exact."""
+    loras = [adapters[1], adapters[0], None, adapters[1]]
+    got, failed = _tp2(tiny_llama, prompts, loras, unreadable="eight")
+    assert got == [[], expected[1][1], expected[None][2], []]
+    assert failed.keys() == {"r0", "r3"}
+    assert all("'eight'" in m and "could not be loaded on another worker rank" in m
+               for m in failed.values())
 
 
 def test_a_preempted_request_resumes_with_its_adapter(tiny_llama, adapters, prompts, expected,
@@ -170,9 +240,6 @@ def test_a_preempted_request_resumes_with_its_adapter(tiny_llama, adapters, prom
     """Preempted after 3 tokens (its blocks freed, then resumed with its whole token list in
     other blocks, recomputed from 0) while a base-model request keeps decoding: both finish
     with transformers + PEFT's tokens."""
-    from services.common.step import CachedRequest, NewRequest, StepInput
-    from tests.worker.lora_driver import GREEDY
-
     runner = _runner(tiny_llama, LoRAConfig(max_loras=1, max_lora_rank=16))
     a, b = prompts[1], prompts[2]
     blocks = iter(range(runner.num_kv_blocks))

@@ -1,6 +1,6 @@
 """LoRA at the worker's edges: its flags (through ``pagedserve serve`` and PAGEDSERVE_*), and
-the servicer answering a step whose adapter cannot be loaded with INVALID_ARGUMENT while the
-worker keeps serving (no fatal)."""
+the servicer passing on the requests a step failed (an adapter that cannot be loaded) in its
+StepResult while the stream and the worker go on (no fatal)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ import grpc
 import pytest
 
 from services.cli.flags import forwarded_argv, serve_parser
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from services.common.step import StepInput, StepOutput
-from services.worker.lora import LoRAConfig, LoRALoadError
+from services.common.sampling_params import EngineSamplingParams
+from services.common.step import NewRequest, StepInput, StepOutput
+from services.common.step_wire import step_to_pb
+from services.worker.lora import LoRAConfig
 from services.worker.server import WorkerServicer, lora_config
 from tests.helpers import asynctest
 
@@ -53,38 +56,42 @@ def test_fewer_cpu_loras_than_slots_are_refused_naming_both_flags():
         lora_config(ns)
 
 
-class RefusingRunner:
-    """Fails step 1 as a runner does whose adapter cannot be loaded; answers the others."""
+class FailingRunner:
+    """Leaves out every new request of step 1, as a runner does whose adapter cannot be
+    loaded (``LoRAManager.execute``); answers the others."""
 
     def execute_step(self, step: StepInput) -> StepOutput:
+        out = StepOutput(step.step_id, [], [])
         if step.step_id == 1:
-            raise LoRALoadError("LoRA adapter 'sql' (/x): cannot read adapter_config.json")
-        return StepOutput(step.step_id, [], [])
+            out.failed_request_ids = [r.request_id for r in step.new_requests]
+            out.failed_messages = [f"LoRA adapter {r.lora.name!r} ({r.lora.path}): cannot read "
+                                   "adapter_config.json" for r in step.new_requests]
+        return out
 
 
 @asynctest
-async def test_an_adapter_that_fails_to_load_fails_its_step_not_the_worker():
+async def test_a_request_whose_adapter_fails_to_load_is_reported_and_the_stream_goes_on():
     fatal = asyncio.Event()
     server = grpc.aio.server()
     info = worker_pb2.GetWorkerInfoResponse(vocab_size=32, max_loras=1)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(
-        WorkerServicer(RefusingRunner(), info, fatal), server)
+        WorkerServicer(FailingRunner(), info, fatal), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    step = StepInput(1, [NewRequest("r1", [1, 2], EngineSamplingParams(), [0], 0, 2,
+                                    LoRARequest(1, "sql", "/x"))], [], [])
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = worker_pb2_grpc.WorkerServiceStub(channel)
-            call = stub.Execute()
-            await call.write(worker_pb2.StepRequest(step_id=1))
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await call.read()
-            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert e.value.details() == ("step 1: LoRA adapter 'sql' (/x): cannot read "
-                                         "adapter_config.json")
+            call = worker_pb2_grpc.WorkerServiceStub(channel).Execute()
+            await call.write(step_to_pb(step))
+            result = await call.read()
+            assert list(result.failed_request_ids) == ["r1"]
+            assert list(result.failed_messages) == [
+                "LoRA adapter 'sql' (/x): cannot read adapter_config.json"]
             assert not fatal.is_set()  # (a bad adapter is not a broken rank)
-            call = stub.Execute()
             await call.write(worker_pb2.StepRequest(step_id=2))
-            assert (await call.read()).step_id == 2
+            result = await call.read()
+            assert result.step_id == 2 and not result.failed_request_ids
             await call.done_writing()
     finally:
         await server.stop(None)

@@ -49,5 +49,6 @@ class LoRAConfig:
 
 
 class LoRALoadError(ValueError):
-    """An adapter could not be loaded; the message names the adapter and the problem. The
-    step that named it was not applied (``LoRAManager.update``), so the worker keeps serving."""
+    """An adapter could not be loaded; the message names the adapter and the problem. Its
+    requests are left out of the step and reported as failed (``LoRAManager.update``); the
+    rest of the step runs."""

@@ -3,7 +3,10 @@ active slots, and each step's row -> slot mask (S-LoRA's adapter paging, Sheng e
 
 - CPU: an LRU of at most ``--max-cpu-loras`` loaded adapters (``adapter.load_adapter``),
   loaded from its path the first time a request names its id; one evicted while requests
-  still use it is loaded again when a step needs it.
+  still use it is loaded again when a step needs it (and is in no slot).
+- Failures: a request whose adapter cannot be loaded (its folder vanished or changed since the
+  router checked it) is left out of its step and of later ones until the scheduler finishes
+  it; the rest of the step runs. Every rank of a parallel group leaves out the same requests.
 - Slots: ``--max-loras`` of them in every ``LoRALinear``; a step's adapters are put in slots
   (a copy into the layers' buffers) before its forward, evicting the least recently used
   slots the step does not need. The scheduler admits at most ``--max-loras`` distinct
@@ -17,18 +20,23 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Any, cast
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from torch import nn
 
 from services.common.lora import LoRARequest
-from services.common.step import StepInput
+from services.common.step import StepInput, StepOutput
 from services.worker.compiled import MIN_TOKENS
-from services.worker.lora import LoRAConfig
+from services.worker.lora import LoRAConfig, LoRALoadError
 from services.worker.lora.adapter import LoRAAdapter, SliceOf, load_adapter
 from services.worker.lora.layers import SLICES, LoRAContext, LoRALinear
+
+if TYPE_CHECKING:
+    from services.worker.distributed import ParallelState
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +50,16 @@ class LoRAManager:
         model_config: the base model's ``config.json`` (adapters are checked against it).
         layers: the global indices of this rank's layers, in order.
         slice_of: this rank's part of a base weight under tensor parallelism, or None.
+        parallel: this rank's place in a group of several ranks (they agree on which adapters
+            failed to load), or None.
     """
 
     def __init__(self, model: nn.Module, config: LoRAConfig, model_config: dict, layers: range,
-                 slice_of: SliceOf | None = None) -> None:
+                 slice_of: SliceOf | None = None, parallel: ParallelState | None = None
+                 ) -> None:
         self.config, self.model_config, self.layers, self.slice_of = (
             config, model_config, layers, slice_of)
+        self.parallel = parallel
         self.ctx = cast(LoRAContext, model.lora_context)
         self.dtype = self.ctx.mask.dtype
         self.device = next(model.parameters()).device
@@ -58,30 +70,93 @@ class LoRAManager:
             for part, name in (("attn", "qkv_proj"), ("attn", "o_proj"),
                                ("mlp", "gate_up_proj"), ("mlp", "down_proj"))]
         self.request_loras: dict[str, LoRARequest] = {}  # request id -> its adapter
+        self.failed: set[str] = set()  # requests left out until they are finished
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_id -> loaded, LRU first
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, LRU first
         self.scales = torch.zeros(config.max_loras, dtype=torch.float32)  # per slot
         self.loads = 0  # adapters read from disk (tests: the LRU's effect)
 
-    def update(self, step: StepInput) -> None:
-        """Note the adapters of ``step``'s new requests (loading those not in the CPU LRU)
-        and forget its finished requests'. Call before the runner applies the step, so an
-        adapter that fails to load leaves the runner's state as it was.
+    def execute(self, step: StepInput, run: Callable[[StepInput], StepOutput]) -> StepOutput:
+        """``run`` (the runner's step) on ``step`` less the requests whose adapter cannot be
+        loaded (``update``); the driver reports those in the output's ``failed_request_ids``
+        and ``failed_messages``."""
+        step, failed = self.update(step)
+        out = run(step)
+        if self.parallel is None or self.parallel.config.is_driver:
+            out.failed_request_ids, out.failed_messages = list(failed), list(failed.values())
+        return out
 
-        Raises:
-            LoRALoadError: an adapter of a new request could not be loaded (its message
-                names the adapter and the problem).
+    def update(self, step: StepInput) -> tuple[StepInput, dict[str, str]]:
+        """Note the adapters of ``step``'s new requests, forget its finished requests', and
+        load every adapter the step runs with that is neither in the CPU LRU nor in a slot
+        (so ``set_step`` loads nothing). Call before the runner applies the step.
+
+        A request whose adapter cannot be loaded is left out of the step (the rest of it runs)
+        and of every later step until the scheduler finishes it; if the runner held it (an
+        evicted adapter read again), the returned step finishes it there. All ranks of a
+        parallel group leave out the same requests (``ParallelState.any_rank``).
+
+        Returns:
+            The step to run (``step`` itself when nothing is left out) and the requests this
+            step failed: request id -> the error, naming the adapter and the problem.
         """
         for request_id in step.finished_request_ids:
             self.request_loras.pop(request_id, None)
+            self.failed.discard(request_id)
+        loras = {}  # request id -> its adapter, for this step's requests that have one
         for r in step.new_requests:
+            self.failed.discard(r.request_id)  # (sent in full: a fresh start, e.g. a new stream)
+            self.request_loras.pop(r.request_id, None)
             if r.lora is not None:
-                self._adapter(r.lora)
+                loras[r.request_id] = r.lora
+        loras.update((c.request_id, self.request_loras[c.request_id])
+                     for c in step.cached_requests if c.request_id in self.request_loras)
+        errors = self._load({lora.lora_id: lora for lora in loras.values()})
+        failed = {rid: errors[lora.lora_id] for rid, lora in loras.items()
+                  if lora.lora_id in errors}
         for r in step.new_requests:
-            if r.lora is None:
-                self.request_loras.pop(r.request_id, None)
-            else:
+            if r.lora is not None and r.request_id not in failed:
                 self.request_loras[r.request_id] = r.lora
+        if not failed and not self.failed:
+            return step, {}
+        held = [c.request_id for c in step.cached_requests if c.request_id in failed]
+        for request_id in held:
+            del self.request_loras[request_id]
+        self.failed.update(failed)
+        return replace(
+            step, new_requests=[r for r in step.new_requests if r.request_id not in self.failed],
+            cached_requests=[c for c in step.cached_requests if c.request_id not in self.failed],
+            finished_request_ids=[*step.finished_request_ids, *held]), failed
+
+    def _load(self, needed: dict[int, LoRARequest]) -> dict[int, str]:
+        """Load the adapters of ``needed`` (lora_id -> adapter) that are neither in the CPU LRU
+        nor in a slot; return lora_id -> the error of each that could not be loaded, here or
+        on another rank of the group (every rank then returns the same ids).
+
+        NOTE: every rank loads the same adapters in the same order and drops the same failed
+        ones, so the LRUs stay alike and the ranks agree (one all-reduce) only on steps that
+        load something.
+        """
+        for lora_id in needed:  # (first: a load below never evicts one of this step's)
+            if lora_id in self.cpu:
+                self.cpu.move_to_end(lora_id)
+        missing = sorted(i for i in needed if i not in self.cpu and i not in self.slots)
+        errors: dict[int, str] = {}
+        for lora_id in missing:
+            try:
+                self._adapter(needed[lora_id])
+            except LoRALoadError as e:
+                log.warning("%s; its requests fail, the others run", e)
+                errors[lora_id] = str(e)
+        if missing and self.parallel is not None:
+            agreed = self.parallel.any_rank([i in errors for i in missing])
+            for lora_id, bad in zip(missing, agreed, strict=True):
+                if bad and lora_id not in errors:
+                    lora = needed[lora_id]
+                    self.cpu.pop(lora_id, None)
+                    errors[lora_id] = (f"LoRA adapter {lora.name!r} ({lora.path}) could not be "
+                                       "loaded on another worker rank (see its log)")
+        return errors
 
     def set_step(self, request_ids: list[str], num_scheduled_tokens: np.ndarray,
                  num_tokens: int, compiled: bool = False) -> None:
@@ -96,7 +171,6 @@ class LoRAManager:
 
         Raises:
             ValueError: more distinct adapters than ``--max-loras`` (naming both numbers).
-            LoRALoadError: an adapter evicted from the CPU LRU could not be loaded again.
         """
         loras = [self.request_loras.get(r) for r in request_ids]
         needed = {lora.lora_id: lora for lora in loras if lora is not None}
@@ -118,19 +192,25 @@ class LoRAManager:
         self.ctx.mask = table.view(s + 1, s * r)[index].to(self.device, self.dtype)
 
     def _adapter(self, lora: LoRARequest) -> LoRAAdapter:
-        """``lora`` loaded (from the CPU LRU, else from its path, evicting the LRU's oldest)."""
+        """``lora`` loaded (from the CPU LRU, else from its path, evicting the LRU's oldest
+        first: so a load that fails evicts as one that succeeds, and the ranks' LRUs stay
+        alike).
+
+        Raises:
+            LoRALoadError: it is not in the LRU and cannot be loaded (naming it and why).
+        """
         adapter = self.cpu.get(lora.lora_id)
         if adapter is not None:
             self.cpu.move_to_end(lora.lora_id)
             return adapter
+        while len(self.cpu) >= self.config.cpu_capacity:
+            evicted, _ = self.cpu.popitem(last=False)
+            log.info("LoRA adapter id %d evicted from CPU memory (--max-cpu-loras %d)",
+                     evicted, self.config.cpu_capacity)
         adapter = load_adapter(lora, self.model_config, self.config.max_lora_rank, self.dtype,
                                self.layers, self.slice_of)
         self.loads += 1
         self.cpu[lora.lora_id] = adapter
-        while len(self.cpu) > self.config.cpu_capacity:
-            evicted, _ = self.cpu.popitem(last=False)
-            log.info("LoRA adapter id %d evicted from CPU memory (--max-cpu-loras %d)",
-                     evicted, self.config.cpu_capacity)
         log.info("LoRA adapter %r (id %d, rank %d, scale %g) loaded from %s", lora.name,
                  lora.lora_id, adapter.rank, adapter.scale, lora.path)
         return adapter
@@ -175,4 +255,5 @@ def make_lora_manager(model: nn.Module, config: LoRAConfig, model_config: dict,
         return LoRAManager(model, config, model_config, range(cfg.num_hidden_layers))
     plan = ShardPlan(cfg, parallel.config)
     return LoRAManager(model, config, model_config, plan.layers,
-                       plan.slice_of if parallel.config.tensor_parallel_size > 1 else None)
+                       plan.slice_of if parallel.config.tensor_parallel_size > 1 else None,
+                       parallel)
