@@ -19,8 +19,7 @@ import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
-from services.router.generation import EngineError
-from services.router.generation import _status as status_of
+from services.router.generation import EngineError, status_of
 from services.router.replicas import ReplicaSet
 from services.router.tokenizer import encode_prompt
 from services.router.validation import RequestError, validate_request_id

@@ -242,7 +242,8 @@ def slow_client_error(max_pending: int) -> EngineError:
                        "sent (router --max-stream-buffer); the request was aborted")
 
 
-def _status(code_value: int) -> grpc.StatusCode:
+def status_of(code_value: int) -> grpc.StatusCode:
+    """The gRPC status whose numeric value is ``code_value`` (UNKNOWN for another number)."""
     return next((c for c in grpc.StatusCode if c.value[0] == code_value), grpc.StatusCode.UNKNOWN)
 
 
@@ -331,7 +332,7 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
                 continue
             if out.error_code:
                 choice.finished = True  # the engine has already ended it
-                raise EngineError(_status(out.error_code), out.error_message)
+                raise EngineError(status_of(out.error_code), out.error_message)
             responses, stop_string_hit = choice.on_output(out)
             if stop_string_hit:
                 engine.abort(out.request_id)

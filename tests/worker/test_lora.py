@@ -112,6 +112,20 @@ def test_more_adapters_than_slots_swap(tiny_llama, adapters, prompts, expected,
         run_batch(runner, prompts[:3], adapters, NEW_TOKENS, tag="three-")
 
 
+def test_an_id_reused_for_another_adapter_loads_that_adapter(tiny_llama, adapters, prompts,
+                                                             expected, one_torch_thread):
+    """A new scheduler numbers adapters from 1 again: an id the worker holds (in a slot and
+    in CPU memory) under another adapter is read anew, not served with the old weights."""
+    runner = _runner(tiny_llama, LoRAConfig(max_loras=2, max_lora_rank=16))
+    first, second = adapters[0], adapters[1]
+    assert run_batch(runner, prompts[:1], [first], NEW_TOKENS, tag="old-") == \
+        [expected[first.lora_id][0]]
+    reused = LoRARequest(first.lora_id, second.name, second.path)
+    assert run_batch(runner, prompts[:1], [reused], NEW_TOKENS, tag="new-") == \
+        [expected[second.lora_id][0]]
+    assert runner.lora is not None and runner.lora.loads == 2
+
+
 def _tokens(out) -> dict[str, int]:
     return dict(zip(out.request_ids, out.sampled_token_ids, strict=True))
 

@@ -73,6 +73,7 @@ class LoRAManager:
         self.failed: set[str] = set()  # requests left out until they are finished
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_id -> loaded, LRU first
         self.slots: OrderedDict[int, int] = OrderedDict()  # lora_id -> slot, LRU first
+        self.known: dict[int, LoRARequest] = {}  # lora_id -> the adapter last seen under it
         self.scales = torch.zeros(config.max_loras, dtype=torch.float32)  # per slot
         self.loads = 0  # adapters read from disk (tests: the LRU's effect)
 
@@ -109,6 +110,7 @@ class LoRAManager:
             self.request_loras.pop(r.request_id, None)
             if r.lora is not None:
                 loras[r.request_id] = r.lora
+                self._forget_if_renamed(r.lora)
         loras.update((c.request_id, self.request_loras[c.request_id])
                      for c in step.cached_requests if c.request_id in self.request_loras)
         errors = self._load({lora.lora_id: lora for lora in loras.values()})
@@ -127,6 +129,18 @@ class LoRAManager:
             step, new_requests=[r for r in step.new_requests if r.request_id not in self.failed],
             cached_requests=[c for c in step.cached_requests if c.request_id not in self.failed],
             finished_request_ids=[*step.finished_request_ids, *held]), failed
+
+    def _forget_if_renamed(self, lora: LoRARequest) -> None:
+        """Drop the CPU copy and the slot of ``lora``'s id if the worker holds another adapter
+        under it: a new scheduler (a restart, a new stream) numbers adapters from 1 again, and
+        the id's old weights would otherwise serve the new adapter."""
+        known = self.known.get(lora.lora_id)
+        if known is not None and known != lora:
+            log.info("LoRA adapter id %d is now %r (%s), was %r (%s): read anew",
+                     lora.lora_id, lora.name, lora.path, known.name, known.path)
+            self.cpu.pop(lora.lora_id, None)
+            self.slots.pop(lora.lora_id, None)
+        self.known[lora.lora_id] = lora
 
     def _load(self, needed: dict[int, LoRARequest]) -> dict[int, str]:
         """Load the adapters of ``needed`` (lora_id -> adapter) that are neither in the CPU LRU
