@@ -13,7 +13,10 @@ length, then that many bytes of JSON), never the weights.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,8 +25,18 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The projections an adapter may target (Llama-family names): attention q/k/v/o, the MLP.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_WEIGHT_DTYPES = ("F32", "F16", "BF16")
+_WEIGHT_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype -> bytes per element
 _MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+_MAX_CONFIG_BYTES = 1024 * 1024  # adapter_config.json (a real one is ~1 KB)
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# adapter_config.json fields that change what PEFT computes in ways served LoRA does not: each
+# refused when set (truthy), with what it means
+_UNSUPPORTED = {"use_dora": "DoRA", "lora_bias": "a bias on lora_B",
+                "alora_invocation_tokens": "activated LoRA (aLoRA)",
+                "layer_replication": "layer replication",
+                "trainable_token_indices": "trained token embeddings",
+                "target_parameters": "LoRA on parameters (target_parameters)",
+                "use_qalora": "QALoRA", "fan_in_fan_out": "fan_in_fan_out weights"}
 _KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.default)?\.weight")
 
@@ -87,7 +100,7 @@ def read_safetensors_header(path: Path) -> dict:
         AdapterError: not a safetensors file (a short file, a header length past its end, a
             header that is not a JSON object, data offsets past the end of the file).
     """
-    size = path.stat().st_size
+    size = _regular_file(path).st_size
     with path.open("rb") as f:
         head = f.read(8)
         if len(head) < 8:
@@ -108,28 +121,64 @@ def read_safetensors_header(path: Path) -> dict:
         if name == "__metadata__":
             continue
         offsets = t.get("data_offsets") if isinstance(t, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and offsets[1] <= end):
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int for o in offsets) and 0 <= offsets[0] <= offsets[1]
+                and offsets[1] <= end):
             raise AdapterError(f"{path.name} is not a safetensors file: tensor {name} lies "
                                "past the end of the file")
+        shape, itemsize = t.get("shape"), _WEIGHT_DTYPES.get(t.get("dtype"))
+        if (itemsize is not None and isinstance(shape, list)
+                and all(type(d) is int and d >= 0 for d in shape)
+                and math.prod(shape) * itemsize != offsets[1] - offsets[0]):
+            raise AdapterError(f"{path.name} is not a safetensors file: tensor {name} "
+                               f"({t.get('dtype')} {shape}) has {offsets[1] - offsets[0]} "
+                               "bytes of data")
     return header
 
 
-def _read_config(folder: Path) -> dict:
+def _regular_file(path: Path) -> os.stat_result:
+    """``path``'s stat (symlinks followed), refusing what is not a regular file (a device such
+    as /dev/zero or a FIFO would make a read endless or block it).
+
+    Raises:
+        AdapterError: missing (FileNotFoundError's message) or not a regular file.
+    """
     try:
-        config = json.loads((folder / ADAPTER_CONFIG).read_text())
-    except FileNotFoundError:
-        raise AdapterError(f"{folder}: missing {ADAPTER_CONFIG}") from None
+        st = path.stat()
+    except OSError as e:
+        raise AdapterError(f"{path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise AdapterError(f"{path} is not a regular file")
+    return st
+
+
+def read_config(folder: Path) -> dict:
+    """``folder``'s ``adapter_config.json`` as a dict, refusing what served LoRA cannot run.
+
+    Raises:
+        AdapterError: missing, not a regular file, over 1 MiB, not a JSON object, not LoRA,
+            or a field that changes what PEFT computes (DoRA, biases, aLoRA, ...: naming it).
+    """
+    path = folder / ADAPTER_CONFIG
+    if not path.exists():
+        raise AdapterError(f"{folder}: missing {ADAPTER_CONFIG}")
+    if _regular_file(path).st_size > _MAX_CONFIG_BYTES:
+        raise AdapterError(f"{path} is larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        with path.open("rb") as f:  # (bounded: the file may grow after the stat)
+            config = json.loads(f.read(_MAX_CONFIG_BYTES + 1).decode())
     except (ValueError, UnicodeDecodeError) as e:
-        raise AdapterError(f"{folder / ADAPTER_CONFIG} is not valid JSON: {e}") from None
+        raise AdapterError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(config, dict):
-        raise AdapterError(f"{folder / ADAPTER_CONFIG} is not a JSON object")
+        raise AdapterError(f"{path} is not a JSON object")
     kind = config.get("peft_type", "LORA")
     if kind != "LORA":
         raise AdapterError(f"{folder}: peft_type {kind!r} is not supported (only LORA)")
-    for key, off in (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)):
-        if config.get(key, off) not in (off, None):
-            raise AdapterError(f"{folder}: {key}={config[key]!r} is not supported (only "
-                               f"{off!r})")
+    if config.get("bias", "none") not in ("none", None):
+        raise AdapterError(f"{folder}: bias={config['bias']!r} is not supported (only 'none')")
+    for key, what in _UNSUPPORTED.items():
+        if config.get(key):
+            raise AdapterError(f"{folder}: {key}={config[key]!r} ({what}) is not supported")
     if config.get("modules_to_save"):
         raise AdapterError(f"{folder}: modules_to_save {config['modules_to_save']} is not "
                            "supported (only LoRA updates of " + ", ".join(LORA_MODULES) + ")")
@@ -141,7 +190,8 @@ def _check_base(config: dict, model_config: dict, folder: Path) -> None:
     (where it is a hub id or absent, this cannot be decided here: the shapes check stands)."""
     base = config.get("base_model_name_or_path") or ""
     base_config = Path(base) / "config.json" if base else None
-    if base_config is None or not base_config.is_file():
+    if (base_config is None or not base_config.is_file()
+            or base_config.stat().st_size > _MAX_CONFIG_BYTES):
         return
     try:
         theirs = json.loads(base_config.read_text())
@@ -155,6 +205,18 @@ def _check_base(config: dict, model_config: dict, folder: Path) -> None:
             raise AdapterError(f"{folder}: base model mismatch: the adapter was trained on "
                                f"{base} ({key}={theirs[key]}), the served model has "
                                f"{key}={ours[key]}")
+
+
+def pattern_value(patterns: dict | None, layer: int, target: str, default: float) -> float:
+    """PEFT's ``rank_pattern`` / ``alpha_pattern`` rule for one module: the value of the first
+    key that matches the end of its name (``model.layers.{layer}.{self_attn|mlp}.{target}``),
+    else ``default``."""
+    part = "self_attn" if target in ATTENTION_TARGETS else "mlp"
+    name = f"model.layers.{layer}.{part}.{target}"
+    for pattern, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            return float(value)
+    return default
 
 
 def check_adapter(path: str, model_config: dict, max_lora_rank: int) -> AdapterInfo:
@@ -180,9 +242,9 @@ def check_adapter(path: str, model_config: dict, max_lora_rank: int) -> AdapterI
     folder = Path(path)
     if not folder.is_dir():
         raise AdapterError(f"{path}: no such adapter folder")
-    config = _read_config(folder)
+    config = read_config(folder)
     weights = folder / ADAPTER_WEIGHTS
-    if not weights.is_file():
+    if not weights.exists():
         raise AdapterError(f"{folder}: missing {ADAPTER_WEIGHTS}")
     _check_base(config, model_config, folder)
     num_layers, shapes = _shapes(model_config)
@@ -230,6 +292,10 @@ def check_adapter(path: str, model_config: dict, max_lora_rank: int) -> AdapterI
             raise AdapterError(f"{folder}: {where}: shapes lora_A {a}, lora_B {b} do not fit "
                                f"the base model's {module} ({d_in} in, {d_out} out; hidden "
                                "size, head dims or intermediate size differ)")
+        want = pattern_value(config.get("rank_pattern"), layer, module, config.get("r", 8))
+        if a[0] != want:
+            raise AdapterError(f"{folder}: {where}: lora_A {a} has rank {a[0]}, "
+                               f"{ADAPTER_CONFIG} says r={want:g} (r / rank_pattern)")
         if a[0] > max_lora_rank:
             raise AdapterError(f"{folder}: rank {a[0]} ({where}) is above --max-lora-rank "
                                f"{max_lora_rank}")

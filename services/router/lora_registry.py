@@ -23,6 +23,10 @@ from dataclasses import dataclass
 
 from services.common.lora import AdapterError, AdapterInfo, LoRARequest, check_adapter
 
+# an adapter's name: what a request's ``model`` names and a metric label carries (vLLM has no
+# limit; a 100,000-character name was accepted and became a label)
+MAX_NAME_CHARS = 256
+
 
 @dataclass(frozen=True, slots=True)
 class LoRAModule:
@@ -136,11 +140,15 @@ class LoRARegistry:
 
         Raises:
             LoRAExistsError: ``name`` is already an adapter.
-            AdapterError: an empty name, a base model's name, or a bad adapter (naming the
+            AdapterError: an empty name, one over ``MAX_NAME_CHARS`` or with control
+                characters, a base model's name, or a bad adapter (naming the
                 problem).
         """
         if not name:
             raise AdapterError("lora_name must not be empty")
+        if len(name) > MAX_NAME_CHARS or not name.isprintable():
+            raise AdapterError(f"lora_name must be at most {MAX_NAME_CHARS} printable "
+                               f"characters, got {len(name)}")
         if name in self._adapters:
             raise LoRAExistsError(f"The lora adapter '{name}' has already been loaded.")
         if name in self._base_names():

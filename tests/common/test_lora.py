@@ -5,7 +5,10 @@ every bad one is refused with a message naming its problem."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
@@ -105,8 +108,13 @@ def test_shapes_that_do_not_fit_the_model_are_refused(folders, config, tmp_path)
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"use_dora": True}, "use_dora=True is not supported"),
+    ({"use_dora": True}, r"use_dora=True \(DoRA\) is not supported"),
     ({"bias": "all"}, "bias='all' is not supported"),
+    ({"lora_bias": True}, r"lora_bias=True \(a bias on lora_B\) is not supported"),
+    ({"alora_invocation_tokens": [1, 2]}, r"\(activated LoRA \(aLoRA\)\) is not supported"),
+    ({"layer_replication": [[0, 2], [1, 3]]}, r"\(layer replication\) is not supported"),
+    ({"r": 16}, r"lora_A \[4, 128\] has rank 4, adapter_config.json says r=16"),
+    ({"rank_pattern": {"q_proj": 8}}, r"layer 0 q_proj: .* rank 4, .* says r=8"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported"),
     ({"lora_alpha": "big"}, "lora_alpha 'big' is not a number"),
@@ -133,3 +141,28 @@ def test_the_config_of_a_gguf_model_comes_from_its_metadata():
     assert config == {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30,
                       "num_attention_heads": 9, "num_key_value_heads": 3,
                       "intermediate_size": 1536}
+
+
+def test_config_files_that_are_not_small_regular_files_are_refused(folders, config, tmp_path):
+    """A config that is /dev/zero (endless), a FIFO (blocks the reader) or over 1 MiB is
+    refused before it is read; so are tensors whose data is not their shape's size."""
+    for i, make in enumerate((lambda p: p.symlink_to("/dev/zero"), os.mkfifo,
+                              lambda p: p.write_text(" " * (1 << 20) + "{}"))):
+        bad = Path(_copy(folders["r4"], tmp_path / f"cfg{i}"))
+        (bad / "adapter_config.json").unlink()
+        make(bad / "adapter_config.json")
+        with pytest.raises(AdapterError, match=r"not a regular file|larger than 1048576 bytes"):
+            check_adapter(str(bad), config, 16)
+    bad = Path(_copy(folders["r4"], tmp_path / "offsets"))
+    weights = bad / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin, end - 2]  # (still inside the file)
+    text = json.dumps(header).encode().ljust(n)
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+    with pytest.raises(AdapterError, match=f"tensor {re.escape(name)} .* has {end - 2 - begin} "
+                                           "bytes of data"):
+        check_adapter(str(bad), config, 16)

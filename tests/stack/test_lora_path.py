@@ -14,6 +14,7 @@ answer plain text.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -42,7 +43,16 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
     config = json.loads((lacking / "adapter_config.json").read_text())
     (lacking / "adapter_config.json").write_text(
         json.dumps({**config, "target_modules": ["q_proj", "c_attn"]}))
-    return {"a": make_peft_lora(tiny_model_dir, root / "a", r=4),
+    hostile = {}  # a config that is /dev/zero (an endless read) or a FIFO (a blocked one)
+    for kind in ("devzero", "fifo"):
+        folder = Path(shutil.copytree(lacking, root / kind))
+        (folder / "adapter_config.json").unlink()
+        if kind == "devzero":
+            (folder / "adapter_config.json").symlink_to("/dev/zero")
+        else:
+            os.mkfifo(folder / "adapter_config.json")
+        hostile[kind] = str(folder)
+    return {**hostile, "a": make_peft_lora(tiny_model_dir, root / "a", r=4),
             "b": make_peft_lora(tiny_model_dir, root / "b", r=8, seed=1,
                                 target_modules=("q_proj", "v_proj")),
             "rank32": make_peft_lora(tiny_model_dir, root / "rank32", r=32),
@@ -158,6 +168,8 @@ def test_load_and_unload_while_requests_stream(oai, stack, adapters):
     ("missing", "no such adapter folder"),
     ("lacking", "target module 'c_attn' is one the model lacks"),
     ("other_base", "base model mismatch"),
+    ("devzero", "adapter_config.json is not a regular file"),
+    ("fifo", "adapter_config.json is not a regular file"),
 ])
 def test_a_bad_adapter_is_refused_naming_the_problem(oai, stack, adapters, name, message):
     r = lora_call(stack, "load_lora_adapter", {"lora_name": name, "lora_path": adapters[name]})
@@ -167,6 +179,14 @@ def test_a_bad_adapter_is_refused_naming_the_problem(oai, stack, adapters, name,
     assert f"cannot load LoRA adapter '{name}'" in error["message"]
     assert message in error["message"]
     assert [m.id for m in oai.models.list().data][1:] == ["a"]
+    base_still_serves(oai)
+
+
+def test_a_name_too_long_for_a_label_is_refused(oai, stack, adapters):
+    r = lora_call(stack, "load_lora_adapter", {"lora_name": "n" * 257, "lora_path": adapters["b"]})
+    assert r.status_code == 400
+    assert "lora_name must be at most 256 printable characters, got 257" in r.json()["error"][
+        "message"]
     base_still_serves(oai)
 
 

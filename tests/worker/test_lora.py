@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from services.common.lora import LoRARequest
 from services.common.step import CachedRequest, NewRequest, StepInput
@@ -133,9 +134,10 @@ def _tokens(out) -> dict[str, int]:
 def test_a_request_whose_adapter_cannot_be_loaded_fails_alone(tiny_llama, adapters, prompts,
                                                               expected, tmp_path,
                                                               one_torch_thread):
-    """Each bad adapter (a rank above --max-lora-rank, no folder, a target the model lacks, no
-    weights file) fails only its request: left out of the step and reported with an error
-    naming the adapter and the problem, while a base-model request in the same step decodes;
+    """Each bad adapter (a rank above --max-lora-rank, NaN weights, no folder, a target the
+    model lacks, no weights file) fails only its request: left out of the step and reported
+    with an error naming the adapter and the problem, while a base-model request in the same
+    step decodes;
     its later entries are ignored until the scheduler finishes it. The runner then serves a
     good adapter."""
     runner = _runner(tiny_llama, LoRAConfig(max_loras=1, max_lora_rank=8))
@@ -145,7 +147,13 @@ def test_a_request_whose_adapter_cannot_be_loaded_fails_alone(tiny_llama, adapte
         json.dumps({**config, "target_modules": ["q_proj", "lm_head"]}))
     (tmp_path / "no-weights").mkdir()
     (tmp_path / "no-weights" / "adapter_config.json").write_text(json.dumps(config))
+    nan = Path(shutil.copytree(adapters[0].path, tmp_path / "nan"))
+    tensors = load_file(nan / "adapter_model.safetensors")
+    save_file({k: v.fill_(float("nan")) if "lora_B" in k and ".1." in k else v
+               for k, v in tensors.items()}, nan / "adapter_model.safetensors")
     bad = [(adapters[2], r"'sixteen': .*rank 16 .*is above --max-lora-rank 8"),
+           # (a NaN in a slot would reach every row of the step: 0 * NaN is NaN)
+           (LoRARequest(12, "nan", str(nan)), r"'nan': layer 1 \w+ has NaN or infinite values"),
            (LoRARequest(9, "missing", str(tmp_path / "nowhere")),
             r"'missing': .*no such adapter folder"),
            (LoRARequest(10, "lacking", str(lacking)),

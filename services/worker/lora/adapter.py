@@ -16,7 +16,6 @@ checks live in one place; its error becomes a ``LoRALoadError`` naming the adapt
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
@@ -26,10 +25,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from services.common.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoRARequest, check_adapter
+from services.common.lora import (
+    ADAPTER_WEIGHTS,
+    ATTENTION_TARGETS,
+    LoRARequest,
+    check_adapter,
+    pattern_value,
+    read_config,
+)
 from services.worker.lora import LoRALoadError
 
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")  # input features split under TP; the others by output
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
@@ -78,7 +83,7 @@ def load_adapter(request: LoRARequest, model_config: dict, max_rank: int,
     """
     try:
         info = check_adapter(request.path, model_config, max_rank)
-        config = json.loads((Path(request.path) / ADAPTER_CONFIG).read_text())
+        config = read_config(Path(request.path))
         default = _scale(float(config.get("lora_alpha", info.lora_alpha)),
                          int(config.get("r", info.rank)), info.use_rslora)
         weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -96,29 +101,26 @@ def load_adapter(request: LoRARequest, model_config: dict, max_rank: int,
                             f"it: {e}") from e
     for (layer, target), pair in halves.items():
         a, b = pair["A"], pair["B"]  # (check_adapter: both present, shapes fit)
-        module_scale = _scale(_module_alpha(config, layer, target, info.lora_alpha),
-                              a.shape[0], info.use_rslora)
+        alpha = pattern_value(config.get("alpha_pattern"), layer, target, info.lora_alpha)
+        module_scale = _scale(alpha, a.shape[0], info.use_rslora)
         if module_scale != default:  # (rank_pattern / alpha_pattern)
             b = b * (module_scale / default)
         a, b = _cut(layer, target, a, b, slice_of)
-        weights[layer, target] = (a.to(dtype), b.to(dtype))
+        a, b = a.to(dtype), b.to(dtype)
+        # NOTE: a slot's weights meet every row of a step (a masked GEMM: 0 * NaN is NaN), so
+        # a non-finite value would corrupt the other requests, not only its own
+        if not (math.isfinite(default) and bool(torch.isfinite(a).all())
+                and bool(torch.isfinite(b).all())):
+            raise LoRALoadError(f"LoRA adapter {request.name!r}: layer {layer} {target} has "
+                                f"NaN or infinite values (in {str(dtype).removeprefix('torch.')}"
+                                f", scaling {default:g}); refused")
+        weights[layer, target] = (a, b)
     return LoRAAdapter(request, info.rank, default, weights)
 
 
 def _scale(alpha: float, rank: int, rslora: bool) -> float:
     """PEFT's scaling: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
     return alpha / math.sqrt(rank) if rslora else alpha / rank
-
-
-def _module_alpha(config: dict, layer: int, target: str, alpha: float) -> float:
-    """The ``lora_alpha`` of one module: the first ``alpha_pattern`` key that matches the end
-    of its name (PEFT's rule), else the adapter's."""
-    part = "self_attn" if target in ATTENTION_TARGETS else "mlp"
-    name = f"model.layers.{layer}.{part}.{target}"
-    for pattern, value in (config.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", name):
-            return float(value)
-    return alpha
 
 
 def _cut(layer: int, target: str, a: torch.Tensor, b: torch.Tensor,

@@ -123,11 +123,11 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         T, n, sr = x.shape[0], len(self.slices), self.ctx.num_slots * self.ctx.rank
         if self.fused:
-            u = self.lora_shrink(x) * self.ctx.mask.repeat(1, n)  # [T, n*S*R], each row its slot
+            u = _select(self.lora_shrink(x), self.ctx.mask.repeat(1, n))  # [T, n*S*R]
             return self.base(torch.cat([x, u.to(x.dtype)], dim=-1))
         assert self.lora_a is not None and self.lora_b is not None
         u = F.linear(x, self.lora_a.view(n * sr, self.in_features))  # [T, n*S*R] shrink
-        u = (u.view(T, n, sr) * self.ctx.mask[:, None, :]).to(x.dtype)
+        u = _select(u.view(T, n, sr), self.ctx.mask[:, None, :]).to(x.dtype)
         b = self.lora_b.view(-1, sr)  # [out, S*R]
         if n == 1:
             delta = F.linear(u[:, 0], b)  # [T, out] expand
@@ -173,6 +173,12 @@ class LoRALinear(nn.Module):
         columns[start:start + rows] = b_slot  # (block-diagonal: other slices' rows 0)
         _write(self.lora_shrink, first, 0, a_slot)
         _write(self.base, 0, self.in_features + first, columns)
+
+
+def _select(u: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``u * mask`` with exact zeros where ``mask`` is 0, also where ``u`` is not finite (a
+    row's product with another slot's A can overflow, and 0 * inf is NaN)."""
+    return torch.where(mask != 0, u * mask, 0)
 
 
 def _write(layer: nn.Module, row: int, col: int, block: torch.Tensor) -> None:
