@@ -3,7 +3,8 @@ one process, under torch.profiler, plus the Python time outside torch ops.
 
     .venv/bin/python benchmarks/profile_engine.py --num-requests 32 --dtype float32
 
-Prints the top torch ops by self CPU time, and splits each step's wall time into scheduling
+Prints the top torch ops by self CPU time (``--by-shape``: the native linear and attention
+ops split by shape, with GFLOP/s), and splits each step's wall time into scheduling
 (``Scheduler.schedule`` + ``update_from_output``), the StepRequest encode/decode, and the worker's
 ``execute_step``.
 """
@@ -26,6 +27,9 @@ def main() -> None:
 
     add_workload_args(p)
     p.add_argument("--rows", type=int, default=15, help="torch ops to print")
+    p.add_argument("--by-shape", action="store_true",
+                   help="also split the native linear and attention ops by shape (records "
+                        "shapes: a little more profiler overhead)")
     a = p.parse_args()
 
     import torch
@@ -51,7 +55,7 @@ def main() -> None:
     spent = {"schedule": 0.0, "encode/decode": 0.0, "execute_step": 0.0, "update": 0.0}
     steps, tokens = 0, 0
     t_all = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=a.by_shape) as prof:
         while scheduler.has_unfinished_requests():
             t0 = time.perf_counter()
             out = scheduler.schedule()
@@ -73,6 +77,33 @@ def main() -> None:
     for k, v in spent.items():
         print(f"  {k:14s} {v:7.2f} s  {100 * v / wall:5.1f} %")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
+    if a.by_shape:
+        print_by_shape(prof.events())
+
+
+def print_by_shape(events) -> None:
+    """Seconds, calls and GFLOP/s of ``pagedserve::linear`` per (N, K, rows: 1-8 each, <= 128,
+    > 128) and of ``pagedserve::paged_attention`` per step kind (query rows <= 128: decode-sized,
+    else with prefill), largest first."""
+    table: dict[tuple, list[float]] = {}
+    for e in events:
+        if e.name == "pagedserve::linear":
+            (m, k), blocks = e.input_shapes[0], e.input_shapes[1][0]
+            rows = f"{m}" if m <= 8 else "<= 128" if m <= 128 else "> 128"
+            key, flops = ("linear", blocks * 32, k, rows), 2.0 * m * k * blocks * 32
+        elif e.name == "pagedserve::paged_attention":
+            rows = "<= 128" if e.input_shapes[0][0] <= 128 else "> 128"
+            key, flops = ("paged_attention", "", "", rows), 0.0
+        else:
+            continue
+        entry = table.setdefault(key, [0.0, 0, 0.0])
+        entry[0] += e.self_cpu_time_total / 1e6
+        entry[1] += 1
+        entry[2] += flops
+    print(f"{'op':16s} {'N':>6s} {'K':>5s} {'rows':>7s} {'seconds':>8s} {'calls':>6s} GFLOP/s")
+    for (op, n, k, rows), (sec, calls, flops) in sorted(table.items(), key=lambda kv: -kv[1][0]):
+        rate = f"{flops / sec / 1e9:7.0f}" if flops and sec else ""
+        print(f"{op:16s} {n!s:>6s} {k!s:>5s} {rows:>7s} {sec:8.2f} {calls:6d} {rate}")
 
 
 if __name__ == "__main__":

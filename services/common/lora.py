@@ -179,6 +179,20 @@ def read_config(folder: Path) -> dict:
     for key, what in _UNSUPPORTED.items():
         if config.get(key):
             raise AdapterError(f"{folder}: {key}={config[key]!r} ({what}) is not supported")
+    for key in ("r", "lora_alpha"):
+        if key in config and not _is_number(config[key]):
+            raise AdapterError(f"{folder}: {key} {config[key]!r} is not a number")
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict) or not all(_is_number(v) for v in patterns.values()):
+            raise AdapterError(f"{folder}: {key} {patterns!r} is not a map of name patterns "
+                               "to numbers")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise AdapterError(f"{folder}: {key} key {pattern!r} is not a regular "
+                                   f"expression: {e}") from None
     if config.get("modules_to_save"):
         raise AdapterError(f"{folder}: modules_to_save {config['modules_to_save']} is not "
                            "supported (only LoRA updates of " + ", ".join(LORA_MODULES) + ")")
@@ -205,6 +219,11 @@ def _check_base(config: dict, model_config: dict, folder: Path) -> None:
             raise AdapterError(f"{folder}: base model mismatch: the adapter was trained on "
                                f"{base} ({key}={theirs[key]}), the served model has "
                                f"{key}={ours[key]}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(
+        value)
 
 
 def pattern_value(patterns: dict | None, layer: int, target: str, default: float) -> float:
@@ -300,10 +319,7 @@ def check_adapter(path: str, model_config: dict, max_lora_rank: int) -> AdapterI
             raise AdapterError(f"{folder}: rank {a[0]} ({where}) is above --max-lora-rank "
                                f"{max_lora_rank}")
         ranks[module] = max(ranks.get(module, 0), a[0])
-    alpha = config.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise AdapterError(f"{folder}: lora_alpha {alpha!r} is not a number")
-    return AdapterInfo(rank=max(ranks.values()), lora_alpha=float(alpha),
+    return AdapterInfo(rank=max(ranks.values()), lora_alpha=float(config.get("lora_alpha", 8)),
                        use_rslora=bool(config.get("use_rslora", False)),
                        target_modules=tuple(sorted(ranks)),
                        base_model_name_or_path=str(config.get("base_model_name_or_path") or ""))

@@ -118,6 +118,9 @@ def test_shapes_that_do_not_fit_the_model_are_refused(folders, config, tmp_path)
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"peft_type": "IA3"}, "peft_type 'IA3' is not supported"),
     ({"lora_alpha": "big"}, "lora_alpha 'big' is not a number"),
+    ({"r": "4"}, "r '4' is not a number"),
+    ({"rank_pattern": {"q_proj": "8"}}, "rank_pattern .* is not a map of name patterns"),
+    ({"alpha_pattern": {"(": 8}}, r"alpha_pattern key '\(' is not a regular expression"),
 ])
 def test_unsupported_configs_are_named(folders, config, tmp_path, change, message):
     with pytest.raises(AdapterError, match=message):

@@ -18,11 +18,12 @@ import urllib.request
 
 import grpc
 import pytest
-from pagedserve_client import Client
 
+from pagedserve_client import Client
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
 from tests.e2e.test_serve import CLI, _free_ports
 from tests.helpers import make_servable_tiny_llama
+from tests.parallel.conftest import stream_in_background, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -31,13 +32,6 @@ def _health(address: str) -> str:
     out = subprocess.run(CLI + ["health", "--address", address, "--timeout", "1"],
                          capture_output=True, text=True)
     return out.stdout.strip()
-
-
-def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
 
 
 @pytest.fixture
@@ -60,7 +54,7 @@ def test_worker_killed_mid_stream_then_restarted(tiny_model):
                                      "--scheduler", sched,
                                      "--model", tiny_model])]
     try:
-        _wait_for(lambda: _health(router) == "SERVING" or any(p.poll() is not None for p in procs),
+        wait_for(lambda: _health(router) == "SERVING" or any(p.poll() is not None for p in procs),
                   120, "the stack")
         assert all(p.poll() is None for p in procs), "a service exited during start-up"
         prompt = [(5 * i) % 300 + 3 for i in range(40)]  # 2 full KV blocks + 8 tokens
@@ -69,29 +63,16 @@ def test_worker_killed_mid_stream_then_restarted(tiny_model):
                                 ignore_eos=True)
             assert c.generate(prompt_token_ids=prompt, temperature=0, max_tokens=1,
                               ignore_eos=True).usage.num_cached_tokens == 32
-        errors: list = []
-        streaming = threading.Event()
-
-        def long_stream():
-            try:
-                with Client(router) as c:
-                    for _ in c.stream(prompt_token_ids=[5, 6, 7], ignore_eos=True):
-                        streaming.set()
-            except grpc.RpcError as e:
-                errors.append((e.code(), time.monotonic()))
-
-        t = threading.Thread(target=long_stream)
-        t.start()
-        assert streaming.wait(30), "no token streamed"
+        t, errors = stream_in_background(router)
         procs[0].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
         t.join(10)
         assert errors and errors[0][0] == grpc.StatusCode.UNAVAILABLE
         assert errors[0][1] - killed_at < 5, "in-flight request not failed within 5 s"
-        _wait_for(lambda: _health(sched) == "NOT_SERVING", 5, "scheduler NOT_SERVING")
+        wait_for(lambda: _health(sched) == "NOT_SERVING", 5, "scheduler NOT_SERVING")
 
         procs[0] = subprocess.Popen(worker_cmd)  # a new worker on the same address
-        _wait_for(lambda: _health(sched) == "SERVING", 120, "scheduler serving again")
+        wait_for(lambda: _health(sched) == "SERVING", 120, "scheduler serving again")
         assert procs[1].poll() is None, "the scheduler was restarted (or died)"
         with Client(router) as c:
             r = c.generate(prompt_token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True)
@@ -132,7 +113,7 @@ class _Procs:
         return at
 
     def wait_serving(self, *addresses: str, timeout: float = 180) -> None:
-        _wait_for(lambda: all(_health(a) == "SERVING" for a in addresses)
+        wait_for(lambda: all(_health(a) == "SERVING" for a in addresses)
                   or any(p.poll() is not None for p in self.procs.values()),
                   timeout, f"{addresses} serving")
         dead = [n for n, p in self.procs.items() if p.poll() is not None]
@@ -206,7 +187,7 @@ def test_a_scheduler_replica_killed(tiny_model, procs):
                 str(rm), "--schedulers", ",".join(scheds), "--routing-policy", "round_robin",
                 "--model", tiny_model)
     procs.wait_serving(router, *scheds)
-    _wait_for(lambda: _metric(rm, "pagedserve:router_replicas_available") == 2, 30,
+    wait_for(lambda: _metric(rm, "pagedserve:router_replicas_available") == 2, 30,
               "both replicas available")
 
     # round_robin sends A, C, B to replicas x, y, x: A streams on x, C on y, B waits behind A.
