@@ -36,7 +36,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from services.common.ports import free_port  # noqa: E402
 
 CLI = [sys.executable, "-m", "services.cli"]
 SERVICES = ("worker", "scheduler", "router")
@@ -77,13 +78,7 @@ class Figures:
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    return [free_port() for _ in range(n)]
 
 
 def _health(address: str) -> str:

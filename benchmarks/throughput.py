@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from services.common.ports import free_port  # noqa: E402
 
 
 def make_prompts(tokenizer, n: int, input_len: int) -> list[list[int]]:
@@ -124,12 +125,7 @@ def running_stack(model: str | None, dtype: str, extra: list[str]):
     Raises:
         RuntimeError: the stack exited or was not healthy within 600 s.
     """
-    socks = [socket.socket() for _ in range(3)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    port, sport, wport = (s.getsockname()[1] for s in socks)
-    for s in socks:
-        s.close()
+    port, sport, wport = (free_port() for _ in range(3))
     cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(port),
            "--scheduler-port", str(sport), "--worker-port", str(wport), "--dtype", dtype,
            "--metrics-port", "0",

@@ -11,3 +11,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Each pytest worker draws its free ports (services.common.ports) from its own slice of the
+# range, and so do the servers its tests start, so that two workers never pick the same port
+# between one's pick and its bind (a serve binds its router seconds after picking its ports).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault(
+        "PAGEDSERVE_PORT_SLICE",
+        f"{int(os.environ['PYTEST_XDIST_WORKER'].removeprefix('gw'))}"
+        f"/{os.environ['PYTEST_XDIST_WORKER_COUNT']}")

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from services.common.ports import free_port
 from tests.helpers import make_servable_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -19,13 +20,7 @@ CLI = [sys.executable, "-m", "services.cli"]
 
 
 def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    return [free_port() for _ in range(n)]
 
 
 def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 300) -> None:
