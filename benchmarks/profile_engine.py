@@ -82,8 +82,8 @@ def main() -> None:
 
 
 def print_by_shape(events) -> None:
-    """Seconds, calls and GFLOP/s of ``pagedserve::linear`` per (N, K, rows: 1-8 each, <= 128,
-    > 128) and of ``pagedserve::paged_attention`` per step kind (query rows <= 128: decode-sized,
+    """Seconds, calls and GFLOP/s of ``pagedserve::linear`` (and ATen's ``mm`` / ``addmm``, a
+    float32 model's linear layers) per (N, K, rows: 1-8 each, <= 128, > 128) and of ``pagedserve::paged_attention`` per step kind (query rows <= 128: decode-sized,
     else with prefill), largest first."""
     table: dict[tuple, list[float]] = {}
     for e in events:
@@ -91,6 +91,11 @@ def print_by_shape(events) -> None:
             (m, k), blocks = e.input_shapes[0], e.input_shapes[1][0]
             rows = f"{m}" if m <= 8 else "<= 128" if m <= 128 else "> 128"
             key, flops = ("linear", blocks * 32, k, rows), 2.0 * m * k * blocks * 32
+        elif e.name in ("aten::mm", "aten::addmm") and e.input_shapes:  # a float32 model: MKL
+            first = 1 if e.name == "aten::addmm" else 0  # addmm(bias, x, w^T, ...)
+            (m, k), (_, n) = e.input_shapes[first], e.input_shapes[first + 1]
+            rows = f"{m}" if m <= 8 else "<= 128" if m <= 128 else "> 128"
+            key, flops = (e.name, n, k, rows), 2.0 * m * k * n
         elif e.name == "pagedserve::paged_attention":
             rows = "<= 128" if e.input_shapes[0][0] <= 128 else "> 128"
             key, flops = ("paged_attention", "", "", rows), 0.0

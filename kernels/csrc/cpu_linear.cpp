@@ -47,9 +47,11 @@
 //   amx          bf16: ATen's cpublas::brgemm (oneDNN ukernel, AMX tiles) on each
 //                (rows tile <= 32, 32-column block), K whole in one call;
 //   avx512_bf16  bf16: vdpbf16ps micro-kernel (rows tile <= 8, 32 columns = 2 zmm);
-//   avx512 / avx2 / scalar: float32 FMA micro-kernel (plain loops with `omp simd`, compiled
-//                for each target), the weight block unpacked to float32 once per item;
-//                the only path for float32 and float16 weights.
+//   avx512 / avx2 / scalar: float32 FMA micro-kernel (avx2: intrinsics, 6 rows x 16
+//                columns per call; avx512 and scalar: plain loops with `omp simd`, compiled
+//                for each target), a 16-bit or int8 weight block unpacked to float32 once
+//                per item, a float32 one read in place; the only path for float32 and
+//                float16 weights.
 // The paths differ in rounding (vdpbf16ps sums each pair before it accumulates), so results
 // are bitwise stable per path, not across paths; each is tested against a float64 reference.
 
@@ -308,17 +310,81 @@ struct LinearArgs {
   bool silu_mul;             // the SiLU-gated epilogue: y [M, N / 2] (store_tile_silu_mul)
 };
 
-template <typename W>
-PS_INLINE void item_f32_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
-                             float* wf, float* acc) {
-  const int64_t block_elems = a.w_dtype == at::kFloat ? a.k * kBlockN : a.k2 * 2 * kBlockN;
-  unpack_block(static_cast<const W*>(a.packed) + block * block_elems, a.k, wf);
-  const float* x = static_cast<const float*>(a.x);
-  rows_f32(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc);
+#if defined(__x86_64__)
+// The AVX2 micro-kernel: MR rows x 16 columns (half h of the 32-column block), 2 ymm
+// accumulators per row, the two weight vectors of k loaded once for all MR rows and x[m, k]
+// broadcast (12 accumulators + 2 weights + 1 broadcast of the 16 ymm registers at MR = 6).
+// Each element is the same FMA chain over k as tile_f32's, for every MR.
+template <int MR>
+PS_TARGET_AVX2 PS_INLINE void tile_f32_avx2(const float* x, int64_t ldx, const float* wf,
+                                            int64_t k, float* acc) {
+  for (int h = 0; h < 2; ++h) {
+    const float* w = wf + 16 * h;
+    __m256 c0[MR], c1[MR];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      c0[m] = _mm256_setzero_ps();
+      c1[m] = _mm256_setzero_ps();
+    }
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const __m256 w0 = _mm256_loadu_ps(w + kk * kBlockN);
+      const __m256 w1 = _mm256_loadu_ps(w + kk * kBlockN + 8);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        const __m256 xv = _mm256_broadcast_ss(x + m * ldx + kk);
+        c0[m] = _mm256_fmadd_ps(xv, w0, c0[m]);
+        c1[m] = _mm256_fmadd_ps(xv, w1, c1[m]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      _mm256_storeu_ps(acc + m * kBlockN + 16 * h, c0[m]);
+      _mm256_storeu_ps(acc + m * kBlockN + 16 * h + 8, c1[m]);
+    }
+  }
 }
 
+constexpr int kTileMAvx2 = 6;  // rows per AVX2 micro-kernel call
+
+// Not inlined: item_f32_body (no target of its own) calls it.
+PS_TARGET_AVX2 void rows_f32_avx2(const float* x, int64_t ldx, int64_t rows,
+                                  const float* wf, int64_t k, float* acc) {
+  int64_t m = 0;
+  for (; m + kTileMAvx2 <= rows; m += kTileMAvx2) {
+    tile_f32_avx2<kTileMAvx2>(x + m * ldx, ldx, wf, k, acc + m * kBlockN);
+  }
+  const float* xt = x + m * ldx;
+  float* at = acc + m * kBlockN;
+  switch (rows - m) {
+    case 5: tile_f32_avx2<5>(xt, ldx, wf, k, at); break;
+    case 4: tile_f32_avx2<4>(xt, ldx, wf, k, at); break;
+    case 3: tile_f32_avx2<3>(xt, ldx, wf, k, at); break;
+    case 2: tile_f32_avx2<2>(xt, ldx, wf, k, at); break;
+    case 1: tile_f32_avx2<1>(xt, ldx, wf, k, at); break;
+    default: break;
+  }
+}
+#endif
+
+// RowsFn: rows_f32, or rows_f32_avx2 in the AVX2 bodies. A float32 block is read in place
+// (the packed layout is already [K][32] float32); others are unpacked into `wf` first.
+template <typename W, auto RowsFn>
+PS_INLINE void item_f32_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
+                             float* wf, float* acc) {
+  const float* w;
+  if constexpr (std::is_same_v<W, float>) {
+    w = static_cast<const float*>(a.packed) + block * a.k * kBlockN;
+  } else {
+    unpack_block(static_cast<const W*>(a.packed) + block * a.k2 * 2 * kBlockN, a.k, wf);
+    w = wf;
+  }
+  const float* x = static_cast<const float*>(a.x);
+  RowsFn(x + m0 * a.ldx, a.ldx, rows, w, a.k, acc);
+}
+
+template <auto RowsFn>
 PS_INLINE void item_f32_i8_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
-                                 float* wf, float* acc) {
+                                float* wf, float* acc) {
   const int64_t num_groups = a.group > 0 ? a.k / a.group : 0;
   unpack_block_i8(static_cast<const int8_t*>(a.packed) + block * a.k2 * 2 * kBlockN, a.k,
                   a.group_scale != nullptr ? a.group_scale + block * num_groups * kBlockN
@@ -329,33 +395,33 @@ PS_INLINE void item_f32_i8_body(const LinearArgs& a, int64_t m0, int64_t rows, i
                                              : Round::kNone,
                   wf);
   const float* x = static_cast<const float*>(a.x);
-  rows_f32(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc);
+  RowsFn(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc);
 }
 
 using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, float*, float*);
 
-#if defined(__x86_64__)
-#define PS_DEFINE_F32(NAME, TARGET)                                                        \
+#define PS_DEFINE_F32(NAME, TARGET, ROWS)                                                  \
   TARGET void NAME##_f32(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,     \
                          float* wf, float* acc) {                                          \
-    item_f32_body<float>(a, m0, rows, block, wf, acc);                                     \
+    item_f32_body<float, ROWS>(a, m0, rows, block, wf, acc);                               \
   }                                                                                        \
   TARGET void NAME##_bf16(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,    \
                           float* wf, float* acc) {                                         \
-    item_f32_body<c10::BFloat16>(a, m0, rows, block, wf, acc);                             \
+    item_f32_body<c10::BFloat16, ROWS>(a, m0, rows, block, wf, acc);                       \
   }                                                                                        \
   TARGET void NAME##_f16(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,     \
                          float* wf, float* acc) {                                          \
-    item_f32_body<c10::Half>(a, m0, rows, block, wf, acc);                                 \
+    item_f32_body<c10::Half, ROWS>(a, m0, rows, block, wf, acc);                           \
   }                                                                                        \
   TARGET void NAME##_i8(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,      \
                         float* wf, float* acc) {                                           \
-    item_f32_i8_body(a, m0, rows, block, wf, acc);                                         \
+    item_f32_i8_body<ROWS>(a, m0, rows, block, wf, acc);                                   \
   }
-PS_DEFINE_F32(lin_avx512, PS_TARGET_AVX512)
-PS_DEFINE_F32(lin_avx2, PS_TARGET_AVX2)
+#if defined(__x86_64__)
+PS_DEFINE_F32(lin_avx512, PS_TARGET_AVX512, rows_f32)
+PS_DEFINE_F32(lin_avx2, PS_TARGET_AVX2, rows_f32_avx2)
 #endif
-PS_DEFINE_F32(lin_scalar, )
+PS_DEFINE_F32(lin_scalar, , rows_f32)
 
 ItemF32Fn pick_f32(Isa isa, at::ScalarType w_dtype) {
   if (w_dtype == at::kChar) {
@@ -474,7 +540,7 @@ void item_bf16_amx(const LinearArgs& a, int64_t m0, int64_t rows, const uint16_t
 // The op
 
 // The epilogue of one item: its float32 accumulators (+ bias) -> y in out_dtype. Compiled for
-// AVX-512 too (the bf16 paths run only where the CPU has it) and for the baseline.
+// AVX-512, AVX2 and the baseline.
 template <typename Out>
 PS_INLINE void store_item_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
                                float* acc) {
@@ -509,6 +575,7 @@ using StoreFn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, float*);
   }
 #if defined(__x86_64__)
 PS_DEFINE_STORE(store_item_avx512, PS_TARGET_AVX512)
+PS_DEFINE_STORE(store_item_avx2, PS_TARGET_AVX2)
 #endif
 PS_DEFINE_STORE(store_item_baseline, )
 
@@ -621,7 +688,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   a.silu_mul = silu_mul;
   const ItemF32Fn f32_fn = pick_f32(isa, w_dtype);
 #if defined(__x86_64__)
-  const StoreFn store_fn = isa >= Isa::kAvx512 ? store_item_avx512 : store_item_baseline;
+  const StoreFn store_fn = isa >= Isa::kAvx512 ? store_item_avx512
+                           : isa >= Isa::kAvx2  ? store_item_avx2
+                                                : store_item_baseline;
 #else
   const StoreFn store_fn = store_item_baseline;
 #endif

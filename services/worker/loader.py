@@ -46,7 +46,12 @@ from services.worker.lora import LoRAConfig
 from services.worker.lora.layers import wrap_lora_layers
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
-from services.worker.packed_linear import PackedLinear, pack_model_linears, takes_silu_mul
+from services.worker.packed_linear import (
+    PackedLinear,
+    native_float32_default,
+    pack_model_linears,
+    takes_silu_mul,
+)
 from services.worker.parallel import ShardPlan, shard_model
 from services.worker.pooler_config import PoolerConfig, checkpoint_pooler, resolve_runner
 from services.worker.quantized_linear import (
@@ -133,8 +138,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
 
     On a CPU the linear layers go to the native row-invariant kernel where needed
     (``services/worker/packed_linear.py``): every linear layer and the LM head (float32 logits)
-    of a 16-bit model, and of a float32 model with ``batch_invariant``. A float32 model without
-    it keeps ATen's (MKL, faster at float32; row-variant in the last bits).
+    of a 16-bit model, and of a float32 model with ``batch_invariant`` or where the kernels'
+    AVX2 step runs (``native_float32_default``). A float32 model elsewhere keeps ATen's (MKL:
+    faster there at float32; row-variant in the last bits).
 
     Args:
         model: a transformers folder or ``.gguf`` path; None/"" = the packaged SmolLM2.
@@ -373,7 +379,7 @@ def _pack_linears(net: Model, dtype: torch.dtype, device: torch.device, batch_in
             raise ValueError(f"--batch-invariant is implemented for the CPU only, not "
                              f"{device.type}")
         return
-    if not (batch_invariant or dtype != torch.float32):
+    if not (batch_invariant or dtype != torch.float32 or native_float32_default()):
         return
     try:
         pack_model_linears(net, lm_head=is_last_stage, decoder=True)

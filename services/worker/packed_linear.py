@@ -10,7 +10,12 @@ On a CPU worker with the native library:
   another kernel for another number of rows, so each row's result is the same whatever else
   the step holds; oneDNN's bf16 matmul is not (on a Xeon with AMX it takes another kernel above
   32 rows), and a prefix-cache hit, which shrinks the step, changed a request's answer;
-- **a float32 model with ``--batch-invariant``**: the same, in place of ATen's (MKL) sgemm.
+- **a float32 model on a CPU whose best step is AVX2** (``native_float32_default``), or with
+  ``--batch-invariant`` on any CPU: the same, in place of ATen's (MKL) sgemm. The kernel's
+  AVX2 float32 body is faster than MKL's sgemm at every shape of SmolLM2 from 1 to 512 rows
+  (1.02-1.2x at 128-512 rows, 1.5-2.9x at 8-32: docs/benchmarks.md, issue 31); its AVX-512
+  float32 body is a plain compiled loop, not measured against MKL's zmm sgemm, so an AVX-512
+  CPU keeps MKL at float32 unless ``--batch-invariant`` asks otherwise.
 
 Packing is a copy in the kernel's layout; the module it replaces is dropped, so an untied LM
 head or a decoder linear costs no extra memory. A tied LM head keeps the embedding table as it
@@ -104,6 +109,26 @@ class PackedLinear(nn.Module):
                 raise ValueError("a silu_mul layer's packed weight is written whole columns")
             block = gate_up_blocks(block)
         write_packed(self.packed, row, col, block)
+
+
+# Whether a float32 model on the kernels' AVX2 step goes native by default (a module constant,
+# so that benchmarks/ab_engine.py can A/B it: --knob services.worker.packed_linear.
+# FLOAT32_NATIVE_ON_AVX2 --values False True).
+FLOAT32_NATIVE_ON_AVX2 = True
+
+
+def native_float32_default() -> bool:
+    """Whether a float32 model's linear layers go to the native kernel without
+    ``--batch-invariant``: where the kernels take their AVX2 step (``kernels.cpu_attention.
+    cpu_isa``: this CPU's best, or ``PAGEDSERVE_CPU_ISA``'s choice), whose float32 body beats
+    MKL's sgemm (the module docstring). False where the library cannot be built or loaded."""
+    from kernels.cpu_attention import cpu_isa
+
+    try:
+        return FLOAT32_NATIVE_ON_AVX2 and cpu_isa() == "avx2"
+    except Exception as e:  # noqa: BLE001 - any build/load failure: MKL, as before
+        log.debug("native CPU kernels unavailable: %s", e)
+        return False
 
 
 def pack_model_linears(model: nn.Module, *, lm_head: bool, decoder: bool) -> None:

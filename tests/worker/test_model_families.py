@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu_linear import pack_linear_weight
 from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.distributed import ParallelConfig
 from services.worker.loader import SUPPORTED_MODEL_TYPES, load_model
@@ -89,7 +90,10 @@ def test_config_windows_and_flags(family):
         assert model.layers[0].attn.qkv_proj.bias is not None
         assert model.layers[0].attn.o_proj.bias is None
     if name == "gemma3":
-        assert model.lm_head is None and cfg.final_logit_softcapping == 30.0
+        # tied: no LM head of its own (a native CPU step packs a copy of the embedding table)
+        assert cfg.tie_word_embeddings and cfg.final_logit_softcapping == 30.0
+        assert model.lm_head is None or torch.equal(
+            model.lm_head.packed, pack_linear_weight(model.embed_tokens.weight))
         assert not torch.equal(model.inv_freq_full, model.inv_freq_sliding)
 
 
