@@ -83,24 +83,25 @@ def main() -> None:
 
 def print_by_shape(events) -> None:
     """Seconds, calls and GFLOP/s of ``pagedserve::linear`` (and ATen's ``mm`` / ``addmm``, a
-    float32 model's linear layers) per (N, K, rows: 1-8 each, <= 128, > 128) and of ``pagedserve::paged_attention`` per step kind (query rows <= 128: decode-sized,
-    else with prefill), largest first."""
+    float32 model's linear layers) per (N, K, rows: 1-8 each, <= 128, > 128) and of
+    ``pagedserve::paged_attention`` per step kind (query rows <= 128: decode-sized, else with
+    prefill), largest first."""
     table: dict[tuple, list[float]] = {}
     for e in events:
         if e.name == "pagedserve::linear":
-            (m, k), blocks = e.input_shapes[0], e.input_shapes[1][0]
-            rows = f"{m}" if m <= 8 else "<= 128" if m <= 128 else "> 128"
-            key, flops = ("linear", blocks * 32, k, rows), 2.0 * m * k * blocks * 32
+            (m, k), n = e.input_shapes[0], e.input_shapes[1][0] * 32  # blocks of 32 columns
         elif e.name in ("aten::mm", "aten::addmm") and e.input_shapes:  # a float32 model: MKL
             first = 1 if e.name == "aten::addmm" else 0  # addmm(bias, x, w^T, ...)
             (m, k), (_, n) = e.input_shapes[first], e.input_shapes[first + 1]
-            rows = f"{m}" if m <= 8 else "<= 128" if m <= 128 else "> 128"
-            key, flops = (e.name, n, k, rows), 2.0 * m * k * n
         elif e.name == "pagedserve::paged_attention":
             rows = "<= 128" if e.input_shapes[0][0] <= 128 else "> 128"
             key, flops = ("paged_attention", "", "", rows), 0.0
         else:
             continue
+        if e.name != "pagedserve::paged_attention":
+            rows = f"{m}" if m <= 8 else "<= 128" if m <= 128 else "> 128"
+            op = "linear" if e.name == "pagedserve::linear" else e.name
+            key, flops = (op, n, k, rows), 2.0 * m * k * n
         entry = table.setdefault(key, [0.0, 0, 0.0])
         entry[0] += e.self_cpu_time_total / 1e6
         entry[1] += 1

@@ -46,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.common.ports import free_port  # noqa: E402
+from services.common.ports import free_ports  # noqa: E402
 
 CLI = [sys.executable, "-m", "services.cli"]
 SERVICES = ("worker", "scheduler", "router")
@@ -77,10 +77,6 @@ class Figures:
     failures: list[str] = field(default_factory=list)  # the checks that failed
 
 
-def _free_ports(n: int) -> list[int]:
-    return [free_port() for _ in range(n)]
-
-
 def _health(address: str) -> str:
     out = subprocess.run(CLI + ["health", "--address", address, "--timeout", "1"],
                          capture_output=True, text=True, cwd=ROOT)
@@ -91,7 +87,7 @@ class Stack:
     """worker, scheduler and router as processes on free ports; ``pids`` by service name."""
 
     def __init__(self, model: str, kv_cache_memory: str, max_num_seqs: int, log_dir: Path):
-        wport, sport, rport = _free_ports(3)
+        wport, sport, rport = free_ports(3)
         self.address = f"127.0.0.1:{rport}"
         self.scheduler = f"127.0.0.1:{sport}"
         common = ["--metrics-port", "0", "--log-level", "WARNING"]

@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from services.common.ports import free_port  # noqa: E402
+from services.common.ports import free_ports  # noqa: E402
 
 
 def make_prompts(tokenizer, n: int, input_len: int) -> list[list[int]]:
@@ -125,7 +125,7 @@ def running_stack(model: str | None, dtype: str, extra: list[str]):
     Raises:
         RuntimeError: the stack exited or was not healthy within 600 s.
     """
-    port, sport, wport = (free_port() for _ in range(3))
+    port, sport, wport = free_ports(3)
     cmd = [sys.executable, "-m", "services.cli", "serve", "--port", str(port),
            "--scheduler-port", str(sport), "--worker-port", str(wport), "--dtype", dtype,
            "--metrics-port", "0",

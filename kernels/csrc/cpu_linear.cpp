@@ -699,7 +699,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   const int64_t items = chunks * num_blocks;  // item i: rows chunk i / num_blocks, block i % nb
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(std::min(kChunkM, m) * kBlockN);
-    std::vector<float> wf(path == Path::kF32 ? k * kBlockN : 0);
+    // the f32 path's unpacked weight block (a float32 weight is read in place)
+    std::vector<float> wf(path == Path::kF32 && !f32_weight ? k * kBlockN : 0);
     // int8 weights on a bf16 path: the item's block converted to bf16
     std::vector<uint16_t> wbf(path != Path::kF32 && int8_weight ? k2 * 2 * kBlockN : 0);
     const int64_t num_groups = group > 0 ? k / group : 0;

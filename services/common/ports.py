@@ -59,6 +59,12 @@ def free_port() -> int:
     return free_port_range(1)
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct unused TCP ports on 127.0.0.1 (``free_port`` each: e.g. a ``serve``'s
+    router, scheduler and worker ports)."""
+    return [free_port() for _ in range(n)]
+
+
 def free_port_range(n: int, tries: int = 200) -> int:
     """A base port such that ``base .. base + n - 1`` are all free on 127.0.0.1 now (e.g. a
     ``--port`` for n worker ranks, or a ``--metrics-port`` BASE for ``serve``), all below the

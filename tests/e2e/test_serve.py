@@ -12,15 +12,11 @@ import time
 
 import pytest
 
-from services.common.ports import free_port
+from services.common.ports import free_ports
 from tests.helpers import make_servable_tiny_llama
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "services.cli"]
-
-
-def _free_ports(n: int) -> list[int]:
-    return [free_port() for _ in range(n)]
 
 
 def _wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -37,7 +33,7 @@ def serve():
     procs = []
 
     def start(*flags: str) -> str:
-        port, sport, wport = _free_ports(3)
+        port, sport, wport = free_ports(3)
         proc = subprocess.Popen(CLI + ["serve", "--port", str(port), "--scheduler-port",
                                        str(sport), "--worker-port", str(wport),
                                        "--http-port", "0", "--metrics-port", "0", *flags],
@@ -87,7 +83,7 @@ def test_serve_refuses_busy_ports():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        sport, wport = _free_ports(2)
+        sport, wport = free_ports(2)
         out = subprocess.run(CLI + ["serve", "--port", str(port), "--scheduler-port", str(sport),
                                     "--worker-port", str(wport), "--http-port", "-1",
                                     "--metrics-port", "-1"],
@@ -98,7 +94,7 @@ def test_serve_refuses_busy_ports():
 
 def test_services_exit_when_serve_is_killed(tmp_path):
     model = make_servable_tiny_llama(tmp_path / "tiny")
-    ports = _free_ports(3)
+    ports = free_ports(3)
     proc = subprocess.Popen(CLI + ["serve", "--port", str(ports[0]), "--scheduler-port",
                                    str(ports[1]), "--worker-port", str(ports[2]),
                                    "--http-port", "0", "--metrics-port", "0", "--model",
@@ -120,7 +116,7 @@ def test_demo_prints_clean_answers_and_logs_to_a_file(tmp_path):
     """``make run``: the answers on a terminal (stdout and stderr together) hold no log
     lines; the services' logs, debug level included, are in the file whose path serve prints."""
     model = make_servable_tiny_llama(tmp_path / "tiny")
-    ports = _free_ports(3)
+    ports = free_ports(3)
     terminal = tmp_path / "terminal"
     env = {**os.environ, "PAGEDSERVE_CACHE_DIR": str(tmp_path / "cache")}
     with open(terminal, "wb") as tty:
