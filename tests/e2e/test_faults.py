@@ -21,7 +21,8 @@ import pytest
 
 from pagedserve_client import Client
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc
-from tests.e2e.test_serve import CLI, _free_ports
+from services.common.ports import free_ports
+from tests.e2e.test_serve import CLI
 from tests.helpers import make_servable_tiny_llama
 from tests.parallel.conftest import stream_in_background, wait_for
 
@@ -41,7 +42,7 @@ def tiny_model(tmp_path):
 
 
 def test_worker_killed_mid_stream_then_restarted(tiny_model):
-    router_port, sched_port, worker_port = _free_ports(3)
+    router_port, sched_port, worker_port = free_ports(3)
     router, sched, worker = (f"127.0.0.1:{p}" for p in (router_port, sched_port, worker_port))
     worker_cmd = CLI + ["worker", "--port", str(worker_port), "--metrics-port", "0",
                         "--model", tiny_model,
@@ -174,7 +175,7 @@ def _stream_in_thread(address: str, results: dict, key: str, started: threading.
 
 
 def test_a_scheduler_replica_killed(tiny_model, procs):
-    w1, w2, s1, s2, r, rm = _free_ports(6)
+    w1, w2, s1, s2, r, rm = free_ports(6)
     scheds = [f"127.0.0.1:{s1}", f"127.0.0.1:{s2}"]
     router = f"127.0.0.1:{r}"
     for wport, sport in ((w1, s1), (w2, s2)):
@@ -235,7 +236,7 @@ def test_a_scheduler_replica_killed(tiny_model, procs):
 
 
 def test_router_killed_and_restarted_on_the_same_port(tiny_model, procs):
-    w, s, r = _free_ports(3)
+    w, s, r = free_ports(3)
     sched, router = f"127.0.0.1:{s}", f"127.0.0.1:{r}"
     router_cmd = ("router", "--port", str(r), "--http-port", "-1", "--metrics-port", "0",
                   "--scheduler", sched, "--model", tiny_model)

@@ -23,7 +23,8 @@ import pytest
 
 from services.common.grpc_utils import LIVENESS, health_status
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
-from tests.e2e.test_serve import CLI, _free_ports
+from services.common.ports import free_ports
+from tests.e2e.test_serve import CLI
 from tests.helpers import make_servable_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -56,7 +57,7 @@ def _wait_for(predicate, timeout: float, what: str, procs=()) -> float:
 
 def test_readiness_follows_the_workers_and_liveness_stays(tmp_path):
     model = make_servable_tiny_llama(tmp_path / "tiny")
-    router_port, http_port, sched_port, worker_port = _free_ports(4)
+    router_port, http_port, sched_port, worker_port = free_ports(4)
     router, sched, worker = (f"127.0.0.1:{p}" for p in (router_port, sched_port, worker_port))
     health_url = f"http://127.0.0.1:{http_port}/health"
     worker_cmd = CLI + ["worker", "--port", str(worker_port), "--metrics-port", "0",

@@ -14,8 +14,8 @@ import urllib.request
 import grpc
 import psutil
 import pytest
-from pagedserve_client import Client
 
+from pagedserve_client import Client
 from services.cli.supervision import RestartPolicy, ServeMetrics, supervise
 from services.common.ports import free_port, free_port_range
 from tests.e2e.test_serve import CLI

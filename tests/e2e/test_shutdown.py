@@ -15,9 +15,10 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagedserve_client import Client
 
-from tests.e2e.test_serve import CLI, _free_ports, _wait_healthy
+from pagedserve_client import Client
+from services.common.ports import free_ports
+from tests.e2e.test_serve import CLI, _wait_healthy
 from tests.helpers import make_servable_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ def start_serve(tmp_path):
     procs = []
 
     def start(*flags: str) -> tuple[subprocess.Popen, dict[str, str]]:
-        port, sport, wport, hport = _free_ports(4)
+        port, sport, wport, hport = free_ports(4)
         proc = subprocess.Popen(CLI + ["serve", "--port", str(port), "--scheduler-port",
                                        str(sport), "--worker-port", str(wport), "--http-port",
                                        str(hport), "--metrics-port", "0", "--model", model,

@@ -7,16 +7,17 @@ import signal
 import subprocess
 
 import pytest
-from pagedserve_client import Client
 
-from tests.e2e.test_serve import CLI, _free_ports, _wait_healthy
+from pagedserve_client import Client
+from services.common.ports import free_ports
+from tests.e2e.test_serve import CLI, _wait_healthy
 from tests.parallel.conftest import PROMPTS, free_port_range, reference_greedy
 
 pytestmark = pytest.mark.slow
 
 
 def test_serve_passes_parallel_sizes_through(tiny_model):
-    port, sched_port = _free_ports(2)
+    port, sched_port = free_ports(2)
     worker_port = free_port_range(2)
     proc = subprocess.Popen(CLI + [
         "serve", "--model", tiny_model, "--dtype", "float32", "--kv-cache-memory", "16MiB",

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.e2e.test_serve import _free_ports
+from services.common.ports import free_ports
 from tests.helpers import make_servable_tiny_llama
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def _cmdlines():
 
 def test_serve_with_mtls_and_api_key(tmp_path, pki):
     model = make_servable_tiny_llama(tmp_path / "tiny")
-    port, sport, wport = _free_ports(3)
+    port, sport, wport = free_ports(3)
     tls = pki.service_flags(mtls=True)
     client_tls = ["--ssl-certfile", str(pki.client_cert), "--ssl-keyfile", str(pki.client_key),
                   "--ssl-ca-certs", str(pki.ca)]
