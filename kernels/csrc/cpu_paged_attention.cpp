@@ -43,8 +43,9 @@
 //   avx512_bf16  the same P, vdpbf16ps micro-kernels of up to 4 rows (a decode's G rows in one
 //                tile), both parts of P in one pass over V; a pair-layout cache (kv_layout 1,
 //                block_size % 16 == 0) is read in place, no per-chunk copy of K^T or V;
-//   avx512 / avx2 / scalar (and float32 / float16 everywhere): float32 FMA micro-kernels in
-//                plain loops compiled per target: S from K^T (prefill tiles) or, for fewer
+//   avx512 / avx2 / scalar (and float32 / float16 everywhere): float32 FMA micro-kernels
+//                (plain loops compiled per target; on avx2 the prefill and P V tiles are
+//                intrinsics, 6 rows x 16 columns): S from K^T (prefill tiles) or, for fewer
 //                than 16 rows (decode), from the key rows in place with the rows across the
 //                vector lanes (the same FMA chain per element either way); P V with
 //                head_dim across the lanes.
@@ -458,6 +459,113 @@ PS_INLINE void pv_tail_f32(const float* p, int64_t ldk, const void* const* vrow,
   }
 }
 
+#if defined(__x86_64__)
+// The AVX2 bodies of the two products (the generic 4 x 32 tiles above need all 16 ymm
+// registers for their accumulators and spill): MR rows x 16 columns, 2 ymm accumulators per
+// row, the column pair loaded once for all MR rows and the row's factor broadcast (12
+// accumulators + 2 loads + 1 broadcast at MR = 6, as the linear kernel's tile_f32_avx2).
+// Each element is the same FMA chain as qk_tile_f32's / pv_tile_f32's (and
+// qk_keys4_rows16's), for every MR, so the row invariance above holds on this body too.
+constexpr int kTileMAvx2 = 6;
+
+// s[m][j0 .. j0 + 16) = q[m] . K^T[:, j0 ..] for MR rows.
+template <int MR>
+PS_TARGET_AVX2 PS_INLINE void qk_tile16_avx2(const float* q, int64_t d, const float* kt,
+                                             int64_t ldk, int64_t j0, float* s) {
+  __m256 a0[MR], a1[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < d; ++e) {
+    const __m256 k0 = _mm256_loadu_ps(kt + e * ldk + j0);
+    const __m256 k1 = _mm256_loadu_ps(kt + e * ldk + j0 + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 qv = _mm256_broadcast_ss(q + m * d + e);
+      a0[m] = _mm256_fmadd_ps(qv, k0, a0[m]);
+      a1[m] = _mm256_fmadd_ps(qv, k1, a1[m]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(s + m * ldk + j0, a0[m]);
+    _mm256_storeu_ps(s + m * ldk + j0 + 8, a1[m]);
+  }
+}
+
+// acc[m][e0 .. e0 + 16) += sum over keys t in [c0, c1), in order, of p[m][t] V[t][e0 ..].
+template <int MR>
+PS_TARGET_AVX2 PS_INLINE void pv_tile16_avx2(const float* p, int64_t ldk,
+                                             const void* const* vrow, int64_t c0, int64_t c1,
+                                             int64_t e0, float* acc, int64_t d) {
+  __m256 a0[MR], a1[MR];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    a0[m] = _mm256_loadu_ps(acc + m * d + e0);
+    a1[m] = _mm256_loadu_ps(acc + m * d + e0 + 8);
+  }
+  for (int64_t t = c0; t < c1; ++t) {
+    const float* vt = static_cast<const float*>(vrow[t]) + e0;
+    const __m256 v0 = _mm256_loadu_ps(vt);
+    const __m256 v1 = _mm256_loadu_ps(vt + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 pm = _mm256_broadcast_ss(p + m * ldk + t);
+      a0[m] = _mm256_fmadd_ps(pm, v0, a0[m]);
+      a1[m] = _mm256_fmadd_ps(pm, v1, a1[m]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    _mm256_storeu_ps(acc + m * d + e0, a0[m]);
+    _mm256_storeu_ps(acc + m * d + e0 + 8, a1[m]);
+  }
+}
+
+// Not inlined (the chunk loop around them has no target of its own): S[rows][c0 .. c1p) =
+// Q K^T from the float32 K^T buffer, c1p - c0 a multiple of 32.
+PS_TARGET_AVX2 void qk_rows_f32_avx2(const float* qf, int64_t d, const float* kt, int64_t ldk,
+                                     int64_t c0, int64_t c1p, int64_t rows, float* s) {
+  for (int64_t j0 = c0; j0 < c1p; j0 += 16) {
+    int64_t m = 0;
+    for (; m + kTileMAvx2 <= rows; m += kTileMAvx2) {
+      qk_tile16_avx2<kTileMAvx2>(qf + m * d, d, kt, ldk, j0, s + m * ldk);
+    }
+    const float* qm = qf + m * d;
+    float* sm = s + m * ldk;
+    switch (rows - m) {
+      case 5: qk_tile16_avx2<5>(qm, d, kt, ldk, j0, sm); break;
+      case 4: qk_tile16_avx2<4>(qm, d, kt, ldk, j0, sm); break;
+      case 3: qk_tile16_avx2<3>(qm, d, kt, ldk, j0, sm); break;
+      case 2: qk_tile16_avx2<2>(qm, d, kt, ldk, j0, sm); break;
+      case 1: qk_tile16_avx2<1>(qm, d, kt, ldk, j0, sm); break;
+      default: break;
+    }
+  }
+}
+
+// Not inlined: acc[rows][0 .. d16) += P[rows][c0 .. c1) V, d16 = d rounded down to 16.
+PS_TARGET_AVX2 void pv_rows_f32_avx2(const float* p, int64_t ldk, const void* const* vrow,
+                                     int64_t c0, int64_t c1, int64_t rows, float* acc,
+                                     int64_t d, int64_t d16) {
+  for (int64_t e0 = 0; e0 < d16; e0 += 16) {
+    int64_t m = 0;
+    for (; m + kTileMAvx2 <= rows; m += kTileMAvx2) {
+      pv_tile16_avx2<kTileMAvx2>(p + m * ldk, ldk, vrow, c0, c1, e0, acc + m * d, d);
+    }
+    const float* pm = p + m * ldk;
+    float* am = acc + m * d;
+    switch (rows - m) {  // (decode: all of a KV head's rows in one pass over V)
+      case 5: pv_tile16_avx2<5>(pm, ldk, vrow, c0, c1, e0, am, d); break;
+      case 4: pv_tile16_avx2<4>(pm, ldk, vrow, c0, c1, e0, am, d); break;
+      case 3: pv_tile16_avx2<3>(pm, ldk, vrow, c0, c1, e0, am, d); break;
+      case 2: pv_tile16_avx2<2>(pm, ldk, vrow, c0, c1, e0, am, d); break;
+      case 1: pv_tile16_avx2<1>(pm, ldk, vrow, c0, c1, e0, am, d); break;
+      default: break;
+    }
+  }
+}
+#endif
+
 // Few rows (decode): s[r][t .. t + 4) for up to 16 rows held across the vector lanes, the
 // keys' rows read in place (no K^T): each element is the same FMA chain over the head dims in
 // order as qk_tile_f32's, so a row's scores do not depend on which of the two ran.
@@ -482,7 +590,7 @@ PS_INLINE void qk_keys4_rows16(const float* qt, int64_t d, const T* const* k, in
   }
 }
 
-template <typename T>
+template <typename T, Isa kIsa>
 PS_INLINE void chunk_products_f32_qk(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                      int64_t c1p) {
   const int64_t d = p.head_dim, ldk = p.ldk;
@@ -517,6 +625,12 @@ PS_INLINE void chunk_products_f32_qk(const AttnParams& p, Scratch& s, int64_t ro
       }
     }
   }
+#if defined(__x86_64__)
+  if constexpr (kIsa == Isa::kAvx2) {
+    qk_rows_f32_avx2(s.qf, d, s.kt, ldk, c0, c1p, rows, s.s);
+    return;
+  }
+#endif
   for (int64_t j0 = c0; j0 < c1p; j0 += 32) {
     int64_t m = 0;
     for (; m + 4 <= rows; m += 4) qk_tile_f32<4>(s.qf + m * d, d, s.kt, ldk, j0, s.s + m * ldk);
@@ -524,7 +638,7 @@ PS_INLINE void chunk_products_f32_qk(const AttnParams& p, Scratch& s, int64_t ro
   }
 }
 
-template <typename T>
+template <typename T, Isa kIsa>
 PS_INLINE void chunk_products_f32_pv(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                      int64_t c1) {
   const int64_t d = p.head_dim, ldk = p.ldk;
@@ -539,6 +653,14 @@ PS_INLINE void chunk_products_f32_pv(const AttnParams& p, Scratch& s, int64_t ro
       vrow[t] = dst;
     }
   }
+#if defined(__x86_64__)
+  if constexpr (kIsa == Isa::kAvx2) {
+    const int64_t d16 = d / 16 * 16;
+    pv_rows_f32_avx2(s.s, ldk, vrow, c0, c1, rows, s.acc, d, d16);
+    if (d16 < d) pv_tail_f32(s.s, ldk, vrow, c0, c1, d16, rows, s.acc, d);
+    return;
+  }
+#endif
   const int64_t d32 = d / 32 * 32;
   for (int64_t e0 = 0; e0 < d32; e0 += 32) {
     int64_t m = 0;
@@ -1054,7 +1176,7 @@ PS_INLINE int64_t queue_pieces(const AttnParams& p, Scratch& s, const WorkItem& 
 // `chunk` keys): the rows of the chunk's keys through the block table, S = Q K^T, the
 // online-softmax step of each row, acc += P V; finally out = acc / l, or (m, l, acc) for the
 // merge of a split.
-template <typename T, Path kPath>
+template <typename T, Path kPath, Isa kIsa = Isa::kScalar>
 PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scratch& s) {
   const int64_t d = p.head_dim, g = p.group, bs = p.block_size, C = p.chunk;
   const int64_t rows = it.q_count * g;
@@ -1198,7 +1320,7 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
       }
     }
     if constexpr (kPath == Path::kF32) {
-      chunk_products_f32_qk<T>(p, s, rows, c0, c1p);
+      chunk_products_f32_qk<T, kIsa>(p, s, rows, c0, c1p);
     }
 #if defined(__x86_64__)
     if constexpr (kPath == Path::kBf16Dp) chunk_qk_dp(p, s, rows, c0, c1p);
@@ -1226,7 +1348,7 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
     if constexpr (kPath != Path::kF32) softmax_rows_bf16(s, rows, p.ldk, c0, c1, p.scale, d);
 #endif
     if constexpr (kPath == Path::kF32) {
-      chunk_products_f32_pv<T>(p, s, rows, c0, c1);
+      chunk_products_f32_pv<T, kIsa>(p, s, rows, c0, c1);
     }
 #if defined(__x86_64__)
     if constexpr (kPath == Path::kBf16Dp) chunk_pv_dp(p, s, rows, c0, c1);
@@ -1257,9 +1379,9 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
   }
 }
 
-template <typename T>
+template <typename T, Isa kIsa>
 PS_INLINE void attend_item_f32(const AttnParams& p, const WorkItem& it, Scratch& s) {
-  attend_item_chunks<T, Path::kF32>(p, it, s);
+  attend_item_chunks<T, Path::kF32, kIsa>(p, it, s);
 }
 
 template <typename T>
@@ -1293,20 +1415,20 @@ void merge_group(const AttnParams& p, const MergeGroup& mg) {
 using ItemFn = void (*)(const AttnParams&, const WorkItem&, Scratch&);
 
 #if defined(__x86_64__)
-#define PS_DEFINE_ITEM(NAME, TARGET)                                                      \
+#define PS_DEFINE_ITEM(NAME, TARGET, ISA)                                                 \
   TARGET void NAME##_f32(const AttnParams& p, const WorkItem& it, Scratch& s) {           \
-    attend_item_f32<float>(p, it, s);                                                     \
+    attend_item_f32<float, ISA>(p, it, s);                                                \
   }                                                                                       \
   TARGET void NAME##_bf16(const AttnParams& p, const WorkItem& it, Scratch& s) {          \
-    attend_item_f32<c10::BFloat16>(p, it, s);                                             \
+    attend_item_f32<c10::BFloat16, ISA>(p, it, s);                                        \
   }                                                                                       \
   TARGET void NAME##_f16(const AttnParams& p, const WorkItem& it, Scratch& s) {           \
-    attend_item_f32<c10::Half>(p, it, s);                                                 \
+    attend_item_f32<c10::Half, ISA>(p, it, s);                                            \
   }
-PS_DEFINE_ITEM(item_avx512, PS_TARGET_AVX512)
-PS_DEFINE_ITEM(item_avx2, PS_TARGET_AVX2)
+PS_DEFINE_ITEM(item_avx512, PS_TARGET_AVX512, Isa::kAvx512)
+PS_DEFINE_ITEM(item_avx2, PS_TARGET_AVX2, Isa::kAvx2)
 #endif
-PS_DEFINE_ITEM(item_scalar, )
+PS_DEFINE_ITEM(item_scalar, , Isa::kScalar)
 
 #if defined(__x86_64__)
 PS_BF16_TARGET void item_bf16_dp(const AttnParams& p, const WorkItem& it, Scratch& s) {
