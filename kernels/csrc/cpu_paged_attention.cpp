@@ -566,6 +566,66 @@ PS_TARGET_AVX2 void pv_rows_f32_avx2(const float* p, int64_t ldk, const void* co
 }
 #endif
 
+#if defined(__x86_64__)
+// Key element e of a cache row as float32 in all 8 lanes.
+template <typename T>
+PS_TARGET_AVX2 PS_INLINE __m256 broadcast_key_avx2(const T* k) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_broadcast_ss(k);
+  } else {
+    return _mm256_set1_ps(static_cast<float>(*k));
+  }
+}
+
+// In-register transpose of an 8 x 8 float32 matrix (r[i] = row i in, column i out).
+PS_TARGET_AVX2 PS_INLINE void transpose8x8_ps(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// Decode on AVX2, up to 8 rows: s[r][c0 .. c1p) with the rows across the 8 lanes of one ymm
+// register (Q^T [d][8], rows zero-padded) and 8 keys per pass, their rows read in place (8
+// independent FMA chains: the generic 16-lane body computed 16 lanes for a decode's G = 3
+// rows, and zeroed its accumulators through memory for every 4 keys). Each score is the same
+// FMA chain over the head dims in order as the prefill tiles', so the row invariance holds.
+template <typename T>
+PS_TARGET_AVX2 void qk_keys8_rows8_avx2(const float* qt, int64_t d, const void* const* krow,
+                                        const void* zero, int64_t rows, float* s, int64_t ldk,
+                                        int64_t c0, int64_t c1p) {
+  for (int64_t t = c0; t < c1p; t += 8) {
+    const T* k[8];
+    for (int kb = 0; kb < 8; ++kb) {
+      const void* row = krow[t + kb];
+      k[kb] = static_cast<const T*>(row != nullptr ? row : zero);
+    }
+    __m256 a[8];
+    for (int kb = 0; kb < 8; ++kb) a[kb] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; ++e) {
+      const __m256 qe = _mm256_loadu_ps(qt + e * 8);
+#pragma GCC unroll 8
+      for (int kb = 0; kb < 8; ++kb) {
+        a[kb] = _mm256_fmadd_ps(qe, broadcast_key_avx2<T>(k[kb] + e), a[kb]);
+      }
+    }
+    transpose8x8_ps(a);  // a[r] = row r's scores of keys t .. t + 8
+    for (int64_t r = 0; r < rows; ++r) _mm256_storeu_ps(s + r * ldk + t, a[r]);
+  }
+}
+#endif
+
 // Few rows (decode): s[r][t .. t + 4) for up to 16 rows held across the vector lanes, the
 // keys' rows read in place (no K^T): each element is the same FMA chain over the head dims in
 // order as qk_tile_f32's, so a row's scores do not depend on which of the two ran.
@@ -594,6 +654,18 @@ template <typename T, Isa kIsa>
 PS_INLINE void chunk_products_f32_qk(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                      int64_t c1p) {
   const int64_t d = p.head_dim, ldk = p.ldk;
+#if defined(__x86_64__)
+  if constexpr (kIsa == Isa::kAvx2) {
+    if (rows <= 8) {  // Q^T [d][8] (rows zero-padded) in the K^T buffer, keys read in place
+      float* qt = s.kt;
+      for (int64_t e = 0; e < d; ++e) {
+        for (int64_t r = 0; r < 8; ++r) qt[e * 8 + r] = r < rows ? s.qf[r * d + e] : 0.0f;
+      }
+      qk_keys8_rows8_avx2<T>(qt, d, s.krow, s.zero, rows, s.s, ldk, c0, c1p);
+      return;
+    }
+  }
+#endif
   if (rows < 16) {  // Q^T [d][16] (rows zero-padded) in the K^T buffer, keys read in place
     float* qt = s.kt;
     for (int64_t e = 0; e < d; ++e) {
