@@ -280,7 +280,7 @@ PS_INLINE void tile_f32(const float* x, int64_t ldx, const float* wf, int64_t k,
 }
 
 PS_INLINE void rows_f32(const float* x, int64_t ldx, int64_t rows, const float* wf, int64_t k,
-                        float* acc) {
+                        float* acc, const float* /*ahead: the AVX2 body's prefetch only*/) {
   int64_t m = 0;
   for (; m + kTileMF32 <= rows; m += kTileMF32) {
     tile_f32<kTileMF32>(x + m * ldx, ldx, wf, k, acc + m * kBlockN);
@@ -315,11 +315,14 @@ struct LinearArgs {
 // accumulators per row, the two weight vectors of k loaded once for all MR rows and x[m, k]
 // broadcast (12 accumulators + 2 weights + 1 broadcast of the 16 ymm registers at MR = 6).
 // Each element is the same FMA chain over k as tile_f32's, for every MR.
+// `ahead`: the block this thread reads next (nullptr: none, or not this call): each k asks for
+// its line of the same half, so the whole block is on its way after both halves.
 template <int MR>
 PS_TARGET_AVX2 PS_INLINE void tile_f32_avx2(const float* x, int64_t ldx, const float* wf,
-                                            int64_t k, float* acc) {
+                                            int64_t k, float* acc, const float* ahead) {
   for (int h = 0; h < 2; ++h) {
     const float* w = wf + 16 * h;
+    const char* pf = reinterpret_cast<const char*>(ahead != nullptr ? ahead + 16 * h : nullptr);
     __m256 c0[MR], c1[MR];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -329,6 +332,7 @@ PS_TARGET_AVX2 PS_INLINE void tile_f32_avx2(const float* x, int64_t ldx, const f
     for (int64_t kk = 0; kk < k; ++kk) {
       const __m256 w0 = _mm256_loadu_ps(w + kk * kBlockN);
       const __m256 w1 = _mm256_loadu_ps(w + kk * kBlockN + 8);
+      if (pf != nullptr) _mm_prefetch(pf + kk * kBlockN * sizeof(float), _MM_HINT_T1);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const __m256 xv = _mm256_broadcast_ss(x + m * ldx + kk);
@@ -346,21 +350,24 @@ PS_TARGET_AVX2 PS_INLINE void tile_f32_avx2(const float* x, int64_t ldx, const f
 
 constexpr int kTileMAvx2 = 6;  // rows per AVX2 micro-kernel call
 
-// Not inlined: item_f32_body (no target of its own) calls it.
+// Not inlined: item_f32_body (no target of its own) calls it. The first tile asks for the
+// lines of `ahead` (the thread's next float32 block, or nullptr): the weights stream from
+// memory in a decode step, and without it the next block's first pass stalls on them.
 PS_TARGET_AVX2 void rows_f32_avx2(const float* x, int64_t ldx, int64_t rows,
-                                  const float* wf, int64_t k, float* acc) {
+                                  const float* wf, int64_t k, float* acc, const float* ahead) {
   int64_t m = 0;
   for (; m + kTileMAvx2 <= rows; m += kTileMAvx2) {
-    tile_f32_avx2<kTileMAvx2>(x + m * ldx, ldx, wf, k, acc + m * kBlockN);
+    tile_f32_avx2<kTileMAvx2>(x + m * ldx, ldx, wf, k, acc + m * kBlockN, m == 0 ? ahead : nullptr);
   }
   const float* xt = x + m * ldx;
   float* at = acc + m * kBlockN;
+  const float* pf = m == 0 ? ahead : nullptr;
   switch (rows - m) {
-    case 5: tile_f32_avx2<5>(xt, ldx, wf, k, at); break;
-    case 4: tile_f32_avx2<4>(xt, ldx, wf, k, at); break;
-    case 3: tile_f32_avx2<3>(xt, ldx, wf, k, at); break;
-    case 2: tile_f32_avx2<2>(xt, ldx, wf, k, at); break;
-    case 1: tile_f32_avx2<1>(xt, ldx, wf, k, at); break;
+    case 5: tile_f32_avx2<5>(xt, ldx, wf, k, at, pf); break;
+    case 4: tile_f32_avx2<4>(xt, ldx, wf, k, at, pf); break;
+    case 3: tile_f32_avx2<3>(xt, ldx, wf, k, at, pf); break;
+    case 2: tile_f32_avx2<2>(xt, ldx, wf, k, at, pf); break;
+    case 1: tile_f32_avx2<1>(xt, ldx, wf, k, at, pf); break;
     default: break;
   }
 }
@@ -368,23 +375,26 @@ PS_TARGET_AVX2 void rows_f32_avx2(const float* x, int64_t ldx, int64_t rows,
 
 // RowsFn: rows_f32, or rows_f32_avx2 in the AVX2 bodies. A float32 block is read in place
 // (the packed layout is already [K][32] float32); others are unpacked into `wf` first.
+// `next_block`: the block of the item this thread runs next (-1: none).
 template <typename W, auto RowsFn>
 PS_INLINE void item_f32_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
-                             float* wf, float* acc) {
+                             int64_t next_block, float* wf, float* acc) {
   const float* w;
+  const float* ahead = nullptr;
   if constexpr (std::is_same_v<W, float>) {
     w = static_cast<const float*>(a.packed) + block * a.k * kBlockN;
+    if (next_block >= 0) ahead = static_cast<const float*>(a.packed) + next_block * a.k * kBlockN;
   } else {
     unpack_block(static_cast<const W*>(a.packed) + block * a.k2 * 2 * kBlockN, a.k, wf);
     w = wf;
   }
   const float* x = static_cast<const float*>(a.x);
-  RowsFn(x + m0 * a.ldx, a.ldx, rows, w, a.k, acc);
+  RowsFn(x + m0 * a.ldx, a.ldx, rows, w, a.k, acc, ahead);
 }
 
 template <auto RowsFn>
 PS_INLINE void item_f32_i8_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
-                                float* wf, float* acc) {
+                                int64_t /*next_block*/, float* wf, float* acc) {
   const int64_t num_groups = a.group > 0 ? a.k / a.group : 0;
   unpack_block_i8(static_cast<const int8_t*>(a.packed) + block * a.k2 * 2 * kBlockN, a.k,
                   a.group_scale != nullptr ? a.group_scale + block * num_groups * kBlockN
@@ -395,27 +405,28 @@ PS_INLINE void item_f32_i8_body(const LinearArgs& a, int64_t m0, int64_t rows, i
                                              : Round::kNone,
                   wf);
   const float* x = static_cast<const float*>(a.x);
-  RowsFn(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc);
+  RowsFn(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc, nullptr);
 }
 
-using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, float*, float*);
+using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, float*,
+                           float*);
 
 #define PS_DEFINE_F32(NAME, TARGET, ROWS)                                                  \
   TARGET void NAME##_f32(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,     \
-                         float* wf, float* acc) {                                          \
-    item_f32_body<float, ROWS>(a, m0, rows, block, wf, acc);                               \
+                         int64_t next, float* wf, float* acc) {                            \
+    item_f32_body<float, ROWS>(a, m0, rows, block, next, wf, acc);                         \
   }                                                                                        \
   TARGET void NAME##_bf16(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,    \
-                          float* wf, float* acc) {                                         \
-    item_f32_body<c10::BFloat16, ROWS>(a, m0, rows, block, wf, acc);                       \
+                          int64_t next, float* wf, float* acc) {                           \
+    item_f32_body<c10::BFloat16, ROWS>(a, m0, rows, block, next, wf, acc);                 \
   }                                                                                        \
   TARGET void NAME##_f16(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,     \
-                         float* wf, float* acc) {                                          \
-    item_f32_body<c10::Half, ROWS>(a, m0, rows, block, wf, acc);                           \
+                         int64_t next, float* wf, float* acc) {                            \
+    item_f32_body<c10::Half, ROWS>(a, m0, rows, block, next, wf, acc);                     \
   }                                                                                        \
   TARGET void NAME##_i8(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,      \
-                        float* wf, float* acc) {                                           \
-    item_f32_i8_body<ROWS>(a, m0, rows, block, wf, acc);                                   \
+                        int64_t next, float* wf, float* acc) {                             \
+    item_f32_i8_body<ROWS>(a, m0, rows, block, next, wf, acc);                             \
   }
 #if defined(__x86_64__)
 PS_DEFINE_F32(lin_avx512, PS_TARGET_AVX512, rows_f32)
@@ -725,7 +736,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
 #if defined(__x86_64__)
         case Path::kBf16Dp: item_bf16_dp(a, m0, rows, w, acc.data()); break;
 #endif
-        default: f32_fn(a, m0, rows, block, wf.data(), acc.data()); break;
+        default:
+          f32_fn(a, m0, rows, block, i + 1 < end ? (i + 1) % num_blocks : -1, wf.data(),
+                 acc.data());
+          break;
       }
       store_fn(a, m0, rows, block, acc.data());
     }
