@@ -521,6 +521,63 @@ PS_TARGET_AVX2 PS_INLINE void pv_tile16_avx2(const float* p, int64_t ldk,
   }
 }
 
+// In-register transpose of an 8 x 8 float32 matrix (r[i] = row i in, column i out).
+PS_TARGET_AVX2 PS_INLINE void transpose8x8_ps(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
+    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+
+// 8 values of a float32 or bf16 cache row from dim e on, as float32.
+template <typename T>
+PS_TARGET_AVX2 PS_INLINE __m256 load8_f32_avx2(const T* row, int64_t e) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(row + e);
+  } else {
+    static_assert(std::is_same_v<T, c10::BFloat16>);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + e));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+  }
+}
+
+// Not inlined: K^T [d][ldk] float32, columns [c0, c1p) (c1p - c0 a multiple of 32), from the
+// chunk's key rows (nullptr: zeros), 8 keys x 8 dims per in-register transpose (the generic
+// body moves one element at a time, which a decode's few rows do not amortize).
+template <typename T>
+PS_TARGET_AVX2 void kt_rows_avx2(const void* const* krow, int64_t c0, int64_t c1p, int64_t d,
+                                 float* kt, int64_t ldk) {
+  const int64_t d8 = d / 8 * 8;
+  for (int64_t t0 = c0; t0 < c1p; t0 += 8) {
+    const T* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = static_cast<const T*>(krow[t0 + i]);
+    for (int64_t e0 = 0; e0 < d8; e0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) {
+        r[i] = k[i] != nullptr ? load8_f32_avx2<T>(k[i], e0) : _mm256_setzero_ps();
+      }
+      transpose8x8_ps(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(kt + (e0 + j) * ldk + t0, r[j]);
+    }
+    for (int64_t e = d8; e < d; ++e) {
+      for (int i = 0; i < 8; ++i) {
+        kt[e * ldk + t0 + i] = k[i] != nullptr ? static_cast<float>(k[i][e]) : 0.0f;
+      }
+    }
+  }
+}
+
 // Not inlined (the chunk loop around them has no target of its own): S[rows][c0 .. c1p) =
 // Q K^T from the float32 K^T buffer, c1p - c0 a multiple of 32.
 PS_TARGET_AVX2 void qk_rows_f32_avx2(const float* qf, int64_t d, const float* kt, int64_t ldk,
@@ -574,25 +631,6 @@ PS_TARGET_AVX2 PS_INLINE __m256 broadcast_key_avx2(const T* k) {
     return _mm256_broadcast_ss(k);
   } else {
     return _mm256_set1_ps(static_cast<float>(*k));
-  }
-}
-
-// In-register transpose of an 8 x 8 float32 matrix (r[i] = row i in, column i out).
-PS_TARGET_AVX2 PS_INLINE void transpose8x8_ps(__m256 r[8]) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xee);
-    u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xee);
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
   }
 }
 
@@ -682,6 +720,13 @@ PS_INLINE void chunk_products_f32_qk(const AttnParams& p, Scratch& s, int64_t ro
     }
     return;
   }
+#if defined(__x86_64__)
+  if constexpr (kIsa == Isa::kAvx2 && !std::is_same_v<T, c10::Half>) {
+    kt_rows_avx2<T>(s.krow, c0, c1p, d, s.kt, ldk);
+    qk_rows_f32_avx2(s.qf, d, s.kt, ldk, c0, c1p, rows, s.s);
+    return;
+  }
+#endif
   // K^T, float32, columns [c0, c1p) (zeros outside the range), in 16 x 16 blocks
   for (int64_t t0 = c0; t0 < c1p; t0 += 16) {
     for (int64_t e0 = 0; e0 < d; e0 += 16) {
