@@ -44,11 +44,11 @@
 //                tile), both parts of P in one pass over V; a pair-layout cache (kv_layout 1,
 //                block_size % 16 == 0) is read in place, no per-chunk copy of K^T or V;
 //   avx512 / avx2 / scalar (and float32 / float16 everywhere): float32 FMA micro-kernels
-//                (plain loops compiled per target; on avx2 the prefill and P V tiles are
-//                intrinsics, 6 rows x 16 columns): S from K^T (prefill tiles) or, for fewer
-//                than 16 rows (decode), from the key rows in place with the rows across the
-//                vector lanes (the same FMA chain per element either way); P V with
-//                head_dim across the lanes.
+//                (plain loops compiled per target; on avx2 intrinsics: 6 rows x 16 columns
+//                for S and P V, K^T by 8 x 8 transposes, a decode's up to 8 rows across 8
+//                lanes): S from K^T (prefill tiles) or, for fewer than 16 rows (decode),
+//                from the key rows in place with the rows across the vector lanes (the same
+//                FMA chain per element either way); P V with head_dim across the lanes.
 // Sliding window W > 0 (Beltagy et al. 2020, "Longformer"; Jiang et al. 2023, "Mistral 7B"):
 // the row at position q sees keys max(0, q - W + 1) .. q only. An item's key range then starts
 // at the block holding its first row's window start, so blocks wholly before every window of
