@@ -56,6 +56,7 @@ from kernels.kv_layout import to_pairs
 from kernels.kv_quant import KV_CACHE_DTYPES, quantize_kv
 from kernels.torch_attention import plan_paged_attention, torch_paged_attention
 from services.worker.attention import choose_kv_layout
+from services.worker.huge_pages import zeros_on_huge_pages
 
 DECODE = [(batch, ctx) for batch in (1, 8, 64) for ctx in (128, 512, 2048)]
 MIXED = {
@@ -68,8 +69,8 @@ MIXED = {
 
 def make_step(pairs, num_heads, num_kv_heads, head_dim, block_size, dtype,
               cache_dtype=None) -> dict:
-    """Query, filled caches (quantized to ``cache_dtype`` unless None) and metadata of one
-    step; ``pairs`` = (query_len, seq_len)."""
+    """Query, filled caches (on huge pages as the model runner's, quantized to ``cache_dtype``
+    unless None) and metadata of one step; ``pairs`` = (query_len, seq_len)."""
     blocks = [math.ceil(s / block_size) for _, s in pairs]
     num_blocks = sum(blocks) + 8
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -81,7 +82,9 @@ def make_step(pairs, num_heads, num_kv_heads, head_dim, block_size, dtype,
         used += n
     qsl = torch.zeros(len(pairs) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor([q for q, _ in pairs]), 0)
-    k_cache, v_cache = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
+    # on huge pages where the kernel has them, as the model runner allocates its caches
+    k_cache = zeros_on_huge_pages(shape, dtype).copy_(torch.randn(shape, dtype=dtype))
+    v_cache = zeros_on_huge_pages(shape, dtype).copy_(torch.randn(shape, dtype=dtype))
     if cache_dtype is not None:
         k_cache, v_cache = quantize_kv(k_cache, cache_dtype), quantize_kv(v_cache, cache_dtype)
     return dict(

@@ -35,6 +35,13 @@
 // and the next chunk's blocks are prefetched (they lie anywhere in the cache). Keys past a
 // row's causal limit (position context_len + j) are never weighed; keys past the tile's last
 // row are never read.
+// Decode at the memory limit (the float32 body, a rows cache, items of fewer than 16 rows):
+// when a step has at least 4 (sequence, split) pairs of decodes per thread, a thread runs all
+// the KV heads of one pair in a row (a unit, WorkItem::unit_heads), and while it computes a
+// unit it asks for the next unit's K/V token by token, every head at once (a block's heads lie
+// side by side: contiguous runs instead of one row in every few), a few lines per pass of
+// the products (Scratch::pump); the first chunk of an item nobody queued is asked for in one
+// burst. On the AVX2 EPYC this read decode K/V ~1.5-2x faster (docs/benchmarks.md).
 // The products, by path (pick_path: the CPU step, the dtype and head_dim decide, nothing else):
 //   amx          bf16, head_dim % 32 == 0, on a CPU with AMX tiles:
 //                ATen's cpublas::brgemm (oneDNN's ukernel on AMX tiles), K^T and V packed
@@ -260,6 +267,10 @@ struct WorkItem {
   int64_t key_end;    // one past the last
   int64_t partial;    // workspace offset of this split's (m, l, acc) rows; -1 = write `out`
   int32_t seq, kv_head, q_count;
+  // > 1: the item is kv_head of a unit of unit_heads items that one thread runs in a row, the
+  // KV heads 0 .. unit_heads - 1 of one (sequence, query tile, split), consecutive in the
+  // item list (so the unit starts at this item - kv_head); see paged_attention.
+  int32_t unit_heads;
 };
 
 // The splits of one (sequence, query tile, KV head) that must be merged.
@@ -321,7 +332,8 @@ struct Scratch {
   const char** pf;           // [2 * ldk] the pieces
   int64_t pf_n = 0, pf_i = 0, pf_off = 0, pf_bytes = 0, pf_step = 0;
   const void* next = nullptr;    // the item this thread runs next (nullptr: none)
-  const void* warmed = nullptr;  // the item whose first chunk the queue held
+  const void* next_unit = nullptr;  // the first item of the unit it runs after this one's
+  const void* warmed = nullptr;  // the item (the unit's first) whose first chunk the queue held
   PS_INLINE void pump(int64_t lines) {
     for (; lines > 0 && pf_i < pf_n; --lines) {
       __builtin_prefetch(pf[pf_i] + pf_off, 0, 2);
@@ -496,7 +508,7 @@ PS_TARGET_AVX2 PS_INLINE void qk_tile16_avx2(const float* q, int64_t d, const fl
 template <int MR>
 PS_TARGET_AVX2 PS_INLINE void pv_tile16_avx2(const float* p, int64_t ldk,
                                              const void* const* vrow, int64_t c0, int64_t c1,
-                                             int64_t e0, float* acc, int64_t d) {
+                                             int64_t e0, float* acc, int64_t d, Scratch* pf) {
   __m256 a0[MR], a1[MR];
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
@@ -504,6 +516,7 @@ PS_TARGET_AVX2 PS_INLINE void pv_tile16_avx2(const float* p, int64_t ldk,
     a1[m] = _mm256_loadu_ps(acc + m * d + e0 + 8);
   }
   for (int64_t t = c0; t < c1; ++t) {
+    if (pf != nullptr && (t - c0) % 8 == 0) pf->pump();
     const float* vt = static_cast<const float*>(vrow[t]) + e0;
     const __m256 v0 = _mm256_loadu_ps(vt);
     const __m256 v1 = _mm256_loadu_ps(vt + 8);
@@ -603,20 +616,20 @@ PS_TARGET_AVX2 void qk_rows_f32_avx2(const float* qf, int64_t d, const float* kt
 // Not inlined: acc[rows][0 .. d16) += P[rows][c0 .. c1) V, d16 = d rounded down to 16.
 PS_TARGET_AVX2 void pv_rows_f32_avx2(const float* p, int64_t ldk, const void* const* vrow,
                                      int64_t c0, int64_t c1, int64_t rows, float* acc,
-                                     int64_t d, int64_t d16) {
+                                     int64_t d, int64_t d16, Scratch* pf) {
   for (int64_t e0 = 0; e0 < d16; e0 += 16) {
     int64_t m = 0;
     for (; m + kTileMAvx2 <= rows; m += kTileMAvx2) {
-      pv_tile16_avx2<kTileMAvx2>(p + m * ldk, ldk, vrow, c0, c1, e0, acc + m * d, d);
+      pv_tile16_avx2<kTileMAvx2>(p + m * ldk, ldk, vrow, c0, c1, e0, acc + m * d, d, pf);
     }
     const float* pm = p + m * ldk;
     float* am = acc + m * d;
     switch (rows - m) {  // (decode: all of a KV head's rows in one pass over V)
-      case 5: pv_tile16_avx2<5>(pm, ldk, vrow, c0, c1, e0, am, d); break;
-      case 4: pv_tile16_avx2<4>(pm, ldk, vrow, c0, c1, e0, am, d); break;
-      case 3: pv_tile16_avx2<3>(pm, ldk, vrow, c0, c1, e0, am, d); break;
-      case 2: pv_tile16_avx2<2>(pm, ldk, vrow, c0, c1, e0, am, d); break;
-      case 1: pv_tile16_avx2<1>(pm, ldk, vrow, c0, c1, e0, am, d); break;
+      case 5: pv_tile16_avx2<5>(pm, ldk, vrow, c0, c1, e0, am, d, pf); break;
+      case 4: pv_tile16_avx2<4>(pm, ldk, vrow, c0, c1, e0, am, d, pf); break;
+      case 3: pv_tile16_avx2<3>(pm, ldk, vrow, c0, c1, e0, am, d, pf); break;
+      case 2: pv_tile16_avx2<2>(pm, ldk, vrow, c0, c1, e0, am, d, pf); break;
+      case 1: pv_tile16_avx2<1>(pm, ldk, vrow, c0, c1, e0, am, d, pf); break;
       default: break;
     }
   }
@@ -642,8 +655,9 @@ PS_TARGET_AVX2 PS_INLINE __m256 broadcast_key_avx2(const T* k) {
 template <typename T>
 PS_TARGET_AVX2 void qk_keys8_rows8_avx2(const float* qt, int64_t d, const void* const* krow,
                                         const void* zero, int64_t rows, float* s, int64_t ldk,
-                                        int64_t c0, int64_t c1p) {
+                                        int64_t c0, int64_t c1p, Scratch& sc) {
   for (int64_t t = c0; t < c1p; t += 8) {
+    sc.pump();
     const T* k[8];
     for (int kb = 0; kb < 8; ++kb) {
       const void* row = krow[t + kb];
@@ -699,7 +713,7 @@ PS_INLINE void chunk_products_f32_qk(const AttnParams& p, Scratch& s, int64_t ro
       for (int64_t e = 0; e < d; ++e) {
         for (int64_t r = 0; r < 8; ++r) qt[e * 8 + r] = r < rows ? s.qf[r * d + e] : 0.0f;
       }
-      qk_keys8_rows8_avx2<T>(qt, d, s.krow, s.zero, rows, s.s, ldk, c0, c1p);
+      qk_keys8_rows8_avx2<T>(qt, d, s.krow, s.zero, rows, s.s, ldk, c0, c1p, s);
       return;
     }
   }
@@ -711,6 +725,7 @@ PS_INLINE void chunk_products_f32_qk(const AttnParams& p, Scratch& s, int64_t ro
     }
     const T* zero = reinterpret_cast<const T*>(s.zero);  // (all-zero bits: 0 in every dtype)
     for (int64_t t = c0; t < c1p; t += 4) {
+      if ((t - c0) % 8 == 0) s.pump();
       const T* k[4];
       for (int kb = 0; kb < 4; ++kb) {
         const void* row = s.krow[t + kb];
@@ -773,7 +788,7 @@ PS_INLINE void chunk_products_f32_pv(const AttnParams& p, Scratch& s, int64_t ro
 #if defined(__x86_64__)
   if constexpr (kIsa == Isa::kAvx2) {
     const int64_t d16 = d / 16 * 16;
-    pv_rows_f32_avx2(s.s, ldk, vrow, c0, c1, rows, s.acc, d, d16);
+    pv_rows_f32_avx2(s.s, ldk, vrow, c0, c1, rows, s.acc, d, d16, s.pf_n > 0 ? &s : nullptr);
     if (d16 < d) pv_tail_f32(s.s, ldk, vrow, c0, c1, d16, rows, s.acc, d);
     return;
   }
@@ -1289,6 +1304,43 @@ PS_INLINE int64_t queue_pieces(const AttnParams& p, Scratch& s, const WorkItem& 
   return n;
 }
 
+// Fills s.pf with the K rows, then the V rows, of item x's keys [key_lo, key_hi) (at most
+// one chunk) in a rows-layout cache; returns their count.
+PS_INLINE int64_t queue_rows(const AttnParams& p, Scratch& s, const WorkItem& x, int64_t key_lo,
+                             int64_t key_hi) {
+  const int64_t bs = p.block_size;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(x.seq) * p.bt_stride;
+  const char* k_base = static_cast<const char*>(p.k_cache) + x.kv_head * p.k_stride_head;
+  const char* v_base = static_cast<const char*>(p.v_cache) + x.kv_head * p.v_stride_head;
+  const int64_t n = key_hi - key_lo;
+  for (int64_t pos = key_lo; pos < key_hi; ++pos) {
+    const int64_t block = table[pos / bs], off = pos % bs;
+    s.pf[pos - key_lo] = k_base + block * p.k_stride_block + off * p.k_stride_tok;
+    s.pf[n + pos - key_lo] = v_base + block * p.v_stride_block + off * p.v_stride_tok;
+  }
+  return 2 * n;
+}
+
+// Fills s.pf with every KV head's rows of item x's keys [key_lo, key_hi) (at most one chunk)
+// in a rows-layout cache, as one piece per token (K's, then V's), of s.pf_bytes; returns
+// their count. A block holds its tokens' heads side by side, so a unit of all the heads reads
+// whole blocks: one contiguous run per block instead of one row in every few.
+PS_INLINE int64_t queue_tokens(const AttnParams& p, Scratch& s, const WorkItem& x,
+                               int64_t key_lo, int64_t key_hi) {
+  const int64_t bs = p.block_size;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(x.seq) * p.bt_stride;
+  const char* k_base = static_cast<const char*>(p.k_cache);
+  const char* v_base = static_cast<const char*>(p.v_cache);
+  const int64_t n = key_hi - key_lo;
+  for (int64_t pos = key_lo; pos < key_hi; ++pos) {
+    const int64_t block = table[pos / bs], off = pos % bs;
+    s.pf[pos - key_lo] = k_base + block * p.k_stride_block + off * p.k_stride_tok;
+    s.pf[n + pos - key_lo] = v_base + block * p.v_stride_block + off * p.v_stride_tok;
+  }
+  s.pf_bytes = (x.unit_heads - 1) * std::max(p.k_stride_head, p.v_stride_head) + p.kv_row_bytes;
+  return 2 * n;
+}
+
 // One item on any path: the query tile in, then chunk by chunk (fixed key positions, every
 // `chunk` keys): the rows of the chunk's keys through the block table, S = Q K^T, the
 // online-softmax step of each row, acc += P V; finally out = acc / l, or (m, l, acc) for the
@@ -1298,6 +1350,11 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
   const int64_t d = p.head_dim, g = p.group, bs = p.block_size, C = p.chunk;
   const int64_t rows = it.q_count * g;
   const bool in_place = kPath == Path::kBf16Dp && reads_in_place(p);
+  // Few rows on the float32 body (decode) over a rows-layout cache: the next chunk's rows
+  // (this item's, or the next item's first) go through the prefetch queue too, pumped once
+  // per pass of the S product over 8 keys; a decode is a few microseconds of products per
+  // item, so one burst of its rows at the item's start stalls instead of overlapping them.
+  const bool queued = kPath == Path::kF32 && !p.vnni && rows < 16;
   const T* query = static_cast<const T*>(p.query);
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = query + (it.q_row + r / g) * p.q_stride_tok +
@@ -1391,8 +1448,30 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
       // NOTE: blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead
       // across them. The item's first chunk (a decode's only one, up to 512 keys): ask for all
       // its rows now, K before V, so their misses overlap instead of stalling the packing row
-      // by row; then fetch the next chunk's rows while this one computes.
-      if (cs == it.key_begin / C * C) {
+      // by row (unless the previous item queued them); then fetch the next chunk's rows while
+      // this one computes.
+      // A unit (WorkItem::unit_heads, single-chunk items): its first item queues the whole
+      // tokens of the next unit's first chunk, and its items pump them in turn.
+      if (queued && (it.unit_heads == 1 || it.kv_head == 0)) {
+        const WorkItem* nx = static_cast<const WorkItem*>(it.unit_heads > 1 ? s.next_unit : s.next);
+        s.pf_n = s.pf_i = s.pf_off = 0;
+        s.pf_bytes = p.kv_row_bytes;
+        if (cs + C < it.key_end) {
+          s.pf_n = queue_rows(p, s, it, cs + C, std::min(cs + 2 * C, it.key_end));
+        } else if (nx != nullptr) {
+          const int64_t hi = std::min(nx->key_begin / C * C + C, nx->key_end);
+          s.pf_n = nx->unit_heads > 1 ? queue_tokens(p, s, *nx, nx->key_begin, hi)
+                                      : queue_rows(p, s, *nx, nx->key_begin, hi);
+        }
+        const int64_t lines = s.pf_n * ((s.pf_bytes + 63) / 64);
+        // pump points: the S passes over 8 keys, and every 8 keys of each P V tile (AVX2)
+        const int64_t passes =
+            ((c1p - c0) / 8 + (kIsa == Isa::kAvx2 ? d / 16 * ((rows + 5) / 6) * ((c1 - c0 + 7) / 8) : 0)) *
+            it.unit_heads;
+        s.pf_step = (lines + passes - 1) / passes;
+      }
+      const WorkItem* unit = &it - (it.unit_heads > 1 ? it.kv_head : 0);
+      if (cs == it.key_begin / C * C && !(queued && s.warmed == unit)) {
         for (int64_t t = lo_abs - cs; t < hi_abs - cs; ++t) {
           for (int64_t off = 0; off < p.kv_row_bytes; off += 64) {
             __builtin_prefetch(static_cast<const char*>(s.krow[t]) + off, 0, 3);
@@ -1417,7 +1496,8 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
         }
       }
     }
-    for (int64_t pos = cs + C; !in_place && pos < std::min(cs + 2 * C, it.key_end); pos += bs) {
+    for (int64_t pos = cs + C; !in_place && !queued && pos < std::min(cs + 2 * C, it.key_end);
+         pos += bs) {
       const int64_t block = table[pos / bs];
       const int64_t n = std::min(bs, it.key_end - pos);
       const char* kb = k_base + block * p.k_stride_block;
@@ -1471,10 +1551,10 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
     if constexpr (kPath == Path::kBf16Dp) chunk_pv_dp(p, s, rows, c0, c1);
     if constexpr (kPath == Path::kAmx) chunk_pv_amx(p, s, rows, c0, c1);
 #endif
-    if (in_place) {
+    if (in_place || (queued && it.kv_head + 1 >= it.unit_heads)) {
       s.pump(std::numeric_limits<int64_t>::max());  // whatever the tiles left unasked
       s.pf_n = 0;
-      if (cs + C >= it.key_end) s.warmed = s.next;
+      if (cs + C >= it.key_end) s.warmed = it.unit_heads > 1 ? s.next_unit : s.next;
     }
   }
 
@@ -1702,6 +1782,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   }
   const int64_t chunk = chunk_blocks * bs, split = split_blocks * bs;
   const int nthreads = std::max(1, at::get_num_threads());
+  const Path path = pick_path(active_isa(), dtype, d);
+  // Decode items (fewer than 16 rows, the float32 body, a rows-layout cache, one chunk each)
+  // run in units of all the KV heads of one (sequence, split), so a thread reads whole blocks
+  // (attend_item_chunks: queue_tokens), when there are units enough for every thread.
+  int64_t decode_units = 0;
+  if (path == Path::kF32 && !vnni && split == chunk && hkv > 1) {
+    for (int64_t i = 0; i < num_seqs; ++i) {
+      const int64_t ql = qsl[i + 1] - qsl[i];
+      if (ql > 0 && ql * g < 16) decode_units += (lens[i] - 1) / split - window_start(lens[i] - ql) / bs * bs / split + 1;
+    }
+  }
+  const bool units = decode_units >= 4 * nthreads;
   std::vector<WorkItem> items;
   std::vector<MergeGroup> merges;
   int64_t partial_floats = 0;
@@ -1717,25 +1809,30 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       const int64_t splits = (key_end - 1) / split - split0 + 1;
       const int64_t rows_floats = count * g * (d + 2);
       max_rows = std::max(max_rows, count * g);
-      for (int64_t h = 0; h < hkv; ++h) {
-        const int64_t group_partial = splits > 1 ? partial_floats : -1;
-        for (int64_t sp = 0; sp < splits; ++sp) {
+      const bool unit = units && count * g < 16;
+      // split-major, so a unit's KV heads are consecutive items; head h's splits keep their
+      // (m, l, acc) at partial_floats + (h * splits + sp) * rows_floats
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        for (int64_t h = 0; h < hkv; ++h) {
           WorkItem it;
           it.q_row = qsl[i] + j0;
           it.first_pos = first_pos;
           it.key_begin = std::max(key_lo, (split0 + sp) * split);
           it.key_end = std::min(key_end, (split0 + sp + 1) * split);
-          it.partial = splits > 1 ? group_partial + sp * rows_floats : -1;
+          it.partial = splits > 1 ? partial_floats + (h * splits + sp) * rows_floats : -1;
           it.seq = static_cast<int32_t>(i);
           it.kv_head = static_cast<int32_t>(h);
           it.q_count = count;
+          it.unit_heads = unit ? static_cast<int32_t>(hkv) : 1;
           items.push_back(it);
         }
-        if (splits > 1) {
-          merges.push_back({qsl[i] + j0, group_partial, static_cast<int32_t>(h), count,
-                            static_cast<int32_t>(splits)});
-          partial_floats += splits * rows_floats;
+      }
+      if (splits > 1) {
+        for (int64_t h = 0; h < hkv; ++h) {
+          merges.push_back({qsl[i] + j0, partial_floats + h * splits * rows_floats,
+                            static_cast<int32_t>(h), count, static_cast<int32_t>(splits)});
         }
+        partial_floats += hkv * splits * rows_floats;
       }
     }
   }
@@ -1780,27 +1877,35 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     p.partials = nullptr;
   }
 
-  const Path path = pick_path(active_isa(), dtype, d);
   const ItemFn fn = path == Path::kF32 ? pick_item_fn(at_most(active_isa(), Isa::kAvx512), dtype)
 #if defined(__x86_64__)
                     : path == Path::kBf16Dp ? item_bf16_dp : item_bf16_amx;
 #else
                     : nullptr;
 #endif
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  // Items are claimed one at a time from a shared counter (a dynamic schedule), each thread
-  // claiming its next item before it runs the current one, so the current one can prefetch
-  // the next one's first chunk while it computes (Scratch::pump).
+  // Units (an item, or the items of a WorkItem::unit_heads unit) are claimed one at a time
+  // from a shared counter (a dynamic schedule), each thread claiming its next unit before it
+  // runs the current one, so the current one can prefetch the next one's first chunk while it
+  // computes (Scratch::pump).
+  std::vector<int64_t> unit_start;  // the units' first items, then the item count
+  for (int64_t w = 0; w < static_cast<int64_t>(items.size()); w += items[w].unit_heads) {
+    unit_start.push_back(w);
+  }
+  const int64_t num_units = static_cast<int64_t>(unit_start.size());
+  unit_start.push_back(static_cast<int64_t>(items.size()));
   std::atomic<int64_t> claimed{0};
-#pragma omp parallel num_threads(nthreads) if (num_items > 1)
+#pragma omp parallel num_threads(nthreads) if (num_units > 1)
   {
     Scratch scratch(max_rows, d, p.ldk);
-    int64_t w = claimed.fetch_add(1, std::memory_order_relaxed);
-    while (w < num_items) {
+    int64_t u = claimed.fetch_add(1, std::memory_order_relaxed);
+    while (u < num_units) {
       const int64_t next = claimed.fetch_add(1, std::memory_order_relaxed);
-      scratch.next = next < num_items ? &items[next] : nullptr;
-      fn(p, items[w], scratch);
-      w = next;
+      scratch.next_unit = next < num_units ? &items[unit_start[next]] : nullptr;
+      for (int64_t w = unit_start[u]; w < unit_start[u + 1]; ++w) {
+        scratch.next = w + 1 < unit_start[u + 1] ? &items[w + 1] : scratch.next_unit;
+        fn(p, items[w], scratch);
+      }
+      u = next;
     }
     if (path == Path::kAmx) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   }

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -52,6 +53,7 @@ from services.worker.attention import (
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.device import resolve_device, resolve_dtype
 from services.worker.distributed import ParallelState
+from services.worker.huge_pages import zeros_on_huge_pages
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.loader import Model, load_model
@@ -313,9 +315,9 @@ class ModelRunner:
         # NOTE: zeros, not empty: kernels that load whole blocks and mask afterwards would turn
         # garbage NaNs in unused slots into NaN outputs (0 * NaN).
         dtype = self.kv_cache_dtype
-        pairs = [(torch.zeros(shape, dtype=dtype, device=self.device),
-                  torch.zeros(shape, dtype=dtype, device=self.device))
-                 for _ in range(self.num_kv_pairs)]
+        alloc = (partial(zeros_on_huge_pages, shape, dtype) if self.device.type == "cpu"
+                 else partial(torch.zeros, shape, dtype=dtype, device=self.device))
+        pairs = [(alloc(), alloc()) for _ in range(self.num_kv_pairs)]
         return [pairs[i] for i in self._layer_pairs]
 
     def layer_metadata(self, batch: PreparedStep) -> list[AttentionMetadata]:

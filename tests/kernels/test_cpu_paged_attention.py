@@ -171,6 +171,37 @@ def test_a_row_is_the_same_in_any_step(isa, dtype, sliding_window):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("num_kv_heads", [1, 3])
+@pytest.mark.parametrize("split_keys", [0, 48, NO_SPLIT], ids=["default", "48", "nosplit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_decode_row_is_the_same_in_a_batch_of_many(isa, dtype, split_keys, num_kv_heads):
+    """A decode step of many sequences (enough that the float32 body runs each sequence's KV
+    heads as one unit reading whole blocks, and prefetches the next unit's while it computes)
+    beside a prefill: each row matches the reference and is bitwise the row its sequence gives
+    alone in a step, on two threads and on one."""
+    ctx = [700, 1, 16, 17, 513, 1300, 40, 300, 129, 1024, 64, 5]
+    step = [(1, c) for c in ctx] + [(33, 90)]
+    batch = make_batch(step, num_heads=3 * num_kv_heads, num_kv_heads=num_kv_heads, dtype=dtype)
+    garble_unused(batch)
+    out = cpu_paged_attention(**batch, split_keys=split_keys)
+    check(out, batch)
+    qsl = batch["query_start_loc"].tolist()
+    for i, (q, c) in enumerate(step):
+        alone = {**batch, "query": batch["query"][qsl[i]:qsl[i + 1]],
+                 "block_tables": batch["block_tables"][i:i + 1],
+                 "seq_lens": batch["seq_lens"][i:i + 1],
+                 "query_start_loc": torch.tensor([0, q], dtype=torch.int32),
+                 "max_query_len": q, "max_seq_len": c}
+        assert torch.equal(cpu_paged_attention(**alone, split_keys=split_keys),
+                           out[qsl[i]:qsl[i + 1]]), i
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(cpu_paged_attention(**batch, split_keys=split_keys), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_padding_tokens_give_zero_rows(isa):
     batch = make_batch(CASES["mixed"])
     garble_unused(batch)
