@@ -1304,33 +1304,18 @@ PS_INLINE int64_t queue_pieces(const AttnParams& p, Scratch& s, const WorkItem& 
   return n;
 }
 
-// Fills s.pf with the K rows, then the V rows, of item x's keys [key_lo, key_hi) (at most
-// one chunk) in a rows-layout cache; returns their count.
+// Fills s.pf with one piece per token of item x's keys [key_lo, key_hi) (at most one chunk)
+// in a rows-layout cache, K's then V's, and sets s.pf_bytes; returns their count. A piece is
+// the token's row of x's KV head or, for a unit (x.unit_heads > 1), the rows of all its heads:
+// a block holds a token's heads side by side, so a unit reads whole blocks, one contiguous run
+// per block instead of one row in every few.
 PS_INLINE int64_t queue_rows(const AttnParams& p, Scratch& s, const WorkItem& x, int64_t key_lo,
                              int64_t key_hi) {
   const int64_t bs = p.block_size;
   const int32_t* table = p.block_tables + static_cast<int64_t>(x.seq) * p.bt_stride;
-  const char* k_base = static_cast<const char*>(p.k_cache) + x.kv_head * p.k_stride_head;
-  const char* v_base = static_cast<const char*>(p.v_cache) + x.kv_head * p.v_stride_head;
-  const int64_t n = key_hi - key_lo;
-  for (int64_t pos = key_lo; pos < key_hi; ++pos) {
-    const int64_t block = table[pos / bs], off = pos % bs;
-    s.pf[pos - key_lo] = k_base + block * p.k_stride_block + off * p.k_stride_tok;
-    s.pf[n + pos - key_lo] = v_base + block * p.v_stride_block + off * p.v_stride_tok;
-  }
-  return 2 * n;
-}
-
-// Fills s.pf with every KV head's rows of item x's keys [key_lo, key_hi) (at most one chunk)
-// in a rows-layout cache, as one piece per token (K's, then V's), of s.pf_bytes; returns
-// their count. A block holds its tokens' heads side by side, so a unit of all the heads reads
-// whole blocks: one contiguous run per block instead of one row in every few.
-PS_INLINE int64_t queue_tokens(const AttnParams& p, Scratch& s, const WorkItem& x,
-                               int64_t key_lo, int64_t key_hi) {
-  const int64_t bs = p.block_size;
-  const int32_t* table = p.block_tables + static_cast<int64_t>(x.seq) * p.bt_stride;
-  const char* k_base = static_cast<const char*>(p.k_cache);
-  const char* v_base = static_cast<const char*>(p.v_cache);
+  const int64_t head = x.unit_heads > 1 ? 0 : x.kv_head;
+  const char* k_base = static_cast<const char*>(p.k_cache) + head * p.k_stride_head;
+  const char* v_base = static_cast<const char*>(p.v_cache) + head * p.v_stride_head;
   const int64_t n = key_hi - key_lo;
   for (int64_t pos = key_lo; pos < key_hi; ++pos) {
     const int64_t block = table[pos / bs], off = pos % bs;
@@ -1455,20 +1440,18 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
       if (queued && (it.unit_heads == 1 || it.kv_head == 0)) {
         const WorkItem* nx = static_cast<const WorkItem*>(it.unit_heads > 1 ? s.next_unit : s.next);
         s.pf_n = s.pf_i = s.pf_off = 0;
-        s.pf_bytes = p.kv_row_bytes;
-        if (cs + C < it.key_end) {
+        if (cs + C < it.key_end) {  // (not in a unit: its items are one chunk each)
           s.pf_n = queue_rows(p, s, it, cs + C, std::min(cs + 2 * C, it.key_end));
         } else if (nx != nullptr) {
-          const int64_t hi = std::min(nx->key_begin / C * C + C, nx->key_end);
-          s.pf_n = nx->unit_heads > 1 ? queue_tokens(p, s, *nx, nx->key_begin, hi)
-                                      : queue_rows(p, s, *nx, nx->key_begin, hi);
+          s.pf_n = queue_rows(p, s, *nx, nx->key_begin,
+                              std::min(nx->key_begin / C * C + C, nx->key_end));
         }
         const int64_t lines = s.pf_n * ((s.pf_bytes + 63) / 64);
         // pump points: the S passes over 8 keys, and every 8 keys of each P V tile (AVX2)
-        const int64_t passes =
-            ((c1p - c0) / 8 + (kIsa == Isa::kAvx2 ? d / 16 * ((rows + 5) / 6) * ((c1 - c0 + 7) / 8) : 0)) *
-            it.unit_heads;
-        s.pf_step = (lines + passes - 1) / passes;
+        const int64_t pv_points =
+            kIsa == Isa::kAvx2 ? d / 16 * ((rows + 5) / 6) * ((c1 - c0 + 7) / 8) : 0;
+        const int64_t points = ((c1p - c0) / 8 + pv_points) * it.unit_heads;
+        s.pf_step = (lines + points - 1) / points;
       }
       const WorkItem* unit = &it - (it.unit_heads > 1 ? it.kv_head : 0);
       if (cs == it.key_begin / C * C && !(queued && s.warmed == unit)) {
@@ -1785,12 +1768,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const Path path = pick_path(active_isa(), dtype, d);
   // Decode items (fewer than 16 rows, the float32 body, a rows-layout cache, one chunk each)
   // run in units of all the KV heads of one (sequence, split), so a thread reads whole blocks
-  // (attend_item_chunks: queue_tokens), when there are units enough for every thread.
+  // (attend_item_chunks: queue_rows), when there are units enough for every thread.
   int64_t decode_units = 0;
   if (path == Path::kF32 && !vnni && split == chunk && hkv > 1) {
     for (int64_t i = 0; i < num_seqs; ++i) {
       const int64_t ql = qsl[i + 1] - qsl[i];
-      if (ql > 0 && ql * g < 16) decode_units += (lens[i] - 1) / split - window_start(lens[i] - ql) / bs * bs / split + 1;
+      if (ql == 0 || ql * g >= 16) continue;
+      const int64_t key_lo = window_start(lens[i] - ql) / bs * bs;  // as the items' below
+      decode_units += (lens[i] - 1) / split - key_lo / split + 1;
     }
   }
   const bool units = decode_units >= 4 * nthreads;
