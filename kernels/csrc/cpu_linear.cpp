@@ -315,14 +315,20 @@ struct LinearArgs {
 // accumulators per row, the two weight vectors of k loaded once for all MR rows and x[m, k]
 // broadcast (12 accumulators + 2 weights + 1 broadcast of the 16 ymm registers at MR = 6).
 // Each element is the same FMA chain over k as tile_f32's, for every MR.
-// `ahead`: the block this thread reads next (nullptr: none, or not this call): each k asks for
-// its line of the same half, so the whole block is on its way after both halves.
+// `pf`: the lines of the block this thread reads next, asked for one every pf.every k steps
+// across the item's tiles (so the reads run at about the pace of the products instead of
+// stalling one tile on a burst of them; a prefetch holds a miss buffer until its line lands).
+struct PrefetchStream {
+  const char* next;  // the next line to ask for (nullptr: none)
+  const char* end;
+  int64_t every, count;
+};
+
 template <int MR>
 PS_TARGET_AVX2 PS_INLINE void tile_f32_avx2(const float* x, int64_t ldx, const float* wf,
-                                            int64_t k, float* acc, const float* ahead) {
+                                            int64_t k, float* acc, PrefetchStream& pf) {
   for (int h = 0; h < 2; ++h) {
     const float* w = wf + 16 * h;
-    const char* pf = reinterpret_cast<const char*>(ahead != nullptr ? ahead + 16 * h : nullptr);
     __m256 c0[MR], c1[MR];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
@@ -332,7 +338,13 @@ PS_TARGET_AVX2 PS_INLINE void tile_f32_avx2(const float* x, int64_t ldx, const f
     for (int64_t kk = 0; kk < k; ++kk) {
       const __m256 w0 = _mm256_loadu_ps(w + kk * kBlockN);
       const __m256 w1 = _mm256_loadu_ps(w + kk * kBlockN + 8);
-      if (pf != nullptr) _mm_prefetch(pf + kk * kBlockN * sizeof(float), _MM_HINT_T1);
+      if (--pf.count == 0) {
+        pf.count = pf.every;
+        if (pf.next < pf.end) {
+          _mm_prefetch(pf.next, _MM_HINT_T1);
+          pf.next += 64;
+        }
+      }
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const __m256 xv = _mm256_broadcast_ss(x + m * ldx + kk);
@@ -350,18 +362,25 @@ PS_TARGET_AVX2 PS_INLINE void tile_f32_avx2(const float* x, int64_t ldx, const f
 
 constexpr int kTileMAvx2 = 6;  // rows per AVX2 micro-kernel call
 
-// Not inlined: item_f32_body (no target of its own) calls it. The first tile asks for the
-// lines of `ahead` (the thread's next float32 block, or nullptr): the weights stream from
-// memory in a decode step, and without it the next block's first pass stalls on them.
+// Not inlined: item_f32_body (no target of its own) calls it. The tiles ask for the lines of
+// `ahead` (the thread's next float32 block, or nullptr) at an even pace over the item: the
+// weights stream from memory in a decode step, and without it the next block's first pass
+// stalls on them.
 PS_TARGET_AVX2 void rows_f32_avx2(const float* x, int64_t ldx, int64_t rows,
                                   const float* wf, int64_t k, float* acc, const float* ahead) {
+  // 2 k lines per block row, 2 k steps per tile (two halves): one line every `tiles` steps
+  const int64_t tiles = (rows + kTileMAvx2 - 1) / kTileMAvx2;
+  PrefetchStream pf{nullptr, nullptr, tiles, tiles};
+  if (ahead != nullptr) {
+    pf.next = reinterpret_cast<const char*>(ahead);
+    pf.end = reinterpret_cast<const char*>(ahead + k * kBlockN);
+  }
   int64_t m = 0;
   for (; m + kTileMAvx2 <= rows; m += kTileMAvx2) {
-    tile_f32_avx2<kTileMAvx2>(x + m * ldx, ldx, wf, k, acc + m * kBlockN, m == 0 ? ahead : nullptr);
+    tile_f32_avx2<kTileMAvx2>(x + m * ldx, ldx, wf, k, acc + m * kBlockN, pf);
   }
   const float* xt = x + m * ldx;
   float* at = acc + m * kBlockN;
-  const float* pf = m == 0 ? ahead : nullptr;
   switch (rows - m) {
     case 5: tile_f32_avx2<5>(xt, ldx, wf, k, at, pf); break;
     case 4: tile_f32_avx2<4>(xt, ldx, wf, k, at, pf); break;
