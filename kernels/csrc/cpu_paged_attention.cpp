@@ -1336,9 +1336,10 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
   const int64_t rows = it.q_count * g;
   const bool in_place = kPath == Path::kBf16Dp && reads_in_place(p);
   // Few rows on the float32 body (decode) over a rows-layout cache: the next chunk's rows
-  // (this item's, or the next item's first) go through the prefetch queue too, pumped once
-  // per pass of the S product over 8 keys; a decode is a few microseconds of products per
-  // item, so one burst of its rows at the item's start stalls instead of overlapping them.
+  // (this item's, or the next item's or unit's first) go through the prefetch queue too,
+  // pumped every 8 keys of the S passes and of the AVX2 P V tiles; a decode is a few
+  // microseconds of products per item, so one burst of its rows at the item's start stalls
+  // instead of overlapping them.
   const bool queued = kPath == Path::kF32 && !p.vnni && rows < 16;
   const T* query = static_cast<const T*>(p.query);
   for (int64_t r = 0; r < rows; ++r) {
