@@ -2,11 +2,11 @@
 
 Decode attention reads a sequence's K/V block by block through its block table, and the
 blocks lie anywhere in a cache of gigabytes: on 4 KB pages nearly every block costs a TLB miss
-and a page walk before its lines can stream. On 2 MB pages the same reads ran ~1.2x faster
-(docs/benchmarks.md, issue 31, ninth session). Only the caches are asked for huge pages:
-torch's own ``THP_MEM_ALLOC_ENABLE=1`` does it for every allocation of 2 MB or more, and the
-step's short-lived activations then fault in fresh 2 MB pages every step (slower overall, same
-page).
+and a page walk before its lines can stream. On 2 MB pages decode 64 @ 512 over a 3 GB cache
+ran 1.08-1.22x faster (docs/benchmarks.md, issue 31, ninth session). Only the caches are asked
+for huge pages: torch's own ``THP_MEM_ALLOC_ENABLE=1`` does it for every allocation of 2 MB or
+more, and the step's short-lived activations then fault in fresh 2 MB pages every step
+(slower overall, the same section of docs/benchmarks.md).
 
 Where the kernel has THP disabled (``never``), on other systems, or if ``madvise`` fails, the
 tensor is an ordinary one: the hint changes speed, never results.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import sys
 
 import torch
@@ -46,10 +47,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     kernel backs it with huge pages depends on its THP setting and free memory; a refused
     hint (or a tensor under 2 MB, or not Linux) leaves an ordinary zero tensor.
     """
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     madvise = _madvise() if nbytes >= HUGE_PAGE else None
     if madvise is None:
         return torch.zeros(shape, dtype=dtype)
