@@ -1,5 +1,7 @@
-"""Worker memory and eager step time per weight mode: SmolLM2 (the packaged model) loaded by
-``ModelRunner`` in a fresh process per (dtype, ``--quantization``), eager, a 128 MiB KV cache.
+"""Worker memory and eager step time per weight mode: a model (default SmolLM2, the packaged
+GGUF) loaded by ``ModelRunner`` in a fresh process per (dtype, ``--quantization``), eager, a
+128 MiB KV cache. Modes: ``unset`` (a GGUF's quantized tensors as stored), ``none`` (a GGUF
+dequantized at load to the dtype), ``int8``, ``w8a8``.
 
 Memory: the process's resident memory after load and the structured-output tokenizer's
 background build (``VmRSS``; ``- imports`` subtracts the RSS before the model was built;
@@ -11,6 +13,7 @@ minimum of ``--reps`` calls, for a 128-token prefill of one sequence and a decod
 of 16 sequences at 128 tokens of context.
 
     .venv/bin/python benchmarks/weight_modes.py [--dtypes bfloat16,float32] [--reps 10]
+        [--model gemma3-270m] [--modes none,unset]
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ logging.getLogger("services.worker.loader").setLevel(logging.INFO)
 import torch
 from services.worker.model_runner import ModelRunner
 before = status()
-runner = ModelRunner(None, dtype=sys.argv[1], enforce_eager=True, kv_cache_memory=128 << 20,
-                     quantization=sys.argv[2] or None)
+runner = ModelRunner(sys.argv[4] or None, dtype=sys.argv[1], enforce_eager=True,
+                     kv_cache_memory=128 << 20, quantization=sys.argv[2] or None)
 if runner.structured is not None:
     runner.structured.wait_ready()  # (its tokenizer is built in the background)
 after = status()
@@ -62,7 +65,7 @@ def step(batch, query, context):  # batch sequences, query new tokens each after
         seq_lens=torch.full((batch,), seq, dtype=torch.int32),
         query_start_loc=torch.arange(0, batch * query + 1, query, dtype=torch.int32),
         max_query_len=query, max_seq_len=seq)
-    ids = torch.randint(0, 49152, (batch * query,))
+    ids = torch.randint(0, runner.vocab_size, (batch * query,))
     last = torch.arange(query - 1, batch * query, query)
     def run():
         with torch.inference_mode():
@@ -89,14 +92,19 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--model", default="", help="--model (default: the packaged SmolLM2)")
+    p.add_argument("--modes", default="unset,none,int8,w8a8",
+                   help="--quantization values, comma-separated (unset: the flag not given)")
     a = p.parse_args()
     print(f"{'dtype':9s} {'--quantization':14s} {'weights MiB':>11s} {'RSS MiB':>8s} "
           f"{'- imports':>9s} {'trimmed':>8s} {'peak MiB':>9s} {'prefill 128 ms':>15s} "
           f"{'decode x1 ms':>13s} "
           f"{'decode x16 ms':>14s}")
     for dtype in a.dtypes.split(","):
-        for mode in ("", "int8", "w8a8"):
-            out = subprocess.run([sys.executable, "-c", _CHILD, dtype, mode, str(a.reps)],
+        for mode in a.modes.split(","):
+            mode = "" if mode == "unset" else mode
+            out = subprocess.run([sys.executable, "-c", _CHILD, dtype, mode, str(a.reps),
+                                  a.model],
                                  cwd=ROOT,
                                  capture_output=True, text=True, check=True,
                                  env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",

@@ -14,10 +14,12 @@ Paths by instruction set (``PAGEDSERVE_CPU_ISA`` forces a lower one; see ``cpu_a
 AMX tiles through ATen's ``cpublas::brgemm`` (bf16), ``vdpbf16ps`` (AVX512-BF16, bf16), and a
 float32 FMA micro-kernel for AVX-512, AVX2 and the baseline (every dtype).
 
-int8 weights (``--quantization int8``, GGUF Q8_0; ``services/worker/quantized_linear.py``) take
-the same paths: each packed block is dequantized inside the GEMM, to bf16 for a bf16 ``x`` on
-the bf16 paths, to float32 otherwise, with a float32 scale per output channel (applied to the
-float32 sums) or per group of K (GGUF Q8_0's 32; applied to each weight as it is dequantized).
+Quantized weights (``services/worker/quantized_linear.py``) take the same paths: int8 codes
+(``--quantization int8``, GGUF Q8_0 / Q5_x / Q6_K) or 4-bit codes (``pack_uint4_weight``: GGUF
+Q4_0 / Q4_1 / Q4_K). Each packed block is dequantized inside the GEMM, to bf16 for a bf16
+``x`` on the bf16 paths, to float32 otherwise, with a float32 scale per output channel
+(applied to the float32 sums) or a scale and an optional min per group of K (GGUF's 32, or 16;
+``q * s + m`` applied to each weight as it is dequantized).
 """
 
 from __future__ import annotations
@@ -51,6 +53,28 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return _ops().pack_linear_weight(weight)
 
 
+def pack_uint4_weight(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes ``[N, K]`` (uint8 holding 0..15, K even) for ``cpu_linear``:
+    ``[ceil(N/32), K/2, 32]`` uint8, W[n, 2j] in the low nibble of ``[n // 32, j, n % 32]`` and
+    W[n, 2j + 1] in its high nibble; N zero-padded to whole blocks of 32. A quarter of the
+    bytes of a bf16 weight; the kernel reads them with a per-group scale (and min).
+
+    Raises:
+        ValueError: not 2-D uint8, K odd, or a code above 15.
+    """
+    if codes.dim() != 2 or codes.dtype != torch.uint8 or codes.shape[1] % 2:
+        raise ValueError(f"pack_uint4_weight: codes must be uint8 [N, K] with K even, got "
+                         f"{codes.dtype} {tuple(codes.shape)}")
+    if codes.numel() and int(codes.max()) > 15:
+        raise ValueError(f"pack_uint4_weight: codes must be 0..15, got {int(codes.max())}")
+    n, k = codes.shape
+    blocks = -(-n // 32)
+    padded = torch.zeros(blocks * 32, k, dtype=torch.uint8)
+    padded[:n] = codes
+    pairs = padded.view(blocks, 32, k // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+
+
 def gate_up_blocks(gate_up: torch.Tensor) -> torch.Tensor:
     """A SwiGLU layer's fused ``[2I, ...]`` gate-then-up rows (a weight ``[2I, K]`` or a bias
     ``[2I]``) reordered for ``cpu_linear(..., silu_mul=True)``: blocks of 32 rows, block ``b``
@@ -70,17 +94,20 @@ def cpu_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None,
                weight_scale: torch.Tensor | None = None,
-               silu_mul: bool = False) -> torch.Tensor:
+               silu_mul: bool = False,
+               weight_min: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T (+ bias) -> [M, out_features]`` in ``out_dtype`` (default ``x.dtype``).
 
-    ``x`` must have the packed weight's dtype (int8 weights: float32, bfloat16 or float16);
+    ``x`` must have the packed weight's dtype (quantized weights, int8 or
+    ``pack_uint4_weight``'s uint8: float32, bfloat16 or float16);
     ``bias [N]`` may have any float dtype (added in float32 before the one rounding to
     ``out_dtype``). Accumulation is float32.
 
-    ``weight_scale`` (int8 weights only; float32): ``[N]``, a scale per output channel,
-    ``W = q * scale[:, None]``, applied to the float32 sums before the bias; or
+    ``weight_scale`` (quantized weights only; float32): ``[N]``, a scale per output channel
+    (int8 only), ``W = q * scale[:, None]``, applied to the float32 sums before the bias; or
     ``pack_group_scale``'s ``[ceil(N/32), K/G, 32]``, a scale per group of G consecutive k (G
-    even), ``W[n, k] = q[n, k] * scale[n, k // G]``, applied to each weight as it is
+    even; required for 4-bit codes), ``W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]``
+    with ``weight_min`` (the same layout; None: 0), applied to each weight as it is
     dequantized (then rounded to ``x``'s dtype, as a model in that dtype holds its weights).
 
     ``silu_mul``: SwiGLU's gate (Shazeer 2020, "GLU Variants Improve Transformer") in the
@@ -90,10 +117,12 @@ def cpu_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
     Raises:
         ValueError: mismatched dtypes or shapes, a tensor that is not ``pack_linear_weight``'s,
-            int8 weights without ``weight_scale`` or another weight with one, ``silu_mul`` with
-            ``out_features`` not a multiple of 32.
+            quantized weights without ``weight_scale`` (4-bit: without a per-group one) or
+            another weight with one, ``weight_min`` without a per-group scale of its shape,
+            ``silu_mul`` with ``out_features`` not a multiple of 32.
     """
-    return _ops().linear(x, packed, out_features, bias, out_dtype, weight_scale, silu_mul)
+    return _ops().linear(x, packed, out_features, bias, out_dtype, weight_scale, silu_mul,
+                         weight_min)
 
 
 def write_packed(packed: torch.Tensor, row: int, col: int, block: torch.Tensor) -> None:
@@ -141,7 +170,7 @@ def _register_fake() -> None:
     """Shape functions for ``torch.compile`` (FakeTensor tracing with dynamic ``M``)."""
     @torch.library.register_fake("pagedserve::linear")
     def _linear_fake(x, packed_weight, out_features, bias=None, out_dtype=None,
-                     weight_scale=None, silu_mul=False):
+                     weight_scale=None, silu_mul=False, weight_min=None):
         cols = out_features // 2 if silu_mul else out_features
         return x.new_empty((x.shape[0], cols), dtype=out_dtype or x.dtype)
 

@@ -6,6 +6,7 @@ import asyncio
 import functools
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TINY_LLAMA_CONFIG = {
@@ -158,15 +159,53 @@ _GGUF_NAMES = {
 }
 
 
+def random_gguf_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """An ``[n, k]`` tensor of GGML type ``qtype`` as raw bytes (uint8 ``[n, k / block *
+    bytes]``), for the k-quants gguf-py cannot quantize (Q4_K, Q5_K, Q6_K): random codes and
+    sub-scales, the fp16 super-block scales (and mins) set so that the weights are of a
+    trained layer's size (|w| ~ 0.1)."""
+    from services.worker.gguf_blocks import _BLOCK
+
+    block, size = _BLOCK[qtype]
+    gen = np.random.default_rng(seed)
+    raw = gen.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    d = (gen.random((raw.shape[0], 2)) * 2e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    if qtype == "Q6_K":  # ql, qh, int8 scales[16], then d
+        raw[:, -2:] = d[:, 0:2]
+    else:  # Q4_K / Q5_K: d, dmin, then the 6-bit scales and mins
+        raw[:, 0:4] = d
+    return raw.reshape(n, -1)
+
+
+def _gguf_tensor(writer, name: str, tensor: torch.Tensor, qtype_name: str, seed: int) -> None:
+    import gguf
+
+    if qtype_name == "F32":
+        writer.add_tensor(name, tensor.numpy())
+        return
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    if qtype_name in ("Q4_K", "Q5_K", "Q6_K"):
+        data = random_gguf_blocks(qtype_name, *tensor.shape, seed=seed)
+    else:
+        data = gguf.quants.quantize(tensor.numpy(), qtype)
+    writer.add_tensor(name, data, raw_dtype=qtype)
+
+
 def make_tiny_gguf(path: str | Path, hf_folder: str | Path, eos_token_id: int = 2,
-                   linear_type: str = "F32") -> Path:
+                   linear_type: str = "F32", embedding_type: str = "F32",
+                   types: dict[str, str] | None = None) -> Path:
     """Write the Llama of ``hf_folder`` (from ``make_tiny_llama``) as a GGUF file at ``path``.
 
     Tensors are named and Q/K-permuted the way llama.cpp's ``convert_hf_to_gguf.py`` does, so
     transformers' GGUF loader must undo the permutation to get the original model back. The
-    decoder's linear weights are stored as ``linear_type`` (a ``GGMLQuantizationType`` name
-    that gguf-py can quantize, e.g. ``Q8_0``, ``Q4_0``), everything else as F32. No tokenizer
-    is stored (the model loads without one). Returns ``path``.
+    decoder's linear weights are stored as ``linear_type`` (a ``GGMLQuantizationType`` name,
+    e.g. ``Q8_0``, ``Q4_0``), or per GGUF tensor kind as ``types`` says (``{"attn_v":
+    "Q6_K", ...}``, the others ``linear_type``), the embedding and LM head as
+    ``embedding_type``, everything else as F32. gguf-py quantizes the legacy formats from the
+    model's weights; the k-quants (Q4_K, Q5_K, Q6_K), which it cannot, are random blocks
+    (``random_gguf_blocks``): the GGUF is then another random model, which transformers'
+    GGUF loader reads as the reference. No tokenizer is stored (the model loads without one).
+    Returns ``path``.
     """
     import json
 
@@ -189,14 +228,14 @@ def make_tiny_gguf(path: str | Path, hf_folder: str | Path, eos_token_id: int = 
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(eos_token_id)
-    for name, tensor in load_file(hf_folder / "model.safetensors").items():
+    for seed, (name, tensor) in enumerate(load_file(hf_folder / "model.safetensors").items()):
         tensor = tensor.float()
-        if name == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif name == "model.norm.weight":
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            name = "token_embd.weight" if name.startswith("model.") else "output.weight"
+            _gguf_tensor(writer, name, tensor, embedding_type, seed)
+            continue
+        if name == "model.norm.weight":
             name = "output_norm.weight"
-        elif name == "lm_head.weight":
-            name = "output.weight"
         else:  # model.layers.N.<module>.weight
             _, _, layer, *module, _ = name.split(".")
             module = ".".join(module)
@@ -204,11 +243,10 @@ def make_tiny_gguf(path: str | Path, hf_folder: str | Path, eos_token_id: int = 
                 tensor = _permute_for_gguf(tensor, cfg["num_attention_heads"])
             elif module == "self_attn.k_proj":
                 tensor = _permute_for_gguf(tensor, cfg["num_key_value_heads"])
-            name = f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
-            if linear_type != "F32" and "norm" not in module:
-                qtype = gguf.GGMLQuantizationType[linear_type]
-                writer.add_tensor(name, gguf.quants.quantize(tensor.numpy(), qtype),
-                                  raw_dtype=qtype)
+            kind = _GGUF_NAMES[module]
+            name = f"blk.{layer}.{kind}.weight"
+            if "norm" not in module:
+                _gguf_tensor(writer, name, tensor, (types or {}).get(kind, linear_type), seed)
                 continue
         writer.add_tensor(name, tensor.numpy())
     writer.write_header_to_file()

@@ -3,11 +3,12 @@
 // Ops (namespace `pagedserve`, schemas at the bottom):
 //   pack_linear_weight(weight) -> packed     weight [N, K] float32 / bfloat16 / float16 / int8
 //   linear(x, packed, out_features, bias=None, out_dtype=None, weight_scale=None,
-//          silu_mul=False) -> y
-//                                            x [M, K] in the weight's dtype (int8 weights: x
-//                                            float32 / bfloat16 / float16), y [M, N] in
-//                                            out_dtype (default x's), bias [N] any float dtype,
-//                                            weight_scale float32: int8 weights only (below);
+//          silu_mul=False, weight_min=None) -> y
+//                                            x [M, K] in the weight's dtype (quantized
+//                                            weights: x float32 / bfloat16 / float16), y [M, N]
+//                                            in out_dtype (default x's), bias [N] any float
+//                                            dtype, weight_scale / weight_min float32:
+//                                            quantized weights only (below);
 //                                            silu_mul: y [M, N / 2] = silu(gate) * up, each
 //                                            32-column block 16 gate then 16 up features
 //                                            (SwiGLU, Shazeer 2020), from the float32 sums
@@ -27,9 +28,13 @@
 //   16-bit weights: [num_blocks, K2, 32, 2], K2 = ceil(K / 2): W[n, k] sits at
 //     [n / 32, k / 2, n % 32, k % 2] (VNNI-2, the layout vdpbf16ps and AMX's tdpbf16ps read);
 //   float32 weights: [num_blocks, K, 32]: W[n, k] at [n / 32, k, n % 32];
-//   int8 weights: as 16-bit ones, [num_blocks, K2, 32, 2] int8.
+//   int8 weights: as 16-bit ones, [num_blocks, K2, 32, 2] int8;
+//   4-bit weights: uint8 [num_blocks, K2, 32], K even: codes 0..15 of W[n, 2 j] in the low
+//     nibble of [n / 32, j, n % 32] and of W[n, 2 j + 1] in its high nibble (packed by
+//     kernels/cpu_linear.py's pack_uint4_weight).
 //
-// int8 weights (`--quantization int8`, GGUF Q8_0) are dequantized inside the GEMM, one packed
+// Quantized weights (int8: `--quantization int8`, GGUF Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K;
+// 4-bit: GGUF Q4_0 / Q4_1 / Q4_K) are dequantized inside the GEMM, one packed
 // block per work item: to float32 for the FMA path (x float32 or float16), to bf16 for the
 // AVX512-BF16 and AMX paths (x bf16), into a per-thread buffer in the VNNI-2 layout on which
 // the bf16 bodies then run as on bf16 weights. So an int8 layer computes what the same path
@@ -37,11 +42,14 @@
 // `weight_scale`, float32, is either
 //   per output channel: [N]; the block is dequantized to the int8 values themselves (exact in
 //     bf16 and float32) and the epilogue scales the float32 accumulators, y = (x q^T) s + b;
-//   per group of G consecutive k (GGUF Q8_0: G = 32): [num_blocks, K / G, 32] (group g of
-//     W[n, :] at [n / 32, g, n % 32]), G even; each weight is dequantized as q * s (exact in
-//     float32: an fp16 scale times an int8) and rounded to x's dtype (nearest even) as a model
-//     in that dtype holds its weights, so every path computes exactly what it computes for
-//     the float copy of the model.
+//   per group of G consecutive k (GGUF: G = 32, or 16 for Q6_K): [num_blocks, K / G, 32]
+//     (group g of W[n, :] at [n / 32, g, n % 32]), G even, with `weight_min` (same layout) an
+//     optional offset per group; each weight is dequantized as q * s + m (q * s exact in
+//     float32 for every GGUF format: an fp16 scale, times a 6-bit sub-scale in the k-quants,
+//     times a code of at most 8 bits; + m rounds once, as the format's own dequantization
+//     does) and rounded to x's dtype (nearest even) as a model in that dtype holds its
+//     weights, so every path computes exactly what it computes for the float copy of the
+//     model. 4-bit weights always have group scales.
 //
 // Instruction sets (cpu_isa.h; PAGEDSERVE_CPU_ISA forces a lower one):
 //   amx          bf16: ATen's cpublas::brgemm (oneDNN ukernel, AMX tiles) on each
@@ -222,40 +230,67 @@ PS_INLINE float round_weight(float v, Round round) {
   return v;
 }
 
-// An int8 block [K2][32][2] -> float32 [K][32]: the int8 values, or, when `group_scale`
-// ([K / group][32] of this block) is given, each times its group's scale, rounded by `round`.
-PS_INLINE void unpack_block_i8(const int8_t* w, int64_t k, const float* group_scale,
-                               int64_t group, Round round, float* wf) {
+// The codes of k pair `kp` of a block as floats, column c at even[c] (k = 2 kp) and odd[c]
+// (k = 2 kp + 1): int8 codes [K2][32][2] (signed), or 4-bit codes [K2][32] one byte a column,
+// k = 2 kp in its low nibble and 2 kp + 1 in its high one (unsigned, 0..15).
+template <bool kU4>
+PS_INLINE void pair_codes(const void* w, int64_t kp, float* even, float* odd) {
+  if constexpr (kU4) {
+    const uint8_t* src = static_cast<const uint8_t*>(w) + kp * kBlockN;  // [32]
+#pragma omp simd
+    for (int64_t c = 0; c < kBlockN; ++c) {
+      even[c] = static_cast<float>(src[c] & 0x0F);
+      odd[c] = static_cast<float>(src[c] >> 4);
+    }
+  } else {
+    const int8_t* src = static_cast<const int8_t*>(w) + kp * 2 * kBlockN;  // [32][2]
+#pragma omp simd
+    for (int64_t c = 0; c < kBlockN; ++c) {
+      even[c] = static_cast<float>(src[2 * c]);
+      odd[c] = static_cast<float>(src[2 * c + 1]);
+    }
+  }
+}
+
+// A quantized block -> float32 [K][32]: the codes themselves (per-channel scales, int8 only),
+// or, when `group_scale` ([K / group][32] of this block) is given, q * s + m with the group's
+// scale s and min m (`group_min`, same layout, or nullptr: 0), rounded by `round`. q * s is
+// exact in float32 for every format served (GGUF's, the symmetric int8), so only + m rounds,
+// once, as the formats' own dequantization does (gguf-py quants.py, llama.cpp ggml-quants.c).
+template <bool kU4>
+PS_INLINE void unpack_block_q(const void* w, int64_t k, const float* group_scale,
+                              const float* group_min, int64_t group, Round round, float* wf) {
   const int64_t k2 = (k + 1) / 2;
-  const float* s = group_scale;  // this k pair's group's scales
+  const float* s = group_scale;  // this k pair's group's scales (and mins at `mn`)
+  const float* mn = group_min;
   int64_t left = group / 2;       // k pairs left in the group of `s`
+  alignas(64) float qe[kBlockN], qo[kBlockN];
   for (int64_t kp = 0; kp < k2; ++kp) {
-    const int8_t* src = w + kp * 2 * kBlockN;  // [32][2]
     float* even = wf + 2 * kp * kBlockN;
     float* odd = even + kBlockN;
     const bool has_odd = 2 * kp + 1 < k;
     if (group_scale == nullptr) {
-#pragma omp simd
-      for (int64_t c = 0; c < kBlockN; ++c) even[c] = static_cast<float>(src[2 * c]);
-      if (has_odd) {
-#pragma omp simd
-        for (int64_t c = 0; c < kBlockN; ++c) odd[c] = static_cast<float>(src[2 * c + 1]);
-      }
-    } else {  // k = 2 kp and 2 kp + 1 share a group (the group size is even)
-      if (left == 0) {
-        s += kBlockN;
-        left = group / 2;
-      }
-      --left;
+      pair_codes<kU4>(w, kp, even, has_odd ? odd : qo);
+      continue;
+    }
+    pair_codes<kU4>(w, kp, qe, qo);  // (K is even here: the group size is, and divides it)
+    if (left == 0) {  // k = 2 kp and 2 kp + 1 share a group (the group size is even)
+      s += kBlockN;
+      if (mn != nullptr) mn += kBlockN;
+      left = group / 2;
+    }
+    --left;
+    if (mn == nullptr) {
 #pragma omp simd
       for (int64_t c = 0; c < kBlockN; ++c) {
-        even[c] = round_weight(static_cast<float>(src[2 * c]) * s[c], round);
+        even[c] = round_weight(qe[c] * s[c], round);
+        odd[c] = round_weight(qo[c] * s[c], round);
       }
-      if (has_odd) {
+    } else {
 #pragma omp simd
-        for (int64_t c = 0; c < kBlockN; ++c) {
-          odd[c] = round_weight(static_cast<float>(src[2 * c + 1]) * s[c], round);
-        }
+      for (int64_t c = 0; c < kBlockN; ++c) {
+        even[c] = round_weight(qe[c] * s[c] + mn[c], round);
+        odd[c] = round_weight(qo[c] * s[c] + mn[c], round);
       }
     }
   }
@@ -305,7 +340,9 @@ struct LinearArgs {
   at::ScalarType w_dtype, out_dtype;
   at::ScalarType x_dtype;    // the op's x (the f32 path reads it converted to float32)
   const float* scale;        // int8 weights: per output channel [N], or nullptr
-  const float* group_scale;  // int8 weights: per group [num_blocks, K / group, 32], or nullptr
+  const float* group_scale;  // quantized weights: per group [num_blocks, K / group, 32], or
+                             // nullptr
+  const float* group_min;    // the groups' mins, as group_scale, or nullptr (none: 0)
   int64_t group;             // k per group (group_scale), else 0
   bool silu_mul;             // the SiLU-gated epilogue: y [M, N / 2] (store_tile_silu_mul)
 };
@@ -411,18 +448,19 @@ PS_INLINE void item_f32_body(const LinearArgs& a, int64_t m0, int64_t rows, int6
   RowsFn(x + m0 * a.ldx, a.ldx, rows, w, a.k, acc, ahead);
 }
 
-template <auto RowsFn>
-PS_INLINE void item_f32_i8_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
-                                int64_t /*next_block*/, float* wf, float* acc) {
+template <bool kU4, auto RowsFn>
+PS_INLINE void item_f32_q_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
+                               int64_t /*next_block*/, float* wf, float* acc) {
   const int64_t num_groups = a.group > 0 ? a.k / a.group : 0;
-  unpack_block_i8(static_cast<const int8_t*>(a.packed) + block * a.k2 * 2 * kBlockN, a.k,
-                  a.group_scale != nullptr ? a.group_scale + block * num_groups * kBlockN
-                                           : nullptr,
-                  a.group,
-                  a.x_dtype == at::kBFloat16 ? Round::kBf16
-                  : a.x_dtype == at::kHalf   ? Round::kHalf
-                                             : Round::kNone,
-                  wf);
+  const int64_t offset = block * num_groups * kBlockN;
+  unpack_block_q<kU4>(
+      static_cast<const int8_t*>(a.packed) + block * a.k2 * (kU4 ? 1 : 2) * kBlockN, a.k,
+      a.group_scale != nullptr ? a.group_scale + offset : nullptr,
+      a.group_min != nullptr ? a.group_min + offset : nullptr, a.group,
+      a.x_dtype == at::kBFloat16 ? Round::kBf16
+      : a.x_dtype == at::kHalf   ? Round::kHalf
+                                 : Round::kNone,
+      wf);
   const float* x = static_cast<const float*>(a.x);
   RowsFn(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc, nullptr);
 }
@@ -445,7 +483,11 @@ using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, int64_t
   }                                                                                        \
   TARGET void NAME##_i8(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,      \
                         int64_t next, float* wf, float* acc) {                             \
-    item_f32_i8_body<ROWS>(a, m0, rows, block, next, wf, acc);                             \
+    item_f32_q_body<false, ROWS>(a, m0, rows, block, next, wf, acc);                       \
+  }                                                                                        \
+  TARGET void NAME##_u4(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,      \
+                        int64_t next, float* wf, float* acc) {                             \
+    item_f32_q_body<true, ROWS>(a, m0, rows, block, next, wf, acc);                        \
   }
 #if defined(__x86_64__)
 PS_DEFINE_F32(lin_avx512, PS_TARGET_AVX512, rows_f32)
@@ -454,12 +496,13 @@ PS_DEFINE_F32(lin_avx2, PS_TARGET_AVX2, rows_f32_avx2)
 PS_DEFINE_F32(lin_scalar, , rows_f32)
 
 ItemF32Fn pick_f32(Isa isa, at::ScalarType w_dtype) {
-  if (w_dtype == at::kChar) {
+  if (w_dtype == at::kChar || w_dtype == at::kByte) {
+    const bool u4 = w_dtype == at::kByte;
 #if defined(__x86_64__)
-    if (isa >= Isa::kAvx512) return lin_avx512_i8;
-    if (isa >= Isa::kAvx2) return lin_avx2_i8;
+    if (isa >= Isa::kAvx512) return u4 ? lin_avx512_u4 : lin_avx512_i8;
+    if (isa >= Isa::kAvx2) return u4 ? lin_avx2_u4 : lin_avx2_i8;
 #endif
-    return lin_scalar_i8;
+    return u4 ? lin_scalar_u4 : lin_scalar_i8;
   }
   PS_ISA_DTYPE_TABLE(ItemF32Fn, table, lin_scalar, lin_avx2, lin_avx512);
   return table[static_cast<int>(at_most(isa, Isa::kAvx512))][dtype_index(w_dtype)];
@@ -518,15 +561,19 @@ PS_BF16_TARGET void item_bf16_dp(const LinearArgs& a, int64_t m0, int64_t rows,
   }
 }
 
-// An int8 block [K2][32][2] -> bf16 in the same layout (the bf16 bodies' weights): the int8
-// values (exact), or each times its group's scale (`group_scale`: [K / group][32] of this
-// block), rounded to nearest even as a float32 -> bf16 cast rounds.
+// A quantized block -> bf16 [K2][32][2] (the bf16 bodies' weights): int8 codes [K2][32][2]
+// as they are (exact; per-channel scales), or q * s + m with each group's scale and min
+// (`group_scale` / `group_min`: [K / group][32] of this block; no min: 0), rounded to nearest
+// even as a float32 -> bf16 cast rounds (the float path's values, unpack_block_q). 4-bit codes
+// ([K2][32], k = 2 kp in the low nibble) always have group scales.
 PS_BF16_TARGET void convert_block_i8_bf16(const int8_t* w, int64_t k2, const float* group_scale,
-                                          int64_t group, uint16_t* dst) {
+                                          const float* group_min, int64_t group,
+                                          uint16_t* dst) {
   // element j of a k pair's 64 is column j / 2: the 16 floats of quarter i are columns
   // 8 i .. 8 i + 7, each twice
   const __m512i twice = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-  const float* s = group_scale;  // this k pair's group's scales
+  const float* s = group_scale;  // this k pair's group's scales (and mins at `mn`)
+  const float* mn = group_min;
   const int64_t pairs_per_group = group / 2;
   int64_t left = pairs_per_group;  // k pairs left in the group of `s`
   for (int64_t kp = 0; kp < k2; ++kp) {
@@ -539,17 +586,62 @@ PS_BF16_TARGET void convert_block_i8_bf16(const int8_t* w, int64_t k2, const flo
     if (group_scale != nullptr) {
       if (left == 0) {
         s += kBlockN;
+        if (mn != nullptr) mn += kBlockN;
         left = pairs_per_group;
       }
       --left;
       for (int i = 0; i < 4; ++i) {
-        const __m512 s8 = _mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * i));
-        f[i] = _mm512_mul_ps(f[i], _mm512_permutexvar_ps(twice, s8));
+        const __m512 s2 = _mm512_permutexvar_ps(
+            twice, _mm512_castps256_ps512(_mm256_loadu_ps(s + 8 * i)));
+        if (mn == nullptr) {
+          f[i] = _mm512_mul_ps(f[i], s2);
+        } else {  // (q * s is exact: the fma rounds as q * s + m does)
+          f[i] = _mm512_fmadd_ps(f[i], s2, _mm512_permutexvar_ps(
+              twice, _mm512_castps256_ps512(_mm256_loadu_ps(mn + 8 * i))));
+        }
       }
     }
     _mm512_storeu_si512(dst + kp * 2 * kBlockN, (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]));
     _mm512_storeu_si512(dst + kp * 2 * kBlockN + kBlockN,
                         (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]));
+  }
+}
+
+PS_BF16_TARGET void convert_block_u4_bf16(const uint8_t* w, int64_t k2, const float* group_scale,
+                                          const float* group_min, int64_t group,
+                                          uint16_t* dst) {
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  const float* s = group_scale;
+  const float* mn = group_min;
+  const int64_t pairs_per_group = group / 2;
+  int64_t left = pairs_per_group;
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    if (left == 0) {
+      s += kBlockN;
+      if (mn != nullptr) mn += kBlockN;
+      left = pairs_per_group;
+    }
+    --left;
+    for (int h = 0; h < 2; ++h) {  // columns 16 h .. 16 h + 15
+      const __m512i b = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + kp * kBlockN + 16 * h)));
+      __m512 even = _mm512_cvtepi32_ps(_mm512_and_si512(b, low));
+      __m512 odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+      const __m512 sv = _mm512_loadu_ps(s + 16 * h);
+      if (mn == nullptr) {
+        even = _mm512_mul_ps(even, sv);
+        odd = _mm512_mul_ps(odd, sv);
+      } else {
+        const __m512 mv = _mm512_loadu_ps(mn + 16 * h);
+        even = _mm512_fmadd_ps(even, sv, mv);
+        odd = _mm512_fmadd_ps(odd, sv, mv);
+      }
+      // column c's pair (k even, k odd) is one 32-bit lane: even's bf16 low, odd's high
+      const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(even));
+      const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(odd));
+      _mm512_storeu_si512(dst + kp * 2 * kBlockN + 2 * 16 * h,
+                          _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+    }
   }
 }
 #endif
@@ -612,29 +704,34 @@ PS_DEFINE_STORE(store_item_baseline, )
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
                   const std::optional<at::Tensor>& bias_in,
                   std::optional<at::ScalarType> out_dtype_in,
-                  const std::optional<at::Tensor>& weight_scale, bool silu_mul) {
+                  const std::optional<at::Tensor>& weight_scale, bool silu_mul,
+                  const std::optional<at::Tensor>& weight_min) {
   TORCH_CHECK_VALUE(x_in.dim() == 2, "linear: x must be [M, K], got ", x_in.sizes());
   TORCH_CHECK_VALUE(x_in.device().is_cpu() && packed.device().is_cpu(),
                     "linear: x and the packed weight must be on the CPU");
   const auto w_dtype = packed.scalar_type();
   const auto x_dtype = x_in.scalar_type();
-  const bool int8_weight = w_dtype == at::kChar;
+  const bool u4_weight = w_dtype == at::kByte;  // 4-bit codes, two k a byte
+  const bool int8_weight = w_dtype == at::kChar || u4_weight;  // quantized: int8 or 4-bit codes
   const bool has_scale = weight_scale.has_value() && weight_scale->defined();
+  const bool has_min = weight_min.has_value() && weight_min->defined();
   if (int8_weight) {
+    const char* kind = u4_weight ? "4-bit" : "int8";
     TORCH_CHECK_VALUE(x_dtype == at::kFloat || x_dtype == at::kBFloat16 || x_dtype == at::kHalf,
-                      "linear: x must be float32, bfloat16 or float16 with int8 weights, got ",
-                      x_dtype);
-    TORCH_CHECK_VALUE(has_scale, "linear: int8 weights need weight_scale");
+                      "linear: x must be float32, bfloat16 or float16 with ", kind,
+                      " weights, got ", x_dtype);
+    TORCH_CHECK_VALUE(has_scale, "linear: ", kind, " weights need weight_scale");
   } else {
     TORCH_CHECK_VALUE(x_dtype == w_dtype, "linear: x is ", x_dtype, " but the packed weight is ",
                       w_dtype);
-    TORCH_CHECK_VALUE(!has_scale, "linear: weight_scale is for int8 weights, not ", w_dtype);
+    TORCH_CHECK_VALUE(!has_scale && !has_min,
+                      "linear: weight_scale is for int8 weights (and 4-bit ones), not ", w_dtype);
   }
   const int64_t m = x_in.size(0), k = x_in.size(1);
   const bool f32_weight = w_dtype == at::kFloat;
-  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.dim() == (f32_weight ? 3 : 4) &&
+  TORCH_CHECK_VALUE(packed.is_contiguous() && packed.dim() == (f32_weight || u4_weight ? 3 : 4) &&
                         packed.size(2) == kBlockN &&
-                        (f32_weight || packed.size(3) == 2),
+                        (f32_weight || u4_weight || packed.size(3) == 2),
                     "linear: packed weight of shape ", packed.sizes(),
                     " is not pack_linear_weight's output");
   const int64_t num_blocks = packed.size(0);
@@ -666,6 +763,18 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
       group_scale = s.data_ptr<float>();
       group = k / s.size(1);
     }
+  }
+  TORCH_CHECK_VALUE(!u4_weight || group_scale != nullptr,
+                    "linear: 4-bit weights need a weight_scale per group");
+  const float* group_min = nullptr;
+  if (has_min) {
+    const at::Tensor& mn = *weight_min;
+    TORCH_CHECK_VALUE(group_scale != nullptr && mn.scalar_type() == at::kFloat &&
+                          mn.is_contiguous() && mn.device().is_cpu() &&
+                          mn.sizes() == weight_scale->sizes(),
+                      "linear: weight_min must be a contiguous float32 CPU tensor of the "
+                      "per-group weight_scale's shape, got ", mn.sizes());
+    group_min = mn.data_ptr<float>();
   }
   const auto out_dtype = out_dtype_in.value_or(x_dtype);
   TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
@@ -714,6 +823,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   a.x_dtype = x_dtype;
   a.scale = scale;
   a.group_scale = group_scale;
+  a.group_min = group_min;
   a.group = group;
   a.silu_mul = silu_mul;
   const ItemF32Fn f32_fn = pick_f32(isa, w_dtype);
@@ -743,10 +853,16 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
       }
 #if defined(__x86_64__)
       if (path != Path::kF32 && int8_weight) {
-        convert_block_i8_bf16(
-            static_cast<const int8_t*>(a.packed) + block * k2 * 2 * kBlockN, k2,
-            group_scale != nullptr ? group_scale + block * num_groups * kBlockN : nullptr, group,
-            wbf.data());
+        const int64_t g = block * num_groups * kBlockN;
+        const float* gs = group_scale != nullptr ? group_scale + g : nullptr;
+        const float* gm = group_min != nullptr ? group_min + g : nullptr;
+        if (u4_weight) {
+          convert_block_u4_bf16(static_cast<const uint8_t*>(a.packed) + block * k2 * kBlockN,
+                                k2, gs, gm, group, wbf.data());
+        } else {
+          convert_block_i8_bf16(static_cast<const int8_t*>(a.packed) + block * k2 * 2 * kBlockN,
+                                k2, gs, gm, group, wbf.data());
+        }
         w = wbf.data();
       }
 #endif
@@ -774,7 +890,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def(
       "linear(Tensor x, Tensor packed_weight, int out_features, Tensor? bias=None, "
-      "ScalarType? out_dtype=None, Tensor? weight_scale=None, bool silu_mul=False) -> Tensor");
+      "ScalarType? out_dtype=None, Tensor? weight_scale=None, bool silu_mul=False, "
+      "Tensor? weight_min=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

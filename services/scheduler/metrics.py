@@ -139,7 +139,7 @@ class SchedulerMetrics:
             ``cache_dtype`` (``--kv-cache-dtype``); None = no such gauge.
         model_config: the labels of the info gauge ``model_config_info`` (value 1): ``dtype``
             (the compute dtype) and ``quantization`` (how the linear weights are stored:
-            ``int8``, ``w8a8``, ``gguf_q8_0`` or ``none``); None = no such gauge.
+            ``int8``, ``w8a8``, ``gguf`` or ``none``); None = no such gauge.
     """
 
     def __init__(self, scheduler: Scheduler, model_name: str = "",

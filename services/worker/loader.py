@@ -13,10 +13,13 @@ The hot path never uses transformers' modeling code: only the one-off GGUF conve
 
 Weights are stored in the compute dtype, except (on a CPU; ``quantized_linear.py``):
 ``--quantization int8|w8a8`` quantizes the decoder's linear layers per output channel at load,
-and a GGUF's ``Q8_0`` linear layers are served from the file's int8 values and per-32 scales
-(``gguf_q8_0.py``) rather than from the float32 conversion. One log line at start says what the
-weights are stored as, and a GGUF is only re-quantized when ``--quantization`` asks, with a
-warning.
+and a GGUF's quantized tensors (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: the decoder's
+linear layers, the embedding and the LM head) are served as stored (``--quantization gguf``,
+the default for a ``.gguf``; ``gguf_weights.py``): the file's codes with their per-group scales
+and mins, dequantized inside the GEMM, rather than the float32 conversion.
+``--quantization none`` serves a GGUF from that conversion in ``--dtype`` (dequantized at
+load). One log line at start says what the weights are stored as, and a GGUF is only
+re-quantized when ``--quantization`` asks, with a warning.
 """
 
 from __future__ import annotations
@@ -41,7 +44,12 @@ from torch import nn
 from services.common.model_files import ModelSource, resolve_model
 from services.worker.attention import AttentionBackend, select_backend
 from services.worker.distributed import ParallelState
-from services.worker.gguf_q8_0 import Q8_0Weight, read_q8_0_linears, tensor_type_counts
+from services.worker.gguf_weights import (
+    GGUFIndex,
+    StoredWeights,
+    gguf_index,
+    read_stored_weights,
+)
 from services.worker.lora import LoRAConfig
 from services.worker.lora.layers import wrap_lora_layers
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -56,8 +64,9 @@ from services.worker.parallel import ShardPlan, shard_model
 from services.worker.pooler_config import PoolerConfig, checkpoint_pooler, resolve_runner
 from services.worker.quantized_linear import (
     QUANTIZATIONS,
-    GroupInt8Linear,
+    GroupQuantLinear,
     Int8Linear,
+    QuantizedEmbedding,
     W8A8Linear,
     quantize_model_linears,
 )
@@ -97,6 +106,9 @@ MODEL_TYPES: dict[str, Family] = {
     "gemma3_text": _GEMMA3,
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
+# --quantization for a GGUF: its quantized tensors as stored (vLLM's name), or dequantized at
+# load to --dtype; beside the int8 modes of quantized_linear.QUANTIZATIONS.
+GGUF_MODES = ("gguf", "none")
 # The decoder's linear weights (the ends of our names), which --quantization replaces.
 _LINEAR_WEIGHTS = (".qkv_proj.weight", ".o_proj.weight", ".gate_up_proj.weight",
                    ".down_proj.weight")
@@ -111,9 +123,9 @@ class ModelInfo:
         eos_token_ids: end-of-sequence token ids (generation_config.json, else config.json).
         max_model_len: longest sequence the model supports (tokens).
         vocab_size: rows of the logits.
-        quantization: how the decoder's linear weights are stored: ``--quantization``'s value
-            (``"int8"``, ``"w8a8"``), ``"gguf_q8_0"`` (a GGUF's Q8_0 layers as stored, without
-            the flag), ``""`` = the compute dtype.
+        quantization: how the weights are stored: ``--quantization``'s value (``"int8"``,
+            ``"w8a8"``), ``"gguf"`` (a GGUF's quantized tensors as stored), ``""`` = the
+            compute dtype.
         runner / pooler / matryoshka_dimensions / is_matryoshka: the pooling runner's
             (``services/worker/pooler.py``).
     """
@@ -150,9 +162,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         parallel: this rank's groups; the model is then this rank's shard
             (``services/worker/parallel.py``) and only that part of the weights is read.
         quantization: ``--quantization``: None, ``"int8"`` or ``"w8a8"``
-            (``services/worker/quantized_linear.py``; the CPU only). Without it a GGUF's
-            ``Q8_0`` linear layers are still served as int8 (their values as stored) on a
-            single-rank-per-stage CPU worker.
+            (``services/worker/quantized_linear.py``; the CPU only), ``"gguf"`` (a GGUF's
+            quantized tensors as stored; also what None means for a GGUF where it can be
+            served so: a CPU worker without tensor parallelism) or ``"none"`` (a GGUF
+            dequantized at load).
         runner: ``--runner``: ``"generate"``, ``"pooling"`` (the model without an LM head,
             none read: an embedding checkpoint has none) or ``"auto"`` (``resolve_runner``).
         lora: ``--enable-lora``'s limits: the targetable linear layers are wrapped in
@@ -172,6 +185,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     device = torch.device(device)
     check_quantization(quantization, device)
     source = resolve_model(model)
+    # (first: a truncated or corrupt GGUF is refused naming the tensor, before the conversion)
+    index = (gguf_index(source.path, source.cache_dir("gguf_index.json")) if source.is_gguf
+             else None)
     folder = convert_gguf(source) if source.is_gguf else Path(source.path)
     config = json.loads((folder / "config.json").read_text())
     family = family_of(config, source.path)
@@ -185,52 +201,62 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         if plan:
             assert parallel is not None  # a plan is made only for a parallel state
             shard_model(net, plan, parallel)
-    type_counts, q8_0_layer_tensors = (
-        tensor_type_counts(source.path, folder / "gguf_tensor_types.json")
-        if source.is_gguf else (None, 0))
-    q8 = _gguf_q8_0(source, folder, cfg, device, plan, quantization, q8_0_layer_tensors)
+    if quantization == "gguf" and not source.is_gguf:
+        raise ValueError(f"--quantization gguf needs a .gguf model, not {source.path}")
+    stored = _gguf_as_stored(source, folder, cfg, device, plan, quantization, index,
+                             embedding=plan is None)
+    skip = set(stored.linears) | {name for name, w in (("embed_tokens", stored.embedding),
+                                                       ("lm_head", stored.lm_head)) if w}
     # NOTE: safetensors hands out tensors on the file's memory map, which a float32 model keeps
     # as its weights; one that keeps few of them (int8) copies those few (not the linear
     # weights it quantizes), or the whole map, its pages read by the quantization, would stay
     # resident.
-    state = _read_state_dict(folder, cfg, family, dtype, device, plan, skip=set(q8),
+    int8_modes = quantization in QUANTIZATIONS
+    state = _read_state_dict(folder, cfg, family, dtype, device, plan, skip=skip,
                              copy=(lambda name: not name.endswith(_LINEAR_WEIGHTS))
-                             if quantization else (lambda name: True) if q8 else None)
+                             if int8_modes else (lambda name: True) if stored else None)
     try:
         net.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # missing/unexpected keys or shape mismatch
         raise ValueError(f"{folder}: weights do not fit the config: {e}") from e
-    for name, weight in q8.items():  # before .to(): their float weights were never read
-        parent, _, attr = name.rpartition(".")
-        old = cast(nn.Linear, net.get_submodule(name))
-        owner = net.get_submodule(parent)
-        silu_mul = takes_silu_mul(owner, attr) and lora is None  # (LoRA adds to gate/up)
-        owner.register_module(attr, GroupInt8Linear(weight.q, weight.scale, old.bias,
-                                                    silu_mul=silu_mul))
-        if silu_mul:
-            owner.act = nn.Identity()
+    # before .to(): their float weights were never read
+    _serve_as_stored(net, stored, dtype, fuse_gate=lora is None,
+                     lm_head=runner != "pooling")
     if lora is not None:
         wrap_lora_layers(net, lora.max_loras, lora.max_lora_rank, dtype,
-                         fuse=not quantization)
+                         fuse=not int8_modes)
     net = net.to(device).eval().requires_grad_(False)  # moves the float32 inv_freq buffer
-    if quantization:
+    if int8_modes:
+        assert quantization is not None  # (int8_modes)
         quantize_model_linears(net, quantization, skip=lambda m: isinstance(m, Int8Linear))
     _pack_linears(net, dtype, device, batch_invariant,
-                  is_last_stage=(plan is None or plan.pc.is_last_stage) and runner != "pooling")
-    if quantization or q8:
+                  is_last_stage=((plan is None or plan.pc.is_last_stage) and runner != "pooling"
+                                 and not isinstance(net.lm_head, GroupQuantLinear)))
+    if int8_modes or stored:
         _return_freed_memory()
-    log.info("weights: %s", describe_weights(net, dtype, quantization, type_counts))
+    log.info("weights: %s", describe_weights(net, dtype, quantization,
+                                             index.type_counts() if index else None,
+                                             stored.types))
     info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
                      max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                     quantization=quantization or ("gguf_q8_0" if q8 else ""), runner=runner,
+                     quantization=(quantization or "") if int8_modes else "gguf" if stored
+                     else "",
+                     runner=runner,
                      pooler=checkpoint_pooler(folder) if runner == "pooling" else None,
                      matryoshka_dimensions=tuple(config.get("matryoshka_dimensions") or ()),
                      is_matryoshka=bool(config.get("is_matryoshka")
                                         or config.get("matryoshka_dimensions")))
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", source.name,
-             len(net.layers), sum(p.numel() for p in net.parameters()) / 1e6,
+             len(net.layers), _num_weights(net) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
     return net, config, info
+
+
+def _num_weights(net: nn.Module) -> int:
+    """The model's weights counted as values (a quantized layer's ``N * K``, not its bytes)."""
+    quantized = {id(m): m for m in net.modules() if isinstance(m, (Int8Linear, W8A8Linear))}
+    return (sum(p.numel() for p in net.parameters())
+            + sum(m.in_features * m.out_features for m in quantized.values()))
 
 
 def _return_freed_memory() -> None:
@@ -252,12 +278,13 @@ def _return_freed_memory() -> None:
 
 def check_quantization(quantization: str | None, device: torch.device) -> None:
     """ValueError, naming ``--quantization``, for a mode we do not have or cannot run here:
-    both are CPU-only; ``int8`` needs the native kernels (``kernels.cpu_build``)."""
-    if quantization is None:
+    the int8 modes are CPU-only, and ``int8`` needs the native kernels
+    (``kernels.cpu_build``); ``gguf`` / ``none`` are checked against the model at load."""
+    if quantization is None or quantization in GGUF_MODES:
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization!r} is not one of "
-                         f"{', '.join(QUANTIZATIONS)}")
+                         f"{', '.join((*QUANTIZATIONS, *GGUF_MODES))}")
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} is implemented for the CPU only, not "
                          f"{device.type}")
@@ -271,26 +298,29 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
                              f"not be built or loaded: {e}") from e
 
 
-def _gguf_q8_0(source: ModelSource, folder: Path, cfg: ModelConfig, device: torch.device,
-               plan: ShardPlan | None, quantization: str | None,
-               q8_0_layer_tensors: int) -> dict[str, Q8_0Weight]:
-    """The GGUF's ``Q8_0`` linear layers this rank serves as stored (``gguf_q8_0.py``), or
-    ``{}``: not a GGUF, none of them ``Q8_0``, or not servable here (not a CPU, tensor
-    parallel, no native kernels, ``--quantization w8a8``: per-output-channel int8 instead),
-    each said in the log. The first layer is checked against the float conversion.
-    ``q8_0_layer_tensors``: how many of its decoder layers' tensors are ``Q8_0``
-    (``tensor_type_counts``; 0: the file is not read)."""
-    if not source.is_gguf or device.type != "cpu" or not q8_0_layer_tensors:
-        return {}
-    layers = plan.layers if plan else range(cfg.num_hidden_layers)
-    q8 = read_q8_0_linears(source.path, cfg.num_attention_heads, cfg.num_key_value_heads,
-                           layers)
-    if not q8:
-        return {}
+def _gguf_as_stored(source: ModelSource, folder: Path, cfg: ModelConfig, device: torch.device,
+                    plan: ShardPlan | None, quantization: str | None, index: GGUFIndex | None,
+                    embedding: bool) -> StoredWeights:
+    """The GGUF's quantized tensors this rank serves as stored (``gguf_weights.py``): its
+    decoder layers' linear weights, and with ``embedding`` the embedding and an untied LM
+    head; empty: not a GGUF (``index`` None), nothing of a supported type, or not servable
+    here (not a
+    CPU, tensor parallel, no native kernels, ``--quantization w8a8`` or ``none``), each said
+    in the log. The first layer and the embedding are checked against the float conversion.
+
+    Raises:
+        ValueError: ``--quantization gguf`` where it cannot be served; a corrupt or truncated
+            tensor (named).
+    """
+    if index is None or not index.stored_tensors() or quantization in ("w8a8", "none"):
+        if source.is_gguf and quantization == "w8a8":
+            log.warning("%s: the GGUF's quantized tensors are not served as stored: "
+                        "--quantization w8a8 re-quantizes them per output channel from their "
+                        "dequantized values", source.name)
+        return StoredWeights()
     why_not = None
-    if quantization == "w8a8":
-        why_not = ("--quantization w8a8 re-quantizes them per output channel from their "
-                   "dequantized values")
+    if device.type != "cpu":
+        why_not = f"they are served as stored on the CPU only, not {device.type}"
     elif plan is not None and plan.pc.tensor_parallel_size > 1:
         why_not = "tensor parallelism slices them (served from the float conversion)"
     else:
@@ -300,51 +330,99 @@ def _gguf_q8_0(source: ModelSource, folder: Path, cfg: ModelConfig, device: torc
             cpu_build.load()
         except Exception as e:  # noqa: BLE001 - any build/load failure: the float path
             why_not = f"the native CPU kernels could not be built or loaded ({e})"
-    if why_not is None and not _q8_0_matches_conversion(folder, q8, layers[0]):
-        why_not = "their first layer differs from the float conversion's (an unknown layout)"
     if why_not is not None:
-        log.warning("%s: %d GGUF Q8_0 linear layers not served as stored: %s", source.name,
-                    len(q8), why_not)
-        return {}
-    return q8
+        if quantization == "gguf":
+            raise ValueError(f"--quantization gguf: {source.name}'s quantized tensors cannot "
+                             f"be served as stored: {why_not}")
+        log.warning("%s: the GGUF's quantized tensors are not served as stored: %s",
+                    source.name, why_not)
+        return StoredWeights()
+    layers = plan.layers if plan else range(cfg.num_hidden_layers)
+    stored = read_stored_weights(source.path, index, cfg.num_attention_heads,
+                                 cfg.num_key_value_heads, layers, embedding)
+    if stored and not _matches_conversion(folder, stored, layers[0] if len(layers) else 0):
+        log.warning("%s: the GGUF's quantized tensors are not served as stored: their first "
+                    "layer or embedding differs from the float conversion's (an unknown "
+                    "layout)", source.name)
+        return StoredWeights()
+    return stored
 
 
-def _q8_0_matches_conversion(folder: Path, q8: dict[str, Q8_0Weight], layer: int) -> bool:
-    """Whether local layer 0's ``Q8_0`` weights, dequantized, equal the float32 conversion's
-    (checkpoint layer ``layer``) value for value: the names and row order are right."""
+def _matches_conversion(folder: Path, stored: StoredWeights, layer: int) -> bool:
+    """Whether local layer 0's stored weights and the first 1024 rows of the stored embedding
+    and LM head, dequantized, equal the float32 conversion's (checkpoint layer ``layer``)
+    value for value: the names, the row order and the formats' reading are right."""
     parts = {"attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
              "attn.o_proj": ("self_attn.o_proj",),
              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
              "mlp.down_proj": ("mlp.down_proj",)}
+    checks = [(w, [f"layers.{layer}.{n}.weight" for n in parts[module]])
+              for module in parts if (w := stored.linears.get(f"layers.0.{module}"))]
+    for w, name in ((stored.embedding, "embed_tokens.weight"), (stored.lm_head, "lm_head.weight")):
+        if w is not None:
+            rows = min(1024, w.codes.shape[0])
+            checks.append((dataclasses.replace(w, codes=w.codes[:rows], scale=w.scale[:rows],
+                                               min=None if w.min is None else w.min[:rows]),
+                           [name]))
     with ExitStack() as stack:
         handles = {}
         for file in sorted(folder.glob("*.safetensors")):
             f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             for name in f.keys():  # noqa: SIM118 - a safetensors file, not a dict
                 handles[name.removeprefix("model.")] = (f, name)
-        for module, names in parts.items():
-            weight = q8.get(f"layers.0.{module}")
-            if weight is None:
-                continue
-            keys = [f"layers.{layer}.{n}.weight" for n in names]
+        for weight, keys in checks:
             if any(k not in handles for k in keys):
                 return False
-            ref = torch.cat([handles[k][0].get_tensor(handles[k][1]).float() for k in keys])
+            rows = weight.codes.shape[0]
+            ref = torch.cat([handles[k][0].get_slice(handles[k][1])[:rows].float()
+                             for k in keys])
             if not torch.equal(weight.dequantize(), ref):
                 return False
     return True
 
 
+def _serve_as_stored(net: nn.Module, stored: StoredWeights, dtype: torch.dtype,
+                     fuse_gate: bool, lm_head: bool) -> None:
+    """Put ``GroupQuantLinear``s (and a ``QuantizedEmbedding``) over ``stored`` in ``net``, in
+    place of the modules whose weights were not read (meta). ``fuse_gate``: a SwiGLU gate_up
+    layer applies its gate in the kernel's epilogue (not with LoRA, which adds to gate and
+    up); ``lm_head``: a tied model's LM head reads the stored embedding (not for pooling)."""
+    for name, weight in stored.linears.items():
+        parent, _, attr = name.rpartition(".")
+        old = cast(nn.Linear, net.get_submodule(name))
+        owner = net.get_submodule(parent)
+        silu_mul = takes_silu_mul(owner, attr) and fuse_gate
+        layer = GroupQuantLinear(weight.codes, weight.scale, weight.min, old.bias,
+                                 silu_mul=silu_mul)
+        layer.stored_as = "+".join(dict.fromkeys(stored.types[name]))
+        owner.register_module(attr, layer)
+        if silu_mul:
+            owner.act = nn.Identity()
+    if stored.embedding is not None:
+        e = stored.embedding
+        table = GroupQuantLinear(e.codes, e.scale, e.min, out_dtype=torch.float32)
+        net.embed_tokens = QuantizedEmbedding(table, dtype)
+        if lm_head and net.lm_head is None:  # tied
+            net.lm_head = table
+    if stored.lm_head is not None and lm_head:
+        w = stored.lm_head
+        net.lm_head = GroupQuantLinear(w.codes, w.scale, w.min, out_dtype=torch.float32)
+
+
 def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | None,
-                     gguf_types: dict[str, int] | None) -> str:
+                     gguf_types: dict[str, int] | None,
+                     stored_types: dict[str, tuple[str, ...]] | None = None) -> str:
     """One line on what the weights are stored as: the decoder's linear layers (how many are
-    int8, and of which kind), the embedding and LM head, and a GGUF's tensor types."""
+    quantized, and of which kind), the embedding and LM head, and a GGUF's tensor types
+    (``stored_types``: the GGML types of the tensors served as stored, by module)."""
     name = str(dtype).removeprefix("torch.")
     kinds: dict[str, int] = {}
     for layer in cast(nn.ModuleList, net.layers):
         for m in layer.modules():
-            kind = ("GGUF Q8_0 as stored (int8, an fp16 scale per 32 weights)"
-                    if isinstance(m, GroupInt8Linear) else
+            kind = (f"GGUF {m.stored_as} as stored ({'4-bit' if m.packed.dim() == 3 else 'int8'}"
+                    f" codes, a scale{' and min' if m.weight_min is not None else ''} per "
+                    f"{m.in_features // m.weight_scale.shape[1]})"
+                    if isinstance(m, GroupQuantLinear) else
                     "int8 per output channel, weight-only (--quantization int8)"
                     if isinstance(m, Int8Linear) else
                     "int8 per output channel, activations int8 per token (--quantization w8a8)"
@@ -355,12 +433,23 @@ def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | Non
     total = sum(kinds.values())
     linear = ", ".join(f"{n} of {total} {k}" for k, n in kinds.items()) or "none"
     size = sum(t.numel() * t.element_size() for t in (*net.parameters(), *net.buffers()))
-    text = (f"decoder linear layers: {linear}; embedding and LM head {name}; "
+    stored_types = stored_types or {}
+    ends = []
+    for part in ("embed_tokens", "lm_head"):
+        module = getattr(net, part, None)
+        if isinstance(module, QuantizedEmbedding) or (
+                isinstance(module, GroupQuantLinear) and part == "lm_head"):
+            tied = part == "lm_head" and "lm_head" not in stored_types
+            types = stored_types.get("embed_tokens" if tied else part, ("?",))
+            ends.append(f"{'LM head (tied)' if tied else part.replace('_', ' ')} "
+                        f"GGUF {types[0]} as stored")
+    ends_text = "; ".join(ends) if ends else f"embedding and LM head {name}"
+    text = (f"decoder linear layers: {linear}; {ends_text}; "
             f"{size / 2**20:.1f} MiB of weights")
     if gguf_types:
         text += " (GGUF tensors: " + ", ".join(f"{t} x{n}" for t, n in gguf_types.items()) + ")"
         requantized = [t for t in gguf_types if t not in ("F32", "F16", "BF16", "Q8_0")]
-        if quantization and requantized:
+        if quantization in QUANTIZATIONS and requantized:
             log.warning("--quantization %s: the GGUF's %s weights, dequantized by the "
                         "conversion, are quantized again to int8 per output channel",
                         quantization, "/".join(requantized))
@@ -448,7 +537,8 @@ def _read_state_dict(folder: Path, cfg: ModelConfig, family: Family, dtype: torc
     rank never holds the whole model in memory; local layer j is checkpoint layer
     ``plan.layers[j]``. The weights of the modules in ``skip`` (``"layers.{j}.attn.qkv_proj"``:
     served from elsewhere) are not read; they get meta tensors of their shape. The tensors
-    whose names ``copy`` accepts are copies, not views of the file's memory map.
+    whose names ``copy`` accepts are copies, not views of the file's memory map. ``skip`` may
+    also name ``"embed_tokens"`` and ``"lm_head"``.
     """
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -515,10 +605,13 @@ def _build_state(folder: Path, cfg: ModelConfig, family: Family, handles: dict,
             state[ours + f"{n}.weight"] = norm(p + f"{n}.weight")
     last = plan is None or plan.pc.is_last_stage
     if plan is None or plan.keeps_embedding:
+        reading = "embed_tokens" not in skip
         state["embed_tokens.weight"] = take("embed_tokens.weight")
     if last:
+        reading = True
         state["norm.weight"] = norm("norm.weight")
     if last and not cfg.tie_word_embeddings:
+        reading = "lm_head" not in skip
         state["lm_head.weight"] = take("lm_head.weight")
     # NOTE: left over and expected: old checkpoints' rotary inv_freq, a tied checkpoint's
     # lm_head copy, and other pipeline stages' layers, embedding, norm and LM head.

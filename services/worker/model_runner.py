@@ -195,7 +195,7 @@ class ModelRunner:
         self.max_model_len = max_model_len or info.max_model_len
         self.eos_token_ids, self.vocab_size, self.model_name = (
             info.eos_token_ids, info.vocab_size, info.name)
-        self.weights_quantization = info.quantization  # "" / "int8" / "w8a8" / "gguf_q8_0"
+        self.weights_quantization = info.quantization  # "" / "int8" / "w8a8" / "gguf"
         cfg = self.model.config
         # NOTE: this rank's layers and KV heads only (a pipeline stage, a tensor-parallel shard).
         self.num_layers = len(self.model.layers)

@@ -1,4 +1,4 @@
-"""int8 weights for the decoder's linear layers (``--quantization``, GGUF Q8_0), on the CPU.
+"""Quantized weights for the linear layers (``--quantization``, GGUF as stored), on the CPU.
 
 ``quantize_model_linears`` swaps every linear layer of the decoder layers (q/k/v, o, gate/up,
 down; the tensor-parallel row-parallel ones with their all-reduce) for one of:
@@ -10,12 +10,14 @@ down; the tensor-parallel row-parallel ones with their all-reduce) for one of:
   otherwise). A layer computes what the same kernel computes for the dequantized weights
   ``q * s``, from half (bf16) or a quarter (float32) of the bytes, row-invariant as the
   unquantized layers are.
-- ``GroupInt8Linear``: the same kernel with a scale per group of 32 weights along K: a GGUF
-  ``Q8_0`` tensor as stored (``gguf_q8_0.py``), never re-quantized. Each weight is dequantized
-  to exactly the value the float conversion of the file gives (rounded to bf16 for a bf16
-  model, as that conversion's weights are), so the logits equal the float path's on the same
-  kernel: bitwise at bf16, and at float32 with ``--batch-invariant`` (without it the float
-  path's float32 layers are MKL's).
+- ``GroupQuantLinear``: the same kernel with a scale (and optionally a min) per group of
+  weights along K, on int8 codes or 4-bit ones (a quarter of bf16's bytes): a GGUF tensor as
+  stored (``gguf_weights.py``: Q4_0, Q4_1, Q4_K as 4-bit codes; Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+  as int8 codes), never re-quantized. Each weight is dequantized to exactly the value the
+  float conversion of the file gives (rounded to bf16 for a bf16 model, as that conversion's
+  weights are), so the logits equal the float path's on the same kernel: bitwise at bf16, and
+  at float32 with ``--batch-invariant`` (without it the float path's float32 layers are
+  MKL's).
 - ``W8A8Linear`` (``--quantization w8a8``): int8 weights per output channel and int8
   activations per token, quantized dynamically each step; ``torch._int_mm`` (oneDNN: VNNI,
   AMX-INT8 where present) and a float32 epilogue (``kernels.int8_linear.w8a8_linear``).
@@ -28,10 +30,10 @@ W8A8's activation scales) are taken over the rank's slice of K, so the result is
 single-rank one (close: int8 gave the same greedy tokens on the tiny test model at TP=2, W8A8
 not).
 
-NOTE: the embedding and the LM head stay in the compute dtype: the embedding is a row gather
-(no matmul to speed up), and the LM head (tied to it in SmolLM2 and Gemma) gives the logits
-that sampling and logprobs read; a 16-bit model's LM head stays the float32-output
-``PackedLinear``.
+NOTE: with ``--quantization int8|w8a8`` the embedding and the LM head stay in the compute
+dtype (the LM head gives the logits that sampling and logprobs read); a GGUF served as stored
+keeps a quantized embedding and LM head as the file stores them (``QuantizedEmbedding`` and a
+float32-output ``GroupQuantLinear`` over the same codes).
 """
 
 from __future__ import annotations
@@ -42,7 +44,12 @@ from typing import cast
 import torch
 from torch import nn
 
-from kernels.cpu_linear import gate_up_blocks, pack_group_scale, pack_linear_weight
+from kernels.cpu_linear import (
+    gate_up_blocks,
+    pack_group_scale,
+    pack_linear_weight,
+    pack_uint4_weight,
+)
 from kernels.int8_linear import quantize_symmetric, w8a8_linear
 from services.worker.packed_linear import takes_silu_mul
 
@@ -67,18 +74,29 @@ class Int8Linear(nn.Module):
 
     packed: torch.Tensor
     weight_scale: torch.Tensor
+    weight_min: torch.Tensor | None
     bias: torch.Tensor | None
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  reduce: Reduce | None = None, silu_mul: bool = False) -> None:
         super().__init__()
+        self.out_dtype: torch.dtype | None = None
+        self._setup(q, scale, None, bias, reduce, silu_mul)
+
+    def _setup(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None,
+               bias: torch.Tensor | None, reduce: Reduce | None, silu_mul: bool) -> None:
         self.out_features, self.in_features = q.shape
         self.reduce, self.silu_mul = reduce, silu_mul
-        if silu_mul:  # rows (and their scales) in blocks of 16 gate and 16 up
+        if silu_mul:  # rows (and their scales and mins) in blocks of 16 gate and 16 up
             q, scale = gate_up_blocks(q.detach()), gate_up_blocks(scale.detach())
+            min_ = None if min_ is None else gate_up_blocks(min_.detach())
             bias = None if bias is None else gate_up_blocks(bias.detach())
-        self.register_buffer("packed", pack_linear_weight(q.detach()), persistent=False)
+        packed = (pack_uint4_weight(q.detach()) if q.dtype == torch.uint8
+                  else pack_linear_weight(q.detach()))
+        self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight_scale", self._kernel_scale(scale), persistent=False)
+        self.register_buffer("weight_min", None if min_ is None else self._kernel_scale(min_),
+                             persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
 
     @staticmethod
@@ -92,25 +110,44 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if self.silu_mul:
             y = linear(flat, self.packed, self.out_features, self.bias, None, self.weight_scale,
-                       True)
+                       True, self.weight_min)
             return y.reshape(*lead, self.out_features // 2)
         if self.reduce is None:
-            y = linear(flat, self.packed, self.out_features, self.bias, None, self.weight_scale)
+            y = linear(flat, self.packed, self.out_features, self.bias, self.out_dtype,
+                       self.weight_scale, False, self.weight_min)
         else:  # partial sums reduced in float32, the bias added once, rounded once
             y = self.reduce(linear(flat, self.packed, self.out_features, None, torch.float32,
-                                   self.weight_scale))
+                                   self.weight_scale, False, self.weight_min))
             if self.bias is not None:
                 y = y + self.bias
-            y = y.to(x.dtype)
+            y = y.to(self.out_dtype or x.dtype)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-class GroupInt8Linear(Int8Linear):
-    """``Int8Linear`` with a scale per group of ``G`` consecutive weights of a row (GGUF
-    ``Q8_0``: G = 32): ``scale [N, K/G]`` float32, ``W[n, k] = q[n, k] * scale[n, k // G]``."""
+class GroupQuantLinear(Int8Linear):
+    """``Int8Linear`` with a scale and an optional min per group of ``G`` consecutive weights
+    of a row (GGUF: G = 32, Q6_K 16): ``W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]``.
+
+    Args:
+        q: ``[N, K]`` codes: int8, or uint8 holding 4-bit codes 0..15 (packed two a byte by
+            ``kernels.cpu_linear.pack_uint4_weight``; K even).
+        scale, min_: ``[N, K/G]`` float32 (``min_`` None: 0); G even.
+        bias, reduce, silu_mul: as ``Int8Linear``.
+        out_dtype: the output dtype (None: ``x``'s); a float32-output LM head.
+
+    ``forward``: ``x [..., K]`` float32 / bf16 / fp16 -> ``[..., N]``.
+    """
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, reduce: Reduce | None = None,
+                 silu_mul: bool = False, out_dtype: torch.dtype | None = None) -> None:
+        nn.Module.__init__(self)
+        self.out_dtype = out_dtype
+        self.stored_as = ""  # the GGUF types it holds ("Q4_K", "Q5_0+Q8_0"), for the log
+        self._setup(q, scale, min_, bias, reduce, silu_mul)
 
     @staticmethod
     def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -188,3 +225,44 @@ def quantize_model_linears(model: nn.Module, quantization: str,
                     setattr(parent, name, cls(q, scale, child.bias, reduce=reduce))
                 swapped += 1
     return swapped
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table read from a ``GroupQuantLinear``'s packed codes, scales and mins
+    (a tied model's LM head, or one built for the table alone): the rows of ``ids`` are
+    gathered from the packed layout and dequantized as the kernel dequantizes a weight,
+    ``q * s + m`` in float32, then rounded once to ``dtype``: the values of the float
+    conversion's table in that dtype. No float copy of the table is kept.
+
+    Args:
+        table: ``GroupQuantLinear`` of the ``[V, E]`` table (``out_features = V``).
+        dtype: the model dtype of the result.
+
+    ``forward``: ``ids [...]`` int64 -> ``[..., E]`` in ``dtype``.
+    """
+
+    def __init__(self, table: GroupQuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        # NOTE: a tied model's LM head is this same module: nn.Module counts shared buffers once
+        self.table = table
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        packed, scale, mn = self.table.packed, self.table.weight_scale, self.table.weight_min
+        lead, ids = ids.shape, ids.reshape(-1)
+        block, col = ids // 32, ids % 32
+        if packed.dim() == 3:  # 4-bit codes [nb, K/2, 32]: low nibble k = 2j, high 2j + 1
+            pairs = packed[block, :, col]  # [T, K/2]
+            codes = torch.stack((pairs & 0x0F, pairs >> 4), dim=-1).flatten(1)
+        else:  # int8 codes [nb, K2, 32, 2]
+            codes = packed[block, :, col].flatten(1)[:, :self.embedding_dim]
+        groups = scale.shape[1]
+        shape = (ids.shape[0], groups, self.embedding_dim // groups)
+        w = codes.float().view(shape) * scale[block, :, col].unsqueeze(-1)
+        if mn is not None:
+            w = w + mn[block, :, col].unsqueeze(-1)
+        return w.view(*lead, self.embedding_dim).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"

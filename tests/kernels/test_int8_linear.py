@@ -28,7 +28,7 @@ from kernels.int8_linear import (
     w8a8_linear,
 )
 from services.worker.packed_linear import PackedLinear
-from services.worker.quantized_linear import GroupInt8Linear, Int8Linear, W8A8Linear
+from services.worker.quantized_linear import GroupQuantLinear, Int8Linear, W8A8Linear
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (N, K): SmolLM2's qkv and down, N not a multiple of 32, K odd (per channel only), tiny
@@ -102,7 +102,7 @@ def test_int8_gate_up_with_the_silu_mul_epilogue(isa, dtype):
     assert out.shape == (11, 64) and fused(x).dtype == dtype
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, gate * torch.sigmoid(gate) * up, atol=tol, rtol=tol)
-    grouped = GroupInt8Linear(q, gscale, bias, silu_mul=True)
+    grouped = GroupQuantLinear(q, gscale, bias=bias, silu_mul=True)
     floats = PackedLinear(dequantize(q, gscale, group).to(dtype), bias, silu_mul=True)
     assert torch.equal(grouped(x), floats(x))
 
@@ -190,7 +190,7 @@ def test_bad_input_is_refused():
         cpu_linear(x.double(), packed, 40, None, None, scale)
 
 
-@pytest.mark.parametrize("cls", [Int8Linear, GroupInt8Linear, W8A8Linear])
+@pytest.mark.parametrize("cls", [Int8Linear, GroupQuantLinear, W8A8Linear])
 def test_modules_reduce_in_float32_then_add_the_bias(cls):
     """A row-parallel layer: the float32 product is all-reduced (here: doubled), the bias
     added once, the sum rounded once to the model dtype."""
@@ -202,13 +202,13 @@ def test_modules_reduce_in_float32_then_add_the_bias(cls):
     def reduce(y: torch.Tensor) -> torch.Tensor:
         seen.append(y.dtype)
         return 2 * y
-    s = gscale if cls is GroupInt8Linear else scale
-    out = cls(q, s, bias, reduce=reduce)(x)
+    s = gscale if cls is GroupQuantLinear else scale
+    out = cls(q, s, bias=bias, reduce=reduce)(x)
     plain = cls(q, s)(x.view(6, 64).float())  # float32 x, no reduce: float32 products
     assert seen == [torch.float32] and out.shape == (2, 3, 24) and out.dtype == torch.bfloat16
     if cls is W8A8Linear:
         ref = reference_w8a8(x.view(6, 64), q, scale)
-    elif cls is GroupInt8Linear:  # bf16 x: the weights rounded to bf16
+    elif cls is GroupQuantLinear:  # bf16 x: the weights rounded to bf16
         ref = x.view(6, 64).double() @ dequantize(q, gscale, group).bfloat16().double().T
     else:
         ref = reference_linear(x.view(6, 64), q, scale)

@@ -15,6 +15,7 @@ from kernels.cpu_attention import cpu_isa
 from services.common.model_files import resolve_model
 from services.worker.loader import load_model
 from services.worker.packed_linear import PackedLinear
+from services.worker.quantized_linear import QuantizedEmbedding
 from tests.helpers import make_tiny_gguf
 from tests.worker.test_model import run_ours
 
@@ -40,7 +41,8 @@ def test_gguf_converted_once_into_cache_dir(tiny_llama, tiny_gguf, cache_dir, mo
     target = resolve_model(str(tiny_gguf)).cache_dir("weights")
     assert target.is_relative_to(cache_dir)
     assert (target / "config.json").is_file() and list(target.glob("*.safetensors"))
-    assert list(target.parent.iterdir()) == [target]  # no temporary folder left behind
+    # no temporary folder left behind (beside the tensor index, read before the conversion)
+    assert sorted(target.parent.iterdir()) == [target.parent / "gguf_index.json", target]
     assert (info.name, info.eos_token_ids, info.vocab_size, info.max_model_len) == (
         "tiny", [7], 512, 1024)
     assert config["num_key_value_heads"] == 2
@@ -64,7 +66,8 @@ def test_failed_conversion_leaves_no_cache(tiny_gguf, cache_dir, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         load_model(str(tiny_gguf), torch.float32, "cpu")
     target = resolve_model(str(tiny_gguf)).cache_dir("weights")
-    assert not target.exists() and not list(target.parent.iterdir())
+    assert not target.exists()
+    assert list(target.parent.iterdir()) == [target.parent / "gguf_index.json"]
 
 
 def test_conversion_race_keeps_the_first_copy(tiny_gguf, cache_dir, monkeypatch):
@@ -77,7 +80,7 @@ def test_conversion_race_keeps_the_first_copy(tiny_gguf, cache_dir, monkeypatch)
 
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", racing_save)
     model, _, _ = load_model(str(tiny_gguf), torch.float32, "cpu")
-    assert list(target.parent.iterdir()) == [target]
+    assert sorted(target.parent.iterdir()) == [target.parent / "gguf_index.json", target]
     assert model.config.num_hidden_layers == 3
 
 
@@ -125,8 +128,12 @@ def test_smollm2_default_model_cached_load_is_fast(monkeypatch):
     assert (info.name, info.eos_token_ids, info.vocab_size, info.max_model_len) == (
         "SmolLM2-135M-Instruct.Q4_1", [2], 49152, 8192)
     assert config["tie_word_embeddings"]  # no LM head read from the checkpoint
+    # the GGUF as stored: the tied LM head is the embedding's Q8_0 table, read in place
+    assert info.quantization == "gguf" and isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert model.lm_head is model.embed_tokens.table
+    floats, _, _ = load_model(None, torch.float32, "cpu", quantization="none")
     if cpu_isa() == "avx2":  # a float32 model's layers on the native kernel: the table packed
-        assert isinstance(model.lm_head, PackedLinear)
+        assert isinstance(floats.lm_head, PackedLinear)
     else:
-        assert model.lm_head is None
+        assert floats.lm_head is None
     assert elapsed < 10, f"cached load took {elapsed:.1f} s"

@@ -33,7 +33,8 @@ def run_ours(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
     num_tokens = len(token_ids)
     num_blocks = -(-num_tokens // block_size)
     shape = (4 * num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    dtype = model.embed_tokens.weight.dtype
+    embed = model.embed_tokens  # (a GGUF's stored table has no float weight: its dtype)
+    dtype = embed.dtype if hasattr(embed, "dtype") else embed.weight.dtype
     caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
               for _ in range(cfg.num_hidden_layers)]
     block_table = torch.randperm(4 * num_blocks)[:num_blocks].to(torch.int32)[None]  # [1, nb]

@@ -1,4 +1,5 @@
-"""int8 weights in the worker (``--quantization int8|w8a8``, GGUF Q8_0) against transformers:
+"""Quantized weights in the worker (``--quantization int8|w8a8``, GGUF as stored) against
+transformers:
 
 - ``int8`` at float32: greedy tokens exactly those of transformers whose linear weights were
   replaced by the same dequantized int8 values (through the runner: chunked prefill, late
@@ -6,7 +7,10 @@
 - ``w8a8`` at float32: the logits of transformers with those weights and its linear layers'
   inputs quantized per token the same way (to 1e-4), and the same greedy tokens;
 - a GGUF whose linear weights are ``Q8_0`` is served from its int8 values (no float copy of
-  them is read) with logits bitwise equal to the float conversion's, at float32 and bf16;
+  them is read) with logits bitwise equal to the float conversion's, at float32 and bf16; so is
+  one of every other format served as stored (4-bit and 5/6-bit codes, mixed in one module),
+  with its embedding and LM head as stored, and its greedy tokens equal transformers' reading
+  the GGUF; ``--quantization none`` dequantizes at load; a truncated tensor is refused, named;
 - the start-up log says what the weights are stored as; bad combinations fail at start naming
   ``--quantization``.
 """
@@ -24,7 +28,12 @@ from kernels.int8_linear import dequantize, quantize_symmetric
 from services.common.model_files import resolve_model
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
-from services.worker.quantized_linear import GroupInt8Linear, Int8Linear, W8A8Linear
+from services.worker.quantized_linear import (
+    GroupQuantLinear,
+    Int8Linear,
+    QuantizedEmbedding,
+    W8A8Linear,
+)
 from tests.helpers import make_tiny_gguf
 from tests.worker.test_model import drive_greedy, hf_greedy, run_ours
 
@@ -138,13 +147,13 @@ def test_gguf_q8_0_is_served_as_int8_with_the_float_conversions_logits(q8_0_gguf
     caplog.set_level(logging.INFO, logger="services.worker.loader")
     batch_invariant = dtype == torch.float32
     ours, _, _ = load_model(str(q8_0_gguf), dtype, "cpu", batch_invariant=batch_invariant)
-    assert all(isinstance(m, GroupInt8Linear) for layer in ours.layers
+    assert all(isinstance(m, GroupQuantLinear) for layer in ours.layers
                for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                          layer.mlp.down_proj))
     assert "12 of 12 GGUF Q8_0 as stored" in caplog.text
     converted = resolve_model(str(q8_0_gguf)).cache_dir("weights")  # the float32 conversion
     floats, _, _ = load_model(str(converted), dtype, "cpu", batch_invariant=batch_invariant)
-    assert type(floats.layers[0].attn.qkv_proj) is not GroupInt8Linear
+    assert type(floats.layers[0].attn.qkv_proj) is not GroupQuantLinear
     prompt = _prompts()[2]
     assert torch.equal(run_ours(ours, prompt), run_ours(floats, prompt))
 
@@ -155,7 +164,7 @@ def test_gguf_is_requantized_only_when_asked_and_then_with_a_warning(q8_0_gguf, 
     ours, _, _ = load_model(str(q8_0_gguf), torch.float32, "cpu", quantization="w8a8")
     assert isinstance(ours.layers[0].mlp.down_proj, W8A8Linear)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any("Q8_0 linear layers not served as stored: --quantization w8a8" in w
+    assert any("quantized tensors are not served as stored: --quantization w8a8" in w
                for w in warnings)
     assert "12 of 12 int8 per output channel, activations int8 per token" in caplog.text
 
@@ -201,3 +210,111 @@ def test_the_flag_is_a_worker_flag_that_serve_forwards(capsys):
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["--quantization", "int4"])
     assert "argument --quantization: invalid choice: 'int4'" in capsys.readouterr().err
+
+
+# Formats per GGUF tensor kind: the legacy ones by gguf-py from the model's weights; a Q4_K_M
+# -like mix of k-quants (random blocks: gguf-py cannot quantize them) with 4-bit and 6-bit
+# rows in one module (attn_v, ffn_down as Q6_K); Gemma 3's Q5_0 with a Q8_0 attn_v.
+FORMATS = {
+    "Q4_0": {}, "Q4_1": {}, "Q5_1": {},
+    "Q4_K": {"attn_v": "Q6_K", "ffn_down": "Q6_K"},
+    "Q5_K": {"attn_output": "Q4_K"},
+    "Q5_0": {"attn_v": "Q8_0"},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_256(tmp_path_factory):
+    """A tiny Llama whose linear layers' K are multiples of 256 (the k-quants' blocks)."""
+    from tests.helpers import make_tiny_llama
+
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-256"), hidden_size=256,
+                           intermediate_size=512, initializer_range=0.05)
+
+
+def _gguf(tmp_path, tiny_256, linear_type: str) -> str:
+    return str(make_tiny_gguf(tmp_path / f"tiny-{linear_type}.gguf", tiny_256,
+                              linear_type=linear_type, types=FORMATS[linear_type],
+                              embedding_type="Q8_0"))
+
+
+@pytest.mark.parametrize("linear_type", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_formats_are_served_as_stored_with_the_float_conversions_logits(
+        tiny_256, tmp_path, cache_dir, linear_type, dtype, caplog):
+    """Every decoder linear layer, the embedding and the (untied) LM head from the file's
+    codes and scales: the logits of the float conversion bit for bit, at a fraction of its
+    bytes (float32: both on the native kernel, ``batch_invariant``)."""
+    caplog.set_level(logging.INFO, logger="services.worker.loader")
+    path = _gguf(tmp_path, tiny_256, linear_type)
+    batch_invariant = dtype == torch.float32
+    ours, _, info = load_model(path, dtype, "cpu", batch_invariant=batch_invariant)
+    assert info.quantization == "gguf"
+    layers = [m for layer in ours.layers for m in (layer.attn.qkv_proj, layer.attn.o_proj,
+                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert all(isinstance(m, GroupQuantLinear) for m in layers)
+    assert isinstance(ours.embed_tokens, QuantizedEmbedding)
+    assert isinstance(ours.lm_head, GroupQuantLinear)
+    assert ours.lm_head.packed.dtype == torch.int8  # Q8_0
+    assert f"GGUF {linear_type}" in caplog.text and "embed tokens GGUF Q8_0 as stored" in caplog.text
+    converted = resolve_model(path).cache_dir("weights")  # the float32 conversion
+    floats, _, _ = load_model(str(converted), dtype, "cpu", batch_invariant=batch_invariant)
+    prompt = _prompts()[2]
+    assert torch.equal(run_ours(ours, prompt), run_ours(floats, prompt))
+    size = [sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
+            for m in (ours, floats)]
+    assert size[0] < (0.45 if dtype == torch.float32 else 0.8) * size[1]
+
+
+def test_gguf_as_stored_greedy_equals_transformers_reading_the_gguf(tiny_256, tmp_path,
+                                                                    cache_dir, one_torch_thread):
+    """The k-quant mix at float32 through the runner (chunked prefill, late arrival,
+    preemption, compiled): transformers' own GGUF reader's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    path = _gguf(tmp_path, tiny_256, "Q4_K")
+    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    assert isinstance(runner.model.layers[0].mlp.down_proj, GroupQuantLinear)
+    prompts = _prompts()
+    outputs = drive_greedy(runner, prompts, NEW_TOKENS, token_budget=64,
+                           arrivals=[3, 0, 0, 0], preempt=(8, 2))
+    source = resolve_model(path)
+    ref = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file,
+                                               dtype=torch.float32).eval()
+    assert outputs == [hf_greedy(ref, p, NEW_TOKENS) for p in prompts]
+
+
+def test_quantization_none_dequantizes_a_gguf_and_gguf_needs_one(tiny_256, tiny_llama,
+                                                                 tmp_path, cache_dir):
+    path = _gguf(tmp_path, tiny_256, "Q4_1")
+    floats, _, info = load_model(path, torch.bfloat16, "cpu", quantization="none")
+    assert info.quantization == ""
+    assert not any(isinstance(m, (GroupQuantLinear, QuantizedEmbedding))
+                   for m in floats.modules())
+    with pytest.raises(ValueError, match="--quantization gguf needs a .gguf model"):
+        load_model(str(tiny_llama), torch.bfloat16, "cpu", quantization="gguf")
+
+
+def test_a_truncated_quantized_tensor_is_refused_naming_it(tiny_256, tmp_path, cache_dir):
+    """A file cut short inside a quantized tensor: the load fails naming the tensor (before
+    any conversion), and nothing is served half-loaded; a tensor whose bytes do not fit its
+    type and shape is named too."""
+    import gguf
+
+    from services.worker.gguf_weights import GGUFIndex, TensorInfo, read_stored_weights
+
+    path = _gguf(tmp_path, tiny_256, "Q4_K")
+    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.2.ffn_up.weight")
+    info = TensorInfo("Q4_K", tuple(int(d) for d in tensor.shape), int(tensor.data_offset),
+                      int(tensor.n_bytes) - 1)
+    with pytest.raises(ValueError, match=r"GGUF tensor 'blk\.0\.ffn_gate\.weight': Q4_K "
+                                         r"tensor of shape \(512, 256\) needs 73728 bytes"):
+        read_stored_weights(path, GGUFIndex("llama", {"blk.0.ffn_up.weight": info,
+                                                      "blk.0.ffn_gate.weight": info}),
+                            4, 2, [0], embedding=False)
+    with open(path, "r+b") as f:
+        f.truncate(tensor.data_offset + tensor.n_bytes // 2)
+    with pytest.raises(ValueError, match=r"tensor '(blk\.2\.ffn_up|output_norm)\.weight' ends "
+                                         r"at byte \d+, past the file's"):
+        load_model(path, torch.bfloat16, "cpu")
+    assert not any(cache_dir.rglob("config.json"))  # no conversion was written
