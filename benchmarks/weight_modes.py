@@ -44,7 +44,7 @@ before = status()
 runner = ModelRunner(sys.argv[4] or None, dtype=sys.argv[1], enforce_eager=True,
                      kv_cache_memory=128 << 20, quantization=sys.argv[2] or None)
 if runner.structured is not None:
-    runner.structured.wait_ready()  # (its tokenizer is built in the background)
+    runner.structured._ready.result()  # (its tokenizer is built in the background)
 after = status()
 import ctypes
 ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the allocator still holds of freed memory, out

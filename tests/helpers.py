@@ -163,13 +163,13 @@ def random_gguf_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     """An ``[n, k]`` tensor of GGML type ``qtype`` as raw bytes (uint8 ``[n, k / block *
     bytes]``), for the k-quants gguf-py cannot quantize (Q4_K, Q5_K, Q6_K): random codes and
     sub-scales, the fp16 super-block scales (and mins) set so that the weights are of a
-    trained layer's size (|w| ~ 0.1)."""
+    trained layer's size (|w| <~ 0.1)."""
     from services.worker.gguf_blocks import _BLOCK
 
     block, size = _BLOCK[qtype]
     gen = np.random.default_rng(seed)
     raw = gen.integers(0, 256, (n * k // block, size), dtype=np.uint8)
-    d = (gen.random((raw.shape[0], 2)) * 2e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    d = (gen.random((raw.shape[0], 2)) * 1e-4 + 1e-5).astype(np.float16).view(np.uint8)
     if qtype == "Q6_K":  # ql, qh, int8 scales[16], then d
         raw[:, -2:] = d[:, 0:2]
     else:  # Q4_K / Q5_K: d, dmin, then the 6-bit scales and mins

@@ -25,6 +25,15 @@ through ``torch.compile`` (its elementwise ops fused, as in the compiled forward
 = the int8 product alone.
 
     .venv/bin/python benchmarks/kernels/cpu_linear.py --quantization int8 --dtype bfloat16
+
+``--quantization gguf`` (every shape, the LM head included): GGUF weights as stored
+(``GroupQuantLinear``) against the same weights dequantized to ``--dtype`` on the native
+kernel (``native``, what ``--quantization none`` runs): ``4-bit`` = Q4_1-shaped codes (0..15, a
+scale and a min per 32), ``int8`` = Q8_0-shaped codes (a scale per 32); min of ``--reps``
+calls, ms per call, ``--layers`` copies in turn as above.
+
+    .venv/bin/python benchmarks/kernels/cpu_linear.py --quantization gguf --layers 30 \
+        --rows 1,8,32,128,512
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--quantization", choices=["int8", "w8a8"], default=None)
+    p.add_argument("--quantization", choices=["int8", "w8a8", "gguf"], default=None)
     p.add_argument("--rows", default="1,128", help="with --quantization: rows per call")
     p.add_argument("--layers", type=int, default=1,
                    help="with --quantization: distinct weight copies, called in turn")
@@ -57,6 +66,9 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
           f"native path {cpu_isa()}, {a.dtype}")
+    if a.quantization == "gguf":
+        gguf_as_stored(a, dtype)
+        return
     if a.quantization:
         quantized(a, dtype)
         return
@@ -127,6 +139,38 @@ def quantized(a: argparse.Namespace, dtype: torch.dtype) -> None:
                 row.append(time_ms(lambda fns=fns: [f() for f in fns], a.reps, "min")
                            / len(fns))
             print(f"{name:8s} {m:4d} " + " ".join(f"{t:19.3f}" for t in row), flush=True)
+
+
+def gguf_as_stored(a: argparse.Namespace, dtype: torch.dtype) -> None:
+    """The ``--quantization gguf`` table (the module docstring)."""
+    from services.worker.quantized_linear import GroupQuantLinear
+
+    names = ["native", "4-bit", "int8"]
+    print(f"min of {a.reps} calls, ms per call, {a.layers} distinct weight copies in turn")
+    print(f"{'shape':8s} {'M':>4s} " + " ".join(f"{n:>9s}" for n in names)
+          + f" {'4-bit x':>8s} {'int8 x':>7s}")
+    torch.manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        layers = 1 if name == "lm_head" else a.layers
+        out_dtype = torch.float32 if name == "lm_head" else None
+        mods: dict[str, list] = {col: [] for col in names}
+        for _ in range(layers):
+            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+            scale = torch.rand(n, k // 32) * 0.01
+            mn = -8 * scale
+            mods["4-bit"].append(GroupQuantLinear(codes, scale, mn, out_dtype=out_dtype))
+            q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            mods["int8"].append(GroupQuantLinear(q8, scale, out_dtype=out_dtype))
+            w = (codes.float() * scale.repeat_interleave(32, 1) + mn.repeat_interleave(32, 1))
+            packed = pack_linear_weight(w.to(dtype))
+            mods["native"].append(
+                lambda x, p=packed, n=n, o=out_dtype: cpu_linear(x, p, n, out_dtype=o))
+        for m in (int(r) for r in a.rows.split(",")):
+            x = torch.randn(m, k).to(dtype)
+            row = [time_ms(lambda fns=mods[col]: [f(x) for f in fns], a.reps, "min")  # noqa: B023
+                   / layers for col in names]
+            print(f"{name:8s} {m:4d} " + " ".join(f"{t:9.3f}" for t in row)
+                  + f" {row[0] / row[1]:8.2f} {row[0] / row[2]:7.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -93,6 +93,7 @@ constexpr int64_t kBlockN = 32;     // output features per packed block
 constexpr int64_t kChunkM = 256;    // rows per work item (bounds the per-thread x slice)
 constexpr int64_t kTileMF32 = 4;    // rows per float32 micro-kernel call
 constexpr int64_t kTileMBf16 = 8;   // rows per vdpbf16ps micro-kernel call
+constexpr int kTileMQ = 6;          // rows per factored quantized vdpbf16ps call
 constexpr int64_t kTileMAmx = 256;  // rows per brgemm call
 
 // ---------------------------------------------------------------------------------------------
@@ -220,16 +221,6 @@ PS_INLINE void unpack_block(const W* wb, int64_t k, float* wf) {
   }
 }
 
-// How a dequantized weight q * s is rounded before the product: as a model in x's dtype holds
-// its weights (group scales only; the int8 values alone are exact in every dtype).
-enum class Round { kNone, kBf16, kHalf };
-
-PS_INLINE float round_weight(float v, Round round) {
-  if (round == Round::kBf16) return __builtin_bit_cast(float, uint32_t{bf16_bits(v)} << 16);
-  if (round == Round::kHalf) return static_cast<float>(c10::Half(v));
-  return v;
-}
-
 // The codes of k pair `kp` of a block as floats, column c at even[c] (k = 2 kp) and odd[c]
 // (k = 2 kp + 1): int8 codes [K2][32][2] (signed), or 4-bit codes [K2][32] one byte a column,
 // k = 2 kp in its low nibble and 2 kp + 1 in its high one (unsigned, 0..15).
@@ -252,47 +243,106 @@ PS_INLINE void pair_codes(const void* w, int64_t kp, float* even, float* odd) {
   }
 }
 
-// A quantized block -> float32 [K][32]: the codes themselves (per-channel scales, int8 only),
-// or, when `group_scale` ([K / group][32] of this block) is given, q * s + m with the group's
-// scale s and min m (`group_min`, same layout, or nullptr: 0), rounded by `round`. q * s is
-// exact in float32 for every format served (GGUF's, the symmetric int8), so only + m rounds,
-// once, as the formats' own dequantization does (gguf-py quants.py, llama.cpp ggml-quants.c).
-template <bool kU4>
-PS_INLINE void unpack_block_q(const void* w, int64_t k, const float* group_scale,
-                              const float* group_min, int64_t group, Round round, float* wf) {
-  const int64_t k2 = (k + 1) / 2;
-  const float* s = group_scale;  // this k pair's group's scales (and mins at `mn`)
-  const float* mn = group_min;
-  int64_t left = group / 2;       // k pairs left in the group of `s`
-  alignas(64) float qe[kBlockN], qo[kBlockN];
-  for (int64_t kp = 0; kp < k2; ++kp) {
+// An int8 block with per-channel scales -> float32 [K][32]: the codes themselves (exact);
+// the epilogue applies the scales to the float32 sums.
+PS_INLINE void unpack_block_codes(const int8_t* w, int64_t k, float* wf) {
+  alignas(64) float spare[kBlockN];
+  for (int64_t kp = 0; kp < (k + 1) / 2; ++kp) {
     float* even = wf + 2 * kp * kBlockN;
-    float* odd = even + kBlockN;
-    const bool has_odd = 2 * kp + 1 < k;
-    if (group_scale == nullptr) {
-      pair_codes<kU4>(w, kp, even, has_odd ? odd : qo);
-      continue;
-    }
-    pair_codes<kU4>(w, kp, qe, qo);  // (K is even here: the group size is, and divides it)
-    if (left == 0) {  // k = 2 kp and 2 kp + 1 share a group (the group size is even)
-      s += kBlockN;
-      if (mn != nullptr) mn += kBlockN;
-      left = group / 2;
-    }
-    --left;
-    if (mn == nullptr) {
+    pair_codes<false>(w, kp, even, 2 * kp + 1 < k ? even + kBlockN : spare);
+  }
+}
+
+// Group-quantized weights (a scale s and optionally a min m per group of G k and column),
+// factored as llama.cpp's dot products are (ggml-cpu quants.c, vec_dot_q4_1_q8_1):
+//
+//   y[m, n] = sum over groups g of  s[n, g] * D[m, n, g] + m[n, g] * X[m, g],
+//   D[m, n, g] = sum over k in g of x[m, k] * q[n, k],   X[m, g] = sum over k in g of x[m, k]
+//
+// each D one float32 chain over the group's k in order, the groups added in order into one
+// float32 accumulator per output (fma), whatever the rows. The codes are read as they are
+// stored and turned into floats in registers: nothing is dequantized to the compute dtype, and
+// the weights taken are the stored ones exactly (q * s + m), not rounded to x's dtype.
+// `xs`: X, [rows][ldxs] (the groups' sums of each row of x), or nullptr without mins.
+// `wf`: the block's codes as floats [K][32] (unpack_codes: an item of several tiles converts
+// them once), or nullptr: read from `w` in each tile. The same values either way.
+template <int MR, bool kU4>
+PS_INLINE void qtile_f32(const float* x, int64_t ldx, const void* w, const float* wf, int64_t k,
+                         const float* gs, const float* gm, int64_t group, const float* xs,
+                         int64_t ldxs, float* acc) {
+  float a[MR][kBlockN];
+  for (int m = 0; m < MR; ++m) {
 #pragma omp simd
-      for (int64_t c = 0; c < kBlockN; ++c) {
-        even[c] = round_weight(qe[c] * s[c], round);
-        odd[c] = round_weight(qo[c] * s[c], round);
-      }
-    } else {
+    for (int64_t c = 0; c < kBlockN; ++c) a[m][c] = 0.0f;
+  }
+  alignas(64) float ce[kBlockN], co[kBlockN];
+  const int64_t pairs = group / 2;
+  for (int64_t g = 0; g < k / group; ++g) {
+    float d[MR][kBlockN];
+    for (int m = 0; m < MR; ++m) {
 #pragma omp simd
-      for (int64_t c = 0; c < kBlockN; ++c) {
-        even[c] = round_weight(qe[c] * s[c] + mn[c], round);
-        odd[c] = round_weight(qo[c] * s[c] + mn[c], round);
+      for (int64_t c = 0; c < kBlockN; ++c) d[m][c] = 0.0f;
+    }
+    for (int64_t kp = g * pairs; kp < (g + 1) * pairs; ++kp) {
+      const float* we = ce;
+      if (wf != nullptr) {
+        we = wf + 2 * kp * kBlockN;
+      } else {
+        pair_codes<kU4>(w, kp, ce, co);
+      }
+      const float* wo = we == ce ? co : we + kBlockN;
+      for (int m = 0; m < MR; ++m) {
+        const float xe = x[m * ldx + 2 * kp], xo = x[m * ldx + 2 * kp + 1];
+#pragma omp simd
+        for (int64_t c = 0; c < kBlockN; ++c) d[m][c] += xe * we[c];
+#pragma omp simd
+        for (int64_t c = 0; c < kBlockN; ++c) d[m][c] += xo * wo[c];
       }
     }
+    const float* sg = gs + g * kBlockN;
+    for (int m = 0; m < MR; ++m) {
+#pragma omp simd
+      for (int64_t c = 0; c < kBlockN; ++c) a[m][c] += sg[c] * d[m][c];
+    }
+    if (gm != nullptr) {
+      const float* mg = gm + g * kBlockN;
+      for (int m = 0; m < MR; ++m) {
+        const float xg = xs[m * ldxs + g];
+#pragma omp simd
+        for (int64_t c = 0; c < kBlockN; ++c) a[m][c] += mg[c] * xg;
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) std::memcpy(acc + m * kBlockN, a[m], kBlockN * sizeof(float));
+}
+
+// A block's codes as floats [K][32] (K even), for the tiles of an item of many rows.
+template <bool kU4>
+PS_INLINE void unpack_codes(const void* w, int64_t k, float* wf) {
+  for (int64_t kp = 0; kp < k / 2; ++kp) {
+    pair_codes<kU4>(w, kp, wf + 2 * kp * kBlockN, wf + (2 * kp + 1) * kBlockN);
+  }
+}
+
+// Rows of one item in tiles of MR (the remainder one at a time: the same chain per row); an
+// item of more than one tile converts its codes once into `wf` ([K][32] floats).
+template <int MR, bool kU4>
+PS_INLINE void qrows_f32(const float* x, int64_t ldx, int64_t rows, const void* w, int64_t k,
+                         const float* gs, const float* gm, int64_t group, const float* xs,
+                         int64_t ldxs, float* acc, float* wf) {
+  const float* codes = nullptr;
+  if (rows > MR) {
+    unpack_codes<kU4>(w, k, wf);
+    codes = wf;
+  }
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) {
+    qtile_f32<MR, kU4>(x + m * ldx, ldx, w, codes, k, gs, gm, group,
+                       xs != nullptr ? xs + m * ldxs : nullptr, ldxs, acc + m * kBlockN);
+  }
+  for (; m < rows; ++m) {
+    qtile_f32<1, kU4>(x + m * ldx, ldx, w, codes, k, gs, gm, group,
+                      xs != nullptr ? xs + m * ldxs : nullptr, ldxs, acc + m * kBlockN);
   }
 }
 
@@ -344,6 +394,7 @@ struct LinearArgs {
                              // nullptr
   const float* group_min;    // the groups' mins, as group_scale, or nullptr (none: 0)
   int64_t group;             // k per group (group_scale), else 0
+  const float* xsum;         // the groups' sums of x, [M, K / group] (qtile_f32's X), or nullptr
   bool silu_mul;             // the SiLU-gated epilogue: y [M, N / 2] (store_tile_silu_mul)
 };
 
@@ -448,27 +499,126 @@ PS_INLINE void item_f32_body(const LinearArgs& a, int64_t m0, int64_t rows, int6
   RowsFn(x + m0 * a.ldx, a.ldx, rows, w, a.k, acc, ahead);
 }
 
-template <bool kU4, auto RowsFn>
+#if defined(__x86_64__)
+// qtile_f32 in AVX-512 intrinsics (the compiled loop kept its codes on the stack, in halves
+// that its 512-bit loads could not forward: 2x slower than the AVX2 build on an EPYC): the
+// same chain per element, the codes of 16 columns of a k pair converted in registers.
+template <bool kU4>
+PS_TARGET_AVX512 PS_INLINE void pair_codes_avx512(const void* w, int64_t kp, int h, __m512& even,
+                                                  __m512& odd) {
+  if constexpr (kU4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+        static_cast<const uint8_t*>(w) + kp * kBlockN + 16 * h)));
+    even = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+    odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else {  // [16][2] int8 -> 16 lanes of (even | odd << 16) as int16 pairs
+    const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const int8_t*>(w) + kp * 2 * kBlockN + 2 * 16 * h)));
+    even = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 16));
+    odd = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 16));
+  }
+}
+
+template <int MR, bool kU4>
+PS_TARGET_AVX512 PS_INLINE void qtile_f32_avx512(const float* x, int64_t ldx, const void* w,
+                                                 const float* wf, int64_t k, const float* gs,
+                                                 const float* gm, int64_t group,
+                                                 const float* xs, int64_t ldxs, float* acc) {
+  __m512 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) {
+    a0[m] = _mm512_setzero_ps();
+    a1[m] = _mm512_setzero_ps();
+  }
+  const int64_t pairs = group / 2;
+  for (int64_t g = 0; g < k / group; ++g) {
+    __m512 d0[MR], d1[MR];
+    for (int m = 0; m < MR; ++m) {
+      d0[m] = _mm512_setzero_ps();
+      d1[m] = _mm512_setzero_ps();
+    }
+    for (int64_t kp = g * pairs; kp < (g + 1) * pairs; ++kp) {
+      __m512 e0, o0, e1, o1;
+      if (wf != nullptr) {
+        const float* we = wf + 2 * kp * kBlockN;
+        e0 = _mm512_loadu_ps(we);
+        e1 = _mm512_loadu_ps(we + 16);
+        o0 = _mm512_loadu_ps(we + kBlockN);
+        o1 = _mm512_loadu_ps(we + kBlockN + 16);
+      } else {
+        pair_codes_avx512<kU4>(w, kp, 0, e0, o0);
+        pair_codes_avx512<kU4>(w, kp, 1, e1, o1);
+      }
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xe = _mm512_set1_ps(x[m * ldx + 2 * kp]);
+        const __m512 xo = _mm512_set1_ps(x[m * ldx + 2 * kp + 1]);
+        d0[m] = _mm512_fmadd_ps(xo, o0, _mm512_fmadd_ps(xe, e0, d0[m]));
+        d1[m] = _mm512_fmadd_ps(xo, o1, _mm512_fmadd_ps(xe, e1, d1[m]));
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(gs + g * kBlockN), s1 = _mm512_loadu_ps(gs + g * kBlockN + 16);
+    for (int m = 0; m < MR; ++m) {
+      a0[m] = _mm512_fmadd_ps(s0, d0[m], a0[m]);
+      a1[m] = _mm512_fmadd_ps(s1, d1[m], a1[m]);
+    }
+    if (gm != nullptr) {
+      const __m512 m0 = _mm512_loadu_ps(gm + g * kBlockN), m1 = _mm512_loadu_ps(gm + g * kBlockN + 16);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 xg = _mm512_set1_ps(xs[m * ldxs + g]);
+        a0[m] = _mm512_fmadd_ps(m0, xg, a0[m]);
+        a1[m] = _mm512_fmadd_ps(m1, xg, a1[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(acc + m * kBlockN, a0[m]);
+    _mm512_storeu_ps(acc + m * kBlockN + 16, a1[m]);
+  }
+}
+
+template <int MR, bool kU4>
+PS_TARGET_AVX512 void qrows_f32_avx512(const float* x, int64_t ldx, int64_t rows, const void* w,
+                                       int64_t k, const float* gs, const float* gm,
+                                       int64_t group, const float* xs, int64_t ldxs,
+                                       float* acc, float* wf) {
+  const float* codes = nullptr;
+  if (rows > MR) {  // (as qrows_f32)
+    unpack_codes<kU4>(w, k, wf);
+    codes = wf;
+  }
+  int64_t m = 0;
+  for (; m + MR <= rows; m += MR) {
+    qtile_f32_avx512<MR, kU4>(x + m * ldx, ldx, w, codes, k, gs, gm, group,
+                              xs != nullptr ? xs + m * ldxs : nullptr, ldxs, acc + m * kBlockN);
+  }
+  for (; m < rows; ++m) {
+    qtile_f32_avx512<1, kU4>(x + m * ldx, ldx, w, codes, k, gs, gm, group,
+                             xs != nullptr ? xs + m * ldxs : nullptr, ldxs, acc + m * kBlockN);
+  }
+}
+#endif
+
+// Quantized weights: group scales factored (QRowsFn: qrows_f32 or qrows_f32_avx512), or
+// per-channel int8 codes unpacked to float32 and run by RowsFn as float weights are.
+template <bool kU4, auto QRowsFn, auto RowsFn>
 PS_INLINE void item_f32_q_body(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
                                int64_t /*next_block*/, float* wf, float* acc) {
-  const int64_t num_groups = a.group > 0 ? a.k / a.group : 0;
-  const int64_t offset = block * num_groups * kBlockN;
-  unpack_block_q<kU4>(
-      static_cast<const int8_t*>(a.packed) + block * a.k2 * (kU4 ? 1 : 2) * kBlockN, a.k,
-      a.group_scale != nullptr ? a.group_scale + offset : nullptr,
-      a.group_min != nullptr ? a.group_min + offset : nullptr, a.group,
-      a.x_dtype == at::kBFloat16 ? Round::kBf16
-      : a.x_dtype == at::kHalf   ? Round::kHalf
-                                 : Round::kNone,
-      wf);
-  const float* x = static_cast<const float*>(a.x);
-  RowsFn(x + m0 * a.ldx, a.ldx, rows, wf, a.k, acc, nullptr);
+  const void* w = static_cast<const int8_t*>(a.packed) + block * a.k2 * (kU4 ? 1 : 2) * kBlockN;
+  const float* x = static_cast<const float*>(a.x) + m0 * a.ldx;
+  if (a.group_scale == nullptr) {  // (int8 only)
+    unpack_block_codes(static_cast<const int8_t*>(w), a.k, wf);
+    RowsFn(x, a.ldx, rows, wf, a.k, acc, nullptr);
+    return;
+  }
+  const int64_t ngroups = a.k / a.group, offset = block * ngroups * kBlockN;
+  QRowsFn(x, a.ldx, rows, w, a.k, a.group_scale + offset,
+                     a.group_min != nullptr ? a.group_min + offset : nullptr, a.group,
+                     a.xsum != nullptr ? a.xsum + m0 * ngroups : nullptr, ngroups, acc, wf);
 }
 
 using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, int64_t, float*,
                            float*);
 
-#define PS_DEFINE_F32(NAME, TARGET, ROWS)                                                  \
+#define PS_DEFINE_F32(NAME, TARGET, ROWS, QROWS)                                           \
   TARGET void NAME##_f32(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,     \
                          int64_t next, float* wf, float* acc) {                            \
     item_f32_body<float, ROWS>(a, m0, rows, block, next, wf, acc);                         \
@@ -483,17 +633,21 @@ using ItemF32Fn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, int64_t
   }                                                                                        \
   TARGET void NAME##_i8(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,      \
                         int64_t next, float* wf, float* acc) {                             \
-    item_f32_q_body<false, ROWS>(a, m0, rows, block, next, wf, acc);                       \
+    item_f32_q_body<false, QROWS<false>, ROWS>(a, m0, rows, block, next, wf, acc);         \
   }                                                                                        \
   TARGET void NAME##_u4(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,      \
                         int64_t next, float* wf, float* acc) {                             \
-    item_f32_q_body<true, ROWS>(a, m0, rows, block, next, wf, acc);                        \
+    item_f32_q_body<true, QROWS<true>, ROWS>(a, m0, rows, block, next, wf, acc);           \
   }
 #if defined(__x86_64__)
-PS_DEFINE_F32(lin_avx512, PS_TARGET_AVX512, rows_f32)
-PS_DEFINE_F32(lin_avx2, PS_TARGET_AVX2, rows_f32_avx2)
+// QROWS: the factored quantized tiles (rows per tile: as many as keep its sums in registers)
+template <bool kU4> constexpr auto qrows_avx512 = qrows_f32_avx512<8, kU4>;
+template <bool kU4> constexpr auto qrows_avx2 = qrows_f32<2, kU4>;
+template <bool kU4> constexpr auto qrows_scalar = qrows_f32<2, kU4>;
+PS_DEFINE_F32(lin_avx512, PS_TARGET_AVX512, rows_f32, qrows_avx512)
+PS_DEFINE_F32(lin_avx2, PS_TARGET_AVX2, rows_f32_avx2, qrows_avx2)
 #endif
-PS_DEFINE_F32(lin_scalar, , rows_f32)
+PS_DEFINE_F32(lin_scalar, , rows_f32, qrows_scalar)
 
 ItemF32Fn pick_f32(Isa isa, at::ScalarType w_dtype) {
   if (w_dtype == at::kChar || w_dtype == at::kByte) {
@@ -561,10 +715,152 @@ PS_BF16_TARGET void item_bf16_dp(const LinearArgs& a, int64_t m0, int64_t rows,
   }
 }
 
+// Group-quantized weights on vdpbf16ps, factored as qtile_f32 (D per group, then s D + m X
+// into one float32 accumulator per output), the codes turned into bf16 in registers:
+//   4-bit: code q as the bf16 128 + q (bits 0x4300 | q, exact), so D' = sum x (128 + q) and
+//     D = D' - 128 X (one rounding): a nibble becomes a bf16 in two integer ops;
+//   int8: q as the bf16 q (exact: |q| <= 128 fits bf16's 8 significant bits).
+// Each product of a bf16 x and such a code is exact in float32.
+
+// 16 columns of a 4-bit k pair (16 bytes, low nibble k even) -> 16 bf16 pairs (128 + q).
+PS_BF16_TARGET PS_INLINE __m512i codes_u4_bf16(const uint8_t* src) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  const __m512i even = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));
+  const __m512i odd = _mm512_and_si512(_mm512_slli_epi32(v, 12), _mm512_set1_epi32(0x000F0000));
+  // even | odd | 0x43004300 (vpternlogd: A | B | C)
+  return _mm512_ternarylogic_epi32(even, odd, _mm512_set1_epi32(0x43004300), 0xFE);
+}
+
+// 16 columns of an int8 k pair (32 bytes [16][2]) -> 16 bf16 pairs, the same order.
+PS_BF16_TARGET PS_INLINE __m512i codes_i8_bf16(const int8_t* src) {
+  const __m512 lo = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+  const __m512 hi = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))));
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
+// `wb`: the block's codes as those bf16 [K2][32][2] (an item of several tiles converts them
+// once), or nullptr: converted from `w` in each tile. The same values either way.
+// k pair `kp` of a block's codes as bf16 pairs: columns 0..15 in w0, 16..31 in w1.
+template <bool kU4>
+PS_BF16_TARGET PS_INLINE void codes_bf16(const void* w, int64_t kp, __m512i& w0, __m512i& w1) {
+  if constexpr (kU4) {
+    const uint8_t* src = static_cast<const uint8_t*>(w) + kp * kBlockN;
+    w0 = codes_u4_bf16(src);
+    w1 = codes_u4_bf16(src + 16);
+  } else {
+    const int8_t* src = static_cast<const int8_t*>(w) + kp * 2 * kBlockN;
+    w0 = codes_i8_bf16(src);
+    w1 = codes_i8_bf16(src + kBlockN);
+  }
+}
+
+template <int MR, bool kU4>
+PS_BF16_TARGET PS_INLINE void qtile_bf16(const uint16_t* x, int64_t ldx, const void* w,
+                                         const uint16_t* wb, int64_t k2, const float* gs,
+                                         const float* gm, int64_t pairs, const float* xs,
+                                         int64_t ldxs, float* acc) {
+  __m512 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) {
+    a0[m] = _mm512_setzero_ps();
+    a1[m] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < k2 / pairs; ++g) {
+    __m512 d0[MR], d1[MR];
+    for (int m = 0; m < MR; ++m) {
+      d0[m] = _mm512_setzero_ps();
+      d1[m] = _mm512_setzero_ps();
+    }
+    for (int64_t kp = g * pairs; kp < (g + 1) * pairs; ++kp) {
+      __m512i w0, w1;
+      if (wb != nullptr) {
+        w0 = _mm512_loadu_si512(wb + kp * 2 * kBlockN);
+        w1 = _mm512_loadu_si512(wb + kp * 2 * kBlockN + kBlockN);
+      } else {
+        codes_bf16<kU4>(w, kp, w0, w1);
+      }
+      for (int m = 0; m < MR; ++m) {
+        int32_t pair;
+        std::memcpy(&pair, x + m * ldx + 2 * kp, sizeof(pair));
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+        d0[m] = _mm512_dpbf16_ps(d0[m], xb, (__m512bh)w0);
+        d1[m] = _mm512_dpbf16_ps(d1[m], xb, (__m512bh)w1);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(gs + g * kBlockN), s1 = _mm512_loadu_ps(gs + g * kBlockN + 16);
+    for (int m = 0; m < MR; ++m) {
+      __m512 xg = _mm512_setzero_ps();
+      if (xs != nullptr) xg = _mm512_set1_ps(xs[m * ldxs + g]);
+      if constexpr (kU4) {  // D = D' - 128 X, rounded once
+        const __m512 x128 = _mm512_mul_ps(xg, _mm512_set1_ps(128.0f));  // (exact)
+        d0[m] = _mm512_sub_ps(d0[m], x128);
+        d1[m] = _mm512_sub_ps(d1[m], x128);
+      }
+      a0[m] = _mm512_fmadd_ps(s0, d0[m], a0[m]);
+      a1[m] = _mm512_fmadd_ps(s1, d1[m], a1[m]);
+      if (gm != nullptr) {
+        a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(gm + g * kBlockN), xg, a0[m]);
+        a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(gm + g * kBlockN + 16), xg, a1[m]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_storeu_ps(acc + m * kBlockN, a0[m]);
+    _mm512_storeu_ps(acc + m * kBlockN + 16, a1[m]);
+  }
+}
+
+// One item of group-quantized weights on the vdpbf16ps path.
+template <bool kU4>
+PS_BF16_TARGET void item_bf16_q(const LinearArgs& a, int64_t m0, int64_t rows, int64_t block,
+                                float* acc, uint16_t* wb) {
+  const void* w = static_cast<const int8_t*>(a.packed) + block * a.k2 * (kU4 ? 1 : 2) * kBlockN;
+  const uint16_t* x = static_cast<const uint16_t*>(a.x) + m0 * a.ldx;
+  const int64_t ngroups = a.k / a.group, offset = block * ngroups * kBlockN;
+  const float* gs = a.group_scale + offset;
+  const float* gm = a.group_min != nullptr ? a.group_min + offset : nullptr;
+  const float* xs = a.xsum != nullptr ? a.xsum + m0 * ngroups : nullptr;
+  const int64_t pairs = a.group / 2;
+  const uint16_t* codes = nullptr;
+  if (rows > kTileMQ) {  // several tiles: the codes converted once
+    for (int64_t kp = 0; kp < a.k2; ++kp) {
+      __m512i w0, w1;
+      codes_bf16<kU4>(w, kp, w0, w1);
+      _mm512_storeu_si512(wb + kp * 2 * kBlockN, w0);
+      _mm512_storeu_si512(wb + kp * 2 * kBlockN + kBlockN, w1);
+    }
+    codes = wb;
+  }
+  int64_t m = 0;
+  for (; m + kTileMQ <= rows; m += kTileMQ) {
+    qtile_bf16<kTileMQ, kU4>(x + m * a.ldx, a.ldx, w, codes, a.k2, gs, gm, pairs,
+                                xs != nullptr ? xs + m * ngroups : nullptr, ngroups,
+                                acc + m * kBlockN);
+  }
+  // the rest in one tile of their own (a row's chain is the same in a tile of any size)
+  const uint16_t* xt = x + m * a.ldx;
+  const float* xst = xs != nullptr ? xs + m * ngroups : nullptr;
+  float* at = acc + m * kBlockN;
+  switch (rows - m) {
+#define PS_QTAIL(R) \
+  case R: qtile_bf16<R, kU4>(xt, a.ldx, w, codes, a.k2, gs, gm, pairs, xst, ngroups, at); break;
+    PS_QTAIL(7)
+    PS_QTAIL(6)
+    PS_QTAIL(5)
+    PS_QTAIL(4)
+    PS_QTAIL(3)
+    PS_QTAIL(2)
+    PS_QTAIL(1)
+#undef PS_QTAIL
+    default: break;
+  }
+}
+
 // A quantized block -> bf16 [K2][32][2] (the bf16 bodies' weights): int8 codes [K2][32][2]
 // as they are (exact; per-channel scales), or q * s + m with each group's scale and min
 // (`group_scale` / `group_min`: [K / group][32] of this block; no min: 0), rounded to nearest
-// even as a float32 -> bf16 cast rounds (the float path's values, unpack_block_q). 4-bit codes
+// even as a float32 -> bf16 cast rounds (the float copy's values: the AMX path's). 4-bit codes
 // ([K2][32], k = 2 kp in the low nibble) always have group scales.
 PS_BF16_TARGET void convert_block_i8_bf16(const int8_t* w, int64_t k2, const float* group_scale,
                                           const float* group_min, int64_t group,
@@ -825,6 +1121,29 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   a.group_scale = group_scale;
   a.group_min = group_min;
   a.group = group;
+  // The group sums of x (qtile_f32's / qtile_bf16's X), from the values the items read, one
+  // float32 chain per (row, group): where mins are added, or 4-bit codes are read as 128 + q.
+  const bool factored = group_scale != nullptr && path != Path::kAmx;
+  at::Tensor xsum;
+  if (factored && (group_min != nullptr || (u4_weight && path == Path::kBf16Dp))) {
+    const int64_t ngroups = k / group;
+    xsum = at::empty({m, ngroups}, x_in.options().dtype(at::kFloat));
+    float* xs = xsum.data_ptr<float>();
+    const bool f32_x = path == Path::kF32;
+    at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t g = 0; g < ngroups; ++g) {
+          float sum = 0.0f;
+          for (int64_t j = g * group; j < (g + 1) * group; ++j) {
+            sum += f32_x ? static_cast<const float*>(a.x)[r * a.ldx + j]
+                         : static_cast<float>(static_cast<const c10::BFloat16*>(a.x)[r * a.ldx + j]);
+          }
+          xs[r * ngroups + g] = sum;
+        }
+      }
+    });
+  }
+  a.xsum = xsum.defined() ? xsum.data_ptr<float>() : nullptr;
   a.silu_mul = silu_mul;
   const ItemF32Fn f32_fn = pick_f32(isa, w_dtype);
 #if defined(__x86_64__)
@@ -839,9 +1158,11 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
   const int64_t items = chunks * num_blocks;  // item i: rows chunk i / num_blocks, block i % nb
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(std::min(kChunkM, m) * kBlockN);
-    // the f32 path's unpacked weight block (a float32 weight is read in place)
+    // the f32 path's unpacked weight block, or a quantized block's codes (a float32 weight is
+    // read in place)
     std::vector<float> wf(path == Path::kF32 && !f32_weight ? k * kBlockN : 0);
-    // int8 weights on a bf16 path: the item's block converted to bf16
+    // quantized weights on a bf16 path: the item's block converted to bf16 (its weights; with
+    // group scales off AMX, its codes)
     std::vector<uint16_t> wbf(path != Path::kF32 && int8_weight ? k2 * 2 * kBlockN : 0);
     const int64_t num_groups = group > 0 ? k / group : 0;
     for (int64_t i = begin; i < end; ++i) {
@@ -852,6 +1173,15 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_
         w = static_cast<const uint16_t*>(a.packed) + block * k2 * 2 * kBlockN;
       }
 #if defined(__x86_64__)
+      if (path == Path::kBf16Dp && factored) {
+        if (u4_weight) {
+          item_bf16_q<true>(a, m0, rows, block, acc.data(), wbf.data());
+        } else {
+          item_bf16_q<false>(a, m0, rows, block, acc.data(), wbf.data());
+        }
+        store_fn(a, m0, rows, block, acc.data());
+        continue;
+      }
       if (path != Path::kF32 && int8_weight) {
         const int64_t g = block * num_groups * kBlockN;
         const float* gs = group_scale != nullptr ? group_scale + g : nullptr;

@@ -1,19 +1,22 @@
 """GGUF weights as stored on the native linear kernel (``kernels.cpu_linear``: int8 and 4-bit
-codes with a scale and a min per group) against float64 references computed from the gguf
-package's own dequantization, on every instruction-set step this CPU runs:
+codes with a scale and a min per group, factored per group as llama.cpp does) against float64
+references computed from the gguf package's own dequantization, on every instruction-set step
+this CPU runs:
 
 - every format served as stored (``gguf_blocks.SUPPORTED``), random blocks split into codes,
   scales and mins, through ``GroupQuantLinear`` at float32, bf16 and fp16 activations:
-  within the float32 accumulation's error of ``x @ dequantize(W)^T`` in float64 (the weights
-  rounded to ``x``'s dtype first, as that model holds them), and bitwise what the same path
-  computes for the float copy of the weights;
+  within the float32 accumulation's error of ``x @ dequantize(W)^T`` in float64, the stored
+  weights taken exactly (not rounded to ``x``'s dtype): at 16-bit activations closer to it
+  than the float copy of the model in that dtype (whose weights are rounded) comes; on the
+  AMX path, which converts each block to bf16 for the tiles, bitwise that float copy;
 - fused modules of mixed formats (4-bit with 6-bit, groups of 32 with 16);
 - the SwiGLU epilogue, the float32-output LM head, and each row the same at any batch size;
 - the embedding gathered from the packed codes equals the float table's rows;
 - the 4-bit packing's layout, and bad input refused naming what is wrong.
 
 Tolerance, float32 output, relative to ``|x| @ |W|^T`` (the float32 sum's error bound scales
-with the sum of the magnitudes): 2e-5, as for float weights (``test_int8_linear.py``).
+with the sum of the magnitudes): 4e-6 (observed <= 3e-7 at K = 512 on every path here; the
+4-bit codes on vdpbf16ps sum x (128 + q), 16x the magnitude, before taking 128 X off).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from services.worker.quantized_linear import GroupQuantLinear, QuantizedEmbeddin
 from tests.helpers import random_gguf_blocks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-TOL = 2e-5
+TOL = 4e-6
 
 
 def random_blocks(qtype: str, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -53,9 +56,8 @@ def stored(qtype: str, n: int, k: int, seed: int = 0) -> tuple[GroupCodes, torch
     return split_blocks(raw, qtype, (n, k)), ref.reshape(n, k)
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> None:
-    err = ((out.double() - ref).abs() / (magnitude + 1e-6)).max().item()
-    assert err <= TOL, err
+def _error(out: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> float:
+    return ((out.double() - ref).abs() / (magnitude + 1e-6)).max().item()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -69,11 +71,15 @@ def test_each_format_matches_float64_and_the_float_copy_bitwise(isa, qtype, dtyp
     layer = GroupQuantLinear(w.codes, w.scale, w.min, bias, out_dtype=torch.float32)
     assert layer.packed.dtype == (torch.uint8 if w.bits == 4 else torch.int8)
     out = layer(x)
-    held = ref_w.to(dtype).double()  # the weights as a model in x's dtype holds them
-    _close(out, x.double() @ held.T + bias.double(),
-           x.double().abs() @ held.abs().T + bias.double().abs())
-    floats = PackedLinear(ref_w.to(dtype), bias, out_dtype=torch.float32)
-    assert torch.equal(out, floats(x))
+    ref = x.double() @ ref_w.double().T + bias.double()  # the stored weights, exactly
+    magnitude = x.double().abs() @ ref_w.double().abs().T + bias.double().abs()
+    floats = PackedLinear(ref_w.to(dtype), bias, out_dtype=torch.float32)(x)  # weights rounded
+    if isa == "amx" and dtype == torch.bfloat16:  # the tiles read a block converted to bf16
+        assert torch.equal(out, floats)
+    else:
+        assert _error(out, ref, magnitude) <= TOL
+        if dtype != torch.float32:
+            assert _error(out, ref, magnitude) < _error(floats, ref, magnitude)
     assert GroupQuantLinear(w.codes, w.scale, w.min)(x).dtype == dtype  # default: x's dtype
 
 
@@ -89,7 +95,8 @@ def test_a_fused_module_of_mixed_formats(isa, dtype):
         assert w.bits == (4 if all(t.startswith("Q4") for t in types) else 8)
         x = torch.randn(5, 256).to(dtype)
         out = GroupQuantLinear(w.codes, w.scale, w.min, out_dtype=torch.float32)(x)
-        assert torch.equal(out, PackedLinear(ref_w.to(dtype), out_dtype=torch.float32)(x))
+        assert _error(out, x.double() @ ref_w.double().T,
+                      x.double().abs() @ ref_w.double().abs().T) <= TOL, types
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -98,8 +105,11 @@ def test_4bit_gate_up_with_the_silu_mul_epilogue(isa, dtype):
     bias = torch.randn(128)
     x = torch.randn(11, 256).to(dtype)
     fused = GroupQuantLinear(w.codes, w.scale, w.min, bias, silu_mul=True)
-    floats = PackedLinear(ref_w.to(dtype), bias, silu_mul=True)
-    assert fused(x).shape == (11, 64) and torch.equal(fused(x), floats(x))
+    gate, up = (x.double() @ ref_w.double().T + bias.double()).chunk(2, dim=-1)
+    out = fused(x)
+    assert out.shape == (11, 64) and out.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 2e-2  # (one rounding to x's dtype)
+    torch.testing.assert_close(out.double(), gate * torch.sigmoid(gate) * up, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_0"])

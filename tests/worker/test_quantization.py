@@ -7,10 +7,12 @@ transformers:
 - ``w8a8`` at float32: the logits of transformers with those weights and its linear layers'
   inputs quantized per token the same way (to 1e-4), and the same greedy tokens;
 - a GGUF whose linear weights are ``Q8_0`` is served from its int8 values (no float copy of
-  them is read) with logits bitwise equal to the float conversion's, at float32 and bf16; so is
-  one of every other format served as stored (4-bit and 5/6-bit codes, mixed in one module),
-  with its embedding and LM head as stored, and its greedy tokens equal transformers' reading
-  the GGUF; ``--quantization none`` dequantizes at load; a truncated tensor is refused, named;
+  them is read); so is one of every other format served as stored (4-bit and 5/6-bit codes,
+  mixed in one module), with its embedding and LM head as stored: at float32 the float
+  conversion's logits to float32 rounding, at bf16 nearer the float32 logits than the bf16
+  float conversion (whose weights are rounded to bf16) comes, and greedy tokens equal
+  transformers' reading the GGUF; ``--quantization none`` dequantizes at load; a truncated
+  tensor is refused, named;
 - the start-up log says what the weights are stored as; bad combinations fail at start naming
   ``--quantization``.
 """
@@ -137,25 +139,33 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gguf_q8_0_is_served_as_int8_with_the_float_conversions_logits(q8_0_gguf, cache_dir,
-                                                                       dtype, caplog):
-    """The Q8_0 values and scales as stored, dequantized inside the GEMM to exactly the
-    conversion's weights (rounded to bf16 as its bf16 model's): the same native kernel path
-    gives the same logits bit for bit (float32: both on the native kernel,
-    ``batch_invariant``)."""
+def _check_logits_against_the_conversion(path, ours: dict, prompt: list[int]) -> None:
+    """``ours``: the GGUF as stored by dtype (float32, bfloat16). At float32 the float
+    conversion's logits to float32 rounding; at bf16 nearer the float32 conversion's logits
+    (the reference) than its bf16 model (weights rounded to bf16) comes, on average. Both
+    float32 loads on the native kernel (``batch_invariant``), as the stored ones are."""
+    converted = str(resolve_model(path).cache_dir("weights"))  # the float32 conversion
+    ref = run_ours(load_model(converted, torch.float32, "cpu", batch_invariant=True)[0], prompt)
+    torch.testing.assert_close(run_ours(ours[torch.float32], prompt), ref, atol=1e-4, rtol=1e-4)
+    floats, _, _ = load_model(converted, torch.bfloat16, "cpu")
+    assert type(floats.layers[0].attn.qkv_proj) is not GroupQuantLinear
+    err = [(run_ours(m, prompt).double() - ref).abs().mean() for m in (ours[torch.bfloat16],
+                                                                          floats)]
+    assert err[0] < err[1], err
+
+
+def test_gguf_q8_0_is_served_as_int8_near_the_float_conversions_logits(q8_0_gguf, cache_dir,
+                                                                       caplog):
+    """The Q8_0 values and scales as stored, multiplied inside the GEMM (a scale per 32)."""
     caplog.set_level(logging.INFO, logger="services.worker.loader")
-    batch_invariant = dtype == torch.float32
-    ours, _, _ = load_model(str(q8_0_gguf), dtype, "cpu", batch_invariant=batch_invariant)
-    assert all(isinstance(m, GroupQuantLinear) for layer in ours.layers
+    ours = {dtype: load_model(str(q8_0_gguf), dtype, "cpu",
+                              batch_invariant=dtype == torch.float32)[0]
+            for dtype in (torch.float32, torch.bfloat16)}
+    assert all(isinstance(m, GroupQuantLinear) for layer in ours[torch.bfloat16].layers
                for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                          layer.mlp.down_proj))
     assert "12 of 12 GGUF Q8_0 as stored" in caplog.text
-    converted = resolve_model(str(q8_0_gguf)).cache_dir("weights")  # the float32 conversion
-    floats, _, _ = load_model(str(converted), dtype, "cpu", batch_invariant=batch_invariant)
-    assert type(floats.layers[0].attn.qkv_proj) is not GroupQuantLinear
-    prompt = _prompts()[2]
-    assert torch.equal(run_ours(ours, prompt), run_ours(floats, prompt))
+    _check_logits_against_the_conversion(str(q8_0_gguf), ours, _prompts()[2])
 
 
 def test_gguf_is_requantized_only_when_asked_and_then_with_a_warning(q8_0_gguf, cache_dir,
@@ -239,16 +249,15 @@ def _gguf(tmp_path, tiny_256, linear_type: str) -> str:
 
 
 @pytest.mark.parametrize("linear_type", list(FORMATS))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gguf_formats_are_served_as_stored_with_the_float_conversions_logits(
-        tiny_256, tmp_path, cache_dir, linear_type, dtype, caplog):
+def test_gguf_formats_are_served_as_stored_near_the_float_conversions_logits(
+        tiny_256, tmp_path, cache_dir, linear_type, caplog):
     """Every decoder linear layer, the embedding and the (untied) LM head from the file's
-    codes and scales: the logits of the float conversion bit for bit, at a fraction of its
-    bytes (float32: both on the native kernel, ``batch_invariant``)."""
+    codes and scales, at a fraction of the float conversion's bytes."""
     caplog.set_level(logging.INFO, logger="services.worker.loader")
     path = _gguf(tmp_path, tiny_256, linear_type)
-    batch_invariant = dtype == torch.float32
-    ours, _, info = load_model(path, dtype, "cpu", batch_invariant=batch_invariant)
+    by_dtype = {dtype: load_model(path, dtype, "cpu", batch_invariant=dtype == torch.float32)
+                for dtype in (torch.float32, torch.bfloat16)}
+    ours, _, info = by_dtype[torch.bfloat16]
     assert info.quantization == "gguf"
     layers = [m for layer in ours.layers for m in (layer.attn.qkv_proj, layer.attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
@@ -257,13 +266,13 @@ def test_gguf_formats_are_served_as_stored_with_the_float_conversions_logits(
     assert isinstance(ours.lm_head, GroupQuantLinear)
     assert ours.lm_head.packed.dtype == torch.int8  # Q8_0
     assert f"GGUF {linear_type}" in caplog.text and "embed tokens GGUF Q8_0 as stored" in caplog.text
-    converted = resolve_model(path).cache_dir("weights")  # the float32 conversion
-    floats, _, _ = load_model(str(converted), dtype, "cpu", batch_invariant=batch_invariant)
-    prompt = _prompts()[2]
-    assert torch.equal(run_ours(ours, prompt), run_ours(floats, prompt))
+    _check_logits_against_the_conversion(path, {d: m for d, (m, _, _) in by_dtype.items()},
+                                         _prompts()[2])
+    converted = resolve_model(path).cache_dir("weights")
+    floats, _, _ = load_model(str(converted), torch.bfloat16, "cpu")
     size = [sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers()))
             for m in (ours, floats)]
-    assert size[0] < (0.45 if dtype == torch.float32 else 0.8) * size[1]
+    assert size[0] < 0.8 * size[1]  # (bf16: 2 bytes a weight; 4-bit codes + scales: ~0.75)
 
 
 def test_gguf_as_stored_greedy_equals_transformers_reading_the_gguf(tiny_256, tmp_path,
