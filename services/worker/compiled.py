@@ -221,8 +221,11 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
     K/V tensor pair), its dtype and device, the attention backend, the block size and KV cache
     dtype (None = the model's) and layout (``kernels/kv_layout.py``), the sizes of its
     LoRA slots (``services/worker/lora/layers.py``), the classes of its modules (packed
-    linear layers: a 16-bit model's, or ``--batch-invariant``'s), and the text of the model,
-    kernel (native ones included), packing, compile, grouping and LoRA modules."""
+    linear layers: a 16-bit model's, or ``--batch-invariant``'s), the name, shape and dtype of
+    every parameter and buffer (graph inputs of static shape: a quantized layer's codes,
+    group scales and mins, and an act-order permutation, differ by format for one config),
+    and the text of the model, kernel (native ones included), packing, compile, grouping and
+    LoRA modules."""
     root = Path(__file__).resolve().parents[2]
     param = next(model.parameters())
     lora = getattr(model, "lora_context", None)
@@ -235,7 +238,9 @@ def artifact_key(model: torch.nn.Module, backend_name: str, block_size: int,
                  str(len(getattr(model, "layers", ()))),
                  # (static sizes: LoRA's --max-loras x --max-lora-rank slots)
                  "" if lora is None else f"lora {lora.num_slots}x{lora.rank}",
-                 ",".join(sorted({type(m).__qualname__ for m in model.modules()}))):
+                 ",".join(sorted({type(m).__qualname__ for m in model.modules()})),
+                 ";".join(f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in (
+                     *model.named_parameters(), *model.named_buffers()))):
         h.update(part.encode() + b"\0")
     for rel in _SOURCES:
         paths = (sorted(p for p in (root / rel).rglob("*") if p.suffix in _SOURCE_SUFFIXES)

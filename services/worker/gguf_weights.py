@@ -1,4 +1,5 @@
 """A GGUF's quantized weights read as stored: integer codes and per-group scales (and mins).
+(``StoredWeights`` and ``fuse`` serve AWQ / GPTQ checkpoints too: ``int4_checkpoints``.)
 
 ``gguf_blocks.split_blocks`` splits one tensor's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K) into codes, scales and mins that give back the file's dequantized values bit for
@@ -49,10 +50,15 @@ class StoredWeights:
             ``"lm_head"``), in row order, for the start-up log.
         embedding: ``token_embd`` ``[V, E]``, or None (not read, or not quantized).
         lm_head: an untied ``output`` ``[V, E]``, or None.
+        perms: an input permutation of an entry of ``linears`` (a GPTQ act-order layer
+            computes ``x[:, perm] @ W^T``: ``int4_checkpoints``); absent: none.
+        source: what the weights come from, for the log ("GGUF", "AWQ", "GPTQ").
     """
 
     linears: dict[str, GroupCodes] = field(default_factory=dict)
     types: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    perms: dict[str, torch.Tensor] = field(default_factory=dict)
+    source: str = "GGUF"
     embedding: GroupCodes | None = None
     lm_head: GroupCodes | None = None
 

@@ -18,8 +18,10 @@ linear layers, the embedding and the LM head) are served as stored (``--quantiza
 the default for a ``.gguf``; ``gguf_weights.py``): the file's codes with their per-group scales
 and mins, dequantized inside the GEMM, rather than the float32 conversion.
 ``--quantization none`` serves a GGUF from that conversion in ``--dtype`` (dequantized at
-load). One log line at start says what the weights are stored as, and a GGUF is only
-re-quantized when ``--quantization`` asks, with a warning.
+load). A 4-bit AWQ or GPTQ safetensors checkpoint (its ``quantization_config``) has its linear
+layers served as stored too (``int4_checkpoints.py``). One log line at start says what the
+weights are stored as, and a GGUF is only re-quantized when ``--quantization`` asks, with a
+warning.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from services.worker.gguf_weights import (
     gguf_index,
     read_stored_weights,
 )
+from services.worker.int4_checkpoints import Int4Config, quant_config, read_int4_modules
 from services.worker.lora import LoRAConfig
 from services.worker.lora.layers import wrap_lora_layers
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -109,6 +112,10 @@ SUPPORTED_MODEL_TYPES = tuple(MODEL_TYPES)
 # --quantization for a GGUF: its quantized tensors as stored (vLLM's name), or dequantized at
 # load to --dtype; beside the int8 modes of quantized_linear.QUANTIZATIONS.
 GGUF_MODES = ("gguf", "none")
+# --quantization for a 4-bit AWQ / GPTQ checkpoint (detected from its config.json either way)
+INT4_MODES = ("awq", "gptq")
+# A 4-bit AWQ / GPTQ layer's tensors (read by int4_checkpoints, not by _build_state).
+_INT4_TENSORS = (".qweight", ".qzeros", ".scales", ".g_idx")
 # The decoder's linear weights (the ends of our names), which --quantization replaces.
 _LINEAR_WEIGHTS = (".qkv_proj.weight", ".o_proj.weight", ".gate_up_proj.weight",
                    ".down_proj.weight")
@@ -124,8 +131,8 @@ class ModelInfo:
         max_model_len: longest sequence the model supports (tokens).
         vocab_size: rows of the logits.
         quantization: how the weights are stored: ``--quantization``'s value (``"int8"``,
-            ``"w8a8"``), ``"gguf"`` (a GGUF's quantized tensors as stored), ``""`` = the
-            compute dtype.
+            ``"w8a8"``), ``"gguf"`` (a GGUF's quantized tensors as stored), ``"awq"`` /
+            ``"gptq"`` (a 4-bit checkpoint's), ``""`` = the compute dtype.
         runner / pooler / matryoshka_dimensions / is_matryoshka: the pooling runner's
             (``services/worker/pooler.py``).
     """
@@ -164,8 +171,10 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         quantization: ``--quantization``: None, ``"int8"`` or ``"w8a8"``
             (``services/worker/quantized_linear.py``; the CPU only), ``"gguf"`` (a GGUF's
             quantized tensors as stored; also what None means for a GGUF where it can be
-            served so: a CPU worker without tensor parallelism) or ``"none"`` (a GGUF
-            dequantized at load).
+            served so: a CPU worker without tensor parallelism), ``"none"`` (a GGUF
+            dequantized at load), ``"awq"`` / ``"gptq"`` (a 4-bit checkpoint of that
+            ``quantization_config``, also detected without the flag; served as stored by
+            ``int4_checkpoints.py``).
         runner: ``--runner``: ``"generate"``, ``"pooling"`` (the model without an LM head,
             none read: an embedding checkpoint has none) or ``"auto"`` (``resolve_runner``).
         lora: ``--enable-lora``'s limits: the targetable linear layers are wrapped in
@@ -190,6 +199,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
              else None)
     folder = convert_gguf(source) if source.is_gguf else Path(source.path)
     config = json.loads((folder / "config.json").read_text())
+    int4 = None if source.is_gguf else quant_config(config)
+    _check_int4(int4, quantization, folder)
     family = family_of(config, source.path)
     cfg = family.config.from_hf(config)
     runner = resolve_runner(runner, config, folder)
@@ -203,8 +214,13 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
             shard_model(net, plan, parallel)
     if quantization == "gguf" and not source.is_gguf:
         raise ValueError(f"--quantization gguf needs a .gguf model, not {source.path}")
-    stored = _gguf_as_stored(source, folder, cfg, device, plan, quantization, index,
-                             embedding=plan is None)
+    layers = plan.layers if plan else range(cfg.num_hidden_layers)
+    skip_shapes: dict[str, tuple[int, int]] = {}
+    if int4 is not None:
+        stored, skip_shapes = _int4_stored(folder, int4, device, plan, layers)
+    else:
+        stored = _gguf_as_stored(source, folder, cfg, device, plan, quantization, index,
+                                 embedding=plan is None)
     skip = set(stored.linears) | {name for name, w in (("embed_tokens", stored.embedding),
                                                        ("lm_head", stored.lm_head)) if w}
     # NOTE: safetensors hands out tensors on the file's memory map, which a float32 model keeps
@@ -214,7 +230,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     int8_modes = quantization in QUANTIZATIONS
     state = _read_state_dict(folder, cfg, family, dtype, device, plan, skip=skip,
                              copy=(lambda name: not name.endswith(_LINEAR_WEIGHTS))
-                             if int8_modes else (lambda name: True) if stored else None)
+                             if int8_modes else (lambda name: True) if stored else None,
+                             skip_shapes=skip_shapes)
     try:
         net.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # missing/unexpected keys or shape mismatch
@@ -239,8 +256,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
                                              stored.types))
     info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
                      max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                     quantization=(quantization or "") if int8_modes else "gguf" if stored
-                     else "",
+                     quantization=(quantization or "") if int8_modes
+                     else stored.source.lower() if stored else "",
                      runner=runner,
                      pooler=checkpoint_pooler(folder) if runner == "pooling" else None,
                      matryoshka_dimensions=tuple(config.get("matryoshka_dimensions") or ()),
@@ -279,12 +296,13 @@ def _return_freed_memory() -> None:
 def check_quantization(quantization: str | None, device: torch.device) -> None:
     """ValueError, naming ``--quantization``, for a mode we do not have or cannot run here:
     the int8 modes are CPU-only, and ``int8`` needs the native kernels
-    (``kernels.cpu_build``); ``gguf`` / ``none`` are checked against the model at load."""
-    if quantization is None or quantization in GGUF_MODES:
+    (``kernels.cpu_build``); ``gguf`` / ``none`` / ``awq`` / ``gptq`` are checked against the
+    model at load."""
+    if quantization is None or quantization in (*GGUF_MODES, *INT4_MODES):
         return
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization!r} is not one of "
-                         f"{', '.join((*QUANTIZATIONS, *GGUF_MODES))}")
+                         f"{', '.join((*QUANTIZATIONS, *GGUF_MODES, *INT4_MODES))}")
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} is implemented for the CPU only, not "
                          f"{device.type}")
@@ -296,6 +314,65 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
         except Exception as e:  # no compiler, a failed build, an unloadable library
             raise ValueError(f"--quantization int8 needs the native CPU kernels, which could "
                              f"not be built or loaded: {e}") from e
+
+
+def _check_int4(int4: Int4Config | None, quantization: str | None, folder: Path) -> None:
+    """ValueError, naming ``--quantization``, where it does not fit the checkpoint: ``awq`` /
+    ``gptq`` without that ``quantization_config``, or another mode for such a checkpoint (its
+    4-bit layers have no float weights to serve otherwise)."""
+    method = int4.quant_method if int4 else None
+    if quantization in INT4_MODES and quantization != method:
+        raise ValueError(f"--quantization {quantization}: {folder} is not a 4-bit "
+                         f"{quantization} checkpoint (config.json's quantization_config "
+                         f"says {method or 'nothing'})")
+    if method and quantization not in (None, method):
+        raise ValueError(f"{folder} is a 4-bit {method} checkpoint: --quantization "
+                         f"{quantization} cannot serve it (leave it unset, or {method})")
+
+
+def _int4_stored(folder: Path, int4: Int4Config, device: torch.device, plan: ShardPlan | None,
+                 layers: list[int] | range) -> tuple[StoredWeights, dict[str, tuple[int, int]]]:
+    """A 4-bit AWQ / GPTQ checkpoint's linear layers as stored (``int4_checkpoints.py``), and
+    the shapes of the float weights they stand for.
+
+    Raises:
+        ValueError: not a CPU, tensor parallelism, the native kernels missing, or a malformed
+            tensor.
+    """
+    method = int4.quant_method
+    if device.type != "cpu":
+        raise ValueError(f"{folder}: {method} checkpoints are served on the CPU only, not "
+                         f"{device.type}")
+    if plan is not None and plan.pc.tensor_parallel_size > 1:
+        raise ValueError(f"{folder}: {method} checkpoints are not served with tensor "
+                         f"parallelism yet")
+    try:
+        from kernels import cpu_build
+
+        cpu_build.load()
+    except Exception as e:  # no compiler, a failed build, an unloadable library
+        raise ValueError(f"{folder}: {method} checkpoints need the native CPU kernels, which "
+                         f"could not be built or loaded: {e}") from e
+    with ExitStack() as stack:
+        modules, shapes = read_int4_modules(_open_safetensors(folder, stack), int4, layers)
+    label = f"{method.upper()} int4, group {int4.group_size}" + (
+        ", act-order" if int4.desc_act else "")
+    stored = StoredWeights(linears={k: m.weight for k, m in modules.items()},
+                           types=dict.fromkeys(modules, (label,)),
+                           perms={k: m.perm for k, m in modules.items() if m.perm is not None},
+                           source=method.upper())
+    return stored, shapes
+
+
+def _open_safetensors(folder: Path, stack: ExitStack) -> dict[str, tuple[Any, str]]:
+    """Every tensor of the folder's ``*.safetensors``: name without the ``model.`` prefix ->
+    ``(open file, its name)``; the files stay open as long as ``stack``."""
+    handles = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+        for name in f.keys():  # noqa: SIM118 - a safetensors file, not a dict
+            handles[name.removeprefix("model.")] = (f, name)
+    return handles
 
 
 def _gguf_as_stored(source: ModelSource, folder: Path, cfg: ModelConfig, device: torch.device,
@@ -365,11 +442,7 @@ def _matches_conversion(folder: Path, stored: StoredWeights, layer: int) -> bool
                                                min=None if w.min is None else w.min[:rows]),
                            [name]))
     with ExitStack() as stack:
-        handles = {}
-        for file in sorted(folder.glob("*.safetensors")):
-            f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            for name in f.keys():  # noqa: SIM118 - a safetensors file, not a dict
-                handles[name.removeprefix("model.")] = (f, name)
+        handles = _open_safetensors(folder, stack)
         for weight, keys in checks:
             if any(k not in handles for k in keys):
                 return False
@@ -393,8 +466,8 @@ def _serve_as_stored(net: nn.Module, stored: StoredWeights, dtype: torch.dtype,
         owner = net.get_submodule(parent)
         silu_mul = takes_silu_mul(owner, attr) and fuse_gate
         layer = GroupQuantLinear(weight.codes, weight.scale, weight.min, old.bias,
-                                 silu_mul=silu_mul)
-        layer.stored_as = "+".join(dict.fromkeys(stored.types[name]))
+                                 silu_mul=silu_mul, perm=stored.perms.get(name))
+        layer.stored_as = f"{stored.source} " + "+".join(dict.fromkeys(stored.types[name]))
         owner.register_module(attr, layer)
         if silu_mul:
             owner.act = nn.Identity()
@@ -419,7 +492,7 @@ def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | Non
     kinds: dict[str, int] = {}
     for layer in cast(nn.ModuleList, net.layers):
         for m in layer.modules():
-            kind = (f"GGUF {m.stored_as} as stored ({'4-bit' if m.packed.dim() == 3 else 'int8'}"
+            kind = (f"{m.stored_as} as stored ({'4-bit' if m.packed.dim() == 3 else 'int8'}"
                     f" codes, a scale{' and min' if m.weight_min is not None else ''} per "
                     f"{m.in_features // m.weight_scale.shape[1]})"
                     if isinstance(m, GroupQuantLinear) else
@@ -530,7 +603,9 @@ def convert_gguf(source: ModelSource) -> Path:
 def _read_state_dict(folder: Path, cfg: ModelConfig, family: Family, dtype: torch.dtype,
                      device: torch.device, plan: ShardPlan | None = None,
                      skip: set[str] | None = None,
-                     copy: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+                     copy: Callable[[str], bool] | None = None,
+                     skip_shapes: dict[str, tuple[int, int]] | None = None,
+                     ) -> dict[str, torch.Tensor]:
     """Read transformers-named safetensors into our names, fusing q/k/v and gate/up.
 
     With a ``plan`` only this rank's layers and slices are read (``safe_open.get_slice``), so a
@@ -538,28 +613,28 @@ def _read_state_dict(folder: Path, cfg: ModelConfig, family: Family, dtype: torc
     ``plan.layers[j]``. The weights of the modules in ``skip`` (``"layers.{j}.attn.qkv_proj"``:
     served from elsewhere) are not read; they get meta tensors of their shape. The tensors
     whose names ``copy`` accepts are copies, not views of the file's memory map. ``skip`` may
-    also name ``"embed_tokens"`` and ``"lm_head"``.
+    also name ``"embed_tokens"`` and ``"lm_head"``; ``skip_shapes`` gives the shape of a
+    skipped weight the checkpoint does not hold (a 4-bit layer's, by checkpoint name).
     """
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no *.safetensors files")
     with ExitStack() as stack:
-        handles = {}  # our-prefix-less name -> (open file, checkpoint name)
-        for file in files:
-            f = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            for name in f.keys():  # noqa: SIM118 - a safetensors file, not a dict
-                handles[name.removeprefix("model.")] = (f, name)
+        handles = _open_safetensors(folder, stack)
         return _build_state(folder, cfg, family, handles, plan, dtype, device, skip or set(),
-                            copy)
+                            copy, skip_shapes or {})
 
 
 def _build_state(folder: Path, cfg: ModelConfig, family: Family, handles: dict,
                  plan: ShardPlan | None, dtype: torch.dtype, device: torch.device,
                  skip: set[str], copy: Callable[[str], bool] | None,
+                 skip_shapes: dict[str, tuple[int, int]],
                  ) -> dict[str, torch.Tensor]:
     reading = True  # False: the weight's shape only, as a meta tensor (a skipped module)
 
     def take(name: str) -> torch.Tensor:
+        if not reading and name in skip_shapes:
+            return torch.empty(skip_shapes[name], device="meta")
         if name not in handles:
             raise ValueError(f"{folder}: weight {name!r} is missing")
         f, full_name = handles.pop(name)
@@ -616,6 +691,7 @@ def _build_state(folder: Path, cfg: ModelConfig, family: Family, handles: dict,
     # NOTE: left over and expected: old checkpoints' rotary inv_freq, a tied checkpoint's
     # lm_head copy, and other pipeline stages' layers, embedding, norm and LM head.
     unused = [k for k in handles if "rotary_emb" not in k
+              and not k.endswith(_INT4_TENSORS)
               and k not in ("embed_tokens.weight", "norm.weight", "lm_head.weight")
               and not (k.startswith("layers.") and int(k.split(".")[1]) not in layers)]
     if unused:

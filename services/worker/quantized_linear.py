@@ -75,6 +75,7 @@ class Int8Linear(nn.Module):
     packed: torch.Tensor
     weight_scale: torch.Tensor
     weight_min: torch.Tensor | None
+    perm: torch.Tensor | None
     bias: torch.Tensor | None
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -84,7 +85,8 @@ class Int8Linear(nn.Module):
         self._setup(q, scale, None, bias, reduce, silu_mul)
 
     def _setup(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None,
-               bias: torch.Tensor | None, reduce: Reduce | None, silu_mul: bool) -> None:
+               bias: torch.Tensor | None, reduce: Reduce | None, silu_mul: bool,
+               perm: torch.Tensor | None = None) -> None:
         self.out_features, self.in_features = q.shape
         self.reduce, self.silu_mul = reduce, silu_mul
         if silu_mul:  # rows (and their scales and mins) in blocks of 16 gate and 16 up
@@ -98,6 +100,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight_min", None if min_ is None else self._kernel_scale(min_),
                              persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.register_buffer("perm", None if perm is None else perm.long(), persistent=False)
 
     @staticmethod
     def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -108,6 +111,8 @@ class Int8Linear(nn.Module):
         linear = torch.ops.pagedserve.linear
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
+        if self.perm is not None:  # (a GPTQ act-order layer's input order)
+            flat = flat.index_select(1, self.perm)
         if self.silu_mul:
             y = linear(flat, self.packed, self.out_features, self.bias, None, self.weight_scale,
                        True, self.weight_min)
@@ -137,17 +142,20 @@ class GroupQuantLinear(Int8Linear):
         scale, min_: ``[N, K/G]`` float32 (``min_`` None: 0); G even.
         bias, reduce, silu_mul: as ``Int8Linear``.
         out_dtype: the output dtype (None: ``x``'s); a float32-output LM head.
+        perm: int64 ``[K]``, the layer computes ``x[..., perm] W^T`` (a GPTQ act-order
+            layer, its K sorted by group: ``int4_checkpoints``); None: ``x W^T``.
 
     ``forward``: ``x [..., K]`` float32 / bf16 / fp16 -> ``[..., N]``.
     """
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, reduce: Reduce | None = None,
-                 silu_mul: bool = False, out_dtype: torch.dtype | None = None) -> None:
+                 silu_mul: bool = False, out_dtype: torch.dtype | None = None,
+                 perm: torch.Tensor | None = None) -> None:
         nn.Module.__init__(self)
         self.out_dtype = out_dtype
-        self.stored_as = ""  # the GGUF types it holds ("Q4_K", "Q5_0+Q8_0"), for the log
-        self._setup(q, scale, min_, bias, reduce, silu_mul)
+        self.stored_as = ""  # what it holds ("GGUF Q4_K", "AWQ int4, group 128"), for the log
+        self._setup(q, scale, min_, bias, reduce, silu_mul, perm)
 
     @staticmethod
     def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:

@@ -221,7 +221,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "already is (its linear layers run on the native row-invariant kernels); "
                   "this puts a float32 model's there too. CPU with the native kernels only "
                   "(docs/architecture.md#numerics)")
-    add_flag(p, "--quantization", default=None, choices=["gguf", "none", "int8", "w8a8"],
+    add_flag(p, "--quantization", default=None,
+             choices=["gguf", "none", "awq", "gptq", "int8", "w8a8"],
              help="how the weights are stored. gguf (the default for a .gguf model on a CPU "
                   "worker without tensor parallelism): the file's quantized tensors as stored "
                   "(Q4_0/Q4_1/Q4_K as 4-bit codes, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as int8 codes, "
@@ -230,8 +231,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "dequantized at load to --dtype. int8 / w8a8: the decoder's linear layers "
                   "quantized at load per output channel (symmetric; embedding and LM head in "
                   "--dtype); int8 is weight-only, w8a8 quantizes activations per token too "
-                  "(torch._int_mm: oneDNN, VNNI / AMX-INT8). Unset: gguf for a .gguf, else "
-                  "--dtype. CPU only")
+                  "(torch._int_mm: oneDNN, VNNI / AMX-INT8). awq / gptq: a 4-bit AWQ (GEMM) "
+                  "or GPTQ checkpoint's layers as stored (detected from config.json's "
+                  "quantization_config without the flag). Unset: gguf for a .gguf, the "
+                  "checkpoint's own for AWQ / GPTQ, else --dtype. CPU only")
     add_flag(p, "--runner", default="auto", choices=list(RUNNERS),
              help="what the server runs (vLLM's flag): generate = sample tokens; pooling = "
                   "embeddings (/v1/embeddings: one forward per prompt, no LM head, no KV kept); "
