@@ -94,6 +94,9 @@ constexpr int64_t kChunkM = 256;    // rows per work item (bounds the per-thread
 constexpr int64_t kTileMF32 = 4;    // rows per float32 micro-kernel call
 constexpr int64_t kTileMBf16 = 8;   // rows per vdpbf16ps micro-kernel call
 constexpr int kTileMQ = 6;          // rows per factored quantized vdpbf16ps call
+// From this many rows an item converts its quantized codes once into a buffer for its tiles
+// (fewer: each tile converts them in registers, cheaper than a buffer's write and reads).
+constexpr int64_t kCodesOnceRows = 24;
 constexpr int64_t kTileMAmx = 256;  // rows per brgemm call
 
 // ---------------------------------------------------------------------------------------------
@@ -264,7 +267,7 @@ PS_INLINE void unpack_block_codes(const int8_t* w, int64_t k, float* wf) {
 // stored and turned into floats in registers: nothing is dequantized to the compute dtype, and
 // the weights taken are the stored ones exactly (q * s + m), not rounded to x's dtype.
 // `xs`: X, [rows][ldxs] (the groups' sums of each row of x), or nullptr without mins.
-// `wf`: the block's codes as floats [K][32] (unpack_codes: an item of several tiles converts
+// `wf`: the block's codes as floats [K][32] (unpack_codes: an item of kCodesOnceRows converts
 // them once), or nullptr: read from `w` in each tile. The same values either way.
 template <int MR, bool kU4>
 PS_INLINE void qtile_f32(const float* x, int64_t ldx, const void* w, const float* wf, int64_t k,
@@ -325,13 +328,13 @@ PS_INLINE void unpack_codes(const void* w, int64_t k, float* wf) {
 }
 
 // Rows of one item in tiles of MR (the remainder one at a time: the same chain per row); an
-// item of more than one tile converts its codes once into `wf` ([K][32] floats).
+// item of kCodesOnceRows rows or more converts its codes once into `wf` ([K][32] floats).
 template <int MR, bool kU4>
 PS_INLINE void qrows_f32(const float* x, int64_t ldx, int64_t rows, const void* w, int64_t k,
                          const float* gs, const float* gm, int64_t group, const float* xs,
                          int64_t ldxs, float* acc, float* wf) {
   const float* codes = nullptr;
-  if (rows > MR) {
+  if (rows >= kCodesOnceRows) {
     unpack_codes<kU4>(w, k, wf);
     codes = wf;
   }
@@ -581,7 +584,7 @@ PS_TARGET_AVX512 void qrows_f32_avx512(const float* x, int64_t ldx, int64_t rows
                                        int64_t group, const float* xs, int64_t ldxs,
                                        float* acc, float* wf) {
   const float* codes = nullptr;
-  if (rows > MR) {  // (as qrows_f32)
+  if (rows >= kCodesOnceRows) {  // (as qrows_f32)
     unpack_codes<kU4>(w, k, wf);
     codes = wf;
   }
@@ -740,8 +743,8 @@ PS_BF16_TARGET PS_INLINE __m512i codes_i8_bf16(const int8_t* src) {
   return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// `wb`: the block's codes as those bf16 [K2][32][2] (an item of several tiles converts them
-// once), or nullptr: converted from `w` in each tile. The same values either way.
+// `wb`: the block's codes as those bf16 [K2][32][2] (an item of kCodesOnceRows rows or more
+// converts them once), or nullptr: converted from `w` in each tile. The same values either way.
 // k pair `kp` of a block's codes as bf16 pairs: columns 0..15 in w0, 16..31 in w1.
 template <bool kU4>
 PS_BF16_TARGET PS_INLINE void codes_bf16(const void* w, int64_t kp, __m512i& w0, __m512i& w1) {
@@ -823,7 +826,7 @@ PS_BF16_TARGET void item_bf16_q(const LinearArgs& a, int64_t m0, int64_t rows, i
   const float* xs = a.xsum != nullptr ? a.xsum + m0 * ngroups : nullptr;
   const int64_t pairs = a.group / 2;
   const uint16_t* codes = nullptr;
-  if (rows > kTileMQ) {  // several tiles: the codes converted once
+  if (rows >= kCodesOnceRows) {  // many tiles: the codes converted once
     for (int64_t kp = 0; kp < a.k2; ++kp) {
       __m512i w0, w1;
       codes_bf16<kU4>(w, kp, w0, w1);
