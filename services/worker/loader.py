@@ -514,8 +514,9 @@ def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | Non
                 isinstance(module, GroupQuantLinear) and part == "lm_head"):
             tied = part == "lm_head" and "lm_head" not in stored_types
             types = stored_types.get("embed_tokens" if tied else part, ("?",))
-            ends.append(f"{'LM head (tied)' if tied else part.replace('_', ' ')} "
-                        f"GGUF {types[0]} as stored")
+            label = ("LM head (tied)" if tied else "embedding" if part == "embed_tokens"
+                     else "LM head")
+            ends.append(f"{label} GGUF {types[0]} as stored")
     ends_text = "; ".join(ends) if ends else f"embedding and LM head {name}"
     text = (f"decoder linear layers: {linear}; {ends_text}; "
             f"{size / 2**20:.1f} MiB of weights")

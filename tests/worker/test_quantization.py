@@ -265,7 +265,7 @@ def test_gguf_formats_are_served_as_stored_near_the_float_conversions_logits(
     assert isinstance(ours.embed_tokens, QuantizedEmbedding)
     assert isinstance(ours.lm_head, GroupQuantLinear)
     assert ours.lm_head.packed.dtype == torch.int8  # Q8_0
-    assert f"GGUF {linear_type}" in caplog.text and "embed tokens GGUF Q8_0 as stored" in caplog.text
+    assert f"GGUF {linear_type}" in caplog.text and "embedding GGUF Q8_0 as stored" in caplog.text
     _check_logits_against_the_conversion(path, {d: m for d, (m, _, _) in by_dtype.items()},
                                          _prompts()[2])
     converted = resolve_model(path).cache_dir("weights")
