@@ -34,23 +34,20 @@
 //     kernels/cpu_linear.py's pack_uint4_weight).
 //
 // Quantized weights (int8: `--quantization int8`, GGUF Q8_0 / Q5_0 / Q5_1 / Q5_K / Q6_K;
-// 4-bit: GGUF Q4_0 / Q4_1 / Q4_K) are dequantized inside the GEMM, one packed
-// block per work item: to float32 for the FMA path (x float32 or float16), to bf16 for the
-// AVX512-BF16 and AMX paths (x bf16), into a per-thread buffer in the VNNI-2 layout on which
-// the bf16 bodies then run as on bf16 weights. So an int8 layer computes what the same path
-// computes for its dequantized weights, from half (bf16) or a quarter (float32) of the bytes.
-// `weight_scale`, float32, is either
-//   per output channel: [N]; the block is dequantized to the int8 values themselves (exact in
-//     bf16 and float32) and the epilogue scales the float32 accumulators, y = (x q^T) s + b;
-//   per group of G consecutive k (GGUF: G = 32, or 16 for Q6_K): [num_blocks, K / G, 32]
-//     (group g of W[n, :] at [n / 32, g, n % 32]), G even, with `weight_min` (same layout) an
-//     optional offset per group; each weight is dequantized as q * s + m (q * s exact in
-//     float32 for every GGUF format: an fp16 scale, times a 6-bit sub-scale in the k-quants,
-//     times a code of at most 8 bits; + m rounds once, as the format's own dequantization
-//     does) and rounded to x's dtype (nearest even) as a model in that dtype holds its
-//     weights, so every path computes exactly what it computes for the float copy of the
-//     model. 4-bit weights always have group scales.
-//
+// 4-bit: GGUF Q4_0 / Q4_1 / Q4_K, AWQ, GPTQ) are read inside the GEMM, never copied out in the
+// compute dtype. `weight_scale`, float32, is either
+//   per output channel: [N] (int8 only); one packed block per work item is unpacked to the
+//     int8 values themselves (exact in bf16 and float32) into a per-thread buffer on which the
+//     float bodies run, and the epilogue scales the float32 accumulators, y = (x q^T) s + b;
+//   per group of G consecutive k (GGUF: G = 32, or 16 for Q6_K; AWQ / GPTQ 32..128 or K):
+//     [num_blocks, K / G, 32] (group g of W[n, :] at [n / 32, g, n % 32]), G even, with
+//     `weight_min` (same layout) an optional offset per group: W = q * s + m. Off AMX the sums
+//     are factored per group (qtile_f32 / qtile_bf16: s (x . q) + m sum(x), llama.cpp's form),
+//     the codes turned into floats or bf16 in registers, so each stored weight is taken
+//     exactly (q * s is exact in float32 for every format served), not rounded to x's dtype.
+//     On AMX each block is converted to bf16 weights q * s + m, rounded to nearest even (a bf16
+//     model's copy of them), for the tiles. 4-bit weights always have group scales.
+
 // Instruction sets (cpu_isa.h; PAGEDSERVE_CPU_ISA forces a lower one):
 //   amx          bf16: ATen's cpublas::brgemm (oneDNN ukernel, AMX tiles) on each
 //                (rows tile <= 32, 32-column block), K whole in one call;
@@ -59,7 +56,9 @@
 //                columns per call; avx512 and scalar: plain loops with `omp simd`, compiled
 //                for each target), a 16-bit or int8 weight block unpacked to float32 once
 //                per item, a float32 one read in place; the only path for float32 and
-//                float16 weights.
+//                float16 weights. Group-quantized weights: factored tiles (qtile_f32, in
+//                AVX-512 intrinsics on avx512, compiled loops on avx2 and the baseline);
+//                on avx512_bf16 qtile_bf16 (vdpbf16ps on the codes as bf16).
 // The paths differ in rounding (vdpbf16ps sums each pair before it accumulates), so results
 // are bitwise stable per path, not across paths; each is tested against a float64 reference.
 

@@ -13,11 +13,12 @@ down; the tensor-parallel row-parallel ones with their all-reduce) for one of:
 - ``GroupQuantLinear``: the same kernel with a scale (and optionally a min) per group of
   weights along K, on int8 codes or 4-bit ones (a quarter of bf16's bytes): a GGUF tensor as
   stored (``gguf_weights.py``: Q4_0, Q4_1, Q4_K as 4-bit codes; Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-  as int8 codes), never re-quantized. Each weight is dequantized to exactly the value the
-  float conversion of the file gives (rounded to bf16 for a bf16 model, as that conversion's
-  weights are), so the logits equal the float path's on the same kernel: bitwise at bf16, and
-  at float32 with ``--batch-invariant`` (without it the float path's float32 layers are
-  MKL's).
+  as int8 codes; AWQ / GPTQ 4-bit layers: ``int4_checkpoints.py``), never re-quantized. The
+  kernel sums ``x . q`` per group and adds ``s`` times it plus ``m`` times the group's sum of
+  x (llama.cpp's form), so every weight is the file's exact value ``q * s + m`` (the float
+  conversion's float32 value), not rounded to a bf16 model's dtype: at float32 the float
+  conversion's logits to float32 rounding, at bf16 nearer float32 than the bf16 conversion
+  (on AMX the tiles read each block converted to bf16: the conversion's bf16 weights).
 - ``W8A8Linear`` (``--quantization w8a8``): int8 weights per output channel and int8
   activations per token, quantized dynamically each step; ``torch._int_mm`` (oneDNN: VNNI,
   AMX-INT8 where present) and a float32 epilogue (``kernels.int8_linear.w8a8_linear``).
