@@ -15,7 +15,9 @@ pass, ``rotary_embedding`` = rotate-half RoPE of query and key in place):
 - ``triton_norm_rope`` the GPU production path (one launch per norm, one per RoPE of q and k).
 
 and ``copy_blocks`` (whole KV blocks copied inside the cache: copy-on-write of a block that
-forked sequences share), one torch gather and scatter per cache tensor on every device.
+forked sequences share), one torch gather and scatter per cache tensor on every device; and
+``triton_int4`` (a 4-bit-weight matmul for the CUDA backend, the codes converted in registers:
+tested in the Triton interpreter only, not yet wired into the model).
 
 This package imports nothing from ``services/``.
 
