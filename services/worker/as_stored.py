@@ -83,8 +83,8 @@ def int4_stored(folder: Path, int4: Int4Config, device: torch.device, plan: Shar
                          f"could not be built or loaded: {missing}")
     with ExitStack() as stack:
         modules, shapes = read_int4_modules(open_safetensors(folder, stack), int4, layers)
-    label = f"{method.upper()} int4, group {int4.group_size}" + (
-        ", act-order" if int4.desc_act else "")
+    # (the log line's "AWQ int4, group 128": serve_as_stored puts the source first)
+    label = f"int4, group {int4.group_size}" + (", act-order" if int4.desc_act else "")
     stored = StoredWeights(linears={k: m.weight for k, m in modules.items()},
                            types=dict.fromkeys(modules, (label,)),
                            perms={k: m.perm for k, m in modules.items() if m.perm is not None},

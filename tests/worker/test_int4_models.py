@@ -15,6 +15,7 @@ with each linear weight replaced by the checkpoint's dequantized values ``(q - z
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -105,11 +106,14 @@ CASES = [("awq", 128, False, False), ("awq", 32, False, False), ("gptq", 64, Fal
 
 @pytest.mark.parametrize(("method", "group", "act_order", "sym"), CASES)
 def test_int4_checkpoint_logits_and_greedy_equal_the_dequantized_reference(
-        tiny_256, tmp_path, method, group, act_order, sym, one_torch_thread):
+        tiny_256, tmp_path, method, group, act_order, sym, one_torch_thread, caplog):
+    caplog.set_level(logging.INFO, logger="services.worker.loader")
     path, ref_dir = make_int4_checkpoint(tmp_path / "ckpt", tiny_256, method, group,
                                          act_order, sym)
     ours, _, info = load_model(str(path), torch.float32, "cpu")
     assert info.quantization == method
+    assert (f"of 12 {method.upper()} int4, group {group}"
+            f"{', act-order' if act_order else ''} as stored (4-bit codes") in caplog.text
     layer = ours.layers[1]
     for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
               layer.mlp.down_proj):
