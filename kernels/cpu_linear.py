@@ -20,6 +20,10 @@ Q4_0 / Q4_1 / Q4_K). Each packed block is dequantized inside the GEMM, to bf16 f
 ``x`` on the bf16 paths, to float32 otherwise, with a float32 scale per output channel
 (applied to the float32 sums) or a scale and an optional min per group of K (GGUF's 32, or 16;
 ``q * s + m`` applied to each weight as it is dequantized).
+
+W8A8 (``--quantization w8a8``) has its own op, ``kernels/csrc/cpu_int8_linear.cpp``
+(``pack_w8a8_weight`` / ``cpu_w8a8_linear``): activations quantized per token in the op, int8
+products summed exactly in int32 (vpdpbusd where the CPU has VNNI).
 """
 
 from __future__ import annotations
@@ -166,11 +170,63 @@ def pack_group_scale(scale: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, 32, groups).transpose(1, 2).contiguous()
 
 
+VNNI_ENV = "PAGEDSERVE_CPU_VNNI"  # "0": w8a8_linear's VNNI bodies off (tests of the others)
+
+
+def pack_w8a8_weight(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack int8 weights ``q [N, K]`` (values in [-127, 127], CPU) for ``cpu_w8a8_linear``.
+
+    Returns ``(packed, compensation)``: ``packed [ceil(N/32), ceil(K/4), 32, 4]`` int8 with
+    ``W[n, k]`` at ``[n // 32, k // 4, n % 32, k % 4]`` (VNNI-4, N and K zero-padded), and
+    ``compensation [32 ceil(N/32)]`` int32, ``128 * q[n, :].sum()`` (what the VNNI bodies
+    subtract: they read the activations as ``xq + 128``).
+
+    Raises:
+        ValueError: not 2-D int8 on the CPU, or a -128 (the range is symmetric).
+    """
+    packed, compensation = _ops().pack_w8a8_weight(q)
+    return packed, compensation
+
+
+def cpu_w8a8_linear(x: torch.Tensor, packed: torch.Tensor, compensation: torch.Tensor,
+                    out_features: int, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                    silu_mul: bool = False) -> torch.Tensor:
+    """W8A8: ``x [M, K]`` (float32 / bf16 / fp16) times ``pack_w8a8_weight``'s int8 weights
+    with scales ``weight_scale [N]`` (float32) -> ``[M, N]`` in ``out_dtype`` (default
+    ``x.dtype``); ``silu_mul`` as ``cpu_linear``'s (``[M, N / 2]``).
+
+    Each row of ``x`` is quantized per token in the op (``kernels.int8_linear.
+    quantize_symmetric``'s rule), the products summed in int32 (vpdpbusd on AVX512-VNNI /
+    AVX-VNNI, vpmaddubsw on AVX2, loops otherwise; exact, so every body agrees), and
+    ``(float(acc) * s_x) * s_w + bias`` rounded once: ``kernels.int8_linear.w8a8_linear``'s
+    result bit for bit (without ``silu_mul``).
+
+    Raises:
+        ValueError: mismatched dtypes or shapes, or tensors that are not
+            ``pack_w8a8_weight``'s.
+    """
+    return _ops().w8a8_linear(x, packed, compensation, out_features, weight_scale, bias,
+                              out_dtype, silu_mul)
+
+
+def w8a8_linear_body() -> str:
+    """The body ``cpu_w8a8_linear`` runs now: ``vnni512``, ``avxvnni``, ``avx2`` or ``scalar``
+    (the best this CPU has under ``PAGEDSERVE_CPU_ISA`` and ``PAGEDSERVE_CPU_VNNI``)."""
+    return str(_ops().w8a8_linear_body())
+
+
 def _register_fake() -> None:
     """Shape functions for ``torch.compile`` (FakeTensor tracing with dynamic ``M``)."""
     @torch.library.register_fake("pagedserve::linear")
     def _linear_fake(x, packed_weight, out_features, bias=None, out_dtype=None,
                      weight_scale=None, silu_mul=False, weight_min=None):
+        cols = out_features // 2 if silu_mul else out_features
+        return x.new_empty((x.shape[0], cols), dtype=out_dtype or x.dtype)
+
+    @torch.library.register_fake("pagedserve::w8a8_linear")
+    def _w8a8_fake(x, packed_weight, compensation, out_features, weight_scale, bias=None,
+                   out_dtype=None, silu_mul=False):
         cols = out_features // 2 if silu_mul else out_features
         return x.new_empty((x.shape[0], cols), dtype=out_dtype or x.dtype)
 

@@ -9,7 +9,9 @@ Two kinds of int8 weights (``services/worker/quantized_linear.py`` builds the la
   d[n, k // 32]``, ``d`` an fp16 scale per block of 32 weights (llama.cpp ``ggml-quants.c``).
 
 The weight-only product (int8 weights, activations in the compute dtype) is the native kernel's
-(``kernels.cpu_linear``, which dequantizes inside the GEMM). The W8A8 product is here:
+(``kernels.cpu_linear``, which dequantizes inside the GEMM). The W8A8 product is here in torch,
+the definition the native op (``cpu_linear.cpu_w8a8_linear``, what ``--quantization w8a8``
+runs: faster at every shape measured) reproduces bit for bit:
 activations quantized per token (row) the same way, dynamically, each step, then
 ``torch._int_mm`` (int8 x int8 -> int32: oneDNN on a CPU, VNNI / AMX-INT8 where present), then
 ``y = acc * s_x[:, None] * s_w[None, :]`` in float32, ``+ bias``, rounded once to the output

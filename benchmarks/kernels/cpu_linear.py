@@ -19,8 +19,9 @@ layers (``services/worker/quantized_linear.py``) against the unquantized ones, t
 (a float32 model's layers), ``native`` = ``kernels.cpu_linear`` on them (a bf16 model's);
 ``int8``: ``native int8`` = the native kernel on int8 weights (what ``--quantization int8``
 runs), and two weight-only forms torch has, ``torch._weight_int8pack_mm`` and ``dequant+F.linear``
-(the float weights rebuilt each call); ``w8a8``: ``w8a8`` = ``kernels.int8_linear.w8a8_linear``
-(per-token quantization + ``torch._int_mm`` + scales) eager, ``w8a8 compiled`` = the same
+(the float weights rebuilt each call); ``w8a8``: ``native w8a8`` = the native W8A8 op
+(``kernels.cpu_linear.cpu_w8a8_linear``, what ``--quantization w8a8`` runs), ``w8a8`` =
+``kernels.int8_linear.w8a8_linear`` (per-token quantization + ``torch._int_mm`` + scales) eager, ``w8a8 compiled`` = the same
 through ``torch.compile`` (its elementwise ops fused, as in the compiled forward), ``_int_mm``
 = the int8 product alone.
 
@@ -45,7 +46,7 @@ import torch
 from cpu_paged_attention import time_ms  # (this folder is on sys.path when run as a script)
 
 from kernels.cpu_attention import cpu_isa
-from kernels.cpu_linear import cpu_linear, pack_linear_weight
+from kernels.cpu_linear import cpu_linear, cpu_w8a8_linear, pack_linear_weight, pack_w8a8_weight
 from kernels.int8_linear import quantize_symmetric, w8a8_linear
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
@@ -97,8 +98,8 @@ def quantized(a: argparse.Namespace, dtype: torch.dtype) -> None:
     import torch.nn.functional as F
 
     names = (["torch", "native", "native int8", "_weight_int8pack_mm", "dequant+F.linear"]
-             if a.quantization == "int8" else ["torch", "native", "w8a8", "w8a8 compiled",
-                                               "_int_mm"])
+             if a.quantization == "int8" else ["torch", "native", "native w8a8", "w8a8",
+                                               "w8a8 compiled", "_int_mm"])
     compiled = torch.compile(w8a8_linear, dynamic=True)
     print(f"min of {a.reps} calls, ms per call, {a.layers} distinct weight copies in turn")
     print(f"{'shape':8s} {'M':>4s} " + " ".join(f"{n:>19s}" for n in names))
@@ -111,6 +112,7 @@ def quantized(a: argparse.Namespace, dtype: torch.dtype) -> None:
         floats = [w.to(dtype) for w in ws]
         packed = [pack_linear_weight(w) for w in floats]
         packed_q = [pack_linear_weight(q) for q, _ in qs]
+        packed_w8a8 = [pack_w8a8_weight(q) for q, _ in qs]
         scales = [s.to(dtype) for _, s in qs]  # _weight_int8pack_mm takes x's dtype
         for m in (int(r) for r in a.rows.split(",")):
             x = torch.randn(m, k).to(dtype)
@@ -126,6 +128,9 @@ def quantized(a: argparse.Namespace, dtype: torch.dtype) -> None:
                 "dequant+F.linear": [
                     lambda q=q, s=s: F.linear(x, q.to(dtype) * s[:, None])  # noqa: B023
                     for (q, _), s in zip(qs, scales, strict=True)],
+                "native w8a8": [
+                    lambda p=p, s=s: cpu_w8a8_linear(x, *p, n, s)  # noqa: B023
+                    for p, (_, s) in zip(packed_w8a8, qs, strict=True)],
                 "w8a8": [lambda q=q, s=s: w8a8_linear(x, q, s) for q, s in qs],  # noqa: B023
                 "w8a8 compiled": [lambda q=q, s=s: compiled(x, q, s)  # noqa: B023
                                   for q, s in qs],

@@ -80,6 +80,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_epilogue.h"
 #include "cpu_isa.h"
 #include "cpu_math.h"
 
@@ -88,7 +89,6 @@
 namespace pagedserve {
 namespace {
 
-constexpr int64_t kBlockN = 32;     // output features per packed block
 constexpr int64_t kChunkM = 256;    // rows per work item (bounds the per-thread x slice)
 constexpr int64_t kTileMF32 = 4;    // rows per float32 micro-kernel call
 constexpr int64_t kTileMBf16 = 8;   // rows per vdpbf16ps micro-kernel call
@@ -121,65 +121,6 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   if (k2 * 2 != k) w = at::cat({w, at::zeros({nb * kBlockN, 1}, w.options())}, 1);
   // [nb, 32, K2, 2] -> [nb, K2, 32, 2]
   return w.view({nb, kBlockN, k2, 2}).transpose(1, 2).contiguous();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Epilogue: float32 accumulators of one (rows tile, column block) -> y (+ bias), cast
-
-// float32 -> bf16 bits with c10::BFloat16's rounding (nearest even, NaN -> 0x7FC0), in a form
-// the compiler vectorizes (a scalar c10 conversion per element cost as much as the AMX product
-// of a 128-row tile).
-PS_INLINE uint16_t bf16_bits(float v) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, v);
-  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  return v != v ? uint16_t{0x7FC0} : rounded;
-}
-
-template <typename Out>
-PS_INLINE void store_row(const float* a, int64_t cols, const float* bias, Out* dst) {
-  if constexpr (std::is_same_v<Out, c10::BFloat16>) {
-    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
-    if (bias != nullptr) {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits(a[c] + bias[c]);
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits(a[c]);
-    }
-  } else if (bias != nullptr) {
-#pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c] + bias[c]);
-  } else {
-#pragma omp simd
-    for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c]);
-  }
-}
-
-template <typename Out>
-PS_INLINE void store_tile(const float* acc, int64_t rows, int64_t cols, const float* bias,
-                          Out* y, int64_t ldy) {
-  for (int64_t m = 0; m < rows; ++m) store_row<Out>(acc + m * kBlockN, cols, bias, y + m * ldy);
-}
-
-// The SiLU-gated epilogue (silu_mul): a block's 32 columns are 16 gate features g then the 16
-// up features u of the same outputs; y = silu(g + b_g) * (u + b_u), 16 outputs per row, in
-// float32, rounded once to Out.
-template <typename Out>
-PS_INLINE void store_tile_silu_mul(const float* acc, int64_t rows, const float* bias, Out* y,
-                                   int64_t ldy) {
-  constexpr int64_t kHalf = kBlockN / 2;
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* a = acc + m * kBlockN;
-    float v[kHalf];
-    if (bias != nullptr) {
-#pragma omp simd
-      for (int64_t c = 0; c < kHalf; ++c) v[c] = silu(a[c] + bias[c]) * (a[kHalf + c] + bias[kHalf + c]);
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < kHalf; ++c) v[c] = silu(a[c]) * a[kHalf + c];
-    }
-    store_row<Out>(v, kHalf, nullptr, y + m * ldy);
-  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         ValueError: a model_type not in ``MODEL_TYPES``, a config the family cannot run, a
             size the parallel split does not divide, or a weight missing / of the wrong shape;
             ``batch_invariant`` or ``quantization`` where the native CPU kernels cannot run
-            (not a CPU, or they cannot be built; ``w8a8`` needs only a CPU), or another
+            (not a CPU, or they cannot be built), or another
             ``quantization``.
     """
     start = time.perf_counter()
@@ -304,9 +304,9 @@ def check_quantization(quantization: str | None, device: torch.device) -> None:
     if device.type != "cpu":
         raise ValueError(f"--quantization {quantization} is implemented for the CPU only, not "
                          f"{device.type}")
-    if quantization == "int8" and (missing := native_kernels_missing()):
-        raise ValueError(f"--quantization int8 needs the native CPU kernels, which could not "
-                         f"be built or loaded: {missing}")
+    if missing := native_kernels_missing():
+        raise ValueError(f"--quantization {quantization} needs the native CPU kernels, which "
+                         f"could not be built or loaded: {missing}")
 
 
 def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | None,

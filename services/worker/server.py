@@ -231,9 +231,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "dequantized at load to --dtype. int8 / w8a8: the decoder's linear layers "
                   "quantized at load per output channel (symmetric; embedding and LM head in "
                   "--dtype); int8 is weight-only, w8a8 quantizes activations per token too "
-                  "(torch._int_mm: oneDNN, VNNI / AMX-INT8). awq / gptq: a 4-bit AWQ (GEMM) "
-                  "or GPTQ checkpoint's layers as stored (detected from config.json's "
-                  "quantization_config without the flag). Unset: gguf for a .gguf, the "
+                  "(the native W8A8 kernel: int32 sums, vpdpbusd on VNNI). awq / gptq: a "
+                  "4-bit AWQ (GEMM) or GPTQ checkpoint's layers as stored (detected from "
+                  "config.json's quantization_config without the flag). Unset: gguf for a "
+                  ".gguf, the "
                   "checkpoint's own for AWQ / GPTQ, else --dtype. CPU only")
     add_flag(p, "--runner", default="auto", choices=list(RUNNERS),
              help="what the server runs (vLLM's flag): generate = sample tokens; pooling = "

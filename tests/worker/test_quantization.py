@@ -104,10 +104,10 @@ def test_w8a8_equals_transformers_with_quantized_weights_and_activations(tiny_ll
 
 
 def test_w8a8_compiles_to_one_graph_close_to_eager(tiny_llama):
-    """The compiled forward (the CPU default): the per-token quantization and
-    ``torch._int_mm`` inside one dynamic-shape graph, no step recompiles, and the hidden states
-    within the activation quantization's own noise of the eager module's (a fused division
-    rounds differently now and then, which moves an activation by one step)."""
+    """The compiled forward (the CPU default): the native W8A8 op (which quantizes the
+    activations itself) inside one dynamic-shape graph, no step recompiles, and the hidden
+    states within the activation quantization's own noise of the eager module's (a fused
+    norm rounds differently now and then, which can move an activation by one step)."""
     from services.worker.compiled import CompiledForward
     from tests.worker.test_compiled import _steps
 

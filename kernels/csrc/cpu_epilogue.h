@@ -1,0 +1,78 @@
+// The linear layers' epilogue, shared by the native kernels (cpu_linear.cpp, cpu_int8_linear.cpp):
+// one (rows tile, 32-column block) of float32 sums -> y in its dtype, + bias, or SwiGLU's
+// silu(gate) * up. Included in each kernel's translation unit, inlined into its target bodies.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu_math.h"
+
+#ifndef PS_INLINE
+#define PS_INLINE inline __attribute__((always_inline))
+#endif
+
+namespace pagedserve {
+
+constexpr int64_t kBlockN = 32;  // output features per packed block (every packed layout)
+
+// float32 -> bf16 bits with c10::BFloat16's rounding (nearest even, NaN -> 0x7FC0), in a form
+// the compiler vectorizes (a scalar c10 conversion per element cost as much as the AMX product
+// of a 128-row tile).
+PS_INLINE uint16_t bf16_bits(float v) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, v);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return v != v ? uint16_t{0x7FC0} : rounded;
+}
+
+template <typename Out>
+PS_INLINE void store_row(const float* a, int64_t cols, const float* bias, Out* dst) {
+  if constexpr (std::is_same_v<Out, c10::BFloat16>) {
+    uint16_t* d = reinterpret_cast<uint16_t*>(dst);
+    if (bias != nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits(a[c] + bias[c]);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < cols; ++c) d[c] = bf16_bits(a[c]);
+    }
+  } else if (bias != nullptr) {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c] + bias[c]);
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) dst[c] = static_cast<Out>(a[c]);
+  }
+}
+
+template <typename Out>
+PS_INLINE void store_tile(const float* acc, int64_t rows, int64_t cols, const float* bias,
+                          Out* y, int64_t ldy) {
+  for (int64_t m = 0; m < rows; ++m) store_row<Out>(acc + m * kBlockN, cols, bias, y + m * ldy);
+}
+
+// The SiLU-gated epilogue (silu_mul): a block's 32 columns are 16 gate features g then the 16
+// up features u of the same outputs; y = silu(g + b_g) * (u + b_u), 16 outputs per row, in
+// float32, rounded once to Out.
+template <typename Out>
+PS_INLINE void store_tile_silu_mul(const float* acc, int64_t rows, const float* bias, Out* y,
+                                   int64_t ldy) {
+  constexpr int64_t kHalf = kBlockN / 2;
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* a = acc + m * kBlockN;
+    float v[kHalf];
+    if (bias != nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < kHalf; ++c) v[c] = silu(a[c] + bias[c]) * (a[kHalf + c] + bias[kHalf + c]);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < kHalf; ++c) v[c] = silu(a[c]) * a[kHalf + c];
+    }
+    store_row<Out>(v, kHalf, nullptr, y + m * ldy);
+  }
+}
+
+}  // namespace pagedserve
