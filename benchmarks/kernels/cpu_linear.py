@@ -21,9 +21,9 @@ layers (``services/worker/quantized_linear.py``) against the unquantized ones, t
 runs), and two weight-only forms torch has, ``torch._weight_int8pack_mm`` and ``dequant+F.linear``
 (the float weights rebuilt each call); ``w8a8``: ``native w8a8`` = the native W8A8 op
 (``kernels.cpu_linear.cpu_w8a8_linear``, what ``--quantization w8a8`` runs), ``w8a8`` =
-``kernels.int8_linear.w8a8_linear`` (per-token quantization + ``torch._int_mm`` + scales) eager, ``w8a8 compiled`` = the same
-through ``torch.compile`` (its elementwise ops fused, as in the compiled forward), ``_int_mm``
-= the int8 product alone.
+``kernels.int8_linear.w8a8_linear`` (per-token quantization + ``torch._int_mm`` + scales)
+eager, ``w8a8 compiled`` = the same through ``torch.compile`` (its elementwise ops fused, as
+in the compiled forward), ``_int_mm`` = the int8 product alone.
 
     .venv/bin/python benchmarks/kernels/cpu_linear.py --quantization int8 --dtype bfloat16
 
