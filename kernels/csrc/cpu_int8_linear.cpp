@@ -22,8 +22,8 @@
 // never depends on the other rows of the step (row- and batch-invariant by construction).
 // Work is split over (rows chunk, 32-column block) items, as in cpu_linear.cpp.
 //
-// Bodies (picked at each call: PAGEDSERVE_CPU_ISA caps them as it caps the other kernels, and
-// PAGEDSERVE_CPU_VNNI=0 turns the VNNI ones off, so each can be tested where the CPU has it):
+// Bodies (cpu_vnni.h: picked at each call, PAGEDSERVE_CPU_ISA caps them as it caps the other
+// kernels and PAGEDSERVE_CPU_VNNI=0 turns the VNNI ones off, so each is tested where it runs):
 //   vnni512  AVX512-VNNI vpdpbusd (u8 x s8: four products summed into each int32 lane), tiles
 //            of up to 12 rows x 32 columns; x is fed as u8 = xq + 128 and each sum corrected
 //            by the weight's compensation 128 sum_k q[n, k] (oneDNN's way of giving vpdpbusd
@@ -57,10 +57,7 @@
 
 #include "cpu_epilogue.h"
 #include "cpu_isa.h"
-
-#define PS_TARGET_VNNI512 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma")))
-#define PS_TARGET_AVXVNNI __attribute__((target("avx2,fma,avxvnni")))
+#include "cpu_vnni.h"
 
 namespace pagedserve {
 namespace {
@@ -68,30 +65,6 @@ namespace {
 constexpr int64_t kChunkRows = 256;  // rows per work item
 constexpr int64_t kQuad = 4;         // k per int32 lane (VNNI-4)
 constexpr int64_t kQuadBytes = kBlockN * kQuad;  // one k quad of a packed block
-
-enum class Body : int { kScalar = 0, kAvx2 = 1, kAvxVnni = 2, kVnni512 = 3 };
-
-const char* body_name(Body b) {
-  switch (b) {
-    case Body::kVnni512: return "vnni512";
-    case Body::kAvxVnni: return "avxvnni";
-    case Body::kAvx2: return "avx2";
-    default: return "scalar";
-  }
-}
-
-// The body to run now: the best the CPU has at or below PAGEDSERVE_CPU_ISA.
-Body pick_body() {
-#if defined(__x86_64__)
-  const Isa isa = active_isa();
-  const char* env = std::getenv("PAGEDSERVE_CPU_VNNI");
-  const bool vnni = env == nullptr || std::strcmp(env, "0") != 0;
-  if (vnni && isa >= Isa::kAvx512 && __builtin_cpu_supports("avx512vnni")) return Body::kVnni512;
-  if (vnni && isa >= Isa::kAvx2 && __builtin_cpu_supports("avxvnni")) return Body::kAvxVnni;
-  if (isa >= Isa::kAvx2) return Body::kAvx2;
-#endif
-  return Body::kScalar;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Packing
@@ -179,12 +152,6 @@ PS_DEFINE_QUANTIZE(quantize_baseline, )
 
 // ---------------------------------------------------------------------------------------------
 // Tiles: MR rows of xq x one packed block (32 columns), int32 sums into acc [MR][32]
-
-PS_INLINE int32_t quad_bits(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 template <int MR>
 void tile_scalar(const int8_t* x, int64_t ldx, const int8_t* w, int64_t k4, int32_t* acc) {
