@@ -23,7 +23,9 @@ Q4_0 / Q4_1 / Q4_K). Each packed block is dequantized inside the GEMM, to bf16 f
 
 W8A8 (``--quantization w8a8``) has its own op, ``kernels/csrc/cpu_int8_linear.cpp``
 (``pack_w8a8_weight`` / ``cpu_w8a8_linear``): activations quantized per token in the op, int8
-products summed exactly in int32 (vpdpbusd where the CPU has VNNI).
+products summed exactly in int32 (vpdpbusd where the CPU has VNNI); and so has W4A8
+(``kernels/csrc/cpu_w4a8_linear.cpp``, ``pack_w4a8_weight`` / ``cpu_w4a8_linear``): 4-bit codes
+against activations quantized per group of 32, an opt-in for the 4-bit layers.
 """
 
 from __future__ import annotations
@@ -216,6 +218,42 @@ def w8a8_linear_body() -> str:
     return str(_ops().w8a8_linear_body())
 
 
+W4A8_ENV = "PAGEDSERVE_CPU_W4A8"  # "1": 4-bit layers as W4A8 (services/worker/quantized_linear)
+
+
+def pack_w4a8_weight(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes ``[N, K]`` (uint8 holding 0..15, K a multiple of 32) for
+    ``cpu_w4a8_linear``: ``[ceil(N/32), K/8, 32, 4]`` uint8, the four bytes of (octet j,
+    column c) holding codes ``k = 8j .. 8j+3`` in their low nibbles and ``8j+4 .. 8j+7`` in
+    their high ones (N zero-padded). The bytes of ``pack_uint4_weight``, in another order.
+
+    Raises:
+        ValueError: not 2-D uint8 on the CPU, K not a multiple of 32, or a code above 15.
+    """
+    return _ops().pack_w4a8_weight(codes)
+
+
+def cpu_w4a8_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                    weight_scale: torch.Tensor, weight_min: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                    silu_mul: bool = False) -> torch.Tensor:
+    """W4A8 (llama.cpp's Q4 x Q8 form): ``x [M, K]`` (float32 / bf16 / fp16) times
+    ``pack_w4a8_weight``'s codes with ``pack_group_scale``'s scales (and mins) per group of G
+    (a multiple of 32) -> ``[M, N]`` in ``out_dtype`` (default ``x.dtype``).
+
+    Each row of ``x`` is quantized to int8 per group of 32 (scale ``amax / 127``, round half
+    to even), ``x . q`` summed exactly in int32 per group (vpdpbusd on AVX512-VNNI, vpmaddubsw
+    on AVX2), then ``y = sum_a float(D_a) * (s_x,a * s_g) + sum_g m_g * X_g + bias`` in
+    float32, ``X_g`` the group's sum of ``x`` itself. Row-invariant. ``silu_mul`` as
+    ``cpu_linear``'s.
+
+    Raises:
+        ValueError: mismatched dtypes or shapes, or tensors that are not the packers'.
+    """
+    return _ops().w4a8_linear(x, packed, out_features, weight_scale, weight_min, bias,
+                              out_dtype, silu_mul)
+
+
 def _register_fake() -> None:
     """Shape functions for ``torch.compile`` (FakeTensor tracing with dynamic ``M``)."""
     @torch.library.register_fake("pagedserve::linear")
@@ -226,6 +264,12 @@ def _register_fake() -> None:
 
     @torch.library.register_fake("pagedserve::w8a8_linear")
     def _w8a8_fake(x, packed_weight, compensation, out_features, weight_scale, bias=None,
+                   out_dtype=None, silu_mul=False):
+        cols = out_features // 2 if silu_mul else out_features
+        return x.new_empty((x.shape[0], cols), dtype=out_dtype or x.dtype)
+
+    @torch.library.register_fake("pagedserve::w4a8_linear")
+    def _w4a8_fake(x, packed_weight, out_features, weight_scale, weight_min=None, bias=None,
                    out_dtype=None, silu_mul=False):
         cols = out_features // 2 if silu_mul else out_features
         return x.new_empty((x.shape[0], cols), dtype=out_dtype or x.dtype)
