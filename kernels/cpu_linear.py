@@ -244,7 +244,8 @@ def cpu_w4a8_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     Each row of ``x`` is quantized to int8 per group of 32 (scale ``amax / 127``, round half
     to even), ``x . q`` summed exactly in int32 per group (vpdpbusd on AVX512-VNNI, vpmaddubsw
     on AVX2), then ``y = sum_a float(D_a) * (s_x,a * s_g) + sum_g m_g * X_g + bias`` in
-    float32, ``X_g`` the group's sum of ``x`` itself. Row-invariant. ``silu_mul`` as
+    float32, ``X_g`` the group's sum of the dequantized activations ``xq * s_x`` (llama.cpp's
+    ``y.s``): the weight-only product of those activations. Row-invariant. ``silu_mul`` as
     ``cpu_linear``'s.
 
     Raises:

@@ -24,8 +24,10 @@
 //   y[m, n] = sum over a, in order, of float(D) * (s_x[m, a] * s[n, g(a)])       (fma)
 //           + sum over weight groups g, after each, of min[n, g] * X[m, g]         (fma)
 //           + bias[n],
-//   X[m, g] the group's sum of x itself (float32, in order), so the mins are taken against
-//   the activations as they are; only the scale term sees the quantized ones.
+//   X[m, g] = sum over the activation groups a in g of s_x[m, a] * sum_k xq[m, k]: the group's
+//   sum of the quantized activations (llama.cpp's y.s), so y is the weight-only product of
+//   the dequantized activations xq * s_x. (The sum of x itself would leave the codes' offset,
+//   s q in 0..15 s, alone against the quantization error: larger errors, measured.)
 // The bodies differ only in rounding (fma on AVX2 / AVX-512, mul + add on the scalar path):
 // each is tested against a float64 reference of that formula.
 //
@@ -98,6 +100,7 @@ struct Prologue {
   int8_t* xq;      // [M, K]
   float* sx;       // [M, K / 32]
   float* xsum;     // [M, K / G] or nullptr
+  float* asum;     // scratch [K / 32]: s_x times the group's sum of codes
 };
 
 template <typename T>
@@ -114,27 +117,31 @@ PS_INLINE void prologue_body(const Prologue& p, int64_t begin, int64_t end, floa
       for (int64_t j = 0; j < kGroupA; ++j) amax = std::max(amax, std::fabs(xa[j]));
       const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
       int8_t* dst = p.xq + r * k + a * kGroupA;
-#pragma omp simd
+      int32_t codes = 0;
+#pragma omp simd reduction(+ : codes)
       for (int64_t j = 0; j < kGroupA; ++j) {
         dst[j] = static_cast<int8_t>(std::clamp(__builtin_roundevenf(xa[j] / s), -127.0f, 127.0f));
+        codes += dst[j];
       }
       p.sx[r * na + a] = s;
+      p.asum[a] = s * static_cast<float>(codes);
     }
     if (p.xsum != nullptr) {
-      const int64_t ng = k / p.group;
+      const int64_t ng = k / p.group, per = p.group / kGroupA;
       for (int64_t g = 0; g < ng; ++g) {
         float sum = 0.0f;
-        for (int64_t j = g * p.group; j < (g + 1) * p.group; ++j) sum += xf[j];
+        for (int64_t a = g * per; a < (g + 1) * per; ++a) sum += p.asum[a];
         p.xsum[r * ng + g] = sum;
       }
     }
   }
 }
 
-using PrologueFn = void (*)(const Prologue&, int64_t, int64_t, float*);
+using PrologueFn = void (*)(Prologue, int64_t, int64_t, float*);
 
 #define PS_DEFINE_PROLOGUE(NAME, TARGET)                                                    \
-  TARGET void NAME(const Prologue& p, int64_t begin, int64_t end, float* xf) {              \
+  TARGET void NAME(Prologue p, int64_t begin, int64_t end, float* xf) {                     \
+    p.asum = xf + p.k; /* (the scratch's tail) */                                           \
     switch (p.dtype) {                                                                       \
       case at::kFloat: prologue_body<float>(p, begin, end, xf); break;                      \
       case at::kBFloat16: prologue_body<c10::BFloat16>(p, begin, end, xf); break;           \
@@ -414,7 +421,8 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   at::Tensor xsum;
   if (has_min) xsum = at::empty({m, k / group}, x.options().dtype(at::kFloat));
   const Prologue pro{x.data_ptr(), x_dtype, k, group, xq.data_ptr<int8_t>(),
-                     sx.data_ptr<float>(), has_min ? xsum.data_ptr<float>() : nullptr};
+                     sx.data_ptr<float>(), has_min ? xsum.data_ptr<float>() : nullptr,
+                     nullptr};
   const Isa isa = active_isa();
 #if defined(__x86_64__)
   const PrologueFn prologue = isa >= Isa::kAvx512 ? prologue_avx512
@@ -430,7 +438,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
 #endif
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k, 1)),
                    [&](int64_t begin, int64_t end) {
-                     std::vector<float> xf(k);
+                     std::vector<float> xf(k + k / kGroupA);  // x as floats, asum
                      prologue(pro, begin, end, xf.data());
                    });
 

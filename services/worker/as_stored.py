@@ -25,7 +25,11 @@ from services.worker.models.gemma3 import Gemma3Config
 from services.worker.models.llama import LlamaConfig
 from services.worker.packed_linear import takes_silu_mul
 from services.worker.parallel import ShardPlan
-from services.worker.quantized_linear import GroupQuantLinear, QuantizedEmbedding
+from services.worker.quantized_linear import (
+    GroupQuantLinear,
+    QuantizedEmbedding,
+    w4a8_requested,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,14 +186,16 @@ def serve_as_stored(net: nn.Module, stored: StoredWeights, dtype: torch.dtype,
     """Put ``GroupQuantLinear``s (and a ``QuantizedEmbedding``) over ``stored`` in ``net``, in
     place of the modules whose weights were not read (meta). ``fuse_gate``: a SwiGLU gate_up
     layer applies its gate in the kernel's epilogue (not with LoRA, which adds to gate and
-    up); ``lm_head``: a tied model's LM head reads the stored embedding (not for pooling)."""
+    up); ``lm_head``: a tied model's LM head reads the stored embedding (not for pooling).
+    With ``PAGEDSERVE_CPU_W4A8=1`` the 4-bit linear layers run as W4A8 (``w4a8_requested``)."""
+    w4a8 = w4a8_requested()
     for name, weight in stored.linears.items():
         parent, _, attr = name.rpartition(".")
         old = cast(nn.Linear, net.get_submodule(name))
         owner = net.get_submodule(parent)
         silu_mul = takes_silu_mul(owner, attr) and fuse_gate
         layer = GroupQuantLinear(weight.codes, weight.scale, weight.min, old.bias,
-                                 silu_mul=silu_mul, perm=stored.perms.get(name))
+                                 silu_mul=silu_mul, perm=stored.perms.get(name), w4a8=w4a8)
         layer.stored_as = f"{stored.source} " + "+".join(dict.fromkeys(stored.types[name]))
         owner.register_module(attr, layer)
         if silu_mul:

@@ -41,6 +41,7 @@ float32-output ``GroupQuantLinear`` over the same codes).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import cast
 
@@ -48,16 +49,26 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import (
+    W4A8_ENV,
     gate_up_blocks,
     pack_group_scale,
     pack_linear_weight,
     pack_uint4_weight,
+    pack_w4a8_weight,
     pack_w8a8_weight,
 )
 from kernels.int8_linear import quantize_symmetric
 from services.worker.packed_linear import takes_silu_mul
 
 QUANTIZATIONS = ("int8", "w8a8")
+
+
+def w4a8_requested() -> bool:
+    """``PAGEDSERVE_CPU_W4A8=1``: the decoder's 4-bit layers served as stored (GGUF Q4_0 / Q4_1
+    / Q4_K, AWQ, GPTQ) run as W4A8, their activations quantized to int8 per group of 32 (as
+    llama.cpp's Q8 activations; vLLM's ``VLLM_CPU_INT4_W4A8`` idea): faster, no longer the
+    float conversion's result (so off by default). The LM head stays weight-only."""
+    return os.environ.get(W4A8_ENV, "") == "1"
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -90,14 +101,18 @@ class Int8Linear(nn.Module):
 
     def _setup(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None,
                bias: torch.Tensor | None, reduce: Reduce | None, silu_mul: bool,
-               perm: torch.Tensor | None = None) -> None:
+               perm: torch.Tensor | None = None, w4a8: bool = False) -> None:
         self.out_features, self.in_features = q.shape
         self.reduce, self.silu_mul = reduce, silu_mul
         if silu_mul:  # rows (and their scales and mins) in blocks of 16 gate and 16 up
             q, scale = gate_up_blocks(q.detach()), gate_up_blocks(scale.detach())
             min_ = None if min_ is None else gate_up_blocks(min_.detach())
             bias = None if bias is None else gate_up_blocks(bias.detach())
-        packed = (pack_uint4_weight(q.detach()) if q.dtype == torch.uint8
+        # W4A8 (cpu_w4a8_linear): 4-bit codes in groups of a multiple of 32
+        self.w4a8 = (w4a8 and q.dtype == torch.uint8 and self.in_features % 32 == 0
+                     and (self.in_features // scale.shape[1]) % 32 == 0)
+        packed = (pack_w4a8_weight(q.detach()) if self.w4a8
+                  else pack_uint4_weight(q.detach()) if q.dtype == torch.uint8
                   else pack_linear_weight(q.detach()))
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("weight_scale", self._kernel_scale(scale), persistent=False)
@@ -110,23 +125,28 @@ class Int8Linear(nn.Module):
     def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
         return scale.detach().float().contiguous()
 
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 out_dtype: torch.dtype | None, silu_mul: bool) -> torch.Tensor:
+        # NOTE: the ops themselves, as PackedLinear (no lazy library load for torch.compile)
+        if self.w4a8:
+            return torch.ops.pagedserve.w4a8_linear(x, self.packed, self.out_features,
+                                                    self.weight_scale, self.weight_min, bias,
+                                                    out_dtype, silu_mul)
+        return torch.ops.pagedserve.linear(x, self.packed, self.out_features, bias, out_dtype,
+                                           self.weight_scale, silu_mul, self.weight_min)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # NOTE: the op itself, as PackedLinear (no lazy library load for torch.compile to trace)
-        linear = torch.ops.pagedserve.linear
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if self.perm is not None:  # (a GPTQ act-order layer's input order)
             flat = flat.index_select(1, self.perm)
         if self.silu_mul:
-            y = linear(flat, self.packed, self.out_features, self.bias, None, self.weight_scale,
-                       True, self.weight_min)
+            y = self._product(flat, self.bias, None, True)
             return y.reshape(*lead, self.out_features // 2)
         if self.reduce is None:
-            y = linear(flat, self.packed, self.out_features, self.bias, self.out_dtype,
-                       self.weight_scale, False, self.weight_min)
+            y = self._product(flat, self.bias, self.out_dtype, False)
         else:  # partial sums reduced in float32, the bias added once, rounded once
-            y = self.reduce(linear(flat, self.packed, self.out_features, None, torch.float32,
-                                   self.weight_scale, False, self.weight_min))
+            y = self.reduce(self._product(flat, None, torch.float32, False))
             if self.bias is not None:
                 y = y + self.bias
             y = y.to(self.out_dtype or x.dtype)
@@ -148,6 +168,9 @@ class GroupQuantLinear(Int8Linear):
         out_dtype: the output dtype (None: ``x``'s); a float32-output LM head.
         perm: int64 ``[K]``, the layer computes ``x[..., perm] W^T`` (a GPTQ act-order
             layer, its K sorted by group: ``int4_checkpoints``); None: ``x W^T``.
+        w4a8: 4-bit codes in groups of a multiple of 32 run as W4A8
+            (``kernels.cpu_linear.cpu_w4a8_linear``: activations quantized per group of 32
+            in the op, int8 products; ``w4a8_requested``); other codes ignore it.
 
     ``forward``: ``x [..., K]`` float32 / bf16 / fp16 -> ``[..., N]``.
     """
@@ -155,11 +178,11 @@ class GroupQuantLinear(Int8Linear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, reduce: Reduce | None = None,
                  silu_mul: bool = False, out_dtype: torch.dtype | None = None,
-                 perm: torch.Tensor | None = None) -> None:
+                 perm: torch.Tensor | None = None, w4a8: bool = False) -> None:
         nn.Module.__init__(self)
         self.out_dtype = out_dtype
         self.stored_as = ""  # what it holds ("GGUF Q4_K", "AWQ int4, group 128"), for the log
-        self._setup(q, scale, min_, bias, reduce, silu_mul, perm)
+        self._setup(q, scale, min_, bias, reduce, silu_mul, perm, w4a8)
 
     @staticmethod
     def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
