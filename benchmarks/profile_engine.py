@@ -27,6 +27,7 @@ def main() -> None:
 
     add_workload_args(p)
     p.add_argument("--rows", type=int, default=15, help="torch ops to print")
+    p.add_argument("--quantization", default=None, help="the worker's --quantization")
     p.add_argument("--by-shape", action="store_true",
                    help="also split the native linear and attention ops by shape (records "
                         "shapes: a little more profiler overhead)")
@@ -45,7 +46,7 @@ def main() -> None:
     from services.worker.server import step_input_from_pb
 
     items = workload(load_tokenizer(a.model), a.num_requests, a.seed)
-    runner = ModelRunner(a.model, dtype=a.dtype)
+    runner = ModelRunner(a.model, dtype=a.dtype, quantization=a.quantization)
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
                           runner.num_kv_blocks, runner.eos_token_ids,
                           sliding_windows=[g.sliding_window for g in runner.kv_cache_groups])
@@ -82,13 +83,15 @@ def main() -> None:
 
 
 def print_by_shape(events) -> None:
-    """Seconds, calls and GFLOP/s of ``pagedserve::linear`` (and ATen's ``mm`` / ``addmm``, a
+    """Seconds, calls and GFLOP/s of ``pagedserve::linear`` / ``w8a8_linear`` /
+    ``w4a8_linear`` (and ATen's ``mm`` / ``addmm``, a
     float32 model's linear layers) per (N, K, rows: 1-8 each, <= 128, > 128) and of
     ``pagedserve::paged_attention`` per step kind (query rows <= 128: decode-sized, else with
     prefill), largest first."""
     table: dict[tuple, list[float]] = {}
     for e in events:
-        if e.name == "pagedserve::linear":
+        if e.name in ("pagedserve::linear", "pagedserve::w8a8_linear",
+                      "pagedserve::w4a8_linear"):
             (m, k), n = e.input_shapes[0], e.input_shapes[1][0] * 32  # blocks of 32 columns
         elif e.name in ("aten::mm", "aten::addmm") and e.input_shapes:  # a float32 model: MKL
             first = 1 if e.name == "aten::addmm" else 0  # addmm(bias, x, w^T, ...)
@@ -100,7 +103,7 @@ def print_by_shape(events) -> None:
             continue
         if e.name != "pagedserve::paged_attention":
             rows = f"{m}" if m <= 8 else "<= 128" if m <= 128 else "> 128"
-            op = "linear" if e.name == "pagedserve::linear" else e.name
+            op = e.name.removeprefix("pagedserve::")
             key, flops = (op, n, k, rows), 2.0 * m * k * n
         entry = table.setdefault(key, [0.0, 0, 0.0])
         entry[0] += e.self_cpu_time_total / 1e6
