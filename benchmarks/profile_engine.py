@@ -84,14 +84,14 @@ def main() -> None:
 
 def print_by_shape(events) -> None:
     """Seconds, calls and GFLOP/s of ``pagedserve::linear`` / ``w8a8_linear`` /
-    ``w4a8_linear`` (and ATen's ``mm`` / ``addmm``, a
+    ``a8_linear`` (and ATen's ``mm`` / ``addmm``, a
     float32 model's linear layers) per (N, K, rows: 1-8 each, <= 128, > 128) and of
     ``pagedserve::paged_attention`` per step kind (query rows <= 128: decode-sized, else with
     prefill), largest first."""
     table: dict[tuple, list[float]] = {}
     for e in events:
         if e.name in ("pagedserve::linear", "pagedserve::w8a8_linear",
-                      "pagedserve::w4a8_linear"):
+                      "pagedserve::a8_linear"):
             (m, k), n = e.input_shapes[0], e.input_shapes[1][0] * 32  # blocks of 32 columns
         elif e.name in ("aten::mm", "aten::addmm") and e.input_shapes:  # a float32 model: MKL
             first = 1 if e.name == "aten::addmm" else 0  # addmm(bias, x, w^T, ...)

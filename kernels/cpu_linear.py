@@ -23,9 +23,10 @@ Q4_0 / Q4_1 / Q4_K). Each packed block is dequantized inside the GEMM, to bf16 f
 
 W8A8 (``--quantization w8a8``) has its own op, ``kernels/csrc/cpu_int8_linear.cpp``
 (``pack_w8a8_weight`` / ``cpu_w8a8_linear``): activations quantized per token in the op, int8
-products summed exactly in int32 (vpdpbusd where the CPU has VNNI); and so has W4A8
-(``kernels/csrc/cpu_w4a8_linear.cpp``, ``pack_w4a8_weight`` / ``cpu_w4a8_linear``): 4-bit codes
-against activations quantized per group of 32, an opt-in for the 4-bit layers.
+products summed exactly in int32 (vpdpbusd where the CPU has VNNI); and so has "A8"
+(``kernels/csrc/cpu_a8_linear.cpp``, ``pack_a8_weight`` / ``cpu_a8_linear``): group-quantized
+4-bit or int8 codes against activations quantized per group of 32 (W4A8 / W8A8 with GGUF's
+groups), an opt-in for the layers served as stored.
 """
 
 from __future__ import annotations
@@ -218,41 +219,44 @@ def w8a8_linear_body() -> str:
     return str(_ops().w8a8_linear_body())
 
 
-W4A8_ENV = "PAGEDSERVE_CPU_W4A8"  # "1": 4-bit layers as W4A8 (services/worker/quantized_linear)
+A8_ENV = "PAGEDSERVE_CPU_A8"  # "1": int8 activations (services/worker/quantized_linear.py)
 
 
-def pack_w4a8_weight(codes: torch.Tensor) -> torch.Tensor:
-    """Pack 4-bit codes ``[N, K]`` (uint8 holding 0..15, K a multiple of 32) for
-    ``cpu_w4a8_linear``: ``[ceil(N/32), K/8, 32, 4]`` uint8, the four bytes of (octet j,
-    column c) holding codes ``k = 8j .. 8j+3`` in their low nibbles and ``8j+4 .. 8j+7`` in
-    their high ones (N zero-padded). The bytes of ``pack_uint4_weight``, in another order.
+def pack_a8_weight(codes: torch.Tensor) -> torch.Tensor:
+    """Pack group-quantized codes ``[N, K]`` (K a multiple of 32; N zero-padded to blocks of
+    32) for ``cpu_a8_linear``: 4-bit codes (uint8 holding 0..15) -> ``[ceil(N/32), K/8, 32,
+    4]`` uint8, the four bytes of (octet j, column c) holding codes ``k = 8j .. 8j+3`` in
+    their low nibbles and ``8j+4 .. 8j+7`` in their high ones (``pack_uint4_weight``'s bytes
+    in another order); int8 codes (in [-127, 127]) -> ``[ceil(N/32), K/4, 32, 4]`` int8.
 
     Raises:
-        ValueError: not 2-D uint8 on the CPU, K not a multiple of 32, or a code above 15.
+        ValueError: not 2-D uint8 / int8 on the CPU, K not a multiple of 32, a 4-bit code
+            above 15 or an int8 code of -128.
     """
-    return _ops().pack_w4a8_weight(codes)
+    return _ops().pack_a8_weight(codes)
 
 
-def cpu_w4a8_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                    weight_scale: torch.Tensor, weight_min: torch.Tensor | None = None,
-                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                    silu_mul: bool = False) -> torch.Tensor:
-    """W4A8 (llama.cpp's Q4 x Q8 form): ``x [M, K]`` (float32 / bf16 / fp16) times
-    ``pack_w4a8_weight``'s codes with ``pack_group_scale``'s scales (and mins) per group of G
+def cpu_a8_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  weight_scale: torch.Tensor, weight_min: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                  silu_mul: bool = False) -> torch.Tensor:
+    """W4A8 / W8A8 per group (llama.cpp's Q4 / Q8 x Q8 forms): ``x [M, K]`` times
+    ``pack_a8_weight``'s codes with ``pack_group_scale``'s scales (and mins) per group of G
     (a multiple of 32) -> ``[M, N]`` in ``out_dtype`` (default ``x.dtype``).
 
     Each row of ``x`` is quantized to int8 per group of 32 (scale ``amax / 127``, round half
     to even), ``x . q`` summed exactly in int32 per group (vpdpbusd on AVX512-VNNI, vpmaddubsw
-    on AVX2), then ``y = sum_a float(D_a) * (s_x,a * s_g) + sum_g m_g * X_g + bias`` in
-    float32, ``X_g`` the group's sum of the dequantized activations ``xq * s_x`` (llama.cpp's
-    ``y.s``): the weight-only product of those activations. Row-invariant. ``silu_mul`` as
+    on AVX2; ``x`` float32 / bf16 / fp16), then
+    ``y = sum_a float(D_a) * (s_x,a * s_g) + sum_g m_g * X_g + bias`` in float32, ``X_g``
+    the group's sum of the dequantized activations ``xq * s_x`` (llama.cpp's ``y.s``): the
+    weight-only product of those activations. Row-invariant. ``silu_mul`` as
     ``cpu_linear``'s.
 
     Raises:
         ValueError: mismatched dtypes or shapes, or tensors that are not the packers'.
     """
-    return _ops().w4a8_linear(x, packed, out_features, weight_scale, weight_min, bias,
-                              out_dtype, silu_mul)
+    return _ops().a8_linear(x, packed, out_features, weight_scale, weight_min, bias,
+                            out_dtype, silu_mul)
 
 
 def _register_fake() -> None:
@@ -269,8 +273,8 @@ def _register_fake() -> None:
         cols = out_features // 2 if silu_mul else out_features
         return x.new_empty((x.shape[0], cols), dtype=out_dtype or x.dtype)
 
-    @torch.library.register_fake("pagedserve::w4a8_linear")
-    def _w4a8_fake(x, packed_weight, out_features, weight_scale, weight_min=None, bias=None,
+    @torch.library.register_fake("pagedserve::a8_linear")
+    def _a8_fake(x, packed_weight, out_features, weight_scale, weight_min=None, bias=None,
                    out_dtype=None, silu_mul=False):
         cols = out_features // 2 if silu_mul else out_features
         return x.new_empty((x.shape[0], cols), dtype=out_dtype or x.dtype)

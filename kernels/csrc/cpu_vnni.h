@@ -1,5 +1,5 @@
-// The int8-product bodies shared by the W8A8 and W4A8 ops (cpu_int8_linear.cpp,
-// cpu_w4a8_linear.cpp): which one runs, and their target attributes.
+// The int8-product bodies shared by the W8A8 and A8 ops (cpu_int8_linear.cpp,
+// cpu_a8_linear.cpp): which one runs, and their target attributes.
 //
 //   vnni512  AVX512-VNNI vpdpbusd (u8 x s8, four products summed into each int32 lane)
 //   avxvnni  AVX-VNNI vpdpbusd on 256-bit registers (Alder Lake and later, Zen 5)

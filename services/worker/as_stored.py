@@ -28,7 +28,7 @@ from services.worker.parallel import ShardPlan
 from services.worker.quantized_linear import (
     GroupQuantLinear,
     QuantizedEmbedding,
-    w4a8_requested,
+    a8_requested,
 )
 
 log = logging.getLogger(__name__)
@@ -187,25 +187,25 @@ def serve_as_stored(net: nn.Module, stored: StoredWeights, dtype: torch.dtype,
     place of the modules whose weights were not read (meta). ``fuse_gate``: a SwiGLU gate_up
     layer applies its gate in the kernel's epilogue (not with LoRA, which adds to gate and
     up); ``lm_head``: a tied model's LM head reads the stored embedding (not for pooling).
-    With ``PAGEDSERVE_CPU_W4A8=1`` the 4-bit linear layers run as W4A8 (``w4a8_requested``)."""
-    w4a8 = w4a8_requested()
+    With ``PAGEDSERVE_CPU_A8=1`` they take int8 activations where they can (``a8_requested``)."""
+    a8 = a8_requested()
     for name, weight in stored.linears.items():
         parent, _, attr = name.rpartition(".")
         old = cast(nn.Linear, net.get_submodule(name))
         owner = net.get_submodule(parent)
         silu_mul = takes_silu_mul(owner, attr) and fuse_gate
         layer = GroupQuantLinear(weight.codes, weight.scale, weight.min, old.bias,
-                                 silu_mul=silu_mul, perm=stored.perms.get(name), w4a8=w4a8)
+                                 silu_mul=silu_mul, perm=stored.perms.get(name), a8=a8)
         layer.stored_as = f"{stored.source} " + "+".join(dict.fromkeys(stored.types[name]))
         owner.register_module(attr, layer)
         if silu_mul:
             owner.act = nn.Identity()
     if stored.embedding is not None:
         e = stored.embedding
-        table = GroupQuantLinear(e.codes, e.scale, e.min, out_dtype=torch.float32)
+        table = GroupQuantLinear(e.codes, e.scale, e.min, out_dtype=torch.float32, a8=a8)
         net.embed_tokens = QuantizedEmbedding(table, dtype)
         if lm_head and net.lm_head is None:  # tied
             net.lm_head = table
     if stored.lm_head is not None and lm_head:
         w = stored.lm_head
-        net.lm_head = GroupQuantLinear(w.codes, w.scale, w.min, out_dtype=torch.float32)
+        net.lm_head = GroupQuantLinear(w.codes, w.scale, w.min, out_dtype=torch.float32, a8=a8)

@@ -323,7 +323,7 @@ def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | Non
                     f"{'4-bit' if m.packed.dtype == torch.uint8 else 'int8'}"
                     f" codes, a scale{' and min' if m.weight_min is not None else ''} per "
                     f"{m.in_features // m.weight_scale.shape[1]}"
-                    f"{', W4A8: activations int8 per 32' if m.w4a8 else ''})"
+                    f"{', A8: activations int8 per 32' if m.a8 else ''})"
                     if isinstance(m, GroupQuantLinear) else
                     "int8 per output channel, weight-only (--quantization int8)"
                     if isinstance(m, Int8Linear) else

@@ -49,12 +49,12 @@ import torch
 from torch import nn
 
 from kernels.cpu_linear import (
-    W4A8_ENV,
+    A8_ENV,
     gate_up_blocks,
+    pack_a8_weight,
     pack_group_scale,
     pack_linear_weight,
     pack_uint4_weight,
-    pack_w4a8_weight,
     pack_w8a8_weight,
 )
 from kernels.int8_linear import quantize_symmetric
@@ -63,12 +63,14 @@ from services.worker.packed_linear import takes_silu_mul
 QUANTIZATIONS = ("int8", "w8a8")
 
 
-def w4a8_requested() -> bool:
-    """``PAGEDSERVE_CPU_W4A8=1``: the decoder's 4-bit layers served as stored (GGUF Q4_0 / Q4_1
-    / Q4_K, AWQ, GPTQ) run as W4A8, their activations quantized to int8 per group of 32 (as
-    llama.cpp's Q8 activations; vLLM's ``VLLM_CPU_INT4_W4A8`` idea): faster, no longer the
-    float conversion's result (so off by default). The LM head stays weight-only."""
-    return os.environ.get(W4A8_ENV, "") == "1"
+def a8_requested() -> bool:
+    """``PAGEDSERVE_CPU_A8=1``: the layers served as stored whose groups are multiples of 32
+    (GGUF Q4_0 / Q4_1 / Q4_K, Q8_0, Q5_0 / Q5_1 / Q5_K, AWQ, GPTQ; the embedding's LM head
+    included; not Q6_K's groups of 16) take int8 activations, quantized per group of 32 in
+    the op (``kernels.cpu_linear.cpu_a8_linear``: W4A8 and W8A8 on int8 products, llama.cpp's
+    Q8 activations; vLLM's ``VLLM_CPU_INT4_W4A8`` idea). Faster; no longer the float
+    conversion's result, so off by default."""
+    return os.environ.get(A8_ENV, "") == "1"
 Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -101,17 +103,18 @@ class Int8Linear(nn.Module):
 
     def _setup(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None,
                bias: torch.Tensor | None, reduce: Reduce | None, silu_mul: bool,
-               perm: torch.Tensor | None = None, w4a8: bool = False) -> None:
+               perm: torch.Tensor | None = None, a8: bool = False) -> None:
         self.out_features, self.in_features = q.shape
         self.reduce, self.silu_mul = reduce, silu_mul
         if silu_mul:  # rows (and their scales and mins) in blocks of 16 gate and 16 up
             q, scale = gate_up_blocks(q.detach()), gate_up_blocks(scale.detach())
             min_ = None if min_ is None else gate_up_blocks(min_.detach())
             bias = None if bias is None else gate_up_blocks(bias.detach())
-        # W4A8 (cpu_w4a8_linear): 4-bit codes in groups of a multiple of 32
-        self.w4a8 = (w4a8 and q.dtype == torch.uint8 and self.in_features % 32 == 0
-                     and (self.in_features // scale.shape[1]) % 32 == 0)
-        packed = (pack_w4a8_weight(q.detach()) if self.w4a8
+        # int8 activations (cpu_a8_linear): groups of a multiple of 32, codes in [-127, 15|127]
+        self.a8 = (a8 and self.in_features % 32 == 0 and scale.dim() == 2
+                   and (self.in_features // scale.shape[1]) % 32 == 0
+                   and (q.dtype == torch.uint8 or int(q.min()) >= -127))
+        packed = (pack_a8_weight(q.detach()) if self.a8
                   else pack_uint4_weight(q.detach()) if q.dtype == torch.uint8
                   else pack_linear_weight(q.detach()))
         self.register_buffer("packed", packed, persistent=False)
@@ -128,8 +131,8 @@ class Int8Linear(nn.Module):
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None,
                  out_dtype: torch.dtype | None, silu_mul: bool) -> torch.Tensor:
         # NOTE: the ops themselves, as PackedLinear (no lazy library load for torch.compile)
-        if self.w4a8:
-            return torch.ops.pagedserve.w4a8_linear(x, self.packed, self.out_features,
+        if self.a8:
+            return torch.ops.pagedserve.a8_linear(x, self.packed, self.out_features,
                                                     self.weight_scale, self.weight_min, bias,
                                                     out_dtype, silu_mul)
         return torch.ops.pagedserve.linear(x, self.packed, self.out_features, bias, out_dtype,
@@ -168,9 +171,9 @@ class GroupQuantLinear(Int8Linear):
         out_dtype: the output dtype (None: ``x``'s); a float32-output LM head.
         perm: int64 ``[K]``, the layer computes ``x[..., perm] W^T`` (a GPTQ act-order
             layer, its K sorted by group: ``int4_checkpoints``); None: ``x W^T``.
-        w4a8: 4-bit codes in groups of a multiple of 32 run as W4A8
-            (``kernels.cpu_linear.cpu_w4a8_linear``: activations quantized per group of 32
-            in the op, int8 products; ``w4a8_requested``); other codes ignore it.
+        a8: with groups of a multiple of 32, take int8 activations
+            (``kernels.cpu_linear.cpu_a8_linear``: quantized per group of 32 in the op, int8
+            products; ``a8_requested``); other layers ignore it.
 
     ``forward``: ``x [..., K]`` float32 / bf16 / fp16 -> ``[..., N]``.
     """
@@ -178,11 +181,11 @@ class GroupQuantLinear(Int8Linear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, reduce: Reduce | None = None,
                  silu_mul: bool = False, out_dtype: torch.dtype | None = None,
-                 perm: torch.Tensor | None = None, w4a8: bool = False) -> None:
+                 perm: torch.Tensor | None = None, a8: bool = False) -> None:
         nn.Module.__init__(self)
         self.out_dtype = out_dtype
         self.stored_as = ""  # what it holds ("GGUF Q4_K", "AWQ int4, group 128"), for the log
-        self._setup(q, scale, min_, bias, reduce, silu_mul, perm, w4a8)
+        self._setup(q, scale, min_, bias, reduce, silu_mul, perm, a8)
 
     @staticmethod
     def _kernel_scale(scale: torch.Tensor) -> torch.Tensor:
@@ -310,7 +313,10 @@ class QuantizedEmbedding(nn.Module):
         if packed.dim() == 3:  # 4-bit codes [nb, K/2, 32]: low nibble k = 2j, high 2j + 1
             pairs = packed[block, :, col]  # [T, K/2]
             codes = torch.stack((pairs & 0x0F, pairs >> 4), dim=-1).flatten(1)
-        else:  # int8 codes [nb, K2, 32, 2]
+        elif packed.dtype == torch.uint8:  # A8 4-bit [nb, K/8, 32, 4]: 8j + i low, + 4 high
+            octets = packed[block, :, col]  # [T, K/8, 4]
+            codes = torch.cat((octets & 0x0F, octets >> 4), dim=-1).flatten(1)
+        else:  # int8 codes [nb, K2, 32, 2] (A8: [nb, K/4, 32, 4]): k in order
             codes = packed[block, :, col].flatten(1)[:, :self.embedding_dim]
         groups = scale.shape[1]
         shape = (ids.shape[0], groups, self.embedding_dim // groups)

@@ -1,18 +1,19 @@
-// W4A8 linear layers on the CPU: 4-bit weight codes with a float32 scale (and optional min) per
-// group of K, activations quantized to int8 per group of 32 k in the op, int8 products summed
-// in int32 per group, the scales applied in float32 (torch custom ops). llama.cpp's form for
-// Q4_0 / Q4_1 / Q4_K against Q8 activations (ggml-cpu quants.c, ggml_vec_dot_q4_1_q8_1), for
-// every 4-bit layer pagedserve serves as stored (GGUF Q4_x, AWQ, GPTQ) when asked for
-// (PAGEDSERVE_CPU_W4A8=1, services/worker/quantized_linear.py).
+// Group-quantized weights times int8 activations on the CPU ("A8"): 4-bit or int8 weight codes
+// with a float32 scale (and optional min) per group of K, the activations quantized to int8 per
+// group of 32 k in the op, int8 products summed exactly in int32 per group, the scales applied
+// in float32 (torch custom ops). llama.cpp's form for its quantized types against Q8
+// activations (ggml-cpu quants.c: ggml_vec_dot_q4_1_q8_1, ggml_vec_dot_q8_0_q8_0), for the
+// layers pagedserve serves as stored (GGUF, AWQ, GPTQ) when asked for (PAGEDSERVE_CPU_A8=1,
+// services/worker/quantized_linear.py): W4A8 and W8A8 with GGUF's own groups.
 //
 // Ops (namespace `pagedserve`, schemas at the bottom):
-//   pack_w4a8_weight(codes) -> packed
-//       codes [N, K] uint8 in 0..15, K % 32 == 0 -> packed [ceil(N/32), K/8, 32, 4] uint8: the
-//       four bytes of (k octet j, column c) hold codes k = 8j .. 8j + 3 in their low nibbles
-//       and k = 8j + 4 .. 8j + 7 in their high ones (one vpand / one shift + vpand give two
-//       VNNI-4 quads); N zero-padded
-//   w4a8_linear(x, packed, out_features, weight_scale, weight_min=None, bias=None,
-//               out_dtype=None, silu_mul=False) -> y
+//   pack_a8_weight(codes) -> packed               K % 32 == 0, N zero-padded to blocks of 32
+//       4-bit: codes [N, K] uint8 in 0..15 -> [ceil(N/32), K/8, 32, 4] uint8: the four bytes
+//         of (k octet j, column c) hold codes k = 8j .. 8j + 3 in their low nibbles and
+//         8j + 4 .. 8j + 7 in their high ones (one vpand, one shift + vpand: two VNNI-4 quads)
+//       int8: codes [N, K] int8 in [-127, 127] -> [ceil(N/32), K/4, 32, 4] int8 (VNNI-4)
+//   a8_linear(x, packed, out_features, weight_scale, weight_min=None, bias=None,
+//             out_dtype=None, silu_mul=False) -> y
 //       x [M, K] float32 / bfloat16 / float16; weight_scale / weight_min float32 in
 //       cpu_linear's per-group layout [ceil(N/32), K/G, 32], G a multiple of 32; bias [N];
 //       y [M, N] (silu_mul: [M, N / 2]) in out_dtype (default x's)
@@ -31,11 +32,15 @@
 // The bodies differ only in rounding (fma on AVX2 / AVX-512, mul + add on the scalar path):
 // each is tested against a float64 reference of that formula.
 //
-// Bodies (cpu_vnni.h; AVX-VNNI CPUs run the avx2 body here):
-//   vnni512  vpdpbusd: the codes are its unsigned operand, x's quads broadcast the signed one;
-//            tiles of 4 rows x 32 columns
-//   avx2     vpmaddubsw (codes x xq, |pair| <= 2 * 15 * 127) summed in int16 over the group
-//            (<= 8 * 3810 < 2^15), one vpmaddwd per group; 4 rows x 8 columns
+// Bodies (cpu_vnni.h; AVX-VNNI CPUs run the avx2 body here), tiles of 4 rows:
+//   vnni512  vpdpbusd, 32 columns: 4-bit codes are its unsigned operand as they are; int8
+//            codes become q + 128 (one vpxor) and D = sum (q + 128) xq - 128 sum xq, the
+//            activations' group sums from the prologue (exact); x's quads broadcast the
+//            signed operand
+//   avx2     8 columns: 4-bit: vpmaddubsw (codes x xq, |pair| <= 2 * 15 * 127) summed in
+//            int16 over the group (<= 8 * 3810 < 2^15), one vpmaddwd per group; int8:
+//            vpmaddubsw(|xq|, q with xq's sign) (|pair| <= 2 * 127 * 127 < 2^15), vpmaddwd
+//            per quad (this is why an int8 code of -128 is refused)
 //   scalar   int32 loops
 
 #include <ATen/ATen.h>
@@ -62,26 +67,34 @@ namespace {
 
 constexpr int64_t kChunkRows = 256;                // rows per work item
 constexpr int64_t kGroupA = 32;                    // k per activation group
-constexpr int64_t kOctetBytes = kBlockN * 4;       // one k octet of a packed block
-constexpr int64_t kOctetsPerGroup = kGroupA / 8;   // 4
+constexpr int64_t kStepBytes = kBlockN * 4;        // one k octet (4-bit) or quad (int8)
+constexpr int64_t kOctetsPerGroup = kGroupA / 8;   // 4-bit: 4 steps of 8 k a group
+constexpr int64_t kQuadsPerGroup = kGroupA / 4;    // int8: 8 steps of 4 k
 constexpr int kTileRows = 4;
 
 // ---------------------------------------------------------------------------------------------
 // Packing
 
-at::Tensor pack_w4a8_weight(const at::Tensor& codes) {
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte &&
+at::Tensor pack_a8_weight(const at::Tensor& codes) {
+  const bool u4 = codes.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(codes.dim() == 2 && (u4 || codes.scalar_type() == at::kChar) &&
                         codes.device().is_cpu(),
-                    "pack_w4a8_weight: codes must be uint8 [N, K] on the CPU, got ",
+                    "pack_a8_weight: codes must be uint8 (4-bit) or int8 [N, K] on the CPU, got ",
                     codes.scalar_type(), " ", codes.sizes());
   const int64_t n = codes.size(0), k = codes.size(1);
-  TORCH_CHECK_VALUE(k % kGroupA == 0, "pack_w4a8_weight: K must be a multiple of ", kGroupA,
+  TORCH_CHECK_VALUE(k % kGroupA == 0, "pack_a8_weight: K must be a multiple of ", kGroupA,
                     ", got ", k);
-  TORCH_CHECK_VALUE(codes.numel() == 0 || codes.max().item<uint8_t>() <= 15,
-                    "pack_w4a8_weight: codes must be 0..15");
+  if (u4) {
+    TORCH_CHECK_VALUE(codes.numel() == 0 || codes.max().item<uint8_t>() <= 15,
+                      "pack_a8_weight: 4-bit codes must be 0..15");
+  } else {
+    TORCH_CHECK_VALUE(codes.numel() == 0 || codes.min().item<int8_t>() >= -127,
+                      "pack_a8_weight: int8 codes must lie in [-127, 127], got -128");
+  }
   const int64_t nb = (n + kBlockN - 1) / kBlockN;
   at::Tensor w = at::zeros({nb * kBlockN, k}, codes.options());
   w.narrow(0, 0, n).copy_(codes);
+  if (!u4) return w.view({nb, kBlockN, k / 4, 4}).transpose(1, 2).contiguous();
   // [nb, 32, K/8, 2, 4]: (low half, high half) of each octet -> one byte per (octet, c, i)
   at::Tensor v = w.view({nb, kBlockN, k / 8, 2, 4});
   at::Tensor bytes = v.select(3, 0).bitwise_or(v.select(3, 1).bitwise_left_shift(4));
@@ -100,6 +113,7 @@ struct Prologue {
   int8_t* xq;      // [M, K]
   float* sx;       // [M, K / 32]
   float* xsum;     // [M, K / G] or nullptr
+  int32_t* xqsum;  // [M, K / 32]: each group's sum of codes
   float* asum;     // scratch [K / 32]: s_x times the group's sum of codes
 };
 
@@ -124,6 +138,7 @@ PS_INLINE void prologue_body(const Prologue& p, int64_t begin, int64_t end, floa
         codes += dst[j];
       }
       p.sx[r * na + a] = s;
+      p.xqsum[r * na + a] = codes;
       p.asum[a] = s * static_cast<float>(codes);
     }
     if (p.xsum != nullptr) {
@@ -158,17 +173,29 @@ PS_DEFINE_PROLOGUE(prologue_baseline, )
 // Tiles: MR rows x one packed block (32 columns) -> float32 sums acc [MR][32] (no bias)
 
 struct Tile {
-  const int8_t* xq;    // the tile's first row
-  int64_t k;           // xq's row stride, K
-  const float* sx;     // [rows][K / 32]
-  const float* xsum;   // [rows][K / G] or nullptr
-  const uint8_t* w;    // the block: [K / 8][32][4]
-  const float* sw;     // the block's scales [K / G][32]
-  const float* mw;     // its mins, or nullptr
-  int64_t group;       // G
+  const int8_t* xq;      // the tile's first row
+  int64_t k;             // xq's row stride, K
+  const float* sx;       // [rows][K / 32]
+  const int32_t* xqsum;  // [rows][K / 32]
+  const float* xsum;     // [rows][K / G] or nullptr
+  const void* w;         // the block: [K / 8][32][4] 4-bit or [K / 4][32][4] int8
+  const float* sw;       // the block's scales [K / G][32]
+  const float* mw;       // its mins, or nullptr
+  int64_t group;         // G
 };
 
-template <int MR>
+// Column c's code at k of a block (the scalar body's reader).
+template <bool kU4>
+PS_INLINE int32_t code_at(const void* w, int64_t k, int64_t c) {
+  if constexpr (kU4) {
+    const uint8_t b = static_cast<const uint8_t*>(w)[(k / 8) * kStepBytes + c * 4 + k % 4];
+    return (k % 8) < 4 ? (b & 0x0F) : (b >> 4);
+  } else {
+    return static_cast<const int8_t*>(w)[(k / 4) * kStepBytes + c * 4 + k % 4];
+  }
+}
+
+template <int MR, bool kU4>
 void tile_scalar(const Tile& t, float* acc) {
   const int64_t na = t.k / kGroupA, ng = t.k / t.group, per = t.group / kGroupA;
   for (int r = 0; r < MR; ++r) {
@@ -177,11 +204,8 @@ void tile_scalar(const Tile& t, float* acc) {
       float sum = 0.0f;
       for (int64_t a = 0; a < na; ++a) {
         int32_t d = 0;
-        for (int64_t o = a * kOctetsPerGroup; o < (a + 1) * kOctetsPerGroup; ++o) {
-          const uint8_t* b = t.w + o * kOctetBytes + c * 4;
-          for (int i = 0; i < 4; ++i) {
-            d += int32_t{x[8 * o + i]} * (b[i] & 0x0F) + int32_t{x[8 * o + 4 + i]} * (b[i] >> 4);
-          }
+        for (int64_t j = a * kGroupA; j < (a + 1) * kGroupA; ++j) {
+          d += int32_t{x[j]} * code_at<kU4>(t.w, j, c);
         }
         const int64_t g = a / per;
         sum += static_cast<float>(d) * (t.sx[r * na + a] * t.sw[g * kBlockN + c]);
@@ -193,10 +217,10 @@ void tile_scalar(const Tile& t, float* acc) {
 }
 
 #if defined(__x86_64__)
-template <int MR>
+template <int MR, bool kU4>
 PS_TARGET_VNNI512 void tile_vnni512(const Tile& t, float* acc) {
   const int64_t na = t.k / kGroupA, ng = t.k / t.group, per = t.group / kGroupA;
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
   __m512 f0[MR], f1[MR];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r) f0[r] = f1[r] = _mm512_setzero_ps();
@@ -204,22 +228,43 @@ PS_TARGET_VNNI512 void tile_vnni512(const Tile& t, float* acc) {
     __m512i d0[MR], d1[MR];
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) d0[r] = d1[r] = _mm512_setzero_si512();
+    if constexpr (kU4) {
 #pragma GCC unroll 4
-    for (int64_t o = a * kOctetsPerGroup; o < (a + 1) * kOctetsPerGroup; ++o) {
-      const uint8_t* wo = t.w + o * kOctetBytes;
-      const __m512i v0 = _mm512_loadu_si512(wo), v1 = _mm512_loadu_si512(wo + 64);
-      const __m512i lo0 = _mm512_and_si512(v0, nibble), lo1 = _mm512_and_si512(v1, nibble);
-      const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
-      const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
+      for (int64_t o = a * kOctetsPerGroup; o < (a + 1) * kOctetsPerGroup; ++o) {
+        const uint8_t* wo = static_cast<const uint8_t*>(t.w) + o * kStepBytes;
+        const __m512i v0 = _mm512_loadu_si512(wo), v1 = _mm512_loadu_si512(wo + 64);
+        const __m512i lo0 = _mm512_and_si512(v0, nibble), lo1 = _mm512_and_si512(v1, nibble);
+        const __m512i hi0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), nibble);
+        const __m512i hi1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), nibble);
 #pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* x = t.xq + r * t.k + 8 * o;
-        const __m512i xa = _mm512_set1_epi32(quad_bits(x));
-        const __m512i xb = _mm512_set1_epi32(quad_bits(x + 4));
-        d0[r] = _mm512_dpbusd_epi32(d0[r], lo0, xa);
-        d1[r] = _mm512_dpbusd_epi32(d1[r], lo1, xa);
-        d0[r] = _mm512_dpbusd_epi32(d0[r], hi0, xb);
-        d1[r] = _mm512_dpbusd_epi32(d1[r], hi1, xb);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* x = t.xq + r * t.k + 8 * o;
+          const __m512i xa = _mm512_set1_epi32(quad_bits(x));
+          const __m512i xb = _mm512_set1_epi32(quad_bits(x + 4));
+          d0[r] = _mm512_dpbusd_epi32(d0[r], lo0, xa);
+          d1[r] = _mm512_dpbusd_epi32(d1[r], lo1, xa);
+          d0[r] = _mm512_dpbusd_epi32(d0[r], hi0, xb);
+          d1[r] = _mm512_dpbusd_epi32(d1[r], hi1, xb);
+        }
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int64_t j = a * kQuadsPerGroup; j < (a + 1) * kQuadsPerGroup; ++j) {
+        const int8_t* wj = static_cast<const int8_t*>(t.w) + j * kStepBytes;
+        const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(wj), flip);  // q + 128
+        const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wj + 64), flip);
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) {
+          const __m512i xb = _mm512_set1_epi32(quad_bits(t.xq + r * t.k + 4 * j));
+          d0[r] = _mm512_dpbusd_epi32(d0[r], w0, xb);
+          d1[r] = _mm512_dpbusd_epi32(d1[r], w1, xb);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {  // - 128 sum xq: the offset's share
+        const __m512i off = _mm512_set1_epi32(128 * t.xqsum[r * na + a]);
+        d0[r] = _mm512_sub_epi32(d0[r], off);
+        d1[r] = _mm512_sub_epi32(d1[r], off);
       }
     }
     const int64_t g = a / per;
@@ -250,7 +295,7 @@ PS_TARGET_VNNI512 void tile_vnni512(const Tile& t, float* acc) {
 }
 
 // A quarter of the block (8 columns, one ymm) at a time: 16 ymm registers.
-template <int MR>
+template <int MR, bool kU4>
 PS_TARGET_AVX2 void tile_avx2(const Tile& t, float* acc) {
   const int64_t na = t.k / kGroupA, ng = t.k / t.group, per = t.group / kGroupA;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -260,30 +305,46 @@ PS_TARGET_AVX2 void tile_avx2(const Tile& t, float* acc) {
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) f[r] = _mm256_setzero_ps();
     for (int64_t a = 0; a < na; ++a) {
-      __m256i d[MR];  // int16 pairs of products, summed over the group
+      __m256i d[MR];  // 4-bit: int16 pairs of products over the group; int8: int32 sums
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) d[r] = _mm256_setzero_si256();
+      if constexpr (kU4) {
 #pragma GCC unroll 4
-      for (int64_t o = a * kOctetsPerGroup; o < (a + 1) * kOctetsPerGroup; ++o) {
-        const __m256i v =
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.w + o * kOctetBytes + 32 * qc));
-        const __m256i lo = _mm256_and_si256(v, nibble);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int64_t o = a * kOctetsPerGroup; o < (a + 1) * kOctetsPerGroup; ++o) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              static_cast<const uint8_t*>(t.w) + o * kStepBytes + 32 * qc));
+          const __m256i lo = _mm256_and_si256(v, nibble);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
 #pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* x = t.xq + r * t.k + 8 * o;
-          const __m256i xa = _mm256_set1_epi32(quad_bits(x));
-          const __m256i xb = _mm256_set1_epi32(quad_bits(x + 4));
-          d[r] = _mm256_add_epi16(d[r], _mm256_maddubs_epi16(lo, xa));
-          d[r] = _mm256_add_epi16(d[r], _mm256_maddubs_epi16(hi, xb));
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* x = t.xq + r * t.k + 8 * o;
+            const __m256i xa = _mm256_set1_epi32(quad_bits(x));
+            const __m256i xb = _mm256_set1_epi32(quad_bits(x + 4));
+            d[r] = _mm256_add_epi16(d[r], _mm256_maddubs_epi16(lo, xa));
+            d[r] = _mm256_add_epi16(d[r], _mm256_maddubs_epi16(hi, xb));
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < MR; ++r) d[r] = _mm256_madd_epi16(d[r], ones);
+      } else {
+#pragma GCC unroll 8
+        for (int64_t j = a * kQuadsPerGroup; j < (a + 1) * kQuadsPerGroup; ++j) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              static_cast<const int8_t*>(t.w) + j * kStepBytes + 32 * qc));
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const __m256i xb = _mm256_set1_epi32(quad_bits(t.xq + r * t.k + 4 * j));
+            const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xb), _mm256_sign_epi8(w, xb));
+            d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(p, ones));
+          }
         }
       }
       const int64_t g = a / per;
       const __m256 s = _mm256_loadu_ps(t.sw + g * kBlockN + 8 * qc);
 #pragma GCC unroll 4
       for (int r = 0; r < MR; ++r) {
-        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(d[r], ones));
-        f[r] = _mm256_fmadd_ps(sum, _mm256_mul_ps(_mm256_set1_ps(t.sx[r * na + a]), s), f[r]);
+        f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]),
+                               _mm256_mul_ps(_mm256_set1_ps(t.sx[r * na + a]), s), f[r]);
       }
       if (t.mw != nullptr && (a + 1) % per == 0) {
         const __m256 m = _mm256_loadu_ps(t.mw + g * kBlockN + 8 * qc);
@@ -305,14 +366,18 @@ struct Tiles {
   TileFn fn[kTileRows];  // fn[r - 1]: r rows
 };
 
-Tiles tiles_for(Body body) {
+template <bool kU4>
+Tiles tiles_of(Body body) {
 #if defined(__x86_64__)
   if (body == Body::kVnni512) {
-    return {{tile_vnni512<1>, tile_vnni512<2>, tile_vnni512<3>, tile_vnni512<4>}};
+    return {{tile_vnni512<1, kU4>, tile_vnni512<2, kU4>, tile_vnni512<3, kU4>,
+             tile_vnni512<4, kU4>}};
   }
-  if (body != Body::kScalar) return {{tile_avx2<1>, tile_avx2<2>, tile_avx2<3>, tile_avx2<4>}};
+  if (body != Body::kScalar) {
+    return {{tile_avx2<1, kU4>, tile_avx2<2, kU4>, tile_avx2<3, kU4>, tile_avx2<4, kU4>}};
+  }
 #endif
-  return {{tile_scalar<1>, tile_scalar<2>, tile_scalar<3>, tile_scalar<4>}};
+  return {{tile_scalar<1, kU4>, tile_scalar<2, kU4>, tile_scalar<3, kU4>, tile_scalar<4, kU4>}};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -340,7 +405,7 @@ PS_INLINE void store_body(const Store& s, int64_t m0, int64_t rows, int64_t bloc
 
 using StoreFn = void (*)(const Store&, int64_t, int64_t, int64_t, float*);
 
-#define PS_DEFINE_W4A8_STORE(NAME, TARGET)                                                  \
+#define PS_DEFINE_A8_STORE(NAME, TARGET)                                                  \
   TARGET void NAME(const Store& s, int64_t m0, int64_t rows, int64_t block, float* acc) {   \
     switch (s.out_dtype) {                                                                   \
       case at::kFloat: store_body<float>(s, m0, rows, block, acc); break;                   \
@@ -349,44 +414,45 @@ using StoreFn = void (*)(const Store&, int64_t, int64_t, int64_t, float*);
     }                                                                                        \
   }
 #if defined(__x86_64__)
-PS_DEFINE_W4A8_STORE(store_avx512, PS_TARGET_AVX512)
-PS_DEFINE_W4A8_STORE(store_avx2, PS_TARGET_AVX2)
+PS_DEFINE_A8_STORE(store_avx512, PS_TARGET_AVX512)
+PS_DEFINE_A8_STORE(store_avx2, PS_TARGET_AVX2)
 #endif
-PS_DEFINE_W4A8_STORE(store_baseline, )
+PS_DEFINE_A8_STORE(store_baseline, )
 
 // ---------------------------------------------------------------------------------------------
 // The op
 
-at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
+at::Tensor a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t out_features,
                        const at::Tensor& weight_scale,
                        const std::optional<at::Tensor>& weight_min,
                        const std::optional<at::Tensor>& bias_in,
                        std::optional<at::ScalarType> out_dtype_in, bool silu_mul) {
-  TORCH_CHECK_VALUE(x_in.dim() == 2, "w4a8_linear: x must be [M, K], got ", x_in.sizes());
+  TORCH_CHECK_VALUE(x_in.dim() == 2, "a8_linear: x must be [M, K], got ", x_in.sizes());
   const auto x_dtype = x_in.scalar_type();
   TORCH_CHECK_VALUE(x_dtype == at::kFloat || x_dtype == at::kBFloat16 || x_dtype == at::kHalf,
-                    "w4a8_linear: x must be float32, bfloat16 or float16, got ", x_dtype);
+                    "a8_linear: x must be float32, bfloat16 or float16, got ", x_dtype);
   TORCH_CHECK_VALUE(x_in.device().is_cpu() && packed.device().is_cpu() &&
                         weight_scale.device().is_cpu(),
-                    "w4a8_linear: every tensor must be on the CPU");
+                    "a8_linear: every tensor must be on the CPU");
   const int64_t m = x_in.size(0), k = x_in.size(1);
-  TORCH_CHECK_VALUE(packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+  const bool u4 = packed.scalar_type() == at::kByte;  // else int8 codes
+  TORCH_CHECK_VALUE((u4 || packed.scalar_type() == at::kChar) && packed.is_contiguous() &&
                         packed.dim() == 4 && packed.size(2) == kBlockN && packed.size(3) == 4,
-                    "w4a8_linear: packed weight of shape ", packed.sizes(),
-                    " is not pack_w4a8_weight's output");
-  const int64_t num_blocks = packed.size(0);
-  TORCH_CHECK_VALUE(packed.size(1) * 8 == k, "w4a8_linear: x has K = ", k,
-                    " features, the packed weight ", packed.size(1) * 8);
+                    "a8_linear: packed weight of shape ", packed.sizes(),
+                    " is not pack_a8_weight's output");
+  const int64_t num_blocks = packed.size(0), k_per_step = u4 ? 8 : 4;
+  TORCH_CHECK_VALUE(packed.size(1) * k_per_step == k, "a8_linear: x has K = ", k,
+                    " features, the packed weight ", packed.size(1) * k_per_step);
   TORCH_CHECK_VALUE(out_features > (num_blocks - 1) * kBlockN &&
                         out_features <= num_blocks * kBlockN,
-                    "w4a8_linear: out_features ", out_features, " does not fit ", num_blocks,
+                    "a8_linear: out_features ", out_features, " does not fit ", num_blocks,
                     " packed blocks of ", kBlockN);
   TORCH_CHECK_VALUE(weight_scale.scalar_type() == at::kFloat && weight_scale.is_contiguous() &&
                         weight_scale.dim() == 3 && weight_scale.size(0) == num_blocks &&
                         weight_scale.size(2) == kBlockN && weight_scale.size(1) > 0 &&
                         k % weight_scale.size(1) == 0 &&
                         (k / weight_scale.size(1)) % kGroupA == 0,
-                    "w4a8_linear: weight_scale must be float32 [", num_blocks,
+                    "a8_linear: weight_scale must be float32 [", num_blocks,
                     ", K / G, 32] with G a multiple of ", kGroupA, " dividing K = ", k,
                     ", got ", weight_scale.sizes());
   const int64_t group = k / weight_scale.size(1);
@@ -394,22 +460,22 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   if (has_min) {
     TORCH_CHECK_VALUE(weight_min->scalar_type() == at::kFloat && weight_min->is_contiguous() &&
                           weight_min->sizes() == weight_scale.sizes(),
-                      "w4a8_linear: weight_min must be a contiguous float32 tensor of "
+                      "a8_linear: weight_min must be a contiguous float32 tensor of "
                       "weight_scale's shape, got ", weight_min->sizes());
   }
   const auto out_dtype = out_dtype_in.value_or(x_dtype);
   TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
                         out_dtype == at::kHalf,
-                    "w4a8_linear: out_dtype must be float32, bfloat16 or float16, got ",
+                    "a8_linear: out_dtype must be float32, bfloat16 or float16, got ",
                     out_dtype);
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
     TORCH_CHECK_VALUE(bias_in->dim() == 1 && bias_in->size(0) == out_features,
-                      "w4a8_linear: bias must be [", out_features, "], got ", bias_in->sizes());
+                      "a8_linear: bias must be [", out_features, "], got ", bias_in->sizes());
     bias = bias_in->to(at::kFloat).contiguous();
   }
   TORCH_CHECK_VALUE(!silu_mul || out_features % kBlockN == 0,
-                    "w4a8_linear: silu_mul needs out_features a multiple of ", kBlockN, ", got ",
+                    "a8_linear: silu_mul needs out_features a multiple of ", kBlockN, ", got ",
                     out_features);
   at::Tensor y = at::empty({m, silu_mul ? out_features / 2 : out_features},
                            x_in.options().dtype(out_dtype));
@@ -420,9 +486,10 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   at::Tensor sx = at::empty({m, k / kGroupA}, x.options().dtype(at::kFloat));
   at::Tensor xsum;
   if (has_min) xsum = at::empty({m, k / group}, x.options().dtype(at::kFloat));
+  at::Tensor xqsum = at::empty({m, k / kGroupA}, x.options().dtype(at::kInt));
   const Prologue pro{x.data_ptr(), x_dtype, k, group, xq.data_ptr<int8_t>(),
                      sx.data_ptr<float>(), has_min ? xsum.data_ptr<float>() : nullptr,
-                     nullptr};
+                     xqsum.data_ptr<int32_t>(), nullptr};
   const Isa isa = active_isa();
 #if defined(__x86_64__)
   const PrologueFn prologue = isa >= Isa::kAvx512 ? prologue_avx512
@@ -442,11 +509,11 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
                      prologue(pro, begin, end, xf.data());
                    });
 
-  const Tiles tiles = tiles_for(pick_body());
+  const Tiles tiles = u4 ? tiles_of<true>(pick_body()) : tiles_of<false>(pick_body());
   const Store st{bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr(), out_features,
                  out_dtype, silu_mul};
   const int64_t na = k / kGroupA, ng = k / group;
-  const uint8_t* w_all = packed.data_ptr<uint8_t>();
+  const auto* w_all = static_cast<const uint8_t*>(packed.data_ptr());
   const float* sw_all = weight_scale.data_ptr<float>();
   const float* mw_all = has_min ? weight_min->data_ptr<float>() : nullptr;
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
@@ -458,7 +525,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
       const int64_t m0 = chunk * kChunkRows, rows = std::min(kChunkRows, m - m0);
       Tile t;
       t.k = k;
-      t.w = w_all + block * (k / 8) * kOctetBytes;
+      t.w = w_all + block * (k / k_per_step) * kStepBytes;
       t.sw = sw_all + block * ng * kBlockN;
       t.mw = mw_all != nullptr ? mw_all + block * ng * kBlockN : nullptr;
       t.group = group;
@@ -466,6 +533,7 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
         const int64_t mt = std::min<int64_t>(kTileRows, rows - r);
         t.xq = xq.data_ptr<int8_t>() + (m0 + r) * k;
         t.sx = sx.data_ptr<float>() + (m0 + r) * na;
+        t.xqsum = xqsum.data_ptr<int32_t>() + (m0 + r) * na;
         t.xsum = has_min ? xsum.data_ptr<float>() + (m0 + r) * ng : nullptr;
         tiles.fn[mt - 1](t, acc.data() + r * kBlockN);
       }
@@ -479,14 +547,14 @@ at::Tensor w4a8_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
 }  // namespace pagedserve
 
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
-  m.def("pack_w4a8_weight(Tensor codes) -> Tensor");
+  m.def("pack_a8_weight(Tensor codes) -> Tensor");
   m.def(
-      "w4a8_linear(Tensor x, Tensor packed_weight, int out_features, Tensor weight_scale, "
+      "a8_linear(Tensor x, Tensor packed_weight, int out_features, Tensor weight_scale, "
       "Tensor? weight_min=None, Tensor? bias=None, ScalarType? out_dtype=None, "
       "bool silu_mul=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
-  m.impl("pack_w4a8_weight", &pagedserve::pack_w4a8_weight);
-  m.impl("w4a8_linear", &pagedserve::w4a8_linear);
+  m.impl("pack_a8_weight", &pagedserve::pack_a8_weight);
+  m.impl("a8_linear", &pagedserve::a8_linear);
 }
