@@ -31,7 +31,8 @@ in the compiled forward), ``_int_mm`` = the int8 product alone.
 (``GroupQuantLinear``) against the same weights dequantized to ``--dtype`` on the native
 kernel (``native``, what ``--quantization none`` runs): ``4-bit`` = Q4_1-shaped codes (0..15, a
 scale and a min per 32), ``int8`` = Q8_0-shaped codes (a scale per 32); min of ``--reps``
-calls, ms per call, ``--layers`` copies in turn as above.
+calls, ms per call, ``--layers`` copies in turn as above; ``4-bit A8`` / ``int8 A8`` = the same
+with int8 activations per group of 32 (``PAGEDSERVE_CPU_A8=1``'s op, ``cpu_a8_linear``).
 
     .venv/bin/python benchmarks/kernels/cpu_linear.py --quantization gguf --layers 30 \
         --rows 1,8,32,128,512
@@ -150,7 +151,7 @@ def gguf_as_stored(a: argparse.Namespace, dtype: torch.dtype) -> None:
     """The ``--quantization gguf`` table (the module docstring)."""
     from services.worker.quantized_linear import GroupQuantLinear
 
-    names = ["native", "4-bit", "int8"]
+    names = ["native", "4-bit", "int8", "4-bit A8", "int8 A8"]
     print(f"min of {a.reps} calls, ms per call, {a.layers} distinct weight copies in turn")
     print(f"{'shape':8s} {'M':>4s} " + " ".join(f"{n:>9s}" for n in names)
           + f" {'4-bit x':>8s} {'int8 x':>7s}")
@@ -163,9 +164,12 @@ def gguf_as_stored(a: argparse.Namespace, dtype: torch.dtype) -> None:
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
             scale = torch.rand(n, k // 32) * 0.01
             mn = -8 * scale
-            mods["4-bit"].append(GroupQuantLinear(codes, scale, mn, out_dtype=out_dtype))
             q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-            mods["int8"].append(GroupQuantLinear(q8, scale, out_dtype=out_dtype))
+            for a8, suffix in ((False, ""), (True, " A8")):
+                mods["4-bit" + suffix].append(GroupQuantLinear(codes, scale, mn,
+                                                               out_dtype=out_dtype, a8=a8))
+                mods["int8" + suffix].append(GroupQuantLinear(q8, scale, out_dtype=out_dtype,
+                                                              a8=a8))
             w = (codes.float() * scale.repeat_interleave(32, 1) + mn.repeat_interleave(32, 1))
             packed = pack_linear_weight(w.to(dtype))
             mods["native"].append(
