@@ -3,10 +3,12 @@
 // silu(gate) * up. Included in each kernel's translation unit, inlined into its target bodies.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #include "cpu_math.h"
@@ -18,6 +20,36 @@
 namespace pagedserve {
 
 constexpr int64_t kBlockN = 32;  // output features per packed block (every packed layout)
+
+// A linear op's output side, checked once for every op (`op` names it in the errors): y
+// [M, N] (silu_mul: [M, N / 2]) in out_dtype (default x's; float32, bfloat16 or float16) and
+// the bias as contiguous float32 [N] (undefined: none). ValueError (c10::ValueError) on a
+// bias of another shape, another out_dtype, or silu_mul with N not a multiple of 32.
+struct Output {
+  at::Tensor y;
+  at::Tensor bias;
+};
+
+inline Output make_output(const char* op, const at::Tensor& x, int64_t out_features,
+                          std::optional<at::ScalarType> out_dtype_in,
+                          const std::optional<at::Tensor>& bias_in, bool silu_mul) {
+  const auto out_dtype = out_dtype_in.value_or(x.scalar_type());
+  TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
+                        out_dtype == at::kHalf,
+                    op, ": out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  Output out;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK_VALUE(bias_in->dim() == 1 && bias_in->size(0) == out_features, op,
+                      ": bias must be [", out_features, "], got ", bias_in->sizes());
+    out.bias = bias_in->to(at::kFloat).contiguous();
+  }
+  TORCH_CHECK_VALUE(!silu_mul || out_features % kBlockN == 0, op,
+                    ": silu_mul needs out_features a multiple of ", kBlockN,
+                    " (blocks of 16 gate and 16 up features), got ", out_features);
+  out.y = at::empty({x.size(0), silu_mul ? out_features / 2 : out_features},
+                    x.options().dtype(out_dtype));
+  return out;
+}
 
 // float32 -> bf16 bits with c10::BFloat16's rounding (nearest even, NaN -> 0x7FC0), in a form
 // the compiler vectorizes (a scalar c10 conversion per element cost as much as the AMX product

@@ -398,22 +398,10 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed,
                         weight_scale.dim() == 1 && weight_scale.size(0) == out_features,
                     "w8a8_linear: weight_scale must be a contiguous float32 [", out_features,
                     "], got ", weight_scale.scalar_type(), " ", weight_scale.sizes());
-  const auto out_dtype = out_dtype_in.value_or(x_dtype);
-  TORCH_CHECK_VALUE(out_dtype == at::kFloat || out_dtype == at::kBFloat16 ||
-                        out_dtype == at::kHalf,
-                    "w8a8_linear: out_dtype must be float32, bfloat16 or float16, got ",
-                    out_dtype);
-  at::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK_VALUE(bias_in->dim() == 1 && bias_in->size(0) == out_features,
-                      "w8a8_linear: bias must be [", out_features, "], got ", bias_in->sizes());
-    bias = bias_in->to(at::kFloat).contiguous();
-  }
-  TORCH_CHECK_VALUE(!silu_mul || out_features % kBlockN == 0,
-                    "w8a8_linear: silu_mul needs out_features a multiple of ", kBlockN, ", got ",
-                    out_features);
-  at::Tensor y = at::empty({m, silu_mul ? out_features / 2 : out_features},
-                           x_in.options().dtype(out_dtype));
+  const Output out = make_output("w8a8_linear", x_in, out_features, out_dtype_in, bias_in,
+                                 silu_mul);
+  const at::Tensor y = out.y, bias = out.bias;  // (named: lambdas below capture them)
+  const auto out_dtype = y.scalar_type();
   if (m == 0) return y;
 
   const Body body = pick_body();
