@@ -393,14 +393,7 @@ struct Store {
 
 template <typename Out>
 PS_INLINE void store_body(const Store& s, int64_t m0, int64_t rows, int64_t block, float* acc) {
-  const int64_t n0 = block * kBlockN, cols = std::min(kBlockN, s.n - n0);
-  const float* bias = s.bias != nullptr ? s.bias + n0 : nullptr;
-  if (s.silu_mul) {
-    store_tile_silu_mul<Out>(acc, rows, bias, static_cast<Out*>(s.y) + m0 * (s.n / 2) + n0 / 2,
-                             s.n / 2);
-  } else {
-    store_tile<Out>(acc, rows, cols, bias, static_cast<Out*>(s.y) + m0 * s.n + n0, s.n);
-  }
+  store_block<Out>(acc, m0, rows, block, s.n, s.bias, s.silu_mul, s.y);
 }
 
 using StoreFn = void (*)(const Store&, int64_t, int64_t, int64_t, float*);

@@ -7,6 +7,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -104,6 +105,20 @@ PS_INLINE void store_tile_silu_mul(const float* acc, int64_t rows, const float* 
       for (int64_t c = 0; c < kHalf; ++c) v[c] = silu(a[c]) * a[kHalf + c];
     }
     store_row<Out>(v, kHalf, nullptr, y + m * ldy);
+  }
+}
+
+// One work item's float32 sums acc [rows][32] (rows m0.., column block `block` of n) -> y
+// [M, n] (+ bias [n], float32 or nullptr), or with silu_mul the gated y [M, n / 2].
+template <typename Out>
+PS_INLINE void store_block(const float* acc, int64_t m0, int64_t rows, int64_t block, int64_t n,
+                           const float* bias, bool silu_mul, void* y) {
+  const int64_t n0 = block * kBlockN, cols = std::min(kBlockN, n - n0);
+  const float* b = bias != nullptr ? bias + n0 : nullptr;
+  if (silu_mul) {
+    store_tile_silu_mul<Out>(acc, rows, b, static_cast<Out*>(y) + m0 * (n / 2) + n0 / 2, n / 2);
+  } else {
+    store_tile<Out>(acc, rows, cols, b, static_cast<Out*>(y) + m0 * n + n0, n);
   }
 }
 

@@ -338,13 +338,7 @@ PS_INLINE void store_body(const Args& a, int64_t m0, int64_t rows, int64_t block
       for (int64_t c = 0; c < cols; ++c) out[c] = static_cast<float>(in[c]) * s * sw[c];
     }
   }
-  const float* bias = a.bias != nullptr ? a.bias + n0 : nullptr;
-  if (a.silu_mul) {
-    store_tile_silu_mul<Out>(facc, rows, bias, static_cast<Out*>(a.y) + m0 * (a.n / 2) + n0 / 2,
-                             a.n / 2);
-  } else {
-    store_tile<Out>(facc, rows, cols, bias, static_cast<Out*>(a.y) + m0 * a.n + n0, a.n);
-  }
+  store_block<Out>(facc, m0, rows, block, a.n, a.bias, a.silu_mul, a.y);
 }
 
 using StoreFn = void (*)(const Args&, int64_t, int64_t, int64_t, const int32_t*, float*);

@@ -914,13 +914,7 @@ PS_INLINE void store_item_body(const LinearArgs& a, int64_t m0, int64_t rows, in
       for (int64_t c = 0; c < cols; ++c) row[c] *= s[c];
     }
   }
-  if (a.silu_mul) {
-    store_tile_silu_mul<Out>(acc, rows, a.bias != nullptr ? a.bias + n0 : nullptr,
-                             static_cast<Out*>(a.y) + m0 * (a.n / 2) + n0 / 2, a.n / 2);
-    return;
-  }
-  store_tile<Out>(acc, rows, cols, a.bias != nullptr ? a.bias + n0 : nullptr,
-                  static_cast<Out*>(a.y) + m0 * a.n + n0, a.n);
+  store_block<Out>(acc, m0, rows, block, a.n, a.bias, a.silu_mul, a.y);
 }
 
 using StoreFn = void (*)(const LinearArgs&, int64_t, int64_t, int64_t, float*);
