@@ -61,6 +61,7 @@ from kernels.int8_linear import quantize_symmetric
 from services.worker.packed_linear import takes_silu_mul
 
 QUANTIZATIONS = ("int8", "w8a8")
+Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 def a8_requested() -> bool:
@@ -71,7 +72,6 @@ def a8_requested() -> bool:
     Q8 activations; vLLM's ``VLLM_CPU_INT4_W4A8`` idea). Faster; no longer the float
     conversion's result, so off by default."""
     return os.environ.get(A8_ENV, "") == "1"
-Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Int8Linear(nn.Module):
@@ -133,8 +133,8 @@ class Int8Linear(nn.Module):
         # NOTE: the ops themselves, as PackedLinear (no lazy library load for torch.compile)
         if self.a8:
             return torch.ops.pagedserve.a8_linear(x, self.packed, self.out_features,
-                                                    self.weight_scale, self.weight_min, bias,
-                                                    out_dtype, silu_mul)
+                                                  self.weight_scale, self.weight_min, bias,
+                                                  out_dtype, silu_mul)
         return torch.ops.pagedserve.linear(x, self.packed, self.out_features, bias, out_dtype,
                                            self.weight_scale, silu_mul, self.weight_min)
 
