@@ -196,7 +196,7 @@ class W8A8Linear(nn.Module):
     """W8A8 on the native kernel (``kernels.cpu_linear.cpu_w8a8_linear``): int8 weights per
     output channel, activations quantized per token in the op each call, exact int32 sums
     (vpdpbusd on VNNI), the scales in a float32 epilogue: ``kernels.int8_linear.w8a8_linear``'s
-    result bit for bit, 1.1-5x faster than it (torch._int_mm) at every shape measured
+    result bit for bit, 1.1-9x faster than it (torch._int_mm) at every shape measured
     (docs/benchmarks.md).
 
     Args:
