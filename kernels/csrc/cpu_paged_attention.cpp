@@ -7,6 +7,7 @@
 //                                          prefix-hit tails in one call
 //   reshape_and_cache(key, value, k_cache!, v_cache!, slot_mapping, kv_layout=0)
 //   cpu_isa() -> str                       the instruction-set step the kernels run now
+//   attention_int8_body() -> str           the integer-product body an int8 pairs cache runs
 //
 // Layout (kernels/__init__.py draws the index arithmetic):
 //   query, out        [num_tokens, num_heads, head_dim]
@@ -97,8 +98,10 @@
 #endif
 #include <torch/library.h>
 
+#include "cpu_attention_i8.h"
 #include "cpu_isa.h"
 #include "cpu_math.h"
+#include "cpu_vnni.h"
 
 #include <algorithm>
 #include <atomic>
@@ -166,9 +169,12 @@ PS_INLINE void store_row(const float* src, c10::BFloat16* dst, int64_t n, float 
 //              (symmetric, per token and head; kernels/kv_quant.py has the code's format)
 //   kFp8E4m3   float8_e4m3fn, kFp8E5m2 float8_e5m2: [..., head_dim], per-tensor scale 1.0
 //              (vLLM's default k_scale / v_scale); writes saturate to the finite range
-// Reads dequantize to the query's dtype, then the same products run as for an unquantized
-// cache: the bf16 pair bodies while they pack K^T / V (load32_bf16), the float32 body a
-// chunk's rows once into the scratch (dequant_row); both round the same bits.
+// An int8 cache in the pair layout (kv_layout 1, the CPU default for int8) is read as stored:
+// integer products with each row's scale folded into their epilogues (Path::kI8,
+// cpu_attention_i8.h). Other quantized caches (rows, float8) dequantize to the query's dtype,
+// then the same products run as for an unquantized cache: the bf16 pair bodies while they
+// pack K^T / V (load32_bf16), the float32 body a chunk's rows once into the scratch
+// (dequant_row); both round the same bits.
 enum class KvQuant : int { kNone = 0, kInt8 = 1, kFp8E4m3 = 2, kFp8E5m2 = 3 };
 
 // An int8 row's scale code -> its float32 scale: an unsigned 8-bit float (5 exponent, 3
@@ -287,10 +293,11 @@ constexpr int64_t kChunkKeys = 512;
 // Default keys per KV split (rounded down to whole chunks, at least one).
 constexpr int64_t kDefaultSplitKeys = 512;
 
-// The three bodies of a chunk's products. kF32: float32 FMAs (float32 caches on every ISA,
-// 16-bit ones below avx512_bf16 or with head_dim % 32 != 0); kBf16Dp: vdpbf16ps; kAmx: AMX
-// tiles through cpublas::brgemm. All three share the chunk loop and the softmax.
-enum class Path : int { kF32 = 0, kBf16Dp = 1, kAmx = 2 };
+// The bodies of a chunk's products. kF32: float32 FMAs (float32 caches on every ISA, 16-bit
+// ones below avx512_bf16 or with head_dim % 32 != 0); kBf16Dp: vdpbf16ps; kAmx: AMX tiles
+// through cpublas::brgemm; kI8: integer products over an int8 pair-layout cache, any query
+// dtype (cpu_attention_i8.h). All share the chunk loop; kF32 and kI8 share softmax_row.
+enum class Path : int { kF32 = 0, kBf16Dp = 1, kAmx = 2, kI8 = 3 };
 
 // Whether the kBf16Dp body reads a pair-layout cache in place (no copy of K^T and V per
 // chunk): whole 16-key runs of K^T words lie in one block when block_size % 16 == 0.
@@ -316,6 +323,10 @@ struct Scratch {
   int64_t* hi;       // [rows]
   float* bmax;       // [rows] scratch of the bf16 softmax: a row's largest raw score
   float* alpha;      // [rows] and its rescale factor
+  float* qs;         // [rows] kI8: the int16 query row's scale (q16 holds the row)
+  float* ws;         // [rows] kI8: the int16 weights' scale of the chunk (p16 holds them)
+  float* ks;         // [ldk] kI8: the chunk's keys' K scales (0 past the keys it reads)
+  float* vs;         // [ldk] and their V scales
   const void** krow;  // [ldk] K rows of the chunk's keys (nullptr: outside the range)
   const void** vrow;  // [ldk]
   float* kst;         // [ldk][d] (as the query's dtype) K rows dequantized from an int8/fp8 cache
@@ -357,6 +368,8 @@ struct Scratch {
         {reinterpret_cast<void**>(&vp), ldk * d * 2}, {reinterpret_cast<void**>(&zero), d * 4},
         {reinterpret_cast<void**>(&lo), rows * 8}, {reinterpret_cast<void**>(&hi), rows * 8},
         {reinterpret_cast<void**>(&bmax), rows * 4}, {reinterpret_cast<void**>(&alpha), rows * 4},
+        {reinterpret_cast<void**>(&qs), rows * 4}, {reinterpret_cast<void**>(&ws), rows * 4},
+        {reinterpret_cast<void**>(&ks), ldk * 4}, {reinterpret_cast<void**>(&vs), ldk * 4},
         {reinterpret_cast<void**>(&krow), ldk * sizeof(void*)},
         {reinterpret_cast<void**>(&vrow), ldk * sizeof(void*)},
         {reinterpret_cast<void**>(&kst), ldk * d * 4}, {reinterpret_cast<void**>(&vst), ldk * d * 4},
@@ -1285,6 +1298,136 @@ PS_BF16_TARGET void chunk_pv_amx(const AttnParams& p, Scratch& s, int64_t rows, 
 }
 #endif
 
+// --- kI8 body: an int8 pair-layout cache read as stored (cpu_attention_i8.h) ----------------
+// A (block, KV head) holds bs * d int8 values (K^T pairs, or V pair rows), then the bs keys'
+// scale codes; s.kblk / s.vblk point at the chunk's blocks, s.klo / s.khi bound its keys.
+
+// scale[t] for the chunk's columns [c0, c1): key t's scale from its block's codes (blk[i]: the
+// chunk's block i), 0 outside the keys [klo, khi) it reads.
+PS_INLINE void key_scales(const char* const* blk, int64_t bs, int64_t d, int64_t klo,
+                          int64_t khi, int64_t c0, int64_t c1, float* scale) {
+  std::fill(scale + c0, scale + std::max(c0, klo), 0.0f);
+  std::fill(scale + std::min(c1, std::max(c0, khi)), scale + c1, 0.0f);
+  for (int64_t b0 = klo / bs * bs; b0 < std::min(khi, c1); b0 += bs) {
+    const uint8_t* codes = reinterpret_cast<const uint8_t*>(blk[b0 / bs]) + bs * d - b0;
+    const int64_t hi = std::min({khi, c1, b0 + bs});
+#pragma omp simd
+    for (int64_t t = std::max(klo, b0); t < hi; ++t) scale[t] = code_scale(codes[t]);
+  }
+}
+
+// S for the chunk's columns [c0, c1p): runs of 16 keys from their blocks in place (runs at or
+// past the chunk's last key read as zeros; slots past it in a block hold finite int8 values,
+// and their columns are never weighed).
+template <Body B>
+PS_INLINE void chunk_qk_i8(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
+                           int64_t c1p) {
+  const int64_t d = p.head_dim, ldk = p.ldk, bs = p.block_size;
+  key_scales(s.kblk, bs, d, s.klo, s.khi, c0, c1p, s.ks);
+  const int8_t* zeros = reinterpret_cast<const int8_t*>(s.zero);
+  const int16_t* q16 = reinterpret_cast<const int16_t*>(s.q16);
+  // one tile: NR runs of 16 keys from column j0 (AVX-512: 4 while whole, else 2; AVX2: 1)
+  const auto tile = [&]<int NR>(int64_t j0) {
+    const int8_t* k[NR];
+    int64_t ld[NR];
+    for (int r = 0; r < NR; ++r) {
+      const int64_t t0 = j0 + 16 * r;
+      k[r] = t0 >= s.khi ? zeros : reinterpret_cast<const int8_t*>(s.kblk[t0 / bs]) + t0 % bs * 2;
+      ld[r] = t0 >= s.khi ? 0 : 2 * bs;
+    }
+#if defined(__x86_64__)
+    if constexpr (B == Body::kVnni512) {
+      qk_rows_i8_vnni512<NR>(q16, d, k, ld, s.qs, s.ks + j0, s.s + j0, ldk, rows);
+    } else if constexpr (B == Body::kAvx2) {
+      qk_rows_i8_avx2<NR>(q16, d, k, ld, s.qs, s.ks + j0, s.s + j0, ldk, rows);
+    } else
+#endif
+    {
+      qk_rows_i8_scalar<NR>(q16, d, k, ld, s.qs, s.ks + j0, s.s + j0, ldk, rows);
+    }
+    s.pump();
+  };
+  for (int64_t j0 = c0; j0 < c1p;) {
+    if constexpr (B == Body::kAvx2) {
+      tile.template operator()<1>(j0);
+      j0 += 16;
+    } else {
+      if (B == Body::kVnni512 && j0 + 64 <= c1p) {
+        tile.template operator()<4>(j0);
+        j0 += 64;
+      } else {
+        tile.template operator()<2>(j0);
+        j0 += 32;
+      }
+    }
+  }
+}
+
+// acc += P V for the chunk's key pairs [c0 / 2, c1 / 2), P as softmax_row left it in s.s: V's
+// scales folded into it, then quantized per row to int16 (cpu_attention_i8.h).
+template <Body B>
+PS_INLINE void chunk_pv_i8(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
+                           int64_t c1) {
+  const int64_t d = p.head_dim, ldk = p.ldk, bs = p.block_size;
+  key_scales(s.vblk, bs, d, s.klo, s.khi, c0, c1, s.vs);
+  // the largest integer weight: 32767, or less where 127 * W * keys could pass int32
+  const float w_top = static_cast<float>(
+      std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (127 * std::max<int64_t>(c1 - c0, 1))));
+  int16_t* w16 = reinterpret_cast<int16_t*>(s.p16);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* pr = s.s + r * ldk;
+    float wmax = 0.0f;
+#pragma omp simd reduction(max : wmax)
+    for (int64_t t = c0; t < c1; ++t) {
+      const float w = pr[t] * s.vs[t];
+      pr[t] = w;
+      wmax = wmax < w ? w : wmax;
+    }
+    const float f = wmax > 0.0f ? w_top / wmax : 0.0f;
+    int16_t* wr = w16 + r * ldk;
+#pragma omp simd
+    for (int64_t t = c0; t < c1; ++t) {
+      const float x = pr[t] * f;
+      wr[t] = static_cast<int16_t>(static_cast<int32_t>(std::nearbyint(x < w_top ? x : w_top)));
+    }
+    s.ws[r] = wmax / w_top;
+  }
+  // pair row i: keys 2i, 2i + 1 of the chunk (a pair past its last key reads as zeros; the odd
+  // half of a pair holding its last key is a slot of the same block, finite and weighed 0)
+  const int8_t** vpair = reinterpret_cast<const int8_t**>(s.vrow);
+  const int8_t* zeros = reinterpret_cast<const int8_t*>(s.zero);
+  for (int64_t b0 = c0 / bs * bs; b0 < c1; b0 += bs) {
+    const int8_t* blk = b0 < s.khi ? reinterpret_cast<const int8_t*>(s.vblk[b0 / bs]) : nullptr;
+    for (int64_t t = std::max(b0, c0); t < std::min(b0 + bs, c1); t += 2) {
+      vpair[t / 2] = t >= s.khi ? zeros : blk + (t - b0) * d;  // pair row (t - b0) / 2
+    }
+  }
+  const int64_t i0 = c0 / 2, i1 = c1 / 2;
+  for (int64_t e0 = 0; e0 < d;) {
+#if defined(__x86_64__)
+    if constexpr (B == Body::kVnni512) {
+      if (e0 + 64 <= d) {  // (four registers of 16 dims per row: one pass over V for 64 dims)
+        pv_rows_i8_vnni512<4>(w16, ldk, vpair, i0, i1, e0, s.ws, s.acc, d, rows, s);
+        e0 += 64;
+      } else if (e0 + 32 <= d) {
+        pv_rows_i8_vnni512<2>(w16, ldk, vpair, i0, i1, e0, s.ws, s.acc, d, rows, s);
+        e0 += 32;
+      } else {
+        pv_rows_i8_vnni512<1>(w16, ldk, vpair, i0, i1, e0, s.ws, s.acc, d, rows, s);
+        e0 += 16;
+      }
+      continue;
+    } else if constexpr (B == Body::kAvx2) {
+      pv_rows_i8_avx2<1>(w16, ldk, vpair, i0, i1, e0, s.ws, s.acc, d, rows, s);
+      e0 += 16;
+      continue;
+    }
+#endif
+    pv_rows_i8_scalar<1>(w16, ldk, vpair, i0, i1, e0, s.ws, s.acc, d, rows, s);
+    e0 += 16;
+  }
+}
+
 // Fills s.pf with the (block, KV head) pieces of item x's keys [key_lo, key_hi) in a
 // pair-layout cache, K's then V's; returns their count.
 PS_INLINE int64_t queue_pieces(const AttnParams& p, Scratch& s, const WorkItem& x, int64_t key_lo,
@@ -1330,11 +1473,11 @@ PS_INLINE int64_t queue_rows(const AttnParams& p, Scratch& s, const WorkItem& x,
 // `chunk` keys): the rows of the chunk's keys through the block table, S = Q K^T, the
 // online-softmax step of each row, acc += P V; finally out = acc / l, or (m, l, acc) for the
 // merge of a split.
-template <typename T, Path kPath, Isa kIsa = Isa::kScalar>
+template <typename T, Path kPath, Isa kIsa = Isa::kScalar, Body kBody = Body::kScalar>
 PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scratch& s) {
   const int64_t d = p.head_dim, g = p.group, bs = p.block_size, C = p.chunk;
   const int64_t rows = it.q_count * g;
-  const bool in_place = kPath == Path::kBf16Dp && reads_in_place(p);
+  const bool in_place = (kPath == Path::kBf16Dp && reads_in_place(p)) || kPath == Path::kI8;
   // Few rows on the float32 body (decode) over a rows-layout cache: the next chunk's rows
   // (this item's, or the next item's or unit's first) go through the prefetch queue too,
   // pumped every 8 keys of the S passes and of the AVX2 P V tiles; a decode is a few
@@ -1345,8 +1488,11 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
   for (int64_t r = 0; r < rows; ++r) {
     const T* src = query + (it.q_row + r / g) * p.q_stride_tok +
                    (static_cast<int64_t>(it.kv_head) * g + r % g) * p.q_stride_head;
-    if constexpr (kPath == Path::kF32) {
+    if constexpr (kPath == Path::kF32 || kPath == Path::kI8) {
       load_row(src, s.qf + r * d, d, 1.0f);
+      if constexpr (kPath == Path::kI8) {
+        s.qs[r] = quantize_i16_row(s.qf + r * d, d, reinterpret_cast<int16_t*>(s.q16) + r * d);
+      }
     } else {
       std::memcpy(s.q16 + r * d, src, d * sizeof(uint16_t));
     }
@@ -1503,6 +1649,7 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
     if constexpr (kPath == Path::kF32) {
       chunk_products_f32_qk<T, kIsa>(p, s, rows, c0, c1p);
     }
+    if constexpr (kPath == Path::kI8) chunk_qk_i8<kBody>(p, s, rows, c0, c1p);
 #if defined(__x86_64__)
     if constexpr (kPath == Path::kBf16Dp) chunk_qk_dp(p, s, rows, c0, c1p);
     if constexpr (kPath == Path::kAmx) chunk_qk_amx(p, s, rows, c0, c1p);
@@ -1515,7 +1662,7 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
       s.lo[r] = std::max(row_lo, cs) - cs;
       s.hi[r] = std::max(s.lo[r], std::min(row_hi, cs + C) - cs);
     }
-    if constexpr (kPath == Path::kF32) {
+    if constexpr (kPath == Path::kF32 || kPath == Path::kI8) {
       for (int64_t r = 0; r < rows; ++r) {
         float* sr = s.s + r * p.ldk;
         if (s.hi[r] <= s.lo[r]) {  // the row sees none of this chunk: weight 0 everywhere
@@ -1526,11 +1673,14 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
       }
     }
 #if defined(__x86_64__)
-    if constexpr (kPath != Path::kF32) softmax_rows_bf16(s, rows, p.ldk, c0, c1, p.scale, d);
+    if constexpr (kPath == Path::kBf16Dp || kPath == Path::kAmx) {
+      softmax_rows_bf16(s, rows, p.ldk, c0, c1, p.scale, d);
+    }
 #endif
     if constexpr (kPath == Path::kF32) {
       chunk_products_f32_pv<T, kIsa>(p, s, rows, c0, c1);
     }
+    if constexpr (kPath == Path::kI8) chunk_pv_i8<kBody>(p, s, rows, c0, c1);
 #if defined(__x86_64__)
     if constexpr (kPath == Path::kBf16Dp) chunk_pv_dp(p, s, rows, c0, c1);
     if constexpr (kPath == Path::kAmx) chunk_pv_amx(p, s, rows, c0, c1);
@@ -1626,6 +1776,44 @@ ItemFn pick_item_fn(Isa isa, at::ScalarType dtype) {
   return table[static_cast<int>(isa)][dtype_index(dtype)];
 }
 
+// The kI8 body per integer-product body (cpu_vnni.h's pick_body; AVX-VNNI runs the AVX2 one)
+// and query dtype.
+#define PS_DEFINE_I8_ITEM(NAME, TARGET, BODY)                                          \
+  TARGET void NAME##_f32(const AttnParams& p, const WorkItem& it, Scratch& s) {        \
+    attend_item_chunks<float, Path::kI8, Isa::kScalar, BODY>(p, it, s);                \
+  }                                                                                    \
+  TARGET void NAME##_bf16(const AttnParams& p, const WorkItem& it, Scratch& s) {       \
+    attend_item_chunks<c10::BFloat16, Path::kI8, Isa::kScalar, BODY>(p, it, s);        \
+  }                                                                                    \
+  TARGET void NAME##_f16(const AttnParams& p, const WorkItem& it, Scratch& s) {        \
+    attend_item_chunks<c10::Half, Path::kI8, Isa::kScalar, BODY>(p, it, s);            \
+  }
+#if defined(__x86_64__)
+PS_DEFINE_I8_ITEM(item_i8_vnni512, PS_TARGET_VNNI512, Body::kVnni512)
+PS_DEFINE_I8_ITEM(item_i8_avx2, PS_TARGET_AVX2, Body::kAvx2)
+#endif
+PS_DEFINE_I8_ITEM(item_i8_scalar, , Body::kScalar)
+
+ItemFn pick_i8_item_fn(Body body, at::ScalarType dtype) {
+#if defined(__x86_64__)
+  static const ItemFn table[3][3] = {
+      {item_i8_scalar_f32, item_i8_scalar_bf16, item_i8_scalar_f16},
+      {item_i8_avx2_f32, item_i8_avx2_bf16, item_i8_avx2_f16},
+      {item_i8_vnni512_f32, item_i8_vnni512_bf16, item_i8_vnni512_f16}};
+  const int row = body == Body::kVnni512 ? 2 : body == Body::kScalar ? 0 : 1;
+  return table[row][dtype_index(dtype)];
+#else
+  static const ItemFn table[3] = {item_i8_scalar_f32, item_i8_scalar_bf16, item_i8_scalar_f16};
+  return table[dtype_index(dtype)];
+#endif
+}
+
+// The integer-product body an int8 pair-layout cache runs now (attention_int8_body()).
+Body attention_i8_body() {
+  const Body b = pick_body();
+  return b == Body::kAvxVnni ? Body::kAvx2 : b;
+}
+
 // The body a call runs: the bf16 pair paths for bf16 with head_dim a multiple of 32 (up to
 // 256) on a CPU step that has them (AMX tiles, else vdpbf16ps), the float32 body otherwise. A
 // function of the CPU step, the dtype and head_dim only, so every row of a model takes the same
@@ -1659,15 +1847,22 @@ void check_cache(const at::Tensor& c, const char* name) {
 }
 
 // kv_layout 0 = rows (any strides on the first three dims), 1 = the pair layout (see
-// copy_k_vnni): bf16, even block_size and head_dim, each block dense.
+// copy_k_vnni and cpu_attention_i8.h), each block dense: bf16 with an even block_size and
+// head_dim, or int8 with block_size and head_dim multiples of 16.
 bool check_layout(int64_t kv_layout, const at::Tensor& c, const char* name) {
-  TORCH_CHECK_VALUE(kv_layout == 0 || kv_layout == 1, "kv_layout must be 0 (rows) or 1 (bf16 "
-                    "pairs), got ", kv_layout);
+  TORCH_CHECK_VALUE(kv_layout == 0 || kv_layout == 1, "kv_layout must be 0 (rows) or 1 "
+                    "(pairs), got ", kv_layout);
   if (kv_layout == 0) return false;
-  TORCH_CHECK_VALUE(c.scalar_type() == at::kBFloat16, name, ": kv_layout 1 (bf16 pairs) needs a "
-                    "bfloat16 cache, got ", c.scalar_type());
-  TORCH_CHECK_VALUE(c.size(1) % 2 == 0 && c.size(3) % 2 == 0, name, ": kv_layout 1 needs an even "
-                    "block_size and head_dim, got ", c.sizes());
+  if (c.scalar_type() == at::kChar) {
+    TORCH_CHECK_VALUE(c.size(1) % 16 == 0 && (c.size(3) - 1) % 16 == 0 && c.size(3) - 1 <= 512,
+                      name, ": kv_layout 1 on an int8 cache needs block_size and head_dim "
+                      "multiples of 16 (head_dim <= 512), got ", c.sizes());
+  } else {
+    TORCH_CHECK_VALUE(c.scalar_type() == at::kBFloat16, name, ": kv_layout 1 (pairs) needs a "
+                      "bfloat16 or int8 cache, got ", c.scalar_type());
+    TORCH_CHECK_VALUE(c.size(1) % 2 == 0 && c.size(3) % 2 == 0, name, ": kv_layout 1 needs an "
+                      "even block_size and head_dim, got ", c.sizes());
+  }
   TORCH_CHECK_VALUE(c.stride(2) == c.size(3) && c.stride(1) == c.size(2) * c.size(3), name,
                     ": kv_layout 1 needs dense blocks, got strides ", c.strides());
   return true;
@@ -1766,7 +1961,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   }
   const int64_t chunk = chunk_blocks * bs, split = split_blocks * bs;
   const int nthreads = std::max(1, at::get_num_threads());
-  const Path path = pick_path(active_isa(), dtype, d);
+  const Path path = quant == KvQuant::kInt8 && vnni ? Path::kI8 : pick_path(active_isa(), dtype, d);
   // Decode items (fewer than 16 rows, the float32 body, a rows-layout cache, one chunk each)
   // run in units of all the KV heads of one (sequence, split), so a thread reads whole blocks
   // (attend_item_chunks: queue_rows), when there are units enough for every thread.
@@ -1841,11 +2036,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   p.v_stride_head = v_cache.stride(2) * kv_elem;
   p.kv_quant = quant;
   p.vnni = vnni;
-  if (vnni) {  // a (block, KV head) is bs * d contiguous values
-    p.k_stride_head = bs * d * kv_elem;
-    p.v_stride_head = bs * d * kv_elem;
-  }
   p.kv_row_bytes = k_cache.size(3) * kv_elem;
+  if (vnni) {  // a (block, KV head) is bs rows' bytes, contiguous
+    p.k_stride_head = bs * p.kv_row_bytes;
+    p.v_stride_head = bs * p.kv_row_bytes;
+  }
   p.block_tables = tables;
   p.bt_stride = bt_stride;
   p.block_size = bs;
@@ -1863,7 +2058,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     p.partials = nullptr;
   }
 
-  const ItemFn fn = path == Path::kF32 ? pick_item_fn(at_most(active_isa(), Isa::kAvx512), dtype)
+  const ItemFn fn = path == Path::kI8   ? pick_i8_item_fn(attention_i8_body(), dtype)
+                    : path == Path::kF32 ? pick_item_fn(at_most(active_isa(), Isa::kAvx512), dtype)
 #if defined(__x86_64__)
                     : path == Path::kBf16Dp ? item_bf16_dp : item_bf16_amx;
 #else
@@ -1949,6 +2145,29 @@ void quantize_rows(KvQuant q, const T* src, int64_t stride_head, int64_t hkv, in
   for (int64_t h = 0; h < hkv; ++h) quantize_row(q, src + h * stride_head, d, dst + h * dst_stride_head);
 }
 
+// Token `off` of a block of an int8 pair-layout cache (cpu_attention_i8.h): each head's row
+// quantized as quantize_row does, its values into K^T word (j, off) / V pair row off / 2, its
+// scale code after the bs * d values. kb, vb: the block's first byte.
+template <typename T>
+void quantize_rows_pairs(const T* k, int64_t k_stride_head, const T* v, int64_t v_stride_head,
+                         int64_t hkv, int64_t d, int64_t bs, int64_t off, uint8_t* kb,
+                         uint8_t* vb) {
+  uint8_t row[513];  // d <= 512 (check_layout) values + the scale code
+  for (int64_t h = 0; h < hkv; ++h) {
+    uint8_t* kh = kb + h * bs * (d + 1);
+    uint8_t* vh = vb + h * bs * (d + 1);
+    quantize_row(KvQuant::kInt8, k + h * k_stride_head, d, row);
+    for (int64_t j = 0; j < d / 2; ++j) {
+      kh[(j * bs + off) * 2] = row[2 * j];
+      kh[(j * bs + off) * 2 + 1] = row[2 * j + 1];
+    }
+    kh[bs * d + off] = row[d];
+    quantize_row(KvQuant::kInt8, v + h * v_stride_head, d, row);
+    for (int64_t e = 0; e < d; ++e) vh[((off / 2) * d + e) * 2 + off % 2] = row[e];
+    vh[bs * d + off] = row[d];
+  }
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                        at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t kv_layout) {
   check_cache(k_cache, "k_cache");
@@ -2002,6 +2221,23 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       const int64_t block = slot / bs, off = slot % bs;
       char* kdst = kc + (block * kc0 + off * kc1) * celem;
       char* vdst = vc + (block * vc0 + off * vc1) * celem;
+      if (quant == KvQuant::kInt8 && vnni) {
+        auto* kb = reinterpret_cast<uint8_t*>(kc) + block * kc0;
+        auto* vb = reinterpret_cast<uint8_t*>(vc) + block * vc0;
+        if (dtype == at::kFloat) {
+          quantize_rows_pairs(key.data_ptr<float>() + t * ks0, ks1,
+                              value.data_ptr<float>() + t * vs0, vs1, hkv, d, bs, off, kb, vb);
+        } else if (dtype == at::kBFloat16) {
+          quantize_rows_pairs(key.data_ptr<c10::BFloat16>() + t * ks0, ks1,
+                              value.data_ptr<c10::BFloat16>() + t * vs0, vs1, hkv, d, bs, off,
+                              kb, vb);
+        } else {
+          quantize_rows_pairs(key.data_ptr<c10::Half>() + t * ks0, ks1,
+                              value.data_ptr<c10::Half>() + t * vs0, vs1, hkv, d, bs, off, kb,
+                              vb);
+        }
+        continue;
+      }
       if (quant != KvQuant::kNone) {
         auto* kd = reinterpret_cast<uint8_t*>(kdst);
         auto* vd = reinterpret_cast<uint8_t*>(vdst);
@@ -2045,6 +2281,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 std::string cpu_isa() { return isa_name(active_isa()); }
 
+std::string attention_int8_body() { return body_name(attention_i8_body()); }
+
 }  // namespace
 }  // namespace pagedserve
 
@@ -2057,6 +2295,7 @@ TORCH_LIBRARY(pagedserve, m) {
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, int kv_layout=0) -> ()");
   m.def("cpu_isa() -> str", &pagedserve::cpu_isa);
+  m.def("attention_int8_body() -> str", &pagedserve::attention_int8_body);
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

@@ -219,18 +219,21 @@ def choose_kv_layout(backend: str, kv_cache_dtype: torch.dtype, block_size: int,
                      head_dims: list[int]) -> str:
     """The KV cache layout for a model (and its draft model: ``head_dims`` has each one's).
 
-    ``"pairs"`` (``kernels/kv_layout.py``) where the native CPU kernels' bf16 products run on
-    it: the cpu backend, a bfloat16 cache, an even ``block_size``, every head_dim a multiple
-    of 32 and a CPU step that has those products (``amx`` or ``avx512_bf16``); ``"rows"``
-    otherwise. ``CPU_KV_LAYOUT`` = ``"rows"`` keeps rows everywhere, ``"pairs"`` takes pairs
-    wherever the cache fits them, whatever the CPU (its float32 body unpacks them: tests).
+    ``"pairs"`` (``kernels/kv_layout.py``) where the native CPU kernels' products read it in
+    place: the cpu backend and either an int8 cache (``block_size`` and every head_dim
+    multiples of 16: the integer products, on every CPU step) or a bfloat16 cache (an even
+    ``block_size``, every head_dim a multiple of 32 and a CPU step that has the bf16 products,
+    ``amx`` or ``avx512_bf16``); ``"rows"`` otherwise. ``CPU_KV_LAYOUT`` = ``"rows"`` keeps
+    rows everywhere, ``"pairs"`` takes pairs wherever the cache fits them, whatever the CPU
+    (the float32 body unpacks bf16 pairs: tests).
     """
     from kernels.kv_layout import pairs_fit
+    int8 = kv_cache_dtype == torch.int8
     if (backend != "cpu" or CPU_KV_LAYOUT == "rows"
-            or not all(pairs_fit(kv_cache_dtype, block_size, d) and d % 32 == 0
+            or not all(pairs_fit(kv_cache_dtype, block_size, d) and (int8 or d % 32 == 0)
                        for d in head_dims)):
         return "rows"
-    if CPU_KV_LAYOUT == "pairs":
+    if CPU_KV_LAYOUT == "pairs" or int8:
         return "pairs"
     from kernels.cpu_attention import cpu_isa
     return "pairs" if cpu_isa() in ("amx", "avx512_bf16") else "rows"

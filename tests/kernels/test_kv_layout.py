@@ -100,7 +100,7 @@ def test_pairs_attention_long_contexts_and_head_dims(isa):
 
 def test_pairs_layout_is_refused_where_it_does_not_fit():
     batch = make_batch(CASES["decode"], dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"kv_layout 1 .* needs a bfloat16 cache"):
+    with pytest.raises(ValueError, match=r"kv_layout 1 .* needs a bfloat16 or int8 cache"):
         cpu_paged_attention(**batch, kv_layout="pairs")
     bf16 = make_batch(CASES["decode"], dtype=torch.bfloat16)
     combined = torch.stack([bf16["k_cache"], bf16["v_cache"]], dim=2)  # K/V interleaved
@@ -128,13 +128,17 @@ def test_choose_kv_layout(monkeypatch):
     assert choose_kv_layout("cpu", torch.bfloat16, 16, [64, 128]) == native
     for backend, dtype, bs, dims in [("torch", torch.bfloat16, 16, [64]),
                                      ("cpu", torch.float32, 16, [64]),
-                                     ("cpu", torch.int8, 16, [64]),
+                                     ("cpu", torch.int8, 8, [64]),  # int8: multiples of 16
+                                     ("cpu", torch.int8, 16, [64, 40]),
                                      ("cpu", torch.bfloat16, 16, [80]),  # not a multiple of 32
                                      ("cpu", torch.bfloat16, 16, [64, 80]),  # a draft's
                                      ("cpu", torch.bfloat16, 15, [64])]:
         assert choose_kv_layout(backend, dtype, bs, dims) == "rows", (backend, dtype, bs, dims)
+    # an int8 cache takes pairs on every CPU step (the integer products have every body)
+    assert choose_kv_layout("cpu", torch.int8, 16, [64, 48]) == "pairs"
     monkeypatch.setattr(attention, "CPU_KV_LAYOUT", "rows")
     assert choose_kv_layout("cpu", torch.bfloat16, 16, [64]) == "rows"
+    assert choose_kv_layout("cpu", torch.int8, 16, [64]) == "rows"
     monkeypatch.setattr(attention, "CPU_KV_LAYOUT", "pairs")
     assert choose_kv_layout("cpu", torch.bfloat16, 16, [64]) == "pairs"
     assert choose_kv_layout("torch", torch.bfloat16, 16, [64]) == "rows"
