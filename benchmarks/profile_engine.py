@@ -2,6 +2,7 @@
 one process, under torch.profiler, plus the Python time outside torch ops.
 
     .venv/bin/python benchmarks/profile_engine.py --num-requests 32 --dtype float32
+        [--quantization w8a8] [--kv-cache-dtype int8] [--by-shape]
 
 Prints the top torch ops by self CPU time (``--by-shape``: the native linear and attention
 ops split by shape, with GFLOP/s), and splits each step's wall time into scheduling
@@ -28,6 +29,7 @@ def main() -> None:
     add_workload_args(p)
     p.add_argument("--rows", type=int, default=15, help="torch ops to print")
     p.add_argument("--quantization", default=None, help="the worker's --quantization")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the worker's --kv-cache-dtype")
     p.add_argument("--by-shape", action="store_true",
                    help="also split the native linear and attention ops by shape (records "
                         "shapes: a little more profiler overhead)")
@@ -46,7 +48,8 @@ def main() -> None:
     from services.worker.server import step_input_from_pb
 
     items = workload(load_tokenizer(a.model), a.num_requests, a.seed)
-    runner = ModelRunner(a.model, dtype=a.dtype, quantization=a.quantization)
+    runner = ModelRunner(a.model, dtype=a.dtype, quantization=a.quantization,
+                         kv_cache_dtype=a.kv_cache_dtype)
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
                           runner.num_kv_blocks, runner.eos_token_ids,
                           sliding_windows=[g.sliding_window for g in runner.kv_cache_groups])

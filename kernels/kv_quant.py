@@ -20,7 +20,10 @@ bit, and the torch backend and the tests use:
   calibration), written saturated to the finite range (±448, ±57344), read exactly.
 
 Rows are dequantized to the query's dtype before the products (the float32 value rounded once
-to it), so attention over a quantized cache is attention over its dequantized values.
+to it), so attention over a quantized cache is attention over its dequantized values; except
+an int8 cache in the ``"pairs"`` layout on the native CPU kernels (``kernels/kv_layout.py``),
+read as stored by integer products (``csrc/cpu_attention_i8.h``: Q and P as int16, the row
+scales in the epilogues), within float16's tolerance of that.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@
 //                     KV head) holds its bs keys as K^T [head_dim / 2][bs][2] and V
 //                     [bs / 2][head_dim][2], the operand layout of the bf16 pair products
 //                     (VNNI-2), so attention copies whole rows instead of transposing
+//                     an int8 cache in kv_layout 1: the same orders of int8 values, each
+//                     followed by the (block, KV head)'s bs scale codes (cpu_attention_i8.h)
 //   block_tables      [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32;
 //   query_start_loc   [num_seqs + 1] int32
 //
@@ -57,6 +59,9 @@
 //                lanes): S from K^T (prefill tiles) or, for fewer than 16 rows (decode),
 //                from the key rows in place with the rows across the vector lanes (the same
 //                FMA chain per element either way); P V with head_dim across the lanes.
+//   i8           an int8 cache in the pair layout (kv_layout 1), any query dtype, on every CPU:
+//                integer products on the cache as stored (cpu_attention_i8.h; vpdpwssd on
+//                AVX512-VNNI, vpmaddwd on AVX2, int32 loops), the float32 softmax between.
 // Sliding window W > 0 (Beltagy et al. 2020, "Longformer"; Jiang et al. 2023, "Mistral 7B"):
 // the row at position q sees keys max(0, q - W + 1) .. q only. An item's key range then starts
 // at the block holding its first row's window start, so blocks wholly before every window of
@@ -1363,6 +1368,18 @@ PS_INLINE void chunk_qk_i8(const AttnParams& p, Scratch& s, int64_t rows, int64_
   }
 }
 
+// How many times the kI8 products of a chunk call Scratch::pump: once per S tile, and per P V
+// row tile and pass over V every 16 key pairs (the prefetch queue spreads its lines over them).
+template <Body B>
+PS_INLINE int64_t i8_pump_points(int64_t rows, int64_t d, int64_t c0, int64_t c1, int64_t c1p) {
+  const int64_t cols = c1p - c0;
+  const int64_t s_tiles = B == Body::kVnni512 ? cols / 64 + (cols % 64 != 0)
+                          : B == Body::kAvx2  ? cols / 16
+                                              : cols / 32;
+  const int64_t passes = B == Body::kVnni512 ? d / 64 + (d % 64) / 32 + (d % 32) / 16 : d / 16;
+  return s_tiles + passes * ((rows + 3) / 4) * (((c1 - c0) / 2 + 15) / 16);
+}
+
 // acc += P V for the chunk's key pairs [c0 / 2, c1 / 2), P as softmax_row left it in s.s: V's
 // scales folded into it, then quantized per row to int16 (cpu_attention_i8.h).
 template <Body B>
@@ -1537,7 +1554,10 @@ PS_INLINE void attend_item_chunks(const AttnParams& p, const WorkItem& it, Scrat
         }
         s.pf_bytes = blk_bytes;
         const int64_t lines = s.pf_n * ((blk_bytes + 63) / 64);
-        const int64_t points = (c1p - c0) / 32 + (d / 32) * ((rows + 3) / 4) * ((c1 - c0 + 31) / 32);
+        const int64_t points =
+            kPath == Path::kI8
+                ? i8_pump_points<kBody>(rows, d, c0, c1, c1p)
+                : (c1p - c0) / 32 + (d / 32) * ((rows + 3) / 4) * ((c1 - c0 + 31) / 32);
         s.pf_step = (lines + points - 1) / std::max<int64_t>(points, 1);
       }
       if (cs == it.key_begin / C * C && !(in_place && s.warmed == &it)) {
@@ -2115,15 +2135,24 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 // One (token, head) row of d values into a quantized cache row (KvQuant), from T.
 template <typename T>
 void quantize_row(KvQuant q, const T* src, int64_t d, uint8_t* dst) {
-  if (q == KvQuant::kInt8) {
+  if (q == KvQuant::kInt8) {  // (vectorizable loops: a decode step writes a row per KV head)
     float amax = 0.0f;
-    for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(static_cast<float>(src[i])));
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < d; ++i) {
+      const float a = std::fabs(static_cast<float>(src[i]));
+      amax = amax < a ? a : amax;
+    }
     const uint8_t code = scale_code(amax / 127.0f);
     const float scale = code_scale(code);
     int8_t* v = reinterpret_cast<int8_t*>(dst);
-    for (int64_t i = 0; i < d; ++i) {
-      const float r = std::nearbyint(static_cast<float>(src[i]) / scale);
-      v[i] = scale > 0.0f ? static_cast<int8_t>(std::clamp(r, -127.0f, 127.0f)) : int8_t{0};
+    if (!(scale > 0.0f)) {
+      std::fill(v, v + d, int8_t{0});
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        const float r = std::nearbyint(static_cast<float>(src[i]) / scale);
+        v[i] = static_cast<int8_t>(static_cast<int32_t>(r < -127.0f ? -127.0f : r > 127.0f ? 127.0f : r));
+      }
     }
     dst[d] = code;
   } else if (q == KvQuant::kFp8E4m3) {
@@ -2214,7 +2243,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
                 vs1 = value.stride(1);
   const int64_t kc0 = k_cache.stride(0), kc1 = k_cache.stride(1), kc2 = k_cache.stride(2);
   const int64_t vc0 = v_cache.stride(0), vc1 = v_cache.stride(1), vc2 = v_cache.stride(2);
-  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+  // (a quantized row costs more than a copy: smaller pieces, so a decode step's rows spread)
+  at::parallel_for(0, num_tokens, quant != KvQuant::kNone ? 16 : 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // padding token: no slot
