@@ -12,6 +12,11 @@ For each compute dtype (``--dtypes``) and KV cache mode (auto, int8, fp8_e4m3, f
 pagedserve runs eagerly in process (``ModelRunner(enforce_eager=True)``, the native kernels).
 
     .venv/bin/python benchmarks/kv_cache_dtype.py [--dtypes bfloat16,float32] [--max-tokens 32]
+        [--modes auto,int8] [--kv-layout rows]
+
+``--kv-layout rows`` keeps every cache in the rows order (``services.worker.attention
+.CPU_KV_LAYOUT``): an int8 cache is then dequantized before the products instead of read as
+stored by the integer products of the ``pairs`` order (the default for int8).
 """
 
 from __future__ import annotations
@@ -33,26 +38,31 @@ def main() -> None:
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="bytes")
+    p.add_argument("--modes", default=",".join(MODES), help="--kv-cache-dtype values, auto first")
+    p.add_argument("--kv-layout", default="auto", choices=["auto", "rows", "pairs"])
     a = p.parse_args()
     import torch
     from logprob_distance import probe_prompts_and_reference
 
+    from services.worker import attention
     from services.worker.model_runner import ModelRunner
     from tests.stack.test_same_answer import TOP, _hf_first_logprobs, _mean_distance
     from tests.worker.invariance_driver import generate
 
+    attention.CPU_KV_LAYOUT = a.kv_layout
     prompts, hf = probe_prompts_and_reference()
     fp32 = _hf_first_logprobs(hf, prompts)
     del hf
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
           f"{torch.__version__}, SmolLM2-135M, {len(prompts)} chats, top {TOP}, "
-          f"{a.max_tokens} greedy tokens, KV memory {a.kv_cache_memory / 2**30:.2f} GiB")
+          f"{a.max_tokens} greedy tokens, KV memory {a.kv_cache_memory / 2**30:.2f} GiB, "
+          f"--kv-layout {a.kv_layout}")
     print("| dtype | --kv-cache-dtype | KV tokens | x auto | mean abs dlogprob vs transformers "
           "fp32 | answers = auto's | mean common prefix |")
     print("|---|---|---|---|---|---|---|")
     for dtype in a.dtypes.split(","):
         base_tokens = base_answers = None
-        for mode in MODES:
+        for mode in a.modes.split(","):
             runner = ModelRunner(None, dtype=dtype, enforce_eager=True, kv_cache_memory=64 << 20,
                                  kv_cache_dtype=mode)
             tokens = a.kv_cache_memory // runner.bytes_per_block * runner.block_size

@@ -28,7 +28,9 @@ never see a difference); only the order of the values inside one block differs:
       V    [block_size / 2][head_dim][2] int8, codes [block_size]
 
   the operands of the native kernels' int16 pair products (``csrc/cpu_attention_i8.h``): the
-  cache is read as stored, each row's scale folded into the products' epilogue.
+  cache is read as stored, each row's scale folded into the products' epilogue. A float8
+  cache takes the bf16 orders with a byte a value, widened to bf16 pairs in registers by the
+  ``vdpbf16ps`` body (bf16 queries on an AVX512-BF16 or AMX CPU only).
 
 ``to_pairs`` / ``to_rows`` convert a whole cache (tests, benchmarks, debugging).
 """
@@ -55,9 +57,13 @@ def pairs_fit(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
     """Whether a cache of this dtype and shape can take the ``"pairs"`` layout: bfloat16 with
     an even ``block_size`` and ``head_dim`` (the native kernels' bf16 products also need
     ``head_dim % 32 == 0`` to use it without unpacking rows), or int8 with both multiples of
-    16 and ``head_dim <= 512`` (the int16 products' runs and their int32 bound)."""
+    16 and ``head_dim <= 512`` (the int16 products' runs and their int32 bound), or float8
+    with a ``block_size`` multiple of 16 and a ``head_dim`` multiple of 32 up to 256 (read by
+    the bf16 pair products only, widened in registers)."""
     if dtype == torch.int8:
         return block_size % 16 == 0 and head_dim % 16 == 0 and head_dim <= 512
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return block_size % 16 == 0 and head_dim % 32 == 0 and head_dim <= 256
     return dtype == torch.bfloat16 and block_size % 2 == 0 and head_dim % 2 == 0
 
 

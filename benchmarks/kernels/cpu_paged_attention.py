@@ -150,7 +150,8 @@ def bench(name: str, pairs, args) -> None:
     step = steps[0]
     layout = args.kv_layout
     if layout == "auto":
-        layout = choose_kv_layout("cpu", step["k_cache"].dtype, args.block_size, [args.head_dim])
+        layout = choose_kv_layout("cpu", step["k_cache"].dtype, args.block_size, [args.head_dim],
+                                  compute_dtype=getattr(torch, args.dtype))
     native_steps = steps
     if layout == "pairs":
         native_steps = []

@@ -1013,10 +1013,11 @@ PS_BF16_TARGET void pack_v(KvQuant q, const void* const* vrow, int64_t c0, int64
 // s[m][0 .. 32) for MR rows by vdpbf16ps: each element one float32 accumulator over the head
 // dims' pairs in order. The 32 keys' K^T words come in two halves of 16: pair j of the first
 // half at k0 + j * ld0, of the second at k1 + j * ld1 (the packed K^T: ldk; a pair-layout cache
-// block read in place: block_size; a run of zeros: 0).
-template <int MR>
-PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const uint32_t* k0p,
-                                         int64_t ld0, const uint32_t* k1p, int64_t ld1,
+// block read in place: block_size; a run of zeros: 0), in words of a bf16 pair, or with Q a
+// float8 kind, of a float8 pair (2 bytes, widened to bf16 pairs in registers: load32_bf16).
+template <int MR, KvQuant Q = KvQuant::kNone>
+PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const void* k0p,
+                                         int64_t ld0, const void* k1p, int64_t ld1,
                                          float* s, int64_t ldk) {
   __m512 a0[MR], a1[MR];
   for (int m = 0; m < MR; ++m) {
@@ -1024,8 +1025,14 @@ PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const uin
     a1[m] = _mm512_setzero_ps();
   }
   for (int64_t j = 0; j < d / 2; ++j) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k0p + j * ld0);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(k1p + j * ld1);
+    __m512bh k0, k1;
+    if constexpr (Q == KvQuant::kNone) {
+      k0 = (__m512bh)_mm512_loadu_si512(static_cast<const uint32_t*>(k0p) + j * ld0);
+      k1 = (__m512bh)_mm512_loadu_si512(static_cast<const uint32_t*>(k1p) + j * ld1);
+    } else {
+      k0 = (__m512bh)load32_bf16<Q>(static_cast<const uint8_t*>(k0p) + 2 * j * ld0, 0, 0);
+      k1 = (__m512bh)load32_bf16<Q>(static_cast<const uint8_t*>(k1p) + 2 * j * ld1, 0, 0);
+    }
     for (int m = 0; m < MR; ++m) {
       int32_t pair;
       std::memcpy(&pair, q + m * d + 2 * j, sizeof(pair));
@@ -1044,11 +1051,11 @@ PS_BF16_TARGET PS_INLINE void qk_tile_dp(const uint16_t* q, int64_t d, const uin
 // two bf16 parts (softmax_rows_bf16): two float32 accumulators per element, the high part's
 // starting from acc and the low part's from 0, each over the pairs in order, added at the end.
 // One pass over V for both parts and every row of the tile; vpair[i] is the pair row of keys
-// 2i, 2i + 1 ([d][2] bf16: packed, or in place in a pair-layout cache block). Pumps the
-// prefetch queue every 32 keys.
-template <int MR>
+// 2i, 2i + 1 ([d][2] bf16: packed, or in place in a pair-layout cache block; with Q a float8
+// kind, [d][2] float8 in place, widened in registers). Pumps the prefetch queue every 32 keys.
+template <int MR, KvQuant Q = KvQuant::kNone>
 PS_BF16_TARGET PS_INLINE void pv_tile_dp(Scratch& s, const uint16_t* p, const uint16_t* plo,
-                                         int64_t ldk, const uint16_t* const* vpair, int64_t c0,
+                                         int64_t ldk, const void* const* vpair, int64_t c0,
                                          int64_t c1, int64_t e0, float* acc, int64_t d) {
   __m512 a0[MR], a1[MR], b0[MR], b1[MR];
   for (int m = 0; m < MR; ++m) {
@@ -1059,9 +1066,16 @@ PS_BF16_TARGET PS_INLINE void pv_tile_dp(Scratch& s, const uint16_t* p, const ui
   }
   for (int64_t t = c0; t < c1; t += 2) {
     if ((t - c0) % 32 == 0) s.pump();
-    const uint16_t* v = vpair[t / 2] + 2 * e0;
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(v);
-    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(v + 32);
+    __m512bh v0, v1;
+    if constexpr (Q == KvQuant::kNone) {
+      const uint16_t* v = static_cast<const uint16_t*>(vpair[t / 2]) + 2 * e0;
+      v0 = (__m512bh)_mm512_loadu_si512(v);
+      v1 = (__m512bh)_mm512_loadu_si512(v + 32);
+    } else {
+      const uint8_t* v = static_cast<const uint8_t*>(vpair[t / 2]) + 2 * e0;
+      v0 = (__m512bh)load32_bf16<Q>(v, 0, 0);
+      v1 = (__m512bh)load32_bf16<Q>(v + 32, 0, 0);
+    }
     for (int m = 0; m < MR; ++m) {
       int32_t hi, lo;
       std::memcpy(&hi, p + m * ldk + t, sizeof(hi));
@@ -1199,25 +1213,33 @@ PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, i
       pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
     }
   }
-  const uint32_t* zeros = reinterpret_cast<const uint32_t*>(s.zero);
-  const auto run = [&](int64_t t0, int64_t* ld) -> const uint32_t* {
+  // a pair-layout cache is read as stored: bf16 pairs, or float8 ones (2 bytes a word)
+  const KvQuant q = p.vnni ? p.kv_quant : KvQuant::kNone;
+  const int64_t word = q == KvQuant::kNone ? 4 : 2;
+  const auto run = [&](int64_t t0, int64_t* ld) -> const void* {
     if (!in_place) {
       *ld = ldk;
       return s.kp + t0;
     }
     if (t0 >= s.khi) {
       *ld = 0;
-      return zeros;
+      return s.zero;
     }
     *ld = bs;
-    return reinterpret_cast<const uint32_t*>(s.kblk[t0 / bs]) + t0 % bs;
+    return s.kblk[t0 / bs] + t0 % bs * word;
   };
   for (int64_t j0 = c0; j0 < c1p; j0 += 32) {
     int64_t ld0, ld1;
-    const uint32_t* k0 = run(j0, &ld0);
-    const uint32_t* k1 = run(j0 + 16, &ld1);
+    const void* k0 = run(j0, &ld0);
+    const void* k1 = run(j0 + 16, &ld1);
     for_row_tiles(rows, [&]<int MR>(int64_t m) PS_BF16_TARGET {
-      qk_tile_dp<MR>(s.q16 + m * d, d, k0, ld0, k1, ld1, s.s + m * ldk + j0, ldk);
+      const uint16_t* qm = s.q16 + m * d;
+      float* sm = s.s + m * ldk + j0;
+      switch (q) {
+        case KvQuant::kFp8E4m3: qk_tile_dp<MR, KvQuant::kFp8E4m3>(qm, d, k0, ld0, k1, ld1, sm, ldk); break;
+        case KvQuant::kFp8E5m2: qk_tile_dp<MR, KvQuant::kFp8E5m2>(qm, d, k0, ld0, k1, ld1, sm, ldk); break;
+        default: qk_tile_dp<MR>(qm, d, k0, ld0, k1, ld1, sm, ldk); break;
+      }
     });
     s.pump();
   }
@@ -1226,18 +1248,20 @@ PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, i
 PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                 int64_t c1) {
   const int64_t d = p.head_dim, ldk = p.ldk, bs = p.block_size;
-  const uint16_t** vpair = reinterpret_cast<const uint16_t**>(s.vrow);
+  const void** vpair = s.vrow;
+  const KvQuant q = p.vnni ? p.kv_quant : KvQuant::kNone;  // as chunk_qk_dp
   if (reads_in_place(p)) {
+    const int64_t es = q == KvQuant::kNone ? 2 : 1;  // bytes a value
     const int64_t hp = s.khi / 2;  // pairs [c0 / 2, hp) whole; an odd last key's pair next
     for (int64_t i = c0 / 2; i < hp; ++i) {
-      vpair[i] = reinterpret_cast<const uint16_t*>(s.vblk[2 * i / bs]) + (2 * i % bs) / 2 * 2 * d;
+      vpair[i] = s.vblk[2 * i / bs] + (2 * i % bs) / 2 * 2 * d * es;
     }
     if (s.khi % 2 == 1) {
-      const uint16_t* src =
-          reinterpret_cast<const uint16_t*>(s.vblk[2 * hp / bs]) + (2 * hp % bs) / 2 * 2 * d;
+      const char* src = s.vblk[2 * hp / bs] + (2 * hp % bs) / 2 * 2 * d * es;
+      char* dst = reinterpret_cast<char*>(s.vp);
       for (int64_t e = 0; e < d; ++e) {
-        s.vp[2 * e] = src[2 * e];
-        s.vp[2 * e + 1] = 0;
+        std::memcpy(dst + 2 * e * es, src + 2 * e * es, es);
+        std::memset(dst + (2 * e + 1) * es, 0, es);
       }
       vpair[hp] = s.vp;
     }
@@ -1251,8 +1275,18 @@ PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, i
   }
   for (int64_t e0 = 0; e0 < d; e0 += 32) {
     for_row_tiles(rows, [&]<int MR>(int64_t m) PS_BF16_TARGET {
-      pv_tile_dp<MR>(s, s.p16 + m * ldk, s.p16lo + m * ldk, ldk, vpair, c0, c1, e0, s.acc + m * d,
-                     d);
+      const uint16_t* hi = s.p16 + m * ldk;
+      const uint16_t* lo = s.p16lo + m * ldk;
+      float* am = s.acc + m * d;
+      switch (q) {
+        case KvQuant::kFp8E4m3:
+          pv_tile_dp<MR, KvQuant::kFp8E4m3>(s, hi, lo, ldk, vpair, c0, c1, e0, am, d);
+          break;
+        case KvQuant::kFp8E5m2:
+          pv_tile_dp<MR, KvQuant::kFp8E5m2>(s, hi, lo, ldk, vpair, c0, c1, e0, am, d);
+          break;
+        default: pv_tile_dp<MR>(s, hi, lo, ldk, vpair, c0, c1, e0, am, d); break;
+      }
     });
   }
 }
@@ -1877,9 +1911,13 @@ bool check_layout(int64_t kv_layout, const at::Tensor& c, const char* name) {
     TORCH_CHECK_VALUE(c.size(1) % 16 == 0 && (c.size(3) - 1) % 16 == 0 && c.size(3) - 1 <= 512,
                       name, ": kv_layout 1 on an int8 cache needs block_size and head_dim "
                       "multiples of 16 (head_dim <= 512), got ", c.sizes());
+  } else if (kv_quant_of(c.scalar_type()) != KvQuant::kNone) {
+    TORCH_CHECK_VALUE(c.size(1) % 16 == 0 && c.size(3) % 32 == 0 && c.size(3) <= 256, name,
+                      ": kv_layout 1 on a float8 cache needs a block_size multiple of 16 and "
+                      "a head_dim multiple of 32 (<= 256), got ", c.sizes());
   } else {
     TORCH_CHECK_VALUE(c.scalar_type() == at::kBFloat16, name, ": kv_layout 1 (pairs) needs a "
-                      "bfloat16 or int8 cache, got ", c.scalar_type());
+                      "bfloat16, int8 or float8 cache, got ", c.scalar_type());
     TORCH_CHECK_VALUE(c.size(1) % 2 == 0 && c.size(3) % 2 == 0, name, ": kv_layout 1 needs an "
                       "even block_size and head_dim, got ", c.sizes());
   }
@@ -1981,7 +2019,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   }
   const int64_t chunk = chunk_blocks * bs, split = split_blocks * bs;
   const int nthreads = std::max(1, at::get_num_threads());
-  const Path path = quant == KvQuant::kInt8 && vnni ? Path::kI8 : pick_path(active_isa(), dtype, d);
+  Path path = quant == KvQuant::kInt8 && vnni ? Path::kI8 : pick_path(active_isa(), dtype, d);
+  if (vnni && (quant == KvQuant::kFp8E4m3 || quant == KvQuant::kFp8E5m2)) {
+    // read as stored by the vdpbf16ps body only (the float8 pairs widened in registers)
+    TORCH_CHECK_VALUE(dtype == at::kBFloat16 && active_isa() >= Isa::kAvx512Bf16,
+                      "kv_layout 1 on a float8 cache needs bfloat16 queries on an avx512_bf16 "
+                      "or amx CPU step, got ", dtype, " on ", isa_name(active_isa()));
+    path = Path::kBf16Dp;
+  }
   // Decode items (fewer than 16 rows, the float32 body, a rows-layout cache, one chunk each)
   // run in units of all the KV heads of one (sequence, split), so a thread reads whole blocks
   // (attend_item_chunks: queue_rows), when there are units enough for every thread.
@@ -2174,26 +2219,28 @@ void quantize_rows(KvQuant q, const T* src, int64_t stride_head, int64_t hkv, in
   for (int64_t h = 0; h < hkv; ++h) quantize_row(q, src + h * stride_head, d, dst + h * dst_stride_head);
 }
 
-// Token `off` of a block of an int8 pair-layout cache (cpu_attention_i8.h): each head's row
-// quantized as quantize_row does, its values into K^T word (j, off) / V pair row off / 2, its
-// scale code after the bs * d values. kb, vb: the block's first byte.
+// Token `off` of a block of a quantized pair-layout cache (int8: cpu_attention_i8.h; float8:
+// the bf16 pair orders, a byte a value): each head's row quantized as quantize_row does, its
+// values into K^T word (j, off) / V pair row off / 2, an int8 row's scale code after the
+// bs * d values. kb, vb: the block's first byte.
 template <typename T>
-void quantize_rows_pairs(const T* k, int64_t k_stride_head, const T* v, int64_t v_stride_head,
-                         int64_t hkv, int64_t d, int64_t bs, int64_t off, uint8_t* kb,
-                         uint8_t* vb) {
-  uint8_t row[513];  // d <= 512 (check_layout) values + the scale code
+void quantize_rows_pairs(KvQuant q, const T* k, int64_t k_stride_head, const T* v,
+                         int64_t v_stride_head, int64_t hkv, int64_t d, int64_t bs, int64_t off,
+                         uint8_t* kb, uint8_t* vb) {
+  uint8_t row[513];  // d <= 512 (check_layout) values + an int8 row's scale code
+  const int64_t region = bs * (d + (q == KvQuant::kInt8 ? 1 : 0));  // one (block, KV head)
   for (int64_t h = 0; h < hkv; ++h) {
-    uint8_t* kh = kb + h * bs * (d + 1);
-    uint8_t* vh = vb + h * bs * (d + 1);
-    quantize_row(KvQuant::kInt8, k + h * k_stride_head, d, row);
+    uint8_t* kh = kb + h * region;
+    uint8_t* vh = vb + h * region;
+    quantize_row(q, k + h * k_stride_head, d, row);
     for (int64_t j = 0; j < d / 2; ++j) {
       kh[(j * bs + off) * 2] = row[2 * j];
       kh[(j * bs + off) * 2 + 1] = row[2 * j + 1];
     }
-    kh[bs * d + off] = row[d];
-    quantize_row(KvQuant::kInt8, v + h * v_stride_head, d, row);
+    if (q == KvQuant::kInt8) kh[bs * d + off] = row[d];
+    quantize_row(q, v + h * v_stride_head, d, row);
     for (int64_t e = 0; e < d; ++e) vh[((off / 2) * d + e) * 2 + off % 2] = row[e];
-    vh[bs * d + off] = row[d];
+    if (q == KvQuant::kInt8) vh[bs * d + off] = row[d];
   }
 }
 
@@ -2251,18 +2298,18 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
       const int64_t block = slot / bs, off = slot % bs;
       char* kdst = kc + (block * kc0 + off * kc1) * celem;
       char* vdst = vc + (block * vc0 + off * vc1) * celem;
-      if (quant == KvQuant::kInt8 && vnni) {
+      if (quant != KvQuant::kNone && vnni) {
         auto* kb = reinterpret_cast<uint8_t*>(kc) + block * kc0;
         auto* vb = reinterpret_cast<uint8_t*>(vc) + block * vc0;
         if (dtype == at::kFloat) {
-          quantize_rows_pairs(key.data_ptr<float>() + t * ks0, ks1,
+          quantize_rows_pairs(quant, key.data_ptr<float>() + t * ks0, ks1,
                               value.data_ptr<float>() + t * vs0, vs1, hkv, d, bs, off, kb, vb);
         } else if (dtype == at::kBFloat16) {
-          quantize_rows_pairs(key.data_ptr<c10::BFloat16>() + t * ks0, ks1,
+          quantize_rows_pairs(quant, key.data_ptr<c10::BFloat16>() + t * ks0, ks1,
                               value.data_ptr<c10::BFloat16>() + t * vs0, vs1, hkv, d, bs, off,
                               kb, vb);
         } else {
-          quantize_rows_pairs(key.data_ptr<c10::Half>() + t * ks0, ks1,
+          quantize_rows_pairs(quant, key.data_ptr<c10::Half>() + t * ks0, ks1,
                               value.data_ptr<c10::Half>() + t * vs0, vs1, hkv, d, bs, off, kb,
                               vb);
         }

@@ -216,24 +216,28 @@ class AttentionBackend:
 
 
 def choose_kv_layout(backend: str, kv_cache_dtype: torch.dtype, block_size: int,
-                     head_dims: list[int]) -> str:
+                     head_dims: list[int], compute_dtype: torch.dtype | None = None) -> str:
     """The KV cache layout for a model (and its draft model: ``head_dims`` has each one's).
 
     ``"pairs"`` (``kernels/kv_layout.py``) where the native CPU kernels' products read it in
-    place: the cpu backend and either an int8 cache (``block_size`` and every head_dim
-    multiples of 16: the integer products, on every CPU step) or a bfloat16 cache (an even
-    ``block_size``, every head_dim a multiple of 32 and a CPU step that has the bf16 products,
-    ``amx`` or ``avx512_bf16``); ``"rows"`` otherwise. ``CPU_KV_LAYOUT`` = ``"rows"`` keeps
-    rows everywhere, ``"pairs"`` takes pairs wherever the cache fits them, whatever the CPU
-    (the float32 body unpacks bf16 pairs: tests).
+    place: the cpu backend and an int8 cache (``block_size`` and every head_dim multiples of
+    16: the integer products, on every CPU step), or on a CPU step with the bf16 products
+    (``amx`` or ``avx512_bf16``) a bfloat16 cache (an even ``block_size``, every head_dim a
+    multiple of 32) or a float8 one under bfloat16 ``compute_dtype`` (``block_size`` a
+    multiple of 16, every head_dim of 32); ``"rows"`` otherwise. ``CPU_KV_LAYOUT`` =
+    ``"rows"`` keeps rows everywhere, ``"pairs"`` takes pairs wherever the cache fits them,
+    whatever the CPU (the float32 body unpacks bf16 pairs: tests).
     """
     from kernels.kv_layout import pairs_fit
+    from kernels.kv_quant import is_quantized
     int8 = kv_cache_dtype == torch.int8
+    float8 = is_quantized(kv_cache_dtype) and not int8
     if (backend != "cpu" or CPU_KV_LAYOUT == "rows"
+            or (float8 and compute_dtype != torch.bfloat16)
             or not all(pairs_fit(kv_cache_dtype, block_size, d) and (int8 or d % 32 == 0)
                        for d in head_dims)):
         return "rows"
-    if CPU_KV_LAYOUT == "pairs" or int8:
+    if int8 or (CPU_KV_LAYOUT == "pairs" and not float8):
         return "pairs"
     from kernels.cpu_attention import cpu_isa
     return "pairs" if cpu_isa() in ("amx", "avx512_bf16") else "rows"

@@ -209,7 +209,8 @@ class ModelRunner:
         # the caches' order inside a block (the draft's share the backend): before compiling
         backend.kv_layout = choose_kv_layout(
             backend.name, self.kv_cache_dtype, block_size,
-            [cfg.head_dim] + ([self.draft.head_dim] if self.draft is not None else []))
+            [cfg.head_dim] + ([self.draft.head_dim] if self.draft is not None else []),
+            compute_dtype=self.dtype)
         self.kv_layout = backend.kv_layout  # "rows" or "pairs" (kernels/kv_layout.py)
         self.sampler = Sampler()
         self.structured = (StructuredOutputs(lambda: load_tokenizer(model), self.vocab_size,

@@ -100,7 +100,7 @@ def test_pairs_attention_long_contexts_and_head_dims(isa):
 
 def test_pairs_layout_is_refused_where_it_does_not_fit():
     batch = make_batch(CASES["decode"], dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"kv_layout 1 .* needs a bfloat16 or int8 cache"):
+    with pytest.raises(ValueError, match=r"kv_layout 1 .* needs a bfloat16, int8 or float8 cache"):
         cpu_paged_attention(**batch, kv_layout="pairs")
     bf16 = make_batch(CASES["decode"], dtype=torch.bfloat16)
     combined = torch.stack([bf16["k_cache"], bf16["v_cache"]], dim=2)  # K/V interleaved
@@ -134,8 +134,13 @@ def test_choose_kv_layout(monkeypatch):
                                      ("cpu", torch.bfloat16, 16, [64, 80]),  # a draft's
                                      ("cpu", torch.bfloat16, 15, [64])]:
         assert choose_kv_layout(backend, dtype, bs, dims) == "rows", (backend, dtype, bs, dims)
-    # an int8 cache takes pairs on every CPU step (the integer products have every body)
+    # an int8 cache takes pairs on every CPU step (the integer products have every body); a
+    # float8 one where the bf16 products run, under bf16 compute only
     assert choose_kv_layout("cpu", torch.int8, 16, [64, 48]) == "pairs"
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert choose_kv_layout("cpu", fp8, 16, [64], compute_dtype=torch.bfloat16) == native
+        assert choose_kv_layout("cpu", fp8, 16, [64], compute_dtype=torch.float32) == "rows"
+        assert choose_kv_layout("cpu", fp8, 16, [48], compute_dtype=torch.bfloat16) == "rows"
     monkeypatch.setattr(attention, "CPU_KV_LAYOUT", "rows")
     assert choose_kv_layout("cpu", torch.bfloat16, 16, [64]) == "rows"
     assert choose_kv_layout("cpu", torch.int8, 16, [64]) == "rows"
@@ -154,14 +159,21 @@ def tiny_llama(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama-kv-layout"), hidden_size=128)
 
 
-def test_bf16_greedy_tokens_are_the_same_in_either_layout(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_bf16_greedy_tokens_are_the_same_in_either_layout(tiny_llama, monkeypatch,
+                                                          kv_cache_dtype):
     """Continuous batching with chunked prefill, a late arrival and a preemption (eager; the
     bf16 stack tests run the compiled forward on whichever layout the CPU gets): the pairs
-    layout gives the rows layout's greedy tokens exactly (its attention is bitwise the same),
+    layout gives the rows layout's greedy tokens exactly (its attention is bitwise the same;
+    a float8 cache's pairs are widened in registers, where the CPU has the bf16 products),
     and the runner reports the layout it took."""
+    from kernels.cpu_attention import cpu_isa
     from services.worker import attention
     from services.worker.model_runner import ModelRunner
     from tests.worker.test_model import NEW_TOKENS, drive_greedy
+
+    if kv_cache_dtype != "auto" and cpu_isa() not in ("amx", "avx512_bf16"):
+        pytest.skip("a float8 pairs cache is read by the bf16 products only")
 
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 40, 300)]
@@ -170,7 +182,7 @@ def test_bf16_greedy_tokens_are_the_same_in_either_layout(tiny_llama, monkeypatc
         monkeypatch.setattr(attention, "CPU_KV_LAYOUT", layout)
         runner = ModelRunner(str(tiny_llama), dtype="bfloat16", device="cpu",
                              kv_cache_memory=4 << 20, attention_backend="cpu",
-                             enforce_eager=True)
+                             enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
         assert runner.kv_layout == layout
         outputs[layout] = drive_greedy(runner, prompts, NEW_TOKENS, token_budget=64,
                                        arrivals=[0, 2, 0], preempt=(6, 1))

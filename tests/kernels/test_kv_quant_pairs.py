@@ -1,6 +1,7 @@
-"""An int8 KV cache in the "pairs" layout (``kernels/kv_layout.py``), read as stored by the
-native kernels' integer products (``kernels/csrc/cpu_attention_i8.h``): Q and P carried as
-int16 per row, each cache row's scale folded into the products' epilogue.
+"""Quantized KV caches in the "pairs" layout (``kernels/kv_layout.py``), read as stored.
+
+An int8 cache by the native kernels' integer products (``kernels/csrc/cpu_attention_i8.h``): Q
+and P carried as int16 per row, each cache row's scale folded into the products' epilogue.
 
 - attention matches the float64 reference over the dequantized cache on every body the CPU
   runs (scalar, AVX2, AVX512-VNNI), within float16's tolerance at float32 / float16 queries
@@ -9,6 +10,10 @@ int16 per row, each cache row's scale folded into the products' epilogue.
 - a row is bitwise the same alone, as a prefix-hit tail, in chunks and in a batch of many;
 - the native write is ``to_pairs`` of the rows write, and ``to_rows`` inverts ``to_pairs``;
 - caches that do not fit the layout are refused, naming the limit.
+
+A float8 cache by the ``vdpbf16ps`` body, its pairs widened to bf16 in registers: bitwise the
+rows cache's result (the same products in the same order), bf16 queries on an AVX512-BF16 / AMX
+step only (refused elsewhere).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from kernels import reference_paged_attention
 from kernels.cpu_attention import ISA_ENV, cpu_paged_attention, cpu_reshape_and_cache
 from kernels.kv_layout import pairs_fit, to_pairs, to_rows
 from kernels.kv_quant import quantize_kv
-from tests.kernels.cpu_isas import RUNNABLE_ISAS
+from tests.kernels.cpu_isas import ISA_ORDER, RUNNABLE_ISAS
 from tests.kernels.test_cpu_paged_attention import SPLITS, make_batch
 from tests.kernels.test_paged_attention import CASES, TOLERANCES
 
@@ -34,10 +39,10 @@ def _seed():
     torch.manual_seed(0)
 
 
-def quantized(batch: dict) -> tuple[dict, dict]:
-    """``batch`` with int8 caches: rows (for the reference) and pairs (for the kernel)."""
-    rows = {**batch, "k_cache": quantize_kv(batch["k_cache"], torch.int8),
-            "v_cache": quantize_kv(batch["v_cache"], torch.int8)}
+def quantized(batch: dict, cache_dtype: torch.dtype = torch.int8) -> tuple[dict, dict]:
+    """``batch`` with quantized caches: rows (for the reference) and pairs (for the kernel)."""
+    rows = {**batch, "k_cache": quantize_kv(batch["k_cache"], cache_dtype),
+            "v_cache": quantize_kv(batch["v_cache"], cache_dtype)}
     k, v = to_pairs(rows["k_cache"], rows["v_cache"])
     return rows, {**rows, "k_cache": k, "v_cache": v}
 
@@ -163,3 +168,57 @@ def test_refused_where_it_does_not_fit():
             cpu_reshape_and_cache(key[..., :shape[3] - 1], key[..., :shape[3] - 1], cache,
                                   cache.clone(), torch.zeros(1, dtype=torch.long),
                                   kv_layout="pairs")
+
+
+FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+BF16_ISAS = [i for i in RUNNABLE_ISAS if ISA_ORDER.index(i) >= ISA_ORDER.index("avx512_bf16")]
+
+
+@pytest.mark.skipif(not BF16_ISAS, reason="the float8 pairs need the bf16 products")
+@pytest.mark.parametrize("isa_name", BF16_ISAS)
+@pytest.mark.parametrize("splits", list(SPLITS))
+@pytest.mark.parametrize("cache", list(FP8))
+@pytest.mark.parametrize(("case", "block_size", "head_dim"),
+                         [("mixed", 16, 64), ("prefix_hits", 32, 128), ("vllm_mix", 64, 64)])
+def test_float8_pairs_are_bitwise_the_rows_read(monkeypatch, isa_name, case, block_size,
+                                                head_dim, cache, splits):
+    monkeypatch.setenv(ISA_ENV, isa_name)
+    rows, pairs = quantized(make_batch(CASES[case], num_heads=6, num_kv_heads=2,
+                                       block_size=block_size, head_dim=head_dim,
+                                       dtype=torch.bfloat16), FP8[cache])
+    kw = {"split_keys": SPLITS[splits]}
+    out = attend(pairs, **kw)
+    assert torch.equal(out, cpu_paged_attention(**rows, **kw))
+    check(out, rows)
+
+
+@pytest.mark.parametrize("cache", list(FP8))
+def test_float8_pairs_write_is_to_pairs_of_the_rows_write(cache):
+    nb, bs, hkv, d, n = 6, 16, 2, 64, 40
+    key, value = (torch.randn(2, n, hkv, d) * 30).to(torch.bfloat16)
+    slots = torch.randperm(nb * bs)[:n]
+    slots[::5] = -1
+    k_rows = quantize_kv(torch.randn(nb, bs, hkv, d), FP8[cache])
+    v_rows = quantize_kv(torch.randn(nb, bs, hkv, d), FP8[cache])
+    k_pairs, v_pairs = to_pairs(k_rows, v_rows)
+    cpu_reshape_and_cache(key, value, k_rows, v_rows, slots)
+    cpu_reshape_and_cache(key, value, k_pairs, v_pairs, slots, kv_layout="pairs")
+    k_exp, v_exp = to_pairs(k_rows, v_rows)
+    assert torch.equal(k_pairs.view(torch.uint8), k_exp.view(torch.uint8))
+    assert torch.equal(v_pairs.view(torch.uint8), v_exp.view(torch.uint8))
+
+
+def test_float8_pairs_are_refused_where_the_bf16_products_cannot_read_them(monkeypatch):
+    assert pairs_fit(torch.float8_e4m3fn, 16, 64) and not pairs_fit(torch.float8_e5m2, 16, 48)
+    assert not pairs_fit(torch.float8_e5m2, 8, 64) and not pairs_fit(torch.float8_e4m3fn, 16, 512)
+    _, pairs = quantized(make_batch(CASES["decode"], dtype=torch.float32), torch.float8_e5m2)
+    with pytest.raises(ValueError, match="float8 cache needs bfloat16 queries"):
+        attend(pairs)
+    _, pairs = quantized(make_batch(CASES["decode"], dtype=torch.bfloat16), torch.float8_e5m2)
+    monkeypatch.setenv(ISA_ENV, "scalar")
+    with pytest.raises(ValueError, match="float8 cache needs bfloat16 queries"):
+        attend(pairs)
+    odd = torch.zeros(4, 16, 2, 48, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="head_dim multiple of 32"):
+        cpu_reshape_and_cache(torch.zeros(1, 2, 48), torch.zeros(1, 2, 48), odd, odd.clone(),
+                              torch.zeros(1, dtype=torch.long), kv_layout="pairs")
