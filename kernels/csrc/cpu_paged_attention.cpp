@@ -308,6 +308,12 @@ enum class Path : int { kF32 = 0, kBf16Dp = 1, kAmx = 2, kI8 = 3 };
 // chunk): whole 16-key runs of K^T words lie in one block when block_size % 16 == 0.
 PS_INLINE bool reads_in_place(const AttnParams& p) { return p.vnni && p.block_size % 16 == 0; }
 
+// Whether the kBf16Dp body widens a float8 pair-layout chunk into its packed buffers first
+// (tiles of more than 4 rows: prefill), instead of widening each run in place per row tile.
+PS_INLINE bool widens_f8(const AttnParams& p, int64_t rows) {
+  return p.vnni && rows > 4 && (p.kv_quant == KvQuant::kFp8E4m3 || p.kv_quant == KvQuant::kFp8E5m2);
+}
+
 // 64-byte aligned per-thread buffers of one item (sized for the call's largest item), carved
 // out of one thread-local allocation that only ever grows (no allocation per layer call).
 struct Scratch {
@@ -1196,6 +1202,38 @@ PS_BF16_TARGET void softmax_rows_bf16(Scratch& s, int64_t rows, int64_t ldk, int
   }
 }
 
+// A float8 pair-layout chunk widened once into the packed bf16 buffers (a tile of more than 4
+// rows would widen each run once per 4 rows in place): K^T words of the chunk's columns
+// [c0, c1p) into kp (runs at or past khi zero), V's pair rows [c0 / 2, c1 / 2) into vp (pairs
+// past khi zero, the odd half of an odd last key's pair zero).
+template <KvQuant Q>
+PS_BF16_TARGET void widen_f8_pairs(const Scratch& s, int64_t bs, int64_t d, int64_t c0,
+                                   int64_t c1, int64_t c1p, uint32_t* kp, int64_t ldk,
+                                   uint16_t* vp) {
+  for (int64_t t0 = c0; t0 < c1p; t0 += 16) {
+    const uint8_t* run = t0 < s.khi
+        ? reinterpret_cast<const uint8_t*>(s.kblk[t0 / bs]) + t0 % bs * 2 : nullptr;
+    for (int64_t j = 0; j < d / 2; ++j) {
+      const __m512i w = run != nullptr ? load32_bf16<Q>(run + 2 * j * bs, 0, 0)
+                                       : _mm512_setzero_si512();
+      _mm512_storeu_si512(kp + j * ldk + t0, w);
+    }
+  }
+  for (int64_t i = c0 / 2; i < c1 / 2; ++i) {
+    uint16_t* dst = vp + i * 2 * d;
+    if (2 * i >= s.khi) {
+      std::fill(dst, dst + 2 * d, uint16_t{0});
+      continue;
+    }
+    const uint8_t* src =
+        reinterpret_cast<const uint8_t*>(s.vblk[2 * i / bs]) + (2 * i % bs) / 2 * 2 * d;
+    for (int64_t e = 0; e < 2 * d; e += 32) _mm512_storeu_si512(dst + e, load32_bf16<Q>(src + e, 0, 0));
+    if (2 * i + 1 == s.khi) {
+      for (int64_t e = 0; e < d; ++e) dst[2 * e + 1] = 0;
+    }
+  }
+}
+
 // The chunk's two products on the kBf16Dp and kAmx paths (plain calls from the chunk loop).
 // In place (reads_in_place): the 16-key runs of K^T come from their blocks, runs at or past
 // the chunk's last key read as zeros; V's pair rows from their blocks, the pair of an odd last
@@ -1205,16 +1243,22 @@ PS_BF16_TARGET void softmax_rows_bf16(Scratch& s, int64_t rows, int64_t ldk, int
 PS_BF16_TARGET void chunk_qk_dp(const AttnParams& p, Scratch& s, int64_t rows, int64_t c0,
                                 int64_t c1p) {
   const int64_t d = p.head_dim, ldk = p.ldk, bs = p.block_size;
-  const bool in_place = reads_in_place(p);
+  const bool in_place = reads_in_place(p) && !widens_f8(p, rows);
   if (!in_place) {
-    if (p.vnni) {
+    if (widens_f8(p, rows)) {  // (both K^T and V, once per chunk)
+      if (p.kv_quant == KvQuant::kFp8E4m3) {
+        widen_f8_pairs<KvQuant::kFp8E4m3>(s, bs, d, c0, c1p, c1p, s.kp, ldk, s.vp);
+      } else {
+        widen_f8_pairs<KvQuant::kFp8E5m2>(s, bs, d, c0, c1p, c1p, s.kp, ldk, s.vp);
+      }
+    } else if (p.vnni) {
       copy_k_vnni(s.kblk, bs, s.klo, s.khi, c0, c1p, d, s.kp, ldk);
     } else {
       pack_k(p.kv_quant, s.krow, c0, c1p, d, s.kp, ldk);
     }
   }
-  // a pair-layout cache is read as stored: bf16 pairs, or float8 ones (2 bytes a word)
-  const KvQuant q = p.vnni ? p.kv_quant : KvQuant::kNone;
+  // a pair-layout cache read in place as stored: bf16 pairs, or float8 ones (2 bytes a word)
+  const KvQuant q = in_place ? p.kv_quant : KvQuant::kNone;
   const int64_t word = q == KvQuant::kNone ? 4 : 2;
   const auto run = [&](int64_t t0, int64_t* ld) -> const void* {
     if (!in_place) {
@@ -1249,8 +1293,11 @@ PS_BF16_TARGET void chunk_pv_dp(const AttnParams& p, Scratch& s, int64_t rows, i
                                 int64_t c1) {
   const int64_t d = p.head_dim, ldk = p.ldk, bs = p.block_size;
   const void** vpair = s.vrow;
-  const KvQuant q = p.vnni ? p.kv_quant : KvQuant::kNone;  // as chunk_qk_dp
-  if (reads_in_place(p)) {
+  const bool in_place = reads_in_place(p) && !widens_f8(p, rows);
+  const KvQuant q = in_place ? p.kv_quant : KvQuant::kNone;  // as chunk_qk_dp
+  if (widens_f8(p, rows)) {  // chunk_qk_dp widened V's pair rows into vp
+    for (int64_t i = c0 / 2; i < c1 / 2; ++i) vpair[i] = s.vp + i * 2 * d;
+  } else if (in_place) {
     const int64_t es = q == KvQuant::kNone ? 2 : 1;  // bytes a value
     const int64_t hp = s.khi / 2;  // pairs [c0 / 2, hp) whole; an odd last key's pair next
     for (int64_t i = c0 / 2; i < hp; ++i) {
