@@ -13,7 +13,8 @@ as two small matrix products, ``S = Q K^T`` and ``acc += P V``, with a float32 o
 between them (FlashAttention-2, Dao 2023): for bf16, AMX tiles through ATen's
 ``cpublas::brgemm`` on a CPU with AMX, ``vdpbf16ps`` on AVX512-BF16; float32 FMA tiles
 otherwise; over an int8 ``"pairs"`` cache, integer products on the int8 values as stored (Q and
-P as int16, each row's scale in the epilogue: ``csrc/cpu_attention_i8.h``). With a sliding
+P as int16, each row's scale in the epilogue: ``csrc/cpu_attention_i8.h``); over a float8
+``"pairs"`` cache, the ``vdpbf16ps`` products on its pairs widened in registers. With a sliding
 window an item's keys start at the block of its first row's window, so out-of-window blocks are
 skipped (never read). Long contexts are split over KV ranges cut at fixed positions (every
 ``split_keys`` keys) and merged (flash-decoding, Dao et al. 2023). The block-table cache is

@@ -23,7 +23,8 @@ Rows are dequantized to the query's dtype before the products (the float32 value
 to it), so attention over a quantized cache is attention over its dequantized values; except
 an int8 cache in the ``"pairs"`` layout on the native CPU kernels (``kernels/kv_layout.py``),
 read as stored by integer products (``csrc/cpu_attention_i8.h``: Q and P as int16, the row
-scales in the epilogues), within float16's tolerance of that.
+scales in the epilogues), within float16's tolerance of that; a float8 ``"pairs"`` cache is
+widened in registers to the same bf16 values the rows read gives.
 """
 
 from __future__ import annotations

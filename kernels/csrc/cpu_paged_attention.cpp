@@ -21,7 +21,9 @@
 //                     [bs / 2][head_dim][2], the operand layout of the bf16 pair products
 //                     (VNNI-2), so attention copies whole rows instead of transposing
 //                     an int8 cache in kv_layout 1: the same orders of int8 values, each
-//                     followed by the (block, KV head)'s bs scale codes (cpu_attention_i8.h)
+//                     followed by the (block, KV head)'s bs scale codes (cpu_attention_i8.h);
+//                     a float8 one: the same orders, a byte a value, widened to bf16 pairs in
+//                     registers by the kBf16Dp body (bf16 queries on avx512_bf16 / amx only)
 //   block_tables      [num_seqs, max_blocks] int32;  seq_lens [num_seqs] int32;
 //   query_start_loc   [num_seqs + 1] int32
 //
