@@ -207,10 +207,9 @@ class ModelRunner:
         self.ngram, self.draft = self._build_proposer(speculative, backend)
         draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
         # the caches' order inside a block (the draft's share the backend): before compiling
-        backend.kv_layout = choose_kv_layout(
-            backend.name, self.kv_cache_dtype, block_size,
-            [cfg.head_dim] + ([self.draft.head_dim] if self.draft is not None else []),
-            compute_dtype=self.dtype)
+        head_dims = [cfg.head_dim] + ([self.draft.head_dim] if self.draft is not None else [])
+        backend.kv_layout = choose_kv_layout(backend.name, self.kv_cache_dtype, block_size,
+                                             head_dims, compute_dtype=self.dtype)
         self.kv_layout = backend.kv_layout  # "rows" or "pairs" (kernels/kv_layout.py)
         self.sampler = Sampler()
         self.structured = (StructuredOutputs(lambda: load_tokenizer(model), self.vocab_size,
