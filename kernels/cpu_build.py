@@ -31,7 +31,8 @@ import torch
 NAME = "pagedserve_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "cpu_paged_attention.cpp", CSRC / "cpu_linear.cpp", CSRC / "cpu_rotary.cpp",
-           CSRC / "cpu_argmax.cpp", CSRC / "cpu_int8_linear.cpp", CSRC / "cpu_a8_linear.cpp"]
+           CSRC / "cpu_argmax.cpp", CSRC / "cpu_int8_linear.cpp", CSRC / "cpu_a8_linear.cpp",
+           CSRC / "cpu_threads.cpp"]
 HEADERS = [CSRC / "cpu_isa.h", CSRC / "cpu_math.h", CSRC / "cpu_epilogue.h",
            CSRC / "cpu_vnni.h", CSRC / "cpu_attention_i8.h"]
 # NOTE: -fopenmp on both sides links libgomp.so.1, the same soname as the libgomp torch's CPU

@@ -39,6 +39,8 @@ from services.cli.flags import serve_parser
     (["--max-loras", "0"], "argument --max-loras: must be >= 1, got 0"),
     (["--max-lora-rank", "0"], "argument --max-lora-rank: must be >= 1, got 0"),
     (["--lora-modules", "sql"], "argument --lora-modules: expected name=path or a JSON object"),
+    (["--cpu-threads", "0"], "argument --cpu-threads: must be >= 1, got 0"),
+    (["--cpu-bind", "0-1|3-2"], "argument --cpu-bind: '3-2' is not a CPU range N-M"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -147,6 +149,23 @@ def test_serve_passes_served_model_names_and_max_logprobs_to_the_router(monkeypa
 
 ENGINE_LIMITS = {"--block-size": "32", "--max-num-seqs": "8", "--max-num-batched-tokens": "128",
                  "--max-model-len": "512"}
+
+
+def test_serve_passes_the_cpu_flags_to_the_worker_and_reads_vllms_bind(monkeypatch):
+    from services.cli.flags import forwarded_argv
+
+    ns = serve_parser().parse_args(["--cpu-threads", "3", "--cpu-bind", "0-2",
+                                    "--no-cpu-adaptive-threads"])
+    argv = forwarded_argv("worker", ns)
+    assert argv[argv.index("--cpu-threads") + 1] == "3"
+    assert argv[argv.index("--cpu-bind") + 1] == "0-2"
+    assert "--no-cpu-adaptive-threads" in argv
+    assert "--cpu-bind" not in forwarded_argv("scheduler", ns)
+    assert "--cpu-bind" not in forwarded_argv("worker", serve_parser().parse_args([]))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|2-3")
+    assert serve_parser().parse_args([]).cpu_bind == "0-1|2-3"
+    monkeypatch.setenv("PAGEDSERVE_CPU_BIND", "auto")  # ours wins
+    assert serve_parser().parse_args([]).cpu_bind == "auto"
 
 
 def test_serve_passes_the_engine_limits_to_worker_and_scheduler():

@@ -130,10 +130,15 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module, backend: Any, block_size: int,
                  kv_cache_dtype: torch.dtype | None = None) -> None:
+        import torch._inductor.config as inductor_config
         import torch.fx.experimental._config as fx_config
 
         fx_config.backed_size_oblivious = True
         fx_config.use_duck_shape = False
+        # Inductor's C++ loops take the thread count at run time (omp_get_max_threads), not
+        # the one at compile time: the worker lowers it while other load takes its cores
+        # (services/worker/cpu_governor.py), and one artifact serves any --cpu-threads.
+        inductor_config.cpp.dynamic_threads = True
         backend.load()
         self.model = model
         self.key = artifact_key(model, backend.name, block_size, kv_cache_dtype,

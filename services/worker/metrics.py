@@ -6,7 +6,9 @@
 - ``pagedserve:worker_batch_requests{rank}``: sequences per step;
 - ``pagedserve:worker_weights_bytes{rank}``, ``pagedserve:worker_kv_cache_bytes{rank}``,
   ``pagedserve:worker_peak_activation_bytes{rank}``: what the rank's memory goes to, set once
-  at start (``services/worker/memory_report.py``).
+  at start (``services/worker/memory_report.py``);
+- ``pagedserve:worker_cpu_threads{rank}``: the OpenMP threads the forward uses now
+  (``services/worker/cpu_threads.py``, ``cpu_governor.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ class WorkerMetrics:
             "pagedserve:worker_batch_requests", "Sequences per step.", labels,
             buckets=REQUEST_BUCKETS, registry=self.registry).labels(str(rank))
         self.rank = str(rank)
+        self.cpu_threads = Gauge(
+            "pagedserve:worker_cpu_threads", "OpenMP threads this rank's forward uses now (a "
+            "CPU worker; fewer while other load takes its cores).", labels,
+            registry=self.registry)  # (labelled when set)
         # (labelled when set: a gauge never set, e.g. an unmeasured peak, is not exported)
         self.memory = {name: Gauge(f"pagedserve:worker_{name}", what, labels,
                                    registry=self.registry)
@@ -44,6 +50,11 @@ class WorkerMetrics:
                            ("kv_cache_bytes", "Bytes of this rank's KV cache."),
                            ("peak_activation_bytes", "Peak bytes of the activations of this "
                                                      "rank's largest (dummy) step."))}
+
+    def set_cpu_threads(self, threads: int) -> None:
+        """The OpenMP threads the forward uses now (``cpu_threads.CpuPlan.threads``, lowered by
+        the governor while other load takes the cores)."""
+        self.cpu_threads.labels(self.rank).set(threads)
 
     def set_memory(self, report) -> None:
         """Set the memory gauges from a ``memory_report.MemoryReport``."""

@@ -36,6 +36,8 @@ from services.common.speculative import SpeculativeConfig
 from services.common.step import StepInput
 from services.common.step_wire import step_from_pb, step_output_to_pb
 from services.common.tls import add_tls_flags, tls_from_args
+from services.worker.cpu_governor import ThreadGovernor, governor_for
+from services.worker.cpu_threads import cpu_bind_flag, pin_threads, plan_from_args, set_threads
 from services.worker.lora import LoRAConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.pooler_config import RUNNERS, PoolerConfig
@@ -126,8 +128,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
 
     def __init__(self, runner, info: worker_pb2.GetWorkerInfoResponse,
                  fatal: asyncio.Event | None = None, metrics: WorkerMetrics | None = None,
-                 executor: ThreadPoolExecutor | None = None):
+                 executor: ThreadPoolExecutor | None = None,
+                 governor: ThreadGovernor | None = None):
         self.runner = runner
+        self._governor = governor  # (the thread-count governor, around each step)
         self.info = info
         speculative = getattr(runner, "speculative", None)  # (SpeculativeConfig | None)
         self.speculative_config = speculative.to_json() if speculative is not None else ""
@@ -137,6 +141,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
         # One thread: steps must run in order, and torch uses its own intra-op threads. Pass
         # the thread that built the runner (see forward_thread()).
         self._executor = executor or forward_thread()
+
+    def _run_step(self, step: StepInput):
+        """One step on the forward thread, with the governor around it when there is one."""
+        if self._governor is None:
+            return self.runner.execute_step(step)
+        return self._governor.run(self.runner.execute_step, step)
 
     async def GetWorkerInfo(self, request, context):
         refused = limits_refused(request, self.info, self.speculative_config)
@@ -166,7 +176,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                               extra={"request_id": r.request_id})
             t0 = time.perf_counter()
             try:
-                out = await loop.run_in_executor(self._executor, self.runner.execute_step, step)
+                out = await loop.run_in_executor(self._executor, self._run_step, step)
             except Exception as e:  # a bug or OOM in the forward: fail the stream loudly
                 log.exception("step %d failed", msg.step_id)
                 if self.fatal is not None:
@@ -293,6 +303,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help='speculative decoding as JSON, vLLM\'s fields, e.g. {"method": "ngram", '
                   '"num_speculative_tokens": 4} or {"model": DRAFT, "num_speculative_tokens": '
                   '4}; the scheduler must have the same (services/common/speculative.py)')
+    add_flag(p, "--cpu-threads", type=int_in(1), default=None,
+             help="OpenMP threads of a CPU worker (default: the CPUs its affinity mask and "
+                  "cgroup CPU quota allow, shared between this host's ranks; "
+                  "services/worker/cpu_threads.py)")
+    add_flag(p, "--cpu-bind", type=cpu_bind_flag,
+             default=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+             help="pin the OpenMP threads one per core: auto (the CPUs this rank may use), a "
+                  "list such as 0-3 (split between this host's ranks) or 0-1|2-3 (one per "
+                  "rank), or none; the worker's other threads move to the cores left. vLLM's "
+                  "VLLM_CPU_OMP_THREADS_BIND is read too")
+    add_flag(p, "--cpu-adaptive-threads", action=argparse.BooleanOptionalAction, default=True,
+             help="use fewer OpenMP threads while other processes take the worker's cores, "
+                  "all again once they leave (services/worker/cpu_governor.py; off with "
+                  "--batch-invariant)")
     add_tls_flags(p)
     add_shutdown_flags(p)
     add_log_flags(p)
@@ -471,12 +495,18 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         raise ValueError(f"{world_size(args)} ranks and no --rank: give the rank this process "
                          "serves, or start them all with `pagedserve worker`")
     forward = forward_thread()
-    report = None
+    report = governor = None
     if runner is None:
         loop = asyncio.get_running_loop()
+        plan = plan_from_args(args)  # (a ValueError names the flag)
+        await loop.run_in_executor(forward, set_threads, plan)
         runner = await loop.run_in_executor(forward, build_runner, args)
         from services.worker.memory_report import measure
         report = await loop.run_in_executor(forward, measure, runner)
+        if plan.bind is not None:  # (after warm-up: compile workers would inherit one core)
+            await loop.run_in_executor(forward, pin_threads, plan)
+        governor = await loop.run_in_executor(forward, governor_for, plan, runner,
+                                              args.cpu_adaptive_threads)
     server, port, health = await new_server(args.host, args.port, tls=tls_from_args(args))
     args.port = port
     fatal = asyncio.Event() if getattr(runner, "parallel", None) else None
@@ -484,7 +514,10 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
     metrics = WorkerMetrics(rank=info.rank)
     if report is not None:
         metrics.set_memory(report)
-    servicer = WorkerServicer(runner, info, fatal, metrics, forward)
+        metrics.set_cpu_threads(plan.threads)
+    if governor is not None:
+        governor.on_change = metrics.set_cpu_threads
+    servicer = WorkerServicer(runner, info, fatal, metrics, forward, governor)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     await server.start()
     metrics_server = start_metrics_server(metrics.registry, args.metrics_host or args.host,

@@ -190,6 +190,20 @@ def test_cuda_tp4_three_replicas(tmp_path):
     assert _by_kind(objects, "StatefulSet")["spec"]["replicas"] == 3
 
 
+def test_the_engine_pod_is_guaranteed_qos_with_whole_cpus(tmp_path):
+    """requests == limits, whole CPUs, in every container of the engine pod: Kubernetes' static
+    CPU manager then gives the worker cores of its own, and its CPU limit (the cgroup's quota)
+    sizes its OpenMP threads (services/worker/cpu_threads.py)."""
+    sts = _by_kind(_objects(_render(tmp_path)), "StatefulSet", "-engine")
+    for c in sts["spec"]["template"]["spec"]["containers"]:
+        res = c["resources"]
+        assert res["requests"] == res["limits"], c["name"]
+        assert float(res["limits"]["cpu"]).is_integer(), c["name"]
+    worker = next(c for c in sts["spec"]["template"]["spec"]["containers"]
+                  if c["name"] == "worker")
+    assert worker["resources"]["limits"]["cpu"] == "2"
+
+
 def test_router_finds_engines_through_the_headless_service(tmp_path):
     objects = _objects(_render(tmp_path))
     headless = _by_kind(objects, "Service", "-engine")
