@@ -55,10 +55,20 @@ def _stop(proc) -> None:
 
 
 def _cgroup_with_one_cpu() -> Path:
-    """A new cgroup (v2, else v1's cpu hierarchy) with a quota of 1 CPU; skips with the
-    reason where this process cannot make one."""
+    """A new cgroup (v2, else v1's cpu hierarchy) with a quota of 1 CPU that a process can
+    join; skips with the reason where this process cannot make one."""
     if os.geteuid() != 0:
         pytest.skip("making a cgroup needs root")
+    cg = _make_cgroup()
+    joined = subprocess.run(["sh", "-c", f"echo $$ > {cg}/cgroup.procs"], capture_output=True,
+                            text=True)
+    if joined.returncode != 0:
+        cg.rmdir()
+        pytest.skip(f"a process cannot join a new cgroup here: {joined.stderr.strip()}")
+    return cg
+
+
+def _make_cgroup() -> Path:
     name = f"pagedserve-test-{uuid.uuid4().hex[:8]}"
     v2 = Path("/sys/fs/cgroup")
     try:
