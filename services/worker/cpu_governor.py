@@ -176,9 +176,5 @@ def governor_for(plan, runner, adaptive: bool,
     except (RuntimeError, OSError, ValueError, IndexError) as e:
         log.warning("a fixed %d OpenMP threads (cannot watch them: %s)", plan.threads, e)
         return None
-    return ThreadGovernor(plan.threads, tids, cpus, _torch_set_num_threads, on_change)
-
-
-def _torch_set_num_threads(threads: int) -> None:
     import torch
-    torch.set_num_threads(threads)
+    return ThreadGovernor(plan.threads, tids, cpus, torch.set_num_threads, on_change)
