@@ -74,7 +74,7 @@ REQUESTS = [
 
 
 def spec_config(mode: str, k: int):
-    from services.common.speculative import SpeculativeConfig
+    from services.common.spec_decode_config import SpeculativeConfig
 
     if mode == "off":
         return None
@@ -145,7 +145,7 @@ def main() -> None:
     import torch
     from compare import workload
 
-    from services.common.speculative import SpeculativeConfig
+    from services.common.spec_decode_config import SpeculativeConfig
     from services.router.tokenizer import load_tokenizer
     from services.worker.model_runner import ModelRunner
 

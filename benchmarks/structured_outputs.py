@@ -49,7 +49,7 @@ def compile_times(schemas: dict[str, dict], lltok, repeat: int) -> dict[str, dic
     """Per schema, milliseconds (medians): router cold / cached, worker cold / cached."""
     import llguidance
 
-    from services.router.structured_outputs import GrammarCache, build_grammar
+    from services.router.structured_output_grammar import GrammarCache, build_grammar
 
     def ms(fn) -> float:
         times = []
@@ -122,7 +122,7 @@ def main() -> None:
     import llguidance.hf
 
     from services.common.tokenizer_loading import load_tokenizer
-    from services.router.structured_outputs import build_grammar
+    from services.router.structured_output_grammar import build_grammar
     from services.worker.model_runner import ModelRunner
 
     tokenizer = load_tokenizer(args.model)

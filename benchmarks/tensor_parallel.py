@@ -35,8 +35,12 @@ def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
 
     from services.common.sampling_params import EngineSamplingParams
     from services.common.step import CachedRequest, NewRequest, StepInput
-    from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
     from services.worker.model_runner import ModelRunner
+    from services.worker.parallel.distributed import (
+        ParallelConfig,
+        destroy_distributed,
+        init_distributed,
+    )
 
     torch.set_num_threads(ns["threads"])
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

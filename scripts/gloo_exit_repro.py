@@ -22,7 +22,7 @@ def _rank(rank: int, world: int, port: int, destroy: bool) -> None:
     import torch
     import torch.distributed as dist
 
-    from services.worker.distributed import destroy_distributed
+    from services.worker.parallel.distributed import destroy_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

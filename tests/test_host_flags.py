@@ -12,7 +12,7 @@ from services.cli.flags import forwarded_argv, serve_parser
 from services.cli.launcher import run_stack
 from services.cli.ranks import local_ranks
 from services.worker import server as worker_server
-from services.worker.rendezvous import rendezvous_address
+from services.worker.parallel.rendezvous import rendezvous_address
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -5,7 +5,8 @@ Rank r runs ``pagedserve worker --rank r --world-size N*M --port PORT+r`` (every
 given) with ``MASTER_ADDR=127.0.0.1`` and a fresh ``MASTER_PORT``. Several hosts
 (``--nnodes K --node-rank k --dist-init-addr HOST:PORT``, SGLang's flags): each host runs
 this launcher for its N*M/K ranks (``local_ranks``), the i-th of them on ``PORT + i``, and
-they all meet at rank 0's store on HOST:PORT (``services/worker/rendezvous.py``). Each host's
+they all meet at rank 0's store on HOST:PORT (``services/worker/parallel/rendezvous.py``). Each
+host's
 launcher supervises its own ranks; a rank on another host that dies is noticed by the
 heartbeat (or a failing collective) within ``--distributed-timeout``, so every rank of the
 group exits and each host restarts its own. The ranks are one unit of

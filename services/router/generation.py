@@ -6,11 +6,12 @@ GenerateResponses: incremental detokenization and stop-string matching per choic
 that choice's engine request), and a final message per choice with finish_reason and usage. If
 the caller stops listening (client cancelled) or a choice fails, every running choice is aborted
 so the engine frees its blocks. A beam search (``use_beam_search``) is one engine request whose
-final output holds all n choices (``services.router.beam_search``); it is aborted the same way.
+final output holds all n choices (``services.router.beam_search_choices``); it is aborted the
+same way.
 
 Structured outputs: a request with ``structured_outputs`` first waits for its grammar
-(``services.router.structured_outputs``: cached, else compiled on a worker thread while the loop
-serves others; vLLM's WAITING_FOR_GRAMMAR, here before submission), then every choice is
+(``services.router.structured_output_grammar``: cached, else compiled on a worker thread while
+the loop serves others; vLLM's WAITING_FOR_GRAMMAR, here before submission), then every choice is
 submitted with it in ``EngineSamplingParams.structured_output``. An invalid grammar ends the
 call before anything is submitted, so it never holds KV blocks.
 
@@ -36,10 +37,10 @@ from services.common.logs import log_access
 from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
-from services.router.beam_search import BeamSearch
+from services.router.beam_search_choices import BeamSearch
 from services.router.choices import Choice, child_params, child_request_id
 from services.router.replicas import ReplicaSet
-from services.router.structured_outputs import compile_structured_outputs
+from services.router.structured_output_grammar import compile_structured_outputs
 from services.router.tokenizer import encode_chat, encode_prompt
 from services.router.validation import (
     MAX_LOGPROBS,
@@ -257,7 +258,7 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
     with its own message carrying finish_reason and that choice's usage. The generator ends
     after all n choices ended. A beam search (``params.beam_width`` > 0) submits one engine
     request, id ``req.request_id``, and yields its n choices' single messages at its end
-    (``services.router.beam_search``).
+    (``services.router.beam_search_choices``).
 
     If any choice fails in the engine, or the caller stops listening (client cancelled), every
     choice still running is aborted in the engine so none keeps KV blocks.

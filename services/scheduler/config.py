@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.speculative import SpeculativeConfig
+from services.common.spec_decode_config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 

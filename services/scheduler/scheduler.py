@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from itertools import chain
 
 from services.common.step import CachedRequest, NewRequest
-from services.scheduler.beam_scheduling import BeamScheduler
+from services.scheduler.beam_search_groups import BeamScheduler
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs

@@ -21,7 +21,7 @@ from services.common.logs import add_log_flags
 from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2
 from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain, wait_until
-from services.common.speculative import speculative_config_arg
+from services.common.spec_decode_config import speculative_config_arg
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.scheduler.config import SCHEDULING_POLICIES, SchedulerConfig
 from services.scheduler.engine import Engine

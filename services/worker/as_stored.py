@@ -24,7 +24,7 @@ from services.worker.int4_checkpoints import Int4Config, read_int4_modules
 from services.worker.models.gemma3 import Gemma3Config
 from services.worker.models.llama import LlamaConfig
 from services.worker.packed_linear import takes_silu_mul
-from services.worker.parallel import ShardPlan
+from services.worker.parallel.sharding import ShardPlan
 from services.worker.quantized_linear import (
     GroupQuantLinear,
     QuantizedEmbedding,

@@ -9,7 +9,8 @@ docs/architecture.md, "The step protocol"). Copy-on-write rewrites a request's t
 
     row r   token_ids[r, :num_tokens[r]]       [max_num_seqs, max_model_len]  int32
             block_table[g, r, :num_blocks[r]]  [groups, max_num_seqs, max_blocks]  int32, 0 after
-            sampling parameters                ``sampling_rows`` (services/worker/sampling_rows.py)
+            sampling parameters                ``sampling_rows``
+            (services/worker/sample/sampling_rows.py)
             max_blocks = ceil(max_model_len / block_size)
 
 One block table per KV cache group, all ``num_blocks[r]`` long (block j of each covers tokens
@@ -60,12 +61,12 @@ import torch
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, StepInput
 from services.worker.attention import AttentionMetadata
-from services.worker.logprobs import PromptChunk
-from services.worker.penalties import TokenCounts
 from services.worker.request_state import RequestState
-from services.worker.sampling_rows import SamplingRows, rewind_generator
+from services.worker.sample.compute_logprobs import PromptChunk
+from services.worker.sample.penalties import TokenCounts
+from services.worker.sample.sampling_rows import SamplingRows, rewind_generator
+from services.worker.sample.structured_output_masks import RequestGrammar, StructuredOutputs
 from services.worker.step_batch import PreparedStep, ScheduledBatch
-from services.worker.structured_output import RequestGrammar, StructuredOutputs
 
 
 class InputBatch:

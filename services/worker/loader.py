@@ -54,7 +54,6 @@ from services.worker.as_stored import (
     serve_as_stored,
 )
 from services.worker.attention import AttentionBackend, select_backend
-from services.worker.distributed import ParallelState
 from services.worker.gguf_weights import gguf_index
 from services.worker.int4_checkpoints import quant_config
 from services.worker.lora import LoRAConfig
@@ -66,7 +65,8 @@ from services.worker.packed_linear import (
     native_float32_default,
     pack_model_linears,
 )
-from services.worker.parallel import ShardPlan, shard_model
+from services.worker.parallel.distributed import ParallelState
+from services.worker.parallel.sharding import ShardPlan, shard_model
 from services.worker.pooler_config import PoolerConfig, checkpoint_pooler, resolve_runner
 from services.worker.quantized_linear import (
     QUANTIZATIONS,
@@ -165,7 +165,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         device: where the weights go.
         attn_backend: attention kernels; default ``select_backend("auto", device)``.
         parallel: this rank's groups; the model is then this rank's shard
-            (``services/worker/parallel.py``) and only that part of the weights is read.
+            (``services/worker/parallel/sharding.py``) and only that part of the weights is read.
         quantization: ``--quantization``: None, ``"int8"`` or ``"w8a8"``
             (``services/worker/quantized_linear.py``; the CPU only), ``"gguf"`` (a GGUF's
             quantized tensors as stored; also what None means for a GGUF where it can be

@@ -35,7 +35,7 @@ import torch
 from kernels.copy_blocks import copy_blocks
 from kernels.kv_quant import cache_row_size
 from services.common.sampling_params import EngineSamplingParams
-from services.common.speculative import SpeculativeConfig
+from services.common.spec_decode_config import SpeculativeConfig
 from services.common.step import (
     CachedRequest,
     NewRequest,
@@ -52,25 +52,25 @@ from services.worker.attention import (
 )
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.device import resolve_device, resolve_dtype
-from services.worker.distributed import ParallelState
 from services.worker.huge_pages import zeros_on_huge_pages
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.loader import Model, load_model
-from services.worker.logprobs import compute_logprobs, compute_prompt_logprobs
 from services.worker.lora import LoRAConfig
 from services.worker.lora.manager import make_lora_manager
 from services.worker.models.llama import DecoderLayer, lm_head_logits
-from services.worker.ngram_proposer import NgramProposer
-from services.worker.parallel import vocab_parallel_logits
+from services.worker.parallel.distributed import ParallelState
+from services.worker.parallel.sharding import vocab_parallel_logits
 from services.worker.pooler import make_pooler
-from services.worker.sampler import Sampler
-from services.worker.spec_verify import verify_drafts
+from services.worker.sample.compute_logprobs import compute_logprobs, compute_prompt_logprobs
+from services.worker.sample.sampler import Sampler
+from services.worker.sample.structured_output_masks import StructuredOutputs
+from services.worker.spec_decode.ngram_proposer import NgramProposer
+from services.worker.spec_decode.verify import verify_drafts
 from services.worker.step_batch import PreparedStep
-from services.worker.structured_output import StructuredOutputs
 
 if TYPE_CHECKING:  # (imported where the draft_model method needs it)
-    from services.worker.draft_model import DraftModelProposer as DraftProposer
+    from services.worker.spec_decode.draft_model import DraftModelProposer as DraftProposer
 
 log = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class ModelRunner:
                              "full-attention block table, and this model has none (sliding "
                              f"windows {[g.sliding_window for g in self.kv_cache_groups]})")
         self._draft_group = full[0]
-        from services.worker.draft_model import (
+        from services.worker.spec_decode.draft_model import (
             DraftModelProposer,  # (only the draft_model method needs it)
         )
 

@@ -146,7 +146,7 @@ def pack_model_linears(model: nn.Module, *, lm_head: bool, decoder: bool) -> Non
         RuntimeError: the native library cannot be built or loaded (``kernels.cpu_build``).
     """
     if decoder:
-        from services.worker.parallel import RowParallelLinear
+        from services.worker.parallel.sharding import RowParallelLinear
 
         for layer in cast(nn.ModuleList, model.layers):
             fuse_silu_mul(layer)

@@ -264,7 +264,7 @@ def quantize_model_linears(model: nn.Module, quantization: str,
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"--quantization {quantization!r}: choose one of "
                          f"{', '.join(QUANTIZATIONS)}")
-    from services.worker.parallel import RowParallelLinear
+    from services.worker.parallel.sharding import RowParallelLinear
 
     cls = Int8Linear if quantization == "int8" else W8A8Linear
     swapped = 0

@@ -12,8 +12,8 @@ import numpy as np
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
-from services.worker.penalties import TokenCounts
-from services.worker.structured_output import RequestGrammar
+from services.worker.sample.penalties import TokenCounts
+from services.worker.sample.structured_output_masks import RequestGrammar
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ tokens go back as a StepResult.
 
 Parallel workers (``--tensor-parallel-size N --pipeline-parallel-size M``): ``serve`` serves one
 rank, ``--rank``, joining the group at ``--dist-init-addr`` (or ``MASTER_ADDR:MASTER_PORT``;
-services/worker/rendezvous.py); the process layer starts and supervises all N*M, or one host's
+services/worker/parallel/rendezvous.py); the process layer starts and supervises all N*M, or one
+host's
 share of them (``pagedserve worker`` without ``--rank``: services/cli/ranks.py), rank r serving
 on ``--port + r``. A rank whose step fails (e.g. a peer died during a collective) stops serving
 and exits with code 1: its process group is unusable, so the group restarts. After loading,
@@ -32,7 +33,7 @@ from services.common.logs import add_log_flags
 from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.shutdown import InFlight, add_shutdown_flags, drain
-from services.common.speculative import SpeculativeConfig
+from services.common.spec_decode_config import SpeculativeConfig
 from services.common.step import StepInput
 from services.common.step_wire import step_from_pb, step_output_to_pb
 from services.common.tls import add_tls_flags, tls_from_args
@@ -302,7 +303,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--speculative-config", type=speculative_flag, default=None,
              help='speculative decoding as JSON, vLLM\'s fields, e.g. {"method": "ngram", '
                   '"num_speculative_tokens": 4} or {"model": DRAFT, "num_speculative_tokens": '
-                  '4}; the scheduler must have the same (services/common/speculative.py)')
+                  '4}; the scheduler must have the same (services/common/spec_decode_config.py)')
     add_flag(p, "--cpu-threads", type=int_in(1), default=None,
              help="OpenMP threads of a CPU worker (default: the CPUs its affinity mask and "
                   "cgroup CPU quota allow, shared between this host's ranks; "
@@ -344,7 +345,7 @@ def partition_flag(text: str) -> str:
     Raises:
         argparse.ArgumentTypeError: parse_partition's message.
     """
-    from services.worker.layer_partition import parse_partition
+    from services.worker.parallel.layer_partition import parse_partition
     try:
         parse_partition(text)
     except ValueError as e:
@@ -368,7 +369,7 @@ def pooler_config_flag(text: str) -> str:
 def world_size(args) -> int:
     """Ranks the flags ask for. Raises ValueError when --world-size disagrees, or
     --pipeline-layer-partition has another number of stages than --pipeline-parallel-size."""
-    from services.worker.layer_partition import parse_partition
+    from services.worker.parallel.layer_partition import parse_partition
     world = args.tensor_parallel_size * args.pipeline_parallel_size
     if args.world_size is not None and args.world_size != world:
         raise ValueError(f"--world-size {args.world_size} != --tensor-parallel-size "
@@ -395,9 +396,9 @@ def build_runner(args):
     """Join the rank group (if any), load this rank's part of the model and allocate the KV
     cache (slow: seconds to minutes)."""
     from services.worker.device import resolve_device
-    from services.worker.distributed import ParallelConfig, init_distributed
-    from services.worker.layer_partition import parse_partition
     from services.worker.model_runner import ModelRunner
+    from services.worker.parallel.distributed import ParallelConfig, init_distributed
+    from services.worker.parallel.layer_partition import parse_partition
     world_size(args)
     if getattr(args, "speculative_config", None) and args.pipeline_parallel_size > 1:
         raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
@@ -535,7 +536,7 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         for w in waits:
             w.cancel()
         if fatal is not None and not fatal.is_set():  # stopping on purpose, as its peers are
-            from services.worker.distributed import stop_heartbeat
+            from services.worker.parallel.distributed import stop_heartbeat
             stop_heartbeat()
         if fatal is None or not fatal.is_set():  # keep stepping until the scheduler drained
             await drain("worker", health, [SERVICE], args.shutdown_timeout,

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from services.worker.attention import AttentionMetadata
-from services.worker.logprobs import PromptChunk
-from services.worker.sampler import SamplingTensors
-from services.worker.structured_output import RequestGrammar
+from services.worker.sample.compute_logprobs import PromptChunk
+from services.worker.sample.sampler import SamplingTensors
+from services.worker.sample.structured_output_masks import RequestGrammar
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from services.common.speculative import SpeculativeConfig, speculative_config_arg
+from services.common.spec_decode_config import SpeculativeConfig, speculative_config_arg
 
 
 def test_vllm_forms_parse_and_round_trip():

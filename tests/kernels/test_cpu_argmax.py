@@ -49,7 +49,7 @@ def test_other_inputs_take_torch_and_bad_ones_are_refused():
 
 def test_the_sampler_takes_it_for_greedy_rows(monkeypatch):
     from kernels import cpu_argmax
-    from services.worker import sampler
+    from services.worker.sample import sampler
 
     calls = []
     real = cpu_argmax.row_argmax

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from services.common.ports import free_port_range
-from services.worker.distributed import ParallelConfig
-from services.worker.layer_partition import parse_partition
+from services.worker.parallel.distributed import ParallelConfig
+from services.worker.parallel.layer_partition import parse_partition
 from tests.helpers import make_servable_tiny_llama
 from tests.parallel.conftest import PROMPTS, ParallelStack, reference_greedy, stack_greedy
 

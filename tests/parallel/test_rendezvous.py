@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from services.common.ports import free_port
-from services.worker import rendezvous as rdv
+from services.worker.parallel import rendezvous as rdv
 
 
 def test_ranks_meet_and_a_complete_group_is_not_joined_again(monkeypatch, caplog):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.distributed import ParallelConfig
 from services.worker.models.llama import LlamaConfig
-from services.worker.parallel import ShardPlan, check_parallel_config
+from services.worker.parallel.distributed import ParallelConfig
+from services.worker.parallel.sharding import ShardPlan, check_parallel_config
 from tests.helpers import make_servable_tiny_llama
 from tests.parallel.conftest import PROMPTS, ParallelStack, reference_greedy, stack_greedy
 

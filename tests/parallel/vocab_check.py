@@ -8,9 +8,17 @@ import os
 import torch
 import torch.nn.functional as F
 
-from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
 from services.worker.models.llama import LlamaConfig
-from services.worker.parallel import ShardPlan, VocabParallelEmbedding, vocab_parallel_logits
+from services.worker.parallel.distributed import (
+    ParallelConfig,
+    destroy_distributed,
+    init_distributed,
+)
+from services.worker.parallel.sharding import (
+    ShardPlan,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
 
 
 def check_rank(rank: int, port: int) -> None:
@@ -33,5 +41,6 @@ def check_rank(rank: int, port: int) -> None:
     logits = vocab_parallel_logits(hidden @ shard.T, 7, ps)
     assert logits.shape == (3, 7) and torch.allclose(logits, hidden @ weight.T)
     # NOTE: without this, gloo's threads can outlive the group into interpreter exit and the
-    # process aborts with -6 after passing every check (see services/worker/distributed.py).
+    # process aborts with -6 after passing every check (see
+    # services/worker/parallel/distributed.py).
     destroy_distributed()

@@ -1,6 +1,6 @@
 """Beam search at the router: the fan-in of its one engine request's final RequestOutput into n
-choices (``services.router.beam_search``), as gRPC messages, HTTP bodies and stream chunks, against
-a fake engine; an engine error, a deadline and a client that goes away abort it."""
+choices (``services.router.beam_search_choices``), as gRPC messages, HTTP bodies and stream
+chunks, against a fake engine; an engine error, a deadline and a client that goes away abort it."""
 
 from __future__ import annotations
 

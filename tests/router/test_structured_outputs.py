@@ -20,12 +20,12 @@ import pytest
 from pagedserve_client import build_request
 from pagedserve_client.pb.pagedserve.v1 import api_pb2 as client_pb2
 from services.common.pb.pagedserve.v1 import api_pb2
-from services.router import structured_outputs as so_mod
+from services.router import structured_output_grammar as so_mod
 from services.router.generation import EngineError
 from services.router.openai.errors import OpenAIError
 from services.router.openai.requests import from_status, parse_chat, parse_completion
-from services.router.openai.structured import error_param
-from services.router.structured_outputs import (
+from services.router.openai.structured_output_format import error_param
+from services.router.structured_output_grammar import (
     MAX_GRAMMAR_BYTES,
     MAX_SCHEMA_DEPTH,
     GrammarCache,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.common.speculative import SpeculativeConfig
+from services.common.spec_decode_config import SpeculativeConfig
 from services.scheduler.outputs import SchedulerOutput
 from services.scheduler.request import FinishReason
 from services.scheduler.scheduler import Scheduler

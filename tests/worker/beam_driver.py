@@ -107,8 +107,12 @@ def tp_rank(rank: int, port: int, model: str, prompt: list[int], a_tokens: list[
     import json
     import os
 
-    from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
     from services.worker.model_runner import ModelRunner
+    from services.worker.parallel.distributed import (
+        ParallelConfig,
+        destroy_distributed,
+        init_distributed,
+    )
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ps = init_distributed(ParallelConfig(2, 1, rank), torch.device("cpu"), timeout_s=60)

@@ -118,9 +118,13 @@ def tp_rank(rank: int, port: int, model: str, prompts, loras, max_new_tokens: in
     puts its tokens and its failed requests (id -> error) in ``results``. Rank 1 cannot load
     the adapter named ``unreadable`` (as if its files were unreadable on its host). (``run_batch``
     sends no new token ids, which a pipeline stage before the last would need.)"""
-    from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
     from services.worker.lora import LoRAConfig, LoRALoadError, manager
     from services.worker.model_runner import ModelRunner
+    from services.worker.parallel.distributed import (
+        ParallelConfig,
+        destroy_distributed,
+        init_distributed,
+    )
 
     if unreadable and rank == 1:
         load = manager.load_adapter

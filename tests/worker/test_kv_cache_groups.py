@@ -176,7 +176,7 @@ def test_a_pipeline_stage_plans_the_pairs_of_its_own_layers():
     layout, 2..3 of a 4-layer Llama), on stand-ins for the loaded model and the rank group."""
     from types import SimpleNamespace
 
-    from services.worker.distributed import ParallelConfig
+    from services.worker.parallel.distributed import ParallelConfig
 
     def plan(windows, stage_layers):
         runner = SimpleNamespace(

@@ -8,8 +8,8 @@ import torch
 
 from services.common.sampling_params import EngineSamplingParams
 from services.worker.model_runner import ModelRunner
-from services.worker.penalties import PenaltyTensors, TokenCounts
-from services.worker.sampler import Sampler, SamplingTensors
+from services.worker.sample.penalties import PenaltyTensors, TokenCounts
+from services.worker.sample.sampler import Sampler, SamplingTensors
 from services.worker.step_checks import check_sampling
 from tests.worker.grammar_driver import generate
 

@@ -17,10 +17,10 @@ import torch
 from kernels.cpu_attention import cpu_isa
 from kernels.cpu_linear import pack_linear_weight
 from services.worker.attention import AttentionMetadata, select_backend
-from services.worker.distributed import ParallelConfig
 from services.worker.loader import SUPPORTED_MODEL_TYPES, load_model
 from services.worker.model_runner import ModelRunner
-from services.worker.parallel import ShardPlan
+from services.worker.parallel.distributed import ParallelConfig
+from services.worker.parallel.sharding import ShardPlan
 from tests.helpers import make_tiny_gemma3, make_tiny_mistral, make_tiny_qwen2, make_tiny_qwen3
 from tests.worker.test_model import drive_greedy, hf_greedy
 
@@ -170,10 +170,10 @@ def test_unsupported_model_type_is_refused_naming_the_list(tmp_path):
 _RANK_SCRIPT = """
 import os, sys, json, torch
 from services.worker.attention import AttentionMetadata, select_backend
-from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
+from services.worker.parallel.distributed import ParallelConfig, destroy_distributed, init_distributed
 from services.worker.loader import load_model
 from services.worker.models.llama import lm_head_logits
-from services.worker.parallel import vocab_parallel_logits
+from services.worker.parallel.sharding import vocab_parallel_logits
 path, tp, pp, rank, out, token_ids = sys.argv[1:]
 tp, pp, rank, token_ids = int(tp), int(pp), int(rank), json.loads(token_ids)
 torch.set_num_threads(1)

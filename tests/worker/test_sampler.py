@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.penalties import (PenaltyTensors, TokenCounts, apply_min_p,
+from services.worker.sample.penalties import (PenaltyTensors, TokenCounts, apply_min_p,
                                        apply_min_tokens, apply_penalties)
-from services.worker.sampler import Sampler, SamplingTensors, apply_top_k_top_p
+from services.worker.sample.sampler import Sampler, SamplingTensors, apply_top_k_top_p
 
 V = 64
 
@@ -253,7 +253,7 @@ def test_top_k_1_takes_argmax_on_an_exact_tie():
 
 
 def test_logprobs_are_raw_log_softmax_with_per_row_top_k():
-    from services.worker.logprobs import compute_logprobs
+    from services.worker.sample.compute_logprobs import compute_logprobs
     logits = random_logits(4, seed=7)
     tokens = torch.tensor([3, 10, 0, 63])
     out = compute_logprobs(logits, tokens, [2, None, 0, 5])
@@ -270,7 +270,7 @@ def test_logprobs_are_raw_log_softmax_with_per_row_top_k():
 
 def test_logprobs_ignore_temperature_and_penalties():
     """Raw logprobs: the sampler never modifies the logits the logprobs are taken from."""
-    from services.worker.logprobs import compute_logprobs
+    from services.worker.sample.compute_logprobs import compute_logprobs
     logits = random_logits(2, seed=8)
     before = logits.clone()
     tokens = Sampler()(logits, params(2, temperature=0.3, top_k=3, top_p=0.5))

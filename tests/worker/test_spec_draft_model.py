@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from services.worker.attention import select_backend
-from services.worker.draft_model import DraftModelProposer
+from services.worker.spec_decode.draft_model import DraftModelProposer
 from tests.helpers import make_tiny_llama, make_tiny_mistral
 
 BLOCK_SIZE = 4

@@ -1,12 +1,12 @@
-"""Prompt lookup (services/worker/ngram_proposer.py): the longest suffix first, its most recent
-earlier occurrence, up to k tokens after it, nothing without a match."""
+"""Prompt lookup (services/worker/spec_decode/ngram_proposer.py): the longest suffix first, its
+most recent earlier occurrence, up to k tokens after it, nothing without a match."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from services.worker.ngram_proposer import NgramProposer
+from services.worker.spec_decode.ngram_proposer import NgramProposer
 
 
 def propose(tokens: list[int], k: int, lo: int = 1, hi: int = 3) -> list[int]:

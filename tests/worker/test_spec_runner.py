@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
-from services.common.speculative import SpeculativeConfig
+from services.common.spec_decode_config import SpeculativeConfig
 from services.common.step import CachedRequest, NewRequest, StepInput, StepOutput
 from services.worker.model_runner import ModelRunner
-from services.worker.ngram_proposer import NgramProposer
+from services.worker.spec_decode.ngram_proposer import NgramProposer
 
 GREEDY = EngineSamplingParams(temperature=0.0)
 K = 4  # drafts per step at most
@@ -313,7 +313,7 @@ def test_a_tp_peer_appends_what_the_driver_kept(tiny_llama, runner):
 
 
 def test_the_runner_refuses_speculation_with_pipeline_parallelism():
-    from services.worker.distributed import ParallelConfig, ParallelState
+    from services.worker.parallel.distributed import ParallelConfig, ParallelState
 
     spec = SpeculativeConfig.parse('{"num_speculative_tokens": 2}')
     parallel = ParallelState(ParallelConfig(1, 2, 1), None, "g", torch.device("cpu"))

@@ -46,8 +46,12 @@ def tp_rank(rank: int, port: int, model: str, steps: list[StepInput], out_path: 
     token lists as JSON to ``out_path``."""
     import os
 
-    from services.worker.distributed import ParallelConfig, destroy_distributed, init_distributed
     from services.worker.model_runner import ModelRunner
+    from services.worker.parallel.distributed import (
+        ParallelConfig,
+        destroy_distributed,
+        init_distributed,
+    )
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

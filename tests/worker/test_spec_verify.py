@@ -1,4 +1,4 @@
-"""Draft verification (services/worker/spec_verify.py): accept while the sample equals the
+"""Draft verification (services/worker/spec_decode/verify.py): accept while the sample equals the
 draft, output the accepted drafts and the sample after them."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.worker.spec_verify import verify_drafts
+from services.worker.spec_decode.verify import verify_drafts
 
 
 def verify(sampled: list[int], drafts: list[int], num_drafts: list[int]

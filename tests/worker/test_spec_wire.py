@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from services.common.speculative import SpeculativeConfig
+from services.common.spec_decode_config import SpeculativeConfig
 from services.common.step import CachedRequest, StepOutput
 from services.common.step_wire import cached_requests_from_pb, step_output_to_pb
 from services.worker import server

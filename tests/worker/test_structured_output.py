@@ -17,7 +17,7 @@ from services.common.sampling_params import EngineSamplingParams
 from services.common.tokenizer_loading import load_tokenizer
 from services.worker.model_runner import ModelRunner
 from services.worker.step_checks import check_sampling
-from services.worker.structured_output import RequestGrammar, StructuredOutputs
+from services.worker.sample.structured_output_masks import RequestGrammar, StructuredOutputs
 from tests.helpers import make_servable_tiny_llama
 from tests.worker.grammar_driver import generate
 
@@ -143,7 +143,7 @@ def test_broken_grammar_ends_the_request_with_a_warning(runner, caplog):
     request can only end (EOS), and the worker says why, naming the request."""
     broken = llguidance.grammar_from("regex", "(unclosed")
     check_sampling(sampled(broken, 0), runner.vocab_size)  # (grammar JSON: not refused)
-    with caplog.at_level(logging.WARNING, "services.worker.structured_output"):
+    with caplog.at_level(logging.WARNING, "services.worker.sample.structured_output_masks"):
         assert generate(runner, [[1, 2, 3]], [sampled(broken, 0)]) == [[EOS]]
     (record,) = [r for r in caplog.records if "grammar failed" in r.getMessage()]
     assert record.request_id == "req-0" and "unclosed" in record.getMessage()
@@ -176,7 +176,7 @@ def test_masks_of_a_vocabulary_larger_than_the_tokenizer_and_without_a_tokenizer
         raise FileNotFoundError("no tokenizer here")
 
     so = StructuredOutputs(no_tokenizer, vocab, (EOS,))
-    with caplog.at_level(logging.WARNING, "services.worker.structured_output"):
+    with caplog.at_level(logging.WARNING, "services.worker.sample.structured_output_masks"):
         mask = so.start(np.array([3]), [RequestGrammar("c", grammar)]).mask(
             torch.device("cpu"))
     assert mask.rows.tolist() == [3] and mask.disallowed.numpy().sum() == vocab - 1

@@ -1,7 +1,8 @@
 """vLLM's ``structured_outputs`` dict -> the fields of a ``StructuredOutputs`` message.
 
 The one mapping of that dict: the SDK's ``structured_outputs=`` keyword and the router's
-OpenAI layer (``services/router/openai/structured.py``) both call ``structured_outputs_fields``.
+OpenAI layer (``services/router/openai/structured_output_format.py``) both call
+``structured_outputs_fields``.
 It returns keyword arguments, not a message, because the SDK and the router each have their
 own generated stubs (``pagedserve_client.pb`` / ``services.common.pb``): each caller builds
 its own ``api_pb2.StructuredOutputs(**fields)``. What other keys of the dict mean is up to the

@@ -73,7 +73,7 @@ from services.router.openai.responses import ResponseBuilder
 from services.router.openai.responses_api import ResponseEvents, new_response_id
 from services.router.openai.responses_input import ParsedResponses, parse_responses, rename
 from services.router.openai.responses_store import ResponseStore
-from services.router.openai.structured import error_param
+from services.router.openai.structured_output_format import error_param
 from services.router.replicas import ReplicaSet
 from services.router.served_model import ServedModel
 from services.router.validation import MAX_LOGPROBS, RequestError

@@ -31,7 +31,8 @@ The output begins outside the span, and is all content, when the prompt already 
 Structured outputs (a grammar: ``response_format``, ``structured_outputs``, a forced tool
 call) apply after the reasoning, as vLLM's: a request that begins inside the span is sent
 with ``EngineSamplingParams.reasoning_end_token_id`` = the ``</think>`` id, and the worker
-enforces the grammar from the token after it (``services/worker/structured_output.py``).
+enforces the grammar from the token after it
+(``services/worker/sample/structured_output_masks.py``).
 When ``</think>`` is not a token of its own (``tag_ids`` None) there is no token to wait for:
 the grammar applies from the first token and the output is all content (thinking off for
 the split), so a constrained answer is never filed as reasoning.

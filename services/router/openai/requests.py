@@ -24,7 +24,7 @@ from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai.errors import OpenAIError, bad_request, utf8
 from services.router.openai.messages import parse_messages
 from services.router.openai.responses import OutputOptions
-from services.router.openai.structured import error_param, parse_structured_outputs
+from services.router.openai.structured_output_format import error_param, parse_structured_outputs
 from services.router.openai.tools import parse_tools
 from services.router.validation import MAX_LOGPROBS, MAX_N
 

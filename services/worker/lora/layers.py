@@ -204,7 +204,7 @@ def wrap_lora_layers(model: nn.Module, num_slots: int, rank: int, dtype: torch.d
             B's columns would be quantized with W), or already are (GGUF Q8_0 layers are
             never fused).
     """
-    from services.worker.parallel import RowParallelLinear
+    from services.worker.parallel.sharding import RowParallelLinear
 
     ctx = LoRAContext(num_slots, rank, dtype)
     for layer in cast(nn.ModuleList, model.layers):

@@ -36,7 +36,7 @@ from services.worker.lora.adapter import LoRAAdapter, SliceOf, load_adapter
 from services.worker.lora.layers import SLICES, LoRAContext, LoRALinear
 
 if TYPE_CHECKING:
-    from services.worker.distributed import ParallelState
+    from services.worker.parallel.distributed import ParallelState
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ def make_lora_manager(model: nn.Module, config: LoRAConfig, model_config: dict,
                       parallel) -> LoRAManager:
     """The manager of this rank (``parallel``: its ``ParallelState``, or None): its layers'
     global indices and, under tensor parallelism, its shard of each adapter weight."""
-    from services.worker.parallel import ShardPlan
+    from services.worker.parallel.sharding import ShardPlan
 
     cfg = cast(Any, model).config  # (a LlamaConfig or Gemma3Config)
     if parallel is None or parallel.config.world_size == 1:

@@ -17,7 +17,8 @@ shares) in:
 - tied embeddings by default.
 
 Module and attribute names (``layers[i].attn.qkv_proj`` / ``o_proj`` / ``n_heads`` ...,
-``mlp.gate_up_proj`` / ``down_proj``) are Llama's, so ``services/worker/parallel.py`` shards both.
+``mlp.gate_up_proj`` / ``down_proj``) are Llama's, so ``services/worker/parallel/sharding.py``
+shards both.
 
 Shape letters: T tokens, E hidden size, H query heads, K kv heads, D head dim, I intermediate,
 V vocab.

@@ -287,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, i) for i in range(cfg.num_hidden_layers))
-        # (an Identity on a pipeline stage before the last: services/worker/parallel.py)
+        # (an Identity on a pipeline stage before the last: services/worker/parallel/sharding.py)
         self.norm: nn.Module = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = (None if cfg.tie_word_embeddings
                         else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
@@ -311,7 +311,7 @@ class LlamaForCausalLM(nn.Module):
                 one object.
             hidden_states: ``[T, E]`` the previous pipeline stage's output (the float32
                 residual stream), used instead of embedding ``input_ids``
-                (``services/worker/parallel.py`` splits the layers).
+                (``services/worker/parallel/sharding.py`` splits the layers).
         Returns:
             ``[T, E]`` final hidden states (after the last norm), model dtype; a stage before
             the last (norm = Identity) returns the float32 residual stream.

@@ -14,7 +14,7 @@ Both routes (/v1/completions and /v1/chat/completions, as vLLM) accept either fi
 The ``structured_outputs`` dict is mapped by the SDK's ``pagedserve_client.structured_outputs``
 (one mapping for the SDK's keyword and this route; its TypeError / ValueError become a 400
 here). Only the JSON types are checked here (a 400 naming the field); the grammar itself is
-compiled and validated later by ``services.router.structured_outputs`` (its errors start with
+compiled and validated later by ``services.router.structured_output_grammar`` (its errors start with
 ``structured_outputs.<kind>``; ``error_param`` says which request field they are about).
 Refused with a 400: both fields at once, ``response_format`` types other than the three above
 (e.g. vLLM's ``structural_tag``), vLLM's per-request grammar options (``disable_*``,

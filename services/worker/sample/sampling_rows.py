@@ -19,10 +19,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from services.worker.penalties import PenaltyTensors
 from services.worker.request_state import RequestState
-from services.worker.sampler import SamplingTensors
-from services.worker.structured_output import RequestGrammar
+from services.worker.sample.penalties import PenaltyTensors
+from services.worker.sample.sampler import SamplingTensors
+from services.worker.sample.structured_output_masks import RequestGrammar
 
 # name -> dtype of the per-row arrays (see the module docstring)
 _ARRAYS: dict[str, type] = {

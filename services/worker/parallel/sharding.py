@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.distributed import ParallelConfig, ParallelState
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
+from services.worker.parallel.distributed import ParallelConfig, ParallelState
 
 
 def check_parallel_config(cfg: LlamaConfig | Gemma3Config, pc: ParallelConfig) -> None:

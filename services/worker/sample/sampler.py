@@ -15,14 +15,14 @@ import numpy as np
 import torch
 
 from kernels.cpu_argmax import row_argmax
-from services.worker.penalties import (
+from services.worker.sample.penalties import (
     PenaltyTensors,
     apply_logit_bias,
     apply_min_p,
     apply_min_tokens,
     apply_penalties,
 )
-from services.worker.structured_output import GrammarMask, apply_grammar_mask
+from services.worker.sample.structured_output_masks import GrammarMask, apply_grammar_mask
 
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's threshold)
 

@@ -17,7 +17,8 @@ all-gather of the vocab-parallel logits). Hidden states ``[T, E]`` go from rank 
 
 Backends: gloo on CPU, NCCL on CUDA. Rendezvous is at rank 0's TCPStore, ``--dist-init-addr
 HOST:PORT`` (or the torch.distributed variables ``MASTER_ADDR`` / ``MASTER_PORT``), on this host
-or another (``services/worker/rendezvous.py``). Every collective has a timeout, and a heartbeat
+or another (``services/worker/parallel/rendezvous.py``). Every collective has a timeout, and a
+heartbeat
 through the store notices a silent peer, so a rank whose peer died fails (or ends) instead of
 blocking forever; such a rank must then exit (its process group is unusable) and the group be
 restarted (the process layer, ``services/cli/ranks.py``, does that on each host).
@@ -41,8 +42,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from services.worker.layer_partition import format_partition
-from services.worker.rendezvous import Heartbeat, rendezvous, rendezvous_address
+from services.worker.parallel.layer_partition import format_partition
+from services.worker.parallel.rendezvous import Heartbeat, rendezvous, rendezvous_address
 
 log = logging.getLogger(__name__)
 _heartbeat: Heartbeat | None = None  # this process's, once it joined a group
@@ -210,7 +211,8 @@ def destroy_distributed(timeout_s: float = 30.0) -> None:
 def init_distributed(config: ParallelConfig, device: torch.device, timeout_s: float = 60.0,
                      init_addr: str | None = None, address: str = "") -> ParallelState:
     """Meet the group at rank 0's store (``init_addr`` HOST:PORT, else ``$MASTER_ADDR:
-    $MASTER_PORT``; ``services/worker/rendezvous.py``), join it and build the tp groups, and
+    $MASTER_PORT``; ``services/worker/parallel/rendezvous.py``), join it and build the tp groups,
+    and
     start this rank's heartbeat.
 
     Blocks until all ``world_size`` ranks joined (waiting at most ``max(timeout_s,
