@@ -7,8 +7,10 @@ containers need no wrapper scripts; an explicit flag wins over the environment.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
+from typing import Any
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -117,3 +119,21 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, **kwargs) -> None:
     help_text = kwargs.get("help", "")
     kwargs["help"] = f"{help_text} [env {env_name(flag)}]".strip()
     parser.add_argument(flag, **kwargs)
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass ``cls``'s field ``name``: the one place a setting's default is
+    written, read by the flag that sets it (``add_flag(..., default=field_default(...))``) and
+    by whoever builds the config directly (tests, benchmarks).
+
+    Raises:
+        KeyError: ``cls`` has no such field, or it has no default.
+    """
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise KeyError(f"{cls.__name__}.{name} has no default")
+    raise KeyError(f"{cls.__name__} has no field {name!r}")

@@ -128,3 +128,19 @@ def speculative_config_arg(text: str) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--speculative-config: ")) from None
+
+
+def check_spec_decode_parallelism(speculative: SpeculativeConfig | None,
+                                  pipeline_parallel_size: int) -> None:
+    """The one rule between speculative decoding and pipeline parallelism, checked by the
+    worker's and the scheduler's configs: drafts are verified and appended where the tokens
+    are sampled (the last stage), and the stages before it would need them in the same step.
+
+    Raises:
+        ValueError: ``speculative`` is set and ``pipeline_parallel_size`` > 1, naming both flags.
+    """
+    if speculative is not None and pipeline_parallel_size > 1:
+        raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
+                         f"{pipeline_parallel_size} (> 1): drafts are verified and appended "
+                         "where the tokens are sampled; use tensor parallelism or no "
+                         "speculation")
