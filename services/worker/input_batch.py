@@ -171,12 +171,6 @@ class InputBatch:
         self._slot_mapping = np.zeros((self.num_groups, tokens), dtype=np.int64)  # [groups, T]
         self.max_num_batched_tokens = tokens
 
-    @property
-    def num_token_aware(self) -> int:
-        """Held requests whose sampling looks at their tokens (a penalty or min_tokens)."""
-        return sum(s.counts is not None or bool(s.min_tokens_stop_ids)
-                   for s in self.requests.values())
-
     def update(self, step: StepInput) -> ScheduledBatch:
         """Apply ``step``'s diffs; return the scheduled requests in order (new, then cached).
 
@@ -514,8 +508,9 @@ class InputBatch:
             sampled_request_ids=(list(ids) if len(sampled) == len(ids)
                                  else [ids[i] for i in sampled.tolist()]),
             sampled_rows=sampled_rows,
-            sampling=sr.tensors(logits_rows, self.row_states, self.token_ids, self.num_tokens,
-                                self.num_prompt_tokens, positions_ahead),
+            sampling_tensors=sr.tensors(logits_rows, self.row_states, self.token_ids,
+                                        self.num_tokens, self.num_prompt_tokens,
+                                        positions_ahead),
             num_logprobs=sr.logprobs(logits_rows),
             prompt_chunks=self._prompt_chunks(scheduled, query_start_loc),
             grammar_rows=grammar_rows, grammars=grammars, num_drafts=num_drafts, drafts=drafts)

@@ -87,7 +87,7 @@ class PreparedStep:
             sampled request, ``1 + d`` for one verifying ``d`` drafts (``L = S`` without).
         sampled_request_ids: the ``S`` request ids, in row order.
         sampled_rows: ``[S]`` int64, their rows of the InputBatch (``append_sampled``).
-        sampling: per-logits-row sampling parameters of the ``L`` rows (``grammar`` not yet
+        sampling_tensors: per-logits-row sampling parameters of the ``L`` rows (``grammar`` not yet
             set); a request's row repeated per position.
         grammar_rows: ``[C]`` int64, which of the ``L`` logits rows a grammar constrains
             (those requests never have drafts).
@@ -106,7 +106,7 @@ class PreparedStep:
     logits_indices: torch.Tensor
     sampled_request_ids: list[str]
     sampled_rows: np.ndarray
-    sampling: SamplingTensors
+    sampling_tensors: SamplingTensors
     num_logprobs: list[int | None]
     prompt_chunks: list[PromptChunk]
     grammar_rows: np.ndarray
