@@ -33,7 +33,7 @@ the scheduler's). Index arithmetic for scheduled request i in row r with
 
 Speculative decoding: a request verifying d drafts (``CachedRequest.spec_token_ids``) has them
 written after its token list, NOT counted in ``num_tokens`` (N below), and is scheduled
-``c = N - 1, n = 1 + d``; it samples all 1 + d positions (``spec_verify.py`` keeps the
+``c = N - 1, n = 1 + d``; it samples all 1 + d positions (``spec_decode/verify.py`` keeps the
 accepted prefix, ``append_sampled`` appends it)::
 
     token_ids[r]  t0 ... t(N-2) | t(N-1) d0 ... d(d-1) | (dead after verification)
