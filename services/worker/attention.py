@@ -14,18 +14,17 @@ backends share one contract (``kernels/__init__.py`` draws the index arithmetic)
   into the cache by ``kernels.cpu_build``) + ``kernels.torch_ops`` (norms and RoPE); CPU only.
 
 ``"auto"`` picks triton on CUDA and cpu on CPU (torch when the native library cannot load).
-Kernel modules are imported lazily, on first use, so choosing a backend never imports the other
-one's dependencies.
+Each backend's kernels are named in one ``KernelTable`` (``KERNEL_TABLES``), whose modules are
+imported on first use, so choosing a backend never imports the other one's dependencies.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -87,12 +86,76 @@ class RotaryTable:
     cos_sin: tuple[torch.Tensor, torch.Tensor] | None
 
 
+@dataclass(frozen=True, slots=True)
+class KernelTable:
+    """One backend's kernel functions (``kernels/``), named op by op.
+
+    Attributes:
+        reshape_and_cache / paged_attention: the KV write and the paged attention.
+        rms_norm / fused_add_rms_norm / rotary_embedding: the per-layer ops.
+        rope_cos_sin: the step's float32 cos/sin table maker, or None where
+            ``rotary_embedding`` computes them itself (triton).
+    """
+
+    reshape_and_cache: Callable[..., Any]
+    paged_attention: Callable[..., Any]
+    rms_norm: Callable[..., Any]
+    fused_add_rms_norm: Callable[..., Any]
+    rotary_embedding: Callable[..., Any]
+    rope_cos_sin: Callable[..., Any] | None
+
+
+def _torch_kernels() -> KernelTable:
+    from kernels.torch_attention import torch_paged_attention, torch_reshape_and_cache
+    from kernels.torch_ops import (
+        torch_fused_add_rms_norm,
+        torch_rms_norm,
+        torch_rope_cos_sin,
+        torch_rotary_embedding,
+    )
+    return KernelTable(reshape_and_cache=torch_reshape_and_cache,
+                       paged_attention=torch_paged_attention, rms_norm=torch_rms_norm,
+                       fused_add_rms_norm=torch_fused_add_rms_norm,
+                       rotary_embedding=torch_rotary_embedding, rope_cos_sin=torch_rope_cos_sin)
+
+
+def _triton_kernels() -> KernelTable:
+    from kernels.triton_attention import triton_paged_attention, triton_reshape_and_cache
+    from kernels.triton_norm_rope import (
+        triton_fused_add_rms_norm,
+        triton_rms_norm,
+        triton_rotary_embedding,
+    )
+    return KernelTable(reshape_and_cache=triton_reshape_and_cache,
+                       paged_attention=triton_paged_attention, rms_norm=triton_rms_norm,
+                       fused_add_rms_norm=triton_fused_add_rms_norm,
+                       rotary_embedding=triton_rotary_embedding, rope_cos_sin=None)
+
+
+def _cpu_kernels() -> KernelTable:
+    from kernels.cpu_attention import (
+        cpu_paged_attention,
+        cpu_reshape_and_cache,
+        cpu_rotary_embedding,
+    )
+    from kernels.torch_ops import torch_fused_add_rms_norm, torch_rms_norm, torch_rope_cos_sin
+    return KernelTable(reshape_and_cache=cpu_reshape_and_cache,
+                       paged_attention=cpu_paged_attention, rms_norm=torch_rms_norm,
+                       fused_add_rms_norm=torch_fused_add_rms_norm,
+                       rotary_embedding=cpu_rotary_embedding, rope_cos_sin=torch_rope_cos_sin)
+
+
+# backend name -> its kernel table's maker; each imports its kernel modules when called, so
+# choosing a backend never imports another one's dependencies (triton's on a CPU)
+KERNEL_TABLES: dict[str, Callable[[], KernelTable]] = {
+    "torch": _torch_kernels, "triton": _triton_kernels, "cpu": _cpu_kernels}
+
+
 class AttentionBackend:
-    """Paged attention, norms and RoPE through two kernel modules (``kernels.<module>``), loaded
-    on first use.
+    """Paged attention, norms and RoPE through one backend's ``KernelTable``, made on first use.
 
     Args:
-        name: ``"torch"``, ``"triton"`` or ``"cpu"``.
+        name: ``"torch"``, ``"triton"`` or ``"cpu"`` (a key of ``KERNEL_TABLES``).
         kv_layout: how the KV caches order a block's values (``kernels/kv_layout.py``):
             ``"rows"`` (every backend) or ``"pairs"`` (the cpu backend's bf16 layout; the model
             runner picks it with ``choose_kv_layout``). Read at every call.
@@ -101,24 +164,16 @@ class AttentionBackend:
         ValueError: an unknown name, or ``"pairs"`` on a backend other than cpu.
     """
 
-    # backend -> (module, prefix of its functions) pairs; op ``o`` is ``<prefix>_<o>``
-    _MODULES: ClassVar[dict[str, tuple[tuple[str, str], ...]]] = {
-        "torch": (("kernels.torch_attention", "torch"), ("kernels.torch_ops", "torch")),
-        "triton": (("kernels.triton_attention", "triton"), ("kernels.triton_norm_rope", "triton")),
-        "cpu": (("kernels.cpu_attention", "cpu"), ("kernels.torch_ops", "torch"))}
-    _OPS = ("reshape_and_cache", "paged_attention", "rms_norm", "fused_add_rms_norm",
-            "rotary_embedding", "rope_cos_sin")
-
     def __init__(self, name: str, kv_layout: str = "rows") -> None:
-        if name not in self._MODULES:
+        if name not in KERNEL_TABLES:
             raise ValueError(f"unknown attention backend {name!r}; "
-                             f"choose from {sorted(self._MODULES)}")
+                             f"choose from {sorted(KERNEL_TABLES)}")
         if kv_layout != "rows" and name != "cpu":
             raise ValueError(f"kv_layout {kv_layout!r} needs the cpu attention backend, not "
                              f"{name!r}")
         self.name = name
         self.kv_layout = kv_layout
-        self._ops: dict[str, Callable[..., Any]] | None = None
+        self._table: KernelTable | None = None
 
     def load(self) -> None:
         """Import the kernel modules and load the native library now (the first op call does
@@ -128,29 +183,25 @@ class AttentionBackend:
         Raises:
             RuntimeError: the native library (``"cpu"``) cannot be built or loaded.
         """
-        self._op(self._OPS[0])
+        _ = self.kernels
         if self.name == "cpu":
             from kernels import cpu_build
 
             cpu_build.load()
 
-    def _op(self, op: str) -> Callable[..., Any]:
-        if self._ops is None:
-            ops: dict[str, Callable[..., Any]] = {}
-            for module, prefix in self._MODULES[self.name]:
-                found = vars(importlib.import_module(module))
-                for o in self._OPS:  # the first module that has an op provides it
-                    if o not in ops and f"{prefix}_{o}" in found:
-                        ops[o] = found[f"{prefix}_{o}"]
-            self._ops = ops
-        return self._ops[op]
+    @property
+    def kernels(self) -> KernelTable:
+        """This backend's kernel functions (their modules imported on first use)."""
+        if self._table is None:
+            self._table = KERNEL_TABLES[self.name]()
+        return self._table
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         """Store this step's ``key``/``value`` ``[T, K, D]`` into the caches
         ``[num_blocks, block_size, K, D]`` at ``meta.slot_mapping`` (in place)."""
-        self._op("reshape_and_cache")(key, value, k_cache, v_cache, meta.slot_mapping,
-                                      **self._layout())
+        self.kernels.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping,
+                                       **self._layout())
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, sliding_window: int = 0) -> torch.Tensor:
@@ -163,8 +214,9 @@ class AttentionBackend:
         args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.max_query_len,
                 meta.max_seq_len)
         if self.name != "torch":
-            return self._op("paged_attention")(query, k_cache, v_cache, *args, scale,
-                                               sliding_window=sliding_window, **self._layout())
+            return self.kernels.paged_attention(query, k_cache, v_cache, *args, scale,
+                                                sliding_window=sliding_window,
+                                                **self._layout())
         # the step's first layer with this window plans it; every layer with that window reuses
         # the plan (layers of different windows may share one metadata object)
         if meta.plan is None:
@@ -174,26 +226,24 @@ class AttentionBackend:
             from kernels.torch_attention import plan_paged_attention
             plan = meta.plan[sliding_window] = plan_paged_attention(
                 *args, k_cache.shape[1], sliding_window)
-        return self._op("paged_attention")(query, k_cache, v_cache, *args, scale, plan=plan,
-                                           sliding_window=sliding_window)
+        return self.kernels.paged_attention(query, k_cache, v_cache, *args, scale, plan=plan,
+                                            sliding_window=sliding_window)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of ``x [T, E]`` (float32 inside), a new ``[T, E]`` tensor."""
-        return self._op("rms_norm")(x, weight, eps)
+        return self.kernels.rms_norm(x, weight, eps)
 
     def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual = x + residual`` then its RMSNorm: new ``(normed, residual)``, ``[T, E]``."""
-        return self._op("fused_add_rms_norm")(x, residual, weight, eps)
+        return self.kernels.fused_add_rms_norm(x, residual, weight, eps)
 
     def rotary_table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> RotaryTable:
         """What ``rotary_embedding`` needs at ``positions [T]`` with float32 ``inv_freq [D/2]``:
         made once per step and frequency set by the model and used by every layer (torch /
         cpu: the float32 cos and sin tables, so a compiled forward computes them once, not in
         every layer; triton computes them in its kernel)."""
-        self._op(self._OPS[0])  # loads the modules
-        assert self._ops is not None
-        op = self._ops.get("rope_cos_sin")
+        op = self.kernels.rope_cos_sin
         return RotaryTable(positions, inv_freq,
                            None if op is None else op(positions, inv_freq))
 
@@ -202,10 +252,10 @@ class AttentionBackend:
         """Rotate-half RoPE of ``query [T, H, D]`` and ``key [T, K, D]``, in place, at the
         positions and frequencies of ``rope`` (``rotary_table``)."""
         if rope.cos_sin is None:
-            self._op("rotary_embedding")(rope.positions, query, key, rope.inv_freq)
+            self.kernels.rotary_embedding(rope.positions, query, key, rope.inv_freq)
         else:
-            self._op("rotary_embedding")(rope.positions, query, key, rope.inv_freq,
-                                         cos_sin=rope.cos_sin)
+            self.kernels.rotary_embedding(rope.positions, query, key, rope.inv_freq,
+                                          cos_sin=rope.cos_sin)
 
     def _layout(self) -> dict[str, str]:
         """The cache ops' layout keyword: only the cpu backend's ops take one."""

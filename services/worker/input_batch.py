@@ -33,7 +33,7 @@ the scheduler's). Index arithmetic for scheduled request i in row r with
 
 Speculative decoding: a request verifying d drafts (``CachedRequest.spec_token_ids``) has them
 written after its token list, NOT counted in ``num_tokens`` (N below), and is scheduled
-``c = N - 1, n = 1 + d``; it samples all 1 + d positions (``spec_verify.py`` keeps the
+``c = N - 1, n = 1 + d``; it samples all 1 + d positions (``spec_decode/verify.py`` keeps the
 accepted prefix, ``append_sampled`` appends it)::
 
     token_ids[r]  t0 ... t(N-2) | t(N-1) d0 ... d(d-1) | (dead after verification)
@@ -61,6 +61,7 @@ import torch
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, StepInput
 from services.worker.attention import AttentionMetadata
+from services.worker.ragged import ragged_arange
 from services.worker.request_state import RequestState
 from services.worker.sample.compute_logprobs import PromptChunk
 from services.worker.sample.penalties import TokenCounts
@@ -170,12 +171,6 @@ class InputBatch:
         self._slot_mapping = np.zeros((self.num_groups, tokens), dtype=np.int64)  # [groups, T]
         self.max_num_batched_tokens = tokens
 
-    @property
-    def num_token_aware(self) -> int:
-        """Held requests whose sampling looks at their tokens (a penalty or min_tokens)."""
-        return sum(s.counts is not None or bool(s.min_tokens_stop_ids)
-                   for s in self.requests.values())
-
     def update(self, step: StepInput) -> ScheduledBatch:
         """Apply ``step``'s diffs; return the scheduled requests in order (new, then cached).
 
@@ -267,7 +262,7 @@ class InputBatch:
             i = too_long[0]
             raise ValueError(f"request {requests[i].request_id!r}: {counts[i]} drafts after "
                              f"{starts[i]} tokens pass max_model_len={self.max_model_len}")
-        self.token_ids[np.repeat(rows, counts), _ragged_arange(starts, counts)] = list(
+        self.token_ids[np.repeat(rows, counts), ragged_arange(starts, counts)] = list(
             chain.from_iterable(c.spec_token_ids for c in requests))
         num_spec = np.zeros(batch_size, dtype=np.int64)
         num_spec[at] = counts
@@ -403,7 +398,7 @@ class InputBatch:
         if counts is None:
             self.token_ids[rows, starts] = token_ids
         else:
-            self.token_ids[np.repeat(rows, counts), _ragged_arange(starts, counts)] = token_ids
+            self.token_ids[np.repeat(rows, counts), ragged_arange(starts, counts)] = token_ids
         self.num_tokens[rows] = ends
 
     def _replace_tokens(self, state: RequestState, row: int, token_ids: list[int]) -> None:
@@ -444,7 +439,7 @@ class InputBatch:
             self.token_ids[rows, starts] = flat
         else:
             assert isinstance(counts, np.ndarray)  # an int only when one_each
-            self.token_ids[np.repeat(rows, counts), _ragged_arange(starts, counts)] = flat
+            self.token_ids[np.repeat(rows, counts), ragged_arange(starts, counts)] = flat
         self.num_tokens[rows] = ends
 
     def _write_blocks(self, request_id: str, row: int, start: int, block_ids: list[int]) -> None:
@@ -480,37 +475,18 @@ class InputBatch:
             ValueError: a request schedules tokens it does not have or lacks blocks for them.
                 (A step of more than ``max_num_batched_tokens`` tokens grows the buffers.)
         """
-        bs, rows = self.block_size, scheduled.rows  # [B]
-        computed, num_sched = scheduled.num_computed_tokens, scheduled.num_scheduled_tokens
+        rows, computed = scheduled.rows, scheduled.num_computed_tokens  # [B] each
+        num_sched = scheduled.num_scheduled_tokens  # [B]
         ends = computed + num_sched  # [B] seq_lens
-        num_tokens, num_blocks = self.num_tokens[rows], self.num_blocks[rows]  # [B]
-        spec = scheduled.num_spec  # [B] or None
-        held = num_tokens if spec is None else num_tokens + spec  # [B] tokens and drafts
-        bad = np.flatnonzero((computed < 0) | (ends > held))
-        if len(bad):
-            i = bad[0]
-            raise ValueError(f"request {scheduled.request_ids[i]!r}: tokens [{computed[i]}, "
-                             f"{ends[i]}) scheduled but it holds {held[i]}")
-        if spec is not None:
-            bad = np.flatnonzero((spec > 0) & ((computed != num_tokens - 1) | (ends != held)))
-            if len(bad):
-                i = bad[0]
-                raise ValueError(f"request {scheduled.request_ids[i]!r}: {spec[i]} drafts need "
-                                 f"its last token and the drafts scheduled ([{num_tokens[i] - 1},"
-                                 f" {held[i]})), got [{computed[i]}, {ends[i]})")
-        need = -(-ends // bs)  # [B] blocks
-        bad = np.flatnonzero(need > num_blocks)
-        if len(bad):
-            i = bad[0]
-            raise ValueError(f"request {scheduled.request_ids[i]!r}: {ends[i]} tokens need "
-                             f"{need[i]} blocks, block table has {num_blocks[i]}")
+        held = scheduled.check_held(self.num_tokens[rows], self.num_blocks[rows],  # [B]
+                                    self.block_size)  # (tokens and drafts)
         cu = np.cumsum(num_sched)  # [B]
         total, batch_size = int(cu[-1]), len(rows)
         self._grow_tokens(total)
         query_start_loc = self._query_start_loc[:batch_size + 1]  # [B + 1]
         query_start_loc[1:] = cu
         positions = self._positions[:total]  # [T]
-        positions[:] = _ragged_arange(computed, num_sched)
+        positions[:] = ragged_arange(computed, num_sched)
         token_rows = np.repeat(rows, num_sched)  # [T] the row of each token
         input_ids = self._input_ids[:total]  # [T]
         input_ids[:] = self.token_ids[token_rows, positions]
@@ -518,21 +494,55 @@ class InputBatch:
         seq_lens[:] = ends
         sampled = np.flatnonzero(ends == held)  # [S] indices of the sampled requests
         sampled_rows = rows[sampled]  # [S]
-        num_drafts = None if spec is None else spec[sampled]  # [S]
+        num_drafts = None if scheduled.num_spec is None else scheduled.num_spec[sampled]  # [S]
+        logits_indices, logits_rows, positions_ahead, drafts = self._logits_rows(
+            cu[sampled], sampled_rows, num_drafts)
+        ids = scheduled.request_ids
+        sr = self.sampling_rows
+        grammar_rows, grammars = sr.grammars(logits_rows, self.row_states)
+        return PreparedStep(
+            input_ids=self._to_device(input_ids), positions=self._to_device(positions),
+            attn_metadata=self._attn_metadata(scheduled, positions, token_rows, seq_lens,
+                                              query_start_loc),
+            logits_indices=self._to_device(logits_indices),
+            sampled_request_ids=(list(ids) if len(sampled) == len(ids)
+                                 else [ids[i] for i in sampled.tolist()]),
+            sampled_rows=sampled_rows,
+            sampling_tensors=sr.tensors(logits_rows, self.row_states, self.token_ids,
+                                        self.num_tokens, self.num_prompt_tokens,
+                                        positions_ahead),
+            num_logprobs=sr.logprobs(logits_rows),
+            prompt_chunks=self._prompt_chunks(scheduled, query_start_loc),
+            grammar_rows=grammar_rows, grammars=grammars, num_drafts=num_drafts, drafts=drafts)
+
+    def _logits_rows(self, ends: np.ndarray, sampled_rows: np.ndarray,
+                     num_drafts: np.ndarray | None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+        """The hidden-state rows the sampled requests sample from (``ends [S]``: each one's
+        query rows' end, ``cu[sampled]``): ``(logits_indices [L], logits_rows [L] (their
+        InputBatch rows), positions_ahead [L] (None without drafts), drafts [D])``."""
         if num_drafts is None:  # (the plain decode / prefill step: one logits row each)
-            logits_indices = self._logits_indices[:len(sampled)]  # [S]
-            np.subtract(cu[sampled], 1, out=logits_indices)
-            logits_rows, positions_ahead, drafts = sampled_rows, None, np.zeros(0, np.int64)
-        else:  # a request with d drafts samples its last 1 + d positions
-            per_request = num_drafts + 1  # [S]
-            logits_indices = _ragged_arange(cu[sampled] - per_request, per_request)  # [L]
-            logits_rows = np.repeat(sampled_rows, per_request)  # [L]
-            positions_ahead = _ragged_arange(np.zeros_like(per_request), per_request)  # [L]
-            drafts = self.token_ids[np.repeat(sampled_rows, num_drafts), _ragged_arange(
-                self.num_tokens[sampled_rows], num_drafts)].astype(np.int64)  # [D]
+            logits_indices = self._logits_indices[:len(sampled_rows)]  # [S]
+            np.subtract(ends, 1, out=logits_indices)
+            return logits_indices, sampled_rows, None, np.zeros(0, np.int64)
+        # a request with d drafts samples its last 1 + d positions
+        per_request = num_drafts + 1  # [S]
+        drafts = self.token_ids[np.repeat(sampled_rows, num_drafts), ragged_arange(
+            self.num_tokens[sampled_rows], num_drafts)].astype(np.int64)  # [D]
+        return (ragged_arange(ends - per_request, per_request),  # [L]
+                np.repeat(sampled_rows, per_request),  # [L]
+                ragged_arange(np.zeros_like(per_request), per_request), drafts)  # [L], [D]
+
+    def _attn_metadata(self, scheduled: ScheduledBatch, positions: np.ndarray,
+                       token_rows: np.ndarray, seq_lens: np.ndarray,
+                       query_start_loc: np.ndarray) -> list[AttentionMetadata]:
+        """One ``AttentionMetadata`` per KV cache group (``positions``, ``token_rows [T]``:
+        each token's position and row), sharing ``seq_lens`` and ``query_start_loc``."""
+        bs, rows, total = self.block_size, scheduled.rows, len(positions)
         seq_lens_t, query_start_loc_t = self._to_device(seq_lens), self._to_device(query_start_loc)
-        max_query_len, max_seq_len = int(num_sched.max()), int(ends.max())
-        width = int(num_blocks.max())
+        max_query_len = int(scheduled.num_scheduled_tokens.max())
+        max_seq_len = int(seq_lens.max())
+        width = int(self.num_blocks[rows].max())
         block_index, offset = positions // bs, positions % bs  # [T] each
         metas = []
         for g in range(self.num_groups):  # (one group: the whole model's one table)
@@ -545,20 +555,7 @@ class InputBatch:
                 block_tables=self._to_device(table[rows, :width]),  # [B, width]
                 seq_lens=seq_lens_t, query_start_loc=query_start_loc_t,
                 max_query_len=max_query_len, max_seq_len=max_seq_len))
-        ids = scheduled.request_ids
-        sr = self.sampling_rows
-        grammar_rows, grammars = sr.grammars(logits_rows, self.row_states)
-        return PreparedStep(
-            input_ids=self._to_device(input_ids), positions=self._to_device(positions),
-            attn_metadata=metas, logits_indices=self._to_device(logits_indices),
-            sampled_request_ids=(list(ids) if len(sampled) == len(ids)
-                                 else [ids[i] for i in sampled.tolist()]),
-            sampled_rows=sampled_rows,
-            sampling=sr.tensors(logits_rows, self.row_states, self.token_ids, self.num_tokens,
-                                self.num_prompt_tokens, positions_ahead),
-            num_logprobs=sr.logprobs(logits_rows),
-            prompt_chunks=self._prompt_chunks(scheduled, query_start_loc),
-            grammar_rows=grammar_rows, grammars=grammars, num_drafts=num_drafts, drafts=drafts)
+        return metas
 
     def _prompt_chunks(self, scheduled: ScheduledBatch, query_start_loc: np.ndarray
                        ) -> list[PromptChunk]:
@@ -590,12 +587,3 @@ class InputBatch:
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
 
-
-def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``[starts[0], .., starts[0] + counts[0] - 1, starts[1], ...]``: ``[sum(counts)]`` int64
-    from ``starts, counts [N]`` int64 (each request's positions, flattened). May return
-    ``starts`` itself (when every count is 1)."""
-    if (counts == 1).all():
-        return starts
-    ends = np.cumsum(counts)  # [N]
-    return np.repeat(starts - ends + counts, counts) + np.arange(int(ends[-1]))

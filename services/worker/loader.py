@@ -54,8 +54,8 @@ from services.worker.as_stored import (
     serve_as_stored,
 )
 from services.worker.attention import AttentionBackend, select_backend
-from services.worker.gguf_weights import gguf_index
-from services.worker.int4_checkpoints import quant_config
+from services.worker.gguf_weights import GGUFIndex, StoredWeights, gguf_index
+from services.worker.int4_checkpoints import Int4Config, quant_config
 from services.worker.lora import LoRAConfig
 from services.worker.lora.layers import wrap_lora_layers
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
@@ -154,10 +154,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     """Build the model on ``device`` with weights cast to ``dtype``.
 
     On a CPU the linear layers go to the native row-invariant kernel where needed
-    (``services/worker/packed_linear.py``): every linear layer and the LM head (float32 logits)
-    of a 16-bit model, and of a float32 model with ``batch_invariant`` or where the kernels'
-    AVX2 step runs (``native_float32_default``). A float32 model elsewhere keeps ATen's (MKL:
-    faster there at float32; row-variant in the last bits).
+    (``_pack_linears``).
 
     Args:
         model: a transformers folder or ``.gguf`` path; None/"" = the packaged SmolLM2.
@@ -191,7 +188,49 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     start = time.perf_counter()
     device = torch.device(device)
     check_quantization(quantization, device)
-    source = resolve_model(model)
+    ckpt = _open_checkpoint(resolve_model(model), quantization, runner)
+    net, plan = _build_on_meta(ckpt, attn_backend or select_backend("auto", device), parallel)
+    stored, skip_shapes = _stored_weights(ckpt, device, plan, quantization)
+    _load_weights(net, ckpt, dtype, device, plan, stored, skip_shapes,
+                  int8_modes=quantization in QUANTIZATIONS)
+    net = _finish_weights(net, ckpt, stored, dtype, device, plan, quantization, lora,
+                          batch_invariant)
+    log.info("weights: %s", describe_weights(net, dtype, quantization,
+                                             ckpt.index.type_counts() if ckpt.index else None,
+                                             stored.types))
+    log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", ckpt.source.name,
+             len(net.layers), _num_weights(net) / 1e6,
+             str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
+    return net, ckpt.config, _model_info(ckpt, quantization, stored)
+
+
+@dataclass(frozen=True, slots=True)
+class _Checkpoint:
+    """What ``load_model`` reads of a model before building it.
+
+    Attributes:
+        source: the resolved ``--model``.
+        folder: its transformers folder (a GGUF's conversion).
+        config: ``config.json`` as a dict.
+        index: a GGUF's tensor index (None for a folder).
+        int4: a 4-bit AWQ / GPTQ folder's ``quantization_config`` (None otherwise).
+        family / cfg: its ``Family`` and our config of it.
+        runner: ``--runner`` resolved (``"generate"`` or ``"pooling"``).
+    """
+
+    source: ModelSource
+    folder: Path
+    config: dict
+    index: GGUFIndex | None
+    int4: Int4Config | None
+    family: Family
+    cfg: ModelConfig
+    runner: str
+
+
+def _open_checkpoint(source: ModelSource, quantization: str | None, runner: str
+                     ) -> _Checkpoint:
+    """Read ``source``'s config (converting a GGUF once); ``load_model``'s errors."""
     # (first: a truncated or corrupt GGUF is refused naming the tensor, before the conversion)
     index = (gguf_index(source.path, source.cache_dir("gguf_index.json")) if source.is_gguf
              else None)
@@ -204,39 +243,68 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     runner = resolve_runner(runner, config, folder)
     if runner == "pooling":  # (a tied model builds no LM head, and none is read)
         cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
+    return _Checkpoint(source, folder, config, index, int4, family, cfg, runner)
+
+
+def _build_on_meta(ckpt: _Checkpoint, backend: AttentionBackend,
+                   parallel: ParallelState | None) -> tuple[Model, ShardPlan | None]:
+    """The model without weights (meta tensors), sharded for ``parallel``; and its plan
+    (None without parallelism)."""
+    cfg = ckpt.cfg
     plan = ShardPlan(cfg, parallel.config) if parallel and parallel.config.world_size > 1 else None
     with torch.device("meta"):
-        net = family.model(cfg, attn_backend or select_backend("auto", device))
+        net = ckpt.family.model(cfg, backend)
         if plan:
             assert parallel is not None  # a plan is made only for a parallel state
             shard_model(net, plan, parallel)
-    if quantization == "gguf" and not source.is_gguf:
-        raise ValueError(f"--quantization gguf needs a .gguf model, not {source.path}")
-    layers = plan.layers if plan else range(cfg.num_hidden_layers)
-    skip_shapes: dict[str, tuple[int, int]] = {}
-    if int4 is not None:
-        stored, skip_shapes = int4_stored(folder, int4, device, plan, layers)
-    else:
-        stored = gguf_as_stored(source, folder, cfg, device, plan, quantization, index,
-                                embedding=plan is None)
+    return net, plan
+
+
+def _stored_weights(ckpt: _Checkpoint, device: torch.device, plan: ShardPlan | None,
+                    quantization: str | None
+                    ) -> tuple[StoredWeights, dict[str, tuple[int, int]]]:
+    """The weights served as stored (a 4-bit checkpoint's or a GGUF's), and the shapes of
+    the 4-bit layers' float weights the checkpoint does not hold."""
+    if quantization == "gguf" and not ckpt.source.is_gguf:
+        raise ValueError(f"--quantization gguf needs a .gguf model, not {ckpt.source.path}")
+    layers = plan.layers if plan else range(ckpt.cfg.num_hidden_layers)
+    if ckpt.int4 is not None:
+        return int4_stored(ckpt.folder, ckpt.int4, device, plan, layers)
+    return gguf_as_stored(ckpt.source, ckpt.folder, ckpt.cfg, device, plan, quantization,
+                          ckpt.index, embedding=plan is None), {}
+
+
+def _load_weights(net: Model, ckpt: _Checkpoint, dtype: torch.dtype, device: torch.device,
+                  plan: ShardPlan | None, stored: StoredWeights,
+                  skip_shapes: dict[str, tuple[int, int]], int8_modes: bool) -> None:
+    """Read the weights not served as stored into ``net`` (assigned in place of its meta
+    tensors); ValueError where they do not fit the config."""
     skip = set(stored.linears) | {name for name, w in (("embed_tokens", stored.embedding),
                                                        ("lm_head", stored.lm_head)) if w}
     # NOTE: safetensors hands out tensors on the file's memory map, which a float32 model keeps
     # as its weights; one that keeps few of them (int8) copies those few (not the linear
     # weights it quantizes), or the whole map, its pages read by the quantization, would stay
     # resident.
-    int8_modes = quantization in QUANTIZATIONS
-    state = _read_state_dict(folder, cfg, family, dtype, device, plan, skip=skip,
+    state = _read_state_dict(ckpt.folder, ckpt.cfg, ckpt.family, dtype, device, plan, skip=skip,
                              copy=(lambda name: not name.endswith(_LINEAR_WEIGHTS))
                              if int8_modes else (lambda name: True) if stored else None,
                              skip_shapes=skip_shapes)
     try:
         net.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:  # missing/unexpected keys or shape mismatch
-        raise ValueError(f"{folder}: weights do not fit the config: {e}") from e
+        raise ValueError(f"{ckpt.folder}: weights do not fit the config: {e}") from e
+
+
+def _finish_weights(net: Model, ckpt: _Checkpoint, stored: StoredWeights, dtype: torch.dtype,
+                    device: torch.device, plan: ShardPlan | None, quantization: str | None,
+                    lora: LoRAConfig | None, batch_invariant: bool) -> Model:
+    """Turn the loaded ``net`` into the served one, on ``device`` in eval mode: the weights
+    served as stored swapped in, LoRA wrappers, ``--quantization``'s int8 layers and the
+    native CPU kernel's packed layers."""
+    int8_modes = quantization in QUANTIZATIONS
     # before .to(): their float weights were never read
     serve_as_stored(net, stored, dtype, fuse_gate=lora is None,
-                    lm_head=runner != "pooling")
+                    lm_head=ckpt.runner != "pooling")
     if lora is not None:
         wrap_lora_layers(net, lora.max_loras, lora.max_lora_rank, dtype,
                          fuse=not int8_modes)
@@ -245,26 +313,28 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         assert quantization is not None  # (int8_modes)
         quantize_model_linears(net, quantization, skip=lambda m: isinstance(m, Int8Linear))
     _pack_linears(net, dtype, device, batch_invariant,
-                  is_last_stage=((plan is None or plan.pc.is_last_stage) and runner != "pooling"
+                  is_last_stage=((plan is None or plan.pc.is_last_stage)
+                                 and ckpt.runner != "pooling"
                                  and not isinstance(net.lm_head, GroupQuantLinear)))
     if int8_modes or stored:
         _return_freed_memory()
-    log.info("weights: %s", describe_weights(net, dtype, quantization,
-                                             index.type_counts() if index else None,
-                                             stored.types))
-    info = ModelInfo(name=source.name, eos_token_ids=_eos_token_ids(folder, config),
-                     max_model_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
-                     quantization=(quantization or "") if int8_modes
+    return net
+
+
+def _model_info(ckpt: _Checkpoint, quantization: str | None, stored: StoredWeights
+                ) -> ModelInfo:
+    """What the worker reports about the loaded model."""
+    config, runner = ckpt.config, ckpt.runner
+    return ModelInfo(name=ckpt.source.name, eos_token_ids=_eos_token_ids(ckpt.folder, config),
+                     max_model_len=ckpt.cfg.max_position_embeddings,
+                     vocab_size=ckpt.cfg.vocab_size,
+                     quantization=(quantization or "") if quantization in QUANTIZATIONS
                      else stored.source.lower() if stored else "",
                      runner=runner,
-                     pooler=checkpoint_pooler(folder) if runner == "pooling" else None,
+                     pooler=checkpoint_pooler(ckpt.folder) if runner == "pooling" else None,
                      matryoshka_dimensions=tuple(config.get("matryoshka_dimensions") or ()),
                      is_matryoshka=bool(config.get("is_matryoshka")
                                         or config.get("matryoshka_dimensions")))
-    log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", source.name,
-             len(net.layers), _num_weights(net) / 1e6,
-             str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
-    return net, config, info
 
 
 def _num_weights(net: nn.Module) -> int:
@@ -361,7 +431,12 @@ def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | Non
 
 def _pack_linears(net: Model, dtype: torch.dtype, device: torch.device, batch_invariant: bool,
                   is_last_stage: bool) -> None:
-    """Put ``PackedLinear``s where the native kernel is needed (``load_model``'s docstring).
+    """Put ``PackedLinear``s where the native row-invariant kernel is needed
+    (``services/worker/packed_linear.py``): on a CPU, every linear layer and the LM head
+    (float32 logits; ``is_last_stage``) of a 16-bit model, and of a float32 model with
+    ``batch_invariant`` or where the kernels' AVX2 step runs (``native_float32_default``). A
+    float32 model elsewhere keeps ATen's (MKL: faster there at float32; row-variant in the last
+    bits).
 
     Raises:
         ValueError: ``batch_invariant`` off a CPU or without the native library.

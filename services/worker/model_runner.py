@@ -461,8 +461,8 @@ class ModelRunner:
             self._append_from_driver(batch)
             return StepOutput(step.step_id, [], [])
         if grammar_step is not None:
-            batch.sampling.grammar = grammar_step.mask(logits.device)
-        token_ids = self.sampler(logits, batch.sampling)  # [L] int64
+            batch.sampling_tensors.grammar = grammar_step.mask(logits.device)
+        token_ids = self.sampler(logits, batch.sampling_tensors)  # [L] int64
         if batch.num_drafts is None:
             if ps:
                 ps.broadcast_from_driver(token_ids)

@@ -41,6 +41,39 @@ class ScheduledBatch:
     def __len__(self) -> int:
         return len(self.request_ids)
 
+    def check_held(self, num_tokens: np.ndarray, num_blocks: np.ndarray, block_size: int
+                   ) -> np.ndarray:
+        """Check that each request holds the tokens it schedules (one verifying drafts: its
+        last token and every draft) and the blocks for them, given what its row holds
+        (``num_tokens``, ``num_blocks [B]`` int64); returns ``[B]`` int64, the tokens each
+        holds, its drafts included.
+
+        Raises:
+            ValueError: a request schedules tokens it does not have or lacks blocks for them.
+        """
+        computed, spec = self.num_computed_tokens, self.num_spec  # [B], [B] or None
+        ends = computed + self.num_scheduled_tokens  # [B]
+        held = num_tokens if spec is None else num_tokens + spec  # [B] tokens and drafts
+        bad = np.flatnonzero((computed < 0) | (ends > held))
+        if len(bad):
+            i = bad[0]
+            raise ValueError(f"request {self.request_ids[i]!r}: tokens [{computed[i]}, "
+                             f"{ends[i]}) scheduled but it holds {held[i]}")
+        if spec is not None:
+            bad = np.flatnonzero((spec > 0) & ((computed != num_tokens - 1) | (ends != held)))
+            if len(bad):
+                i = bad[0]
+                raise ValueError(f"request {self.request_ids[i]!r}: {spec[i]} drafts need "
+                                 f"its last token and the drafts scheduled ([{num_tokens[i] - 1},"
+                                 f" {held[i]})), got [{computed[i]}, {ends[i]})")
+        need = -(-ends // block_size)  # [B] blocks
+        bad = np.flatnonzero(need > num_blocks)
+        if len(bad):
+            i = bad[0]
+            raise ValueError(f"request {self.request_ids[i]!r}: {ends[i]} tokens need "
+                             f"{need[i]} blocks, block table has {num_blocks[i]}")
+        return held
+
 
 @dataclass(slots=True)
 class PreparedStep:
@@ -54,7 +87,7 @@ class PreparedStep:
             sampled request, ``1 + d`` for one verifying ``d`` drafts (``L = S`` without).
         sampled_request_ids: the ``S`` request ids, in row order.
         sampled_rows: ``[S]`` int64, their rows of the InputBatch (``append_sampled``).
-        sampling: per-logits-row sampling parameters of the ``L`` rows (``grammar`` not yet
+        sampling_tensors: per-logits-row sampling parameters of the ``L`` rows (``grammar`` not yet
             set); a request's row repeated per position.
         grammar_rows: ``[C]`` int64, which of the ``L`` logits rows a grammar constrains
             (those requests never have drafts).
@@ -73,7 +106,7 @@ class PreparedStep:
     logits_indices: torch.Tensor
     sampled_request_ids: list[str]
     sampled_rows: np.ndarray
-    sampling: SamplingTensors
+    sampling_tensors: SamplingTensors
     num_logprobs: list[int | None]
     prompt_chunks: list[PromptChunk]
     grammar_rows: np.ndarray

@@ -107,7 +107,7 @@ def check_prepared(prepared, held: dict[str, Held], order) -> None:
     assert [(c.request_id, c.k, c.hidden_start, c.first_position, c.target_token_ids)
             for c in prepared.prompt_chunks] == ref["chunks"]
     options = [held[rid].sampling for rid in ref["sampled"]]
-    sampling = prepared.sampling
+    sampling = prepared.sampling_tensors
     assert sampling.temperature.tolist() == pytest.approx([o.temperature for o in options])
     assert sampling.top_k.tolist() == [o.top_k if 0 < o.top_k < V else V for o in options]
     assert sorted(sampling.generators) == [i for i, o in enumerate(options) if o.seed is not None]

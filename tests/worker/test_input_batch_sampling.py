@@ -22,7 +22,13 @@ def _batch() -> InputBatch:
 
 def _step(batch: InputBatch, step_id: int, new=(), cached=(), finished=()):
     return batch.prepare(batch.update(StepInput(step_id, list(new), list(cached),
-                                                list(finished)))).sampling
+                                                list(finished)))).sampling_tensors
+
+
+def _num_token_aware(batch: InputBatch) -> int:
+    """Held requests whose sampling looks at their tokens (a penalty or min_tokens)."""
+    return sum(s.counts is not None or bool(s.min_tokens_stop_ids)
+               for s in batch.requests.values())
 
 
 def test_counts_follow_the_output_and_min_tokens_lifts():
@@ -43,9 +49,9 @@ def test_counts_follow_the_output_and_min_tokens_lifts():
     assert s.min_tokens_mask[0].tolist() == [1, 1]  # one output < min_tokens 2
     s = _step(batch, 3, cached=[CachedRequest("a", [9], [1], False, 4, 1)])
     assert s.penalties.output_counts[0, 9].item() == 2 and s.min_tokens_mask is None
-    assert batch.num_token_aware == 1
+    assert _num_token_aware(batch) == 1
     _step(batch, 4, cached=[CachedRequest("b", [3], [], False, 3, 1)], finished=["a"])
-    assert batch.num_token_aware == 0
+    assert _num_token_aware(batch) == 0
 
 
 def test_ignore_eos_masks_only_stop_ids_and_plain_batches_skip_the_work():

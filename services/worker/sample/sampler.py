@@ -177,31 +177,32 @@ class Sampler:
     it: raw).
     """
 
-    def __call__(self, logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-        if (params.penalties is not None or params.logit_bias is not None
-                or params.min_tokens_mask is not None or params.grammar is not None):
+    def __call__(self, logits: torch.Tensor, sampling_tensors: SamplingTensors) -> torch.Tensor:
+        st = sampling_tensors  # (short: read on every line below)
+        if (st.penalties is not None or st.logit_bias is not None
+                or st.min_tokens_mask is not None or st.grammar is not None):
             logits = logits.clone()
-            if params.penalties is not None:
-                apply_penalties(logits, params.penalties)
-            if params.logit_bias is not None:
-                apply_logit_bias(logits, *params.logit_bias)
-            if params.min_tokens_mask is not None:
-                apply_min_tokens(logits, *params.min_tokens_mask)
-            if params.grammar is not None:
-                apply_grammar_mask(logits, params.grammar)
+            if st.penalties is not None:
+                apply_penalties(logits, st.penalties)
+            if st.logit_bias is not None:
+                apply_logit_bias(logits, *st.logit_bias)
+            if st.min_tokens_mask is not None:
+                apply_min_tokens(logits, *st.min_tokens_mask)
+            if st.grammar is not None:
+                apply_grammar_mask(logits, st.grammar)
         greedy = row_argmax(logits)  # [B] (logits.argmax(dim=-1))
-        if params.all_greedy:
+        if st.all_greedy:
             return greedy
         # top_k=1 is greedy at any temperature: the same token as argmax even on a tie, which
         # the threshold mask of apply_top_k_top_p would keep both sides of
-        is_greedy = (params.temperature < _SAMPLING_EPS) | (params.top_k == 1)  # [B]
-        temperature = torch.where(is_greedy, 1.0, params.temperature)
+        is_greedy = (st.temperature < _SAMPLING_EPS) | (st.top_k == 1)  # [B]
+        temperature = torch.where(is_greedy, 1.0, st.temperature)
         logits = logits / temperature.unsqueeze(1)  # [B, V]
-        if not (params.no_top_k and params.no_top_p):
-            logits = apply_top_k_top_p(logits, None if params.no_top_k else params.top_k,
-                                       None if params.no_top_p else params.top_p)
-        if params.min_p is not None:
-            logits = apply_min_p(logits, params.min_p)
+        if not (st.no_top_k and st.no_top_p):
+            logits = apply_top_k_top_p(logits, None if st.no_top_k else st.top_k,
+                                       None if st.no_top_p else st.top_p)
+        if st.min_p is not None:
+            logits = apply_min_p(logits, st.min_p)
         probs = logits.softmax(dim=-1, dtype=torch.float32)  # [B, V]
-        sampled = exponential_race(probs, params.generators)
+        sampled = exponential_race(probs, st.generators)
         return torch.where(is_greedy, greedy, sampled)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.worker.ragged import ragged_arange
+
 
 @dataclass(slots=True)
 class Verdict:
@@ -75,18 +77,10 @@ def verify_drafts(sampled: np.ndarray, drafts: np.ndarray, num_drafts: np.ndarra
                          f"for draft counts summing to {int(num_drafts.sum())} over "
                          f"{len(num_drafts)} requests")
     match = np.zeros(len(sampled), dtype=bool)  # [L]; the last row of a segment never matches
-    draft_rows = _ragged_arange(seg_start, num_drafts)  # [D]
+    draft_rows = ragged_arange(seg_start, num_drafts)  # [D]
     match[draft_rows] = sampled[draft_rows] == drafts
     misses = np.flatnonzero(~match)  # sorted; every segment has one (its last row)
     first_miss = misses[np.searchsorted(misses, seg_start)]  # [S]
     num_accepted = first_miss - seg_start
-    return Verdict(num_accepted, _ragged_arange(seg_start, num_accepted + 1))
+    return Verdict(num_accepted, ragged_arange(seg_start, num_accepted + 1))
 
-
-def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``[starts[0] .. starts[0] + counts[0] - 1, starts[1] ..]``: ``[sum(counts)]`` int64."""
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(counts)
-    return np.repeat(starts - ends + counts, counts) + np.arange(total)
