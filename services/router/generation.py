@@ -46,6 +46,7 @@ from services.router.validation import (
     MAX_LOGPROBS,
     RequestError,
     TextOptions,
+    invalid,
     validate_n,
     validate_priority,
     validate_prompt_ids,
@@ -103,10 +104,9 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
             runs the pooling runner (embeddings only: nothing can be generated).
     """
     if info.runner == "pooling":
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           "The model does not support Completions API or Chat Completions "
-                           "API: the server runs --runner pooling (an embedding model); use "
-                           "the Embed RPC (gRPC) or POST /v1/embeddings (HTTP)")
+        raise invalid("The model does not support Completions API or Chat Completions API: "
+                      "the server runs --runner pooling (an embedding model); use the Embed "
+                      "RPC (gRPC) or POST /v1/embeddings (HTTP)", None)
     request_id = validate_request_id(request.request_id) or uuid.uuid4().hex
     params, text = validate_sampling(request.sampling_params, vocab_size=info.vocab_size,
                                      max_logprobs=max_logprobs)
@@ -115,18 +115,17 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            raise invalid("prompt is empty", "prompt")
         ids = encode_prompt(tokenizer, request.prompt)
     elif kind == "chat":
         if not request.chat.messages:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty")
+            raise invalid("chat.messages is empty", "messages")
         ids = encode_chat(tokenizer, request.chat.messages, tools=request.chat.tools,
                           chat_template_kwargs=request.chat.chat_template_kwargs)
     elif kind == "prompt_token_ids":
         ids = list(request.prompt_token_ids.ids)
     else:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           "prompt is empty: set one of prompt, chat or prompt_token_ids")
+        raise invalid("prompt is empty: set one of prompt, chat or prompt_token_ids", "prompt")
     validate_prompt_ids(ids, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
     sp = request.sampling_params
     eos = frozenset() if params.ignore_eos else frozenset(info.eos_token_ids)
@@ -189,11 +188,32 @@ class RequestLog:
 
 
 class EngineError(Exception):
-    """The engine ended the request with an error (a gRPC status code and message)."""
+    """The engine ended the request with an error (a gRPC status code and message).
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    Attributes:
+        param: the request field at fault, named as ``RequestError.param``, or None.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.param = code, message, param
+
+
+def engine_refusal(req: PreparedRequest, code_value: int, message: str) -> EngineError:
+    """The error of an engine output that ended a choice of ``req`` (``RequestOutput.error_code``
+    and ``error_message``).
+
+    ``param``: the router checks every field before submitting except what only the scheduler
+    knows, a beam search's ``beam_width`` against its max_num_seqs and KV cache size
+    (``services/scheduler/beam_search_groups.py``), so the engine's INVALID_ARGUMENT for a beam
+    search names ``beam_width``; any other engine error names no field.
+
+    NOTE: the engine's RequestOutput carries no field name, so this is inferred from the
+    request, not read from the error.
+    """
+    code = status_of(code_value)
+    beam = code == grpc.StatusCode.INVALID_ARGUMENT and req.params.beam_width > 0
+    return EngineError(code, message, "beam_width" if beam else None)
 
 
 # Default of the router's --max-stream-buffer: outputs (engine steps) buffered per call.
@@ -285,7 +305,7 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
         try:
             grammar = await compile_structured_outputs(req.structured_outputs)
         except RequestError as e:
-            raise EngineError(e.code, e.message) from None
+            raise EngineError(e.code, e.message, e.param) from None
         params = replace(params, structured_output=grammar)
     choices: dict[str, Choice | BeamSearch] = {}  # by engine request id
 
@@ -333,7 +353,7 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
                 continue
             if out.error_code:
                 choice.finished = True  # the engine has already ended it
-                raise EngineError(status_of(out.error_code), out.error_message)
+                raise engine_refusal(req, out.error_code, out.error_message)
             responses, stop_string_hit = choice.on_output(out)
             if stop_string_hit:
                 engine.abort(out.request_id)
