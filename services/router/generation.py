@@ -273,75 +273,36 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
     """Async generator of the GenerateResponses of one prepared request, all its choices merged.
 
     Waits for the request's grammar, if any (see the module's note), then submits ``req.n``
-    engine requests (one per choice, see ``services.router.choices``) and
-    yields each choice's messages as its tokens arrive, tagged with ``index``; every choice ends
-    with its own message carrying finish_reason and that choice's usage. The generator ends
-    after all n choices ended. A beam search (``params.beam_width`` > 0) submits one engine
-    request, id ``req.request_id``, and yields its n choices' single messages at its end
-    (``services.router.beam_search_choices``).
-
-    If any choice fails in the engine, or the caller stops listening (client cancelled), every
-    choice still running is aborted in the engine so none keeps KV blocks.
+    engine requests (one per choice, ``services.router.choices``; a beam search one, id
+    ``req.request_id``, ``services.router.beam_search_choices``) and yields each choice's
+    messages as its tokens arrive, tagged with ``index``; each choice ends with a message
+    carrying its finish_reason and usage. If a choice fails in the engine, or the caller stops
+    listening (client cancelled), every choice still running is aborted in the engine.
 
     Args:
-        max_pending: most engine outputs buffered for this call while its caller does not
-            read (see ``OutputQueue``); past it every choice is aborted in the engine at once.
-        on_overflow: called with the ``EngineError`` (RESOURCE_EXHAUSTED) when that happens,
-            from the engine stream's reader, so a caller suspended in a write to its slow client
-            can end the call (the gRPC servicer aborts the RPC); the generator itself raises
-            that error at its next read.
+        max_pending: most engine outputs buffered while the caller does not read
+            (``OutputQueue``); past it every choice is aborted in the engine at once.
+        on_overflow: called with that ``EngineError`` (RESOURCE_EXHAUSTED), from the engine
+            stream's reader, so a caller suspended in a write to its slow client can end the
+            call; the generator itself raises it at its next read.
 
     Raises:
-        EngineError: the engine rejected or failed one of the choices (e.g. RESOURCE_EXHAUSTED
-            when its queue is full, UNAVAILABLE when it is unreachable), or INVALID_ARGUMENT
-            before anything is submitted when one of its engine request ids is still running
-            (a client reused a request_id), or RESOURCE_EXHAUSTED when the caller read too
-            slowly (more than ``max_pending`` outputs waiting), or INVALID_ARGUMENT
-            ``structured_outputs.<kind>: ...`` before anything is submitted when the grammar is
-            invalid.
+        EngineError: the engine rejected or failed a choice (e.g. RESOURCE_EXHAUSTED when its
+            queue is full, UNAVAILABLE when unreachable); the caller read too slowly
+            (RESOURCE_EXHAUSTED); before anything is submitted, INVALID_ARGUMENT when an engine
+            request id is still running (a reused request_id) or the grammar is invalid
+            (``structured_outputs.<kind>: ...``).
     """
-    params = req.params
-    if req.structured_outputs is not None:
-        try:
-            grammar = await compile_structured_outputs(req.structured_outputs)
-        except RequestError as e:
-            raise EngineError(e.code, e.message, e.param) from None
-        params = replace(params, structured_output=grammar)
-    choices: dict[str, Choice | BeamSearch] = {}  # by engine request id
+    params = await _with_grammar(req)
+    choices = _choices(req, tokenizer)
 
     def overflowed() -> None:  # called by the engine stream's reader: stop every choice now
-        for choice in choices.values():
-            if not choice.finished:
-                choice.finished = True
-                engine.abort(choice.engine_request_id)
-                engine.release(choice.engine_request_id)
+        _abort_running(engine, choices)
         if on_overflow is not None:
             on_overflow(slow_client_error(max_pending))
 
-    # the outputs of all the choices, in arrival order
-    queue = OutputQueue(max_pending, overflowed)
-    if params.beam_width:  # one engine request for every choice (see beam_search)
-        choices[req.request_id] = BeamSearch(req.request_id, req.n, req.prompt_token_ids,
-                                             req.text, tokenizer)
-    else:
-        for i in range(req.n):
-            rid = child_request_id(req.request_id, i, req.n)
-            choices[rid] = Choice(i, rid, req.request_id, req.prompt_token_ids, req.text,
-                                  tokenizer)
-    # NOTE: checked before anything is submitted, so that the clean-up below never aborts
-    # another caller's request that happens to have one of these ids.
-    taken = next((rid for rid in choices if engine.is_running(rid)), None)
-    if taken is not None:
-        raise EngineError(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"request_id {req.request_id!r} is already running" +
-                          (f" (engine request {taken!r})" if taken != req.request_id else ""))
-    for i, rid in enumerate(choices):
-        if queue.overflowed:  # cannot happen with a real engine before anything was read
-            break
-        engine.submit(rid, req.prompt_token_ids, child_params(params, i),
-                      priority=req.priority, queue=queue,
-                      parent_request_id=req.request_id if len(choices) > 1 else "",
-                      lora=req.lora)
+    queue = OutputQueue(max_pending, overflowed)  # every choice's outputs, in arrival order
+    _submit(engine, req, params, choices, queue)
     num_running = len(choices)
     try:
         while num_running:
@@ -363,7 +324,62 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
             for response in responses:
                 yield response
     finally:
-        for choice in choices.values():
-            if not choice.finished:  # cancelled, or a sibling failed: free the engine's blocks
-                engine.abort(choice.engine_request_id)
-                engine.release(choice.engine_request_id)
+        _abort_running(engine, choices)  # cancelled, or a choice failed: free their blocks
+
+
+async def _with_grammar(req: PreparedRequest) -> EngineSamplingParams:
+    """``req.params`` with the compiled grammar of ``req.structured_outputs``, if any.
+
+    Raises:
+        EngineError: INVALID_ARGUMENT ``structured_outputs.<kind>: ...``, the grammar invalid.
+    """
+    if req.structured_outputs is None:
+        return req.params
+    try:
+        grammar = await compile_structured_outputs(req.structured_outputs)
+    except RequestError as e:
+        raise EngineError(e.code, e.message, e.param) from None
+    return replace(req.params, structured_output=grammar)
+
+
+def _choices(req: PreparedRequest, tokenizer) -> dict[str, Choice | BeamSearch]:
+    """The choices of ``req`` by engine request id: one per choice, or one beam search for all."""
+    if req.params.beam_width:
+        return {req.request_id: BeamSearch(req.request_id, req.n, req.prompt_token_ids,
+                                           req.text, tokenizer)}
+    rids = (child_request_id(req.request_id, i, req.n) for i in range(req.n))
+    return {rid: Choice(i, rid, req.request_id, req.prompt_token_ids, req.text, tokenizer)
+            for i, rid in enumerate(rids)}
+
+
+def _submit(engine: ReplicaSet, req: PreparedRequest, params: EngineSamplingParams,
+            choices: dict[str, Choice | BeamSearch], queue: OutputQueue) -> None:
+    """Submit every choice's engine request, its outputs to ``queue``.
+
+    Raises:
+        EngineError: INVALID_ARGUMENT, nothing submitted: an engine request id is running.
+    """
+    # NOTE: checked before anything is submitted, so that the clean-up never aborts another
+    # caller's request that happens to have one of these ids.
+    taken = next((rid for rid in choices if engine.is_running(rid)), None)
+    if taken is not None:
+        raise EngineError(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"request_id {req.request_id!r} is already running" +
+                          (f" (engine request {taken!r})" if taken != req.request_id else ""))
+    for i, rid in enumerate(choices):
+        if queue.overflowed:  # cannot happen with a real engine before anything was read
+            break
+        engine.submit(rid, req.prompt_token_ids, child_params(params, i),
+                      priority=req.priority, queue=queue,
+                      parent_request_id=req.request_id if len(choices) > 1 else "",
+                      lora=req.lora)
+
+
+def _abort_running(engine: ReplicaSet, choices: dict[str, Choice | BeamSearch]) -> None:
+    """Abort the choices still running in the engine (freeing their KV blocks); each is then
+    finished."""
+    for choice in choices.values():
+        if not choice.finished:
+            choice.finished = True
+            engine.abort(choice.engine_request_id)
+            engine.release(choice.engine_request_id)
