@@ -94,10 +94,10 @@ def _finite(name: str, x: float, param: str | None = None) -> float:
     return x
 
 
-def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int,
+def validate_sampling(sp: api_pb2.SamplingParams, *, vocab_size: int,
                       max_logprobs: int = MAX_LOGPROBS
                       ) -> tuple[EngineSamplingParams, TextOptions]:
-    """Check ``params`` and split them into what the engine samples with and what the router
+    """Check ``sp`` and split them into what the engine samples with and what the router
     applies to the text. Unset fields take the defaults documented in api.proto.
 
     top_k 0, -1 and values >= vocab_size all mean "off" and become -1 (``TOP_K_OFF``).
@@ -109,44 +109,44 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int,
         RequestError(INVALID_ARGUMENT): a field is out of range (the message names it), or a
             field beam search refuses is set with it (see ``_beam_search``).
     """
-    temperature = _finite("temperature", params.temperature) if params.HasField(
+    temperature = _finite("temperature", sp.temperature) if sp.HasField(
         "temperature") else 1.0
     if temperature < 0:
         raise invalid(f"temperature must be >= 0, got {_fmt(temperature)}", "temperature")
-    top_p = _finite("top_p", params.top_p) if params.HasField("top_p") else 1.0
+    top_p = _finite("top_p", sp.top_p) if sp.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
         raise invalid(f"top_p must be in (0, 1], got {_fmt(top_p)}", "top_p")
-    top_k = params.top_k if params.HasField("top_k") else TOP_K_OFF
+    top_k = sp.top_k if sp.HasField("top_k") else TOP_K_OFF
     if top_k < -1:
         raise invalid(f"top_k must be -1 (off) or >= 0, got {top_k}", "top_k")
     if top_k == 0 or top_k >= vocab_size:
         top_k = TOP_K_OFF
-    if params.HasField("max_tokens") and params.max_tokens < 1:
-        raise invalid(f"max_tokens must be >= 1, got {params.max_tokens}", "max_tokens")
-    stop = tuple(params.stop)
+    if sp.HasField("max_tokens") and sp.max_tokens < 1:
+        raise invalid(f"max_tokens must be >= 1, got {sp.max_tokens}", "max_tokens")
+    stop = tuple(sp.stop)
     if len(stop) > MAX_STOP_STRINGS:
         raise invalid(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     for i, s in enumerate(stop):
         if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
             raise invalid(f"stop[{i}] must have 1 to {MAX_STOP_STRING_CHARS} characters, "
                                f"got {len(s)}", "stop")
-    _check_ids("stop_token_ids", params.stop_token_ids, vocab_size, "stop_token_ids")
+    _check_ids("stop_token_ids", sp.stop_token_ids, vocab_size, "stop_token_ids")
     engine = EngineSamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=params.seed if params.HasField("seed") else None,
-        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
-        stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        logprobs=_logprobs(params, "logprobs", max_logprobs, vocab_size),
-        prompt_logprobs=_logprobs(params, "prompt_logprobs", max_logprobs, vocab_size),
-        logit_bias=_logit_bias(params, vocab_size), **_penalties(params))
+        seed=sp.seed if sp.HasField("seed") else None,
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+        stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        logprobs=_logprobs(sp, "logprobs", max_logprobs, vocab_size),
+        prompt_logprobs=_logprobs(sp, "prompt_logprobs", max_logprobs, vocab_size),
+        logit_bias=_logit_bias(sp, vocab_size), **_penalties(sp))
     text = TextOptions(
-        stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
-        skip_special_tokens=(params.skip_special_tokens
-                             if params.HasField("skip_special_tokens") else True))
-    if params.use_beam_search:
-        return _beam_search(params, engine), text
+        stop=stop, include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=(sp.skip_special_tokens
+                             if sp.HasField("skip_special_tokens") else True))
+    if sp.use_beam_search:
+        return _beam_search(sp, engine), text
     for name in ("beam_width", "length_penalty", "early_stopping"):
-        if params.HasField(name) and getattr(params, name) != _BEAM_DEFAULTS.get(name):
+        if sp.HasField(name) and getattr(sp, name) != _BEAM_DEFAULTS.get(name):
             raise invalid(f"{name} requires use_beam_search to be true", name)
     return engine, text
 
@@ -158,9 +158,9 @@ _BEAM_OFF = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_
              ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
 
 
-def _beam_search(params: api_pb2.SamplingParams, engine: EngineSamplingParams
+def _beam_search(sp: api_pb2.SamplingParams, engine: EngineSamplingParams
                  ) -> EngineSamplingParams:
-    """The engine parameters of a beam search (``use_beam_search``): ``engine`` (``params``
+    """The engine parameters of a beam search (``use_beam_search``): ``engine`` (``sp``
     already checked as for sampling) reduced to what beam search uses (max_tokens,
     stop_token_ids, ignore_eos) plus beam_width (default n), length_penalty (default 1.0) and
     early_stopping (default "false"), at temperature 0 (unset means 0 here); the seed is
@@ -173,7 +173,7 @@ def _beam_search(params: api_pb2.SamplingParams, engine: EngineSamplingParams
             ``length_penalty`` is not finite, or ``early_stopping`` is none of "true",
             "false", "never".
     """
-    given = {"temperature": params.temperature if params.HasField("temperature") else 0.0}
+    given = {"temperature": sp.temperature if sp.HasField("temperature") else 0.0}
     for name, off in _BEAM_OFF:
         value = given.get(name, getattr(engine, name))
         if value != off:
@@ -187,19 +187,19 @@ def _beam_search(params: api_pb2.SamplingParams, engine: EngineSamplingParams
     if engine.logit_bias:
         raise invalid("logit_bias must be empty with use_beam_search", "logit_bias")
     for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
-        if params.HasField(name):
+        if sp.HasField(name):
             raise invalid(f"{name} is not supported with use_beam_search", name)
-    if params.stop:
+    if sp.stop:
         raise invalid("stop (stop strings) is not supported with use_beam_search: beams are "
                       "ranked on tokens, not text; use stop_token_ids", "stop")
-    n = validate_n(params)
-    width = params.beam_width if params.HasField("beam_width") else n
+    n = validate_n(sp)
+    width = sp.beam_width if sp.HasField("beam_width") else n
     if not n <= width <= MAX_BEAM_WIDTH:
         raise invalid(f"beam_width must be in [n, {MAX_BEAM_WIDTH}] (n is {n}), got {width}",
                       "beam_width")
-    length_penalty = (_finite("length_penalty", params.length_penalty)
-                      if params.HasField("length_penalty") else 1.0)
-    early_stopping = params.early_stopping if params.HasField("early_stopping") else "false"
+    length_penalty = (_finite("length_penalty", sp.length_penalty)
+                      if sp.HasField("length_penalty") else 1.0)
+    early_stopping = sp.early_stopping if sp.HasField("early_stopping") else "false"
     if early_stopping not in EARLY_STOPPING:
         raise invalid('early_stopping must be one of "true", "false", "never", got '
                       f"{early_stopping!r}", "early_stopping")
@@ -209,18 +209,18 @@ def _beam_search(params: api_pb2.SamplingParams, engine: EngineSamplingParams
         early_stopping=early_stopping)
 
 
-def _logprobs(params: api_pb2.SamplingParams, name: str, limit: int, vocab_size: int
+def _logprobs(sp: api_pb2.SamplingParams, name: str, limit: int, vocab_size: int
               ) -> int | None:
-    """``params.<name>`` (logprobs or prompt_logprobs) in [0, limit] (the router's
+    """``sp.<name>`` (logprobs or prompt_logprobs) in [0, limit] (the router's
     --max-logprobs; -1: ``vocab_size``), or None (unset).
 
     Raises:
         RequestError(INVALID_ARGUMENT): out of range, e.g. ``logprobs must be in [0, 20]
             (the router's --max-logprobs), got 21``.
     """
-    if not params.HasField(name):
+    if not sp.HasField(name):
         return None
-    value = getattr(params, name)
+    value = getattr(sp, name)
     limit = vocab_size if limit < 0 else limit
     if not 0 <= value <= limit:
         raise invalid(f"{name} must be in [0, {limit}] (the router's --max-logprobs), "
@@ -228,19 +228,19 @@ def _logprobs(params: api_pb2.SamplingParams, name: str, limit: int, vocab_size:
     return value
 
 
-def _logit_bias(params: api_pb2.SamplingParams, vocab_size: int
+def _logit_bias(sp: api_pb2.SamplingParams, vocab_size: int
                 ) -> tuple[tuple[int, float], ...]:
-    """``params.logit_bias`` as (token id, bias) pairs sorted by id: at most
+    """``sp.logit_bias`` as (token id, bias) pairs sorted by id: at most
     ``MAX_LOGIT_BIAS`` entries, ids in [0, vocab_size), biases finite and in [-100, 100].
 
     Raises:
         RequestError(INVALID_ARGUMENT): e.g. ``logit_bias token id 60000 must be in
             [0, 49152)`` or ``logit_bias[5] must be in [-100, 100], got 150.0``.
     """
-    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
         raise invalid(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
-                      f"got {len(params.logit_bias)}", "logit_bias")
-    pairs = tuple(sorted(params.logit_bias.items()))
+                      f"got {len(sp.logit_bias)}", "logit_bias")
+    pairs = tuple(sorted(sp.logit_bias.items()))
     for token_id, bias in pairs:
         if not 0 <= token_id < vocab_size:
             raise invalid(f"logit_bias token id {token_id} must be in [0, {vocab_size})",
@@ -252,14 +252,14 @@ def _logit_bias(params: api_pb2.SamplingParams, vocab_size: int
     return pairs
 
 
-def _penalties(params: api_pb2.SamplingParams) -> dict[str, Any]:
+def _penalties(sp: api_pb2.SamplingParams) -> dict[str, Any]:
     """min_p, the three penalties and min_tokens, checked (vLLM's ranges), with defaults.
 
     Raises:
         RequestError(INVALID_ARGUMENT): e.g. ``min_p must be in [0, 1], got 1.5``.
     """
     def get(name: str, default: float) -> float:
-        return _finite(name, getattr(params, name)) if params.HasField(name) else default
+        return _finite(name, getattr(sp, name)) if sp.HasField(name) else default
 
     min_p = get("min_p", 0.0)
     if not 0 <= min_p <= 1:
@@ -273,23 +273,23 @@ def _penalties(params: api_pb2.SamplingParams) -> dict[str, Any]:
         out[name] = get(name, 0.0)
         if not -2 <= out[name] <= 2:
             raise invalid(f"{name} must be in [-2, 2], got {_fmt(out[name])}", name)
-    min_tokens = params.min_tokens if params.HasField("min_tokens") else 0
+    min_tokens = sp.min_tokens if sp.HasField("min_tokens") else 0
     if min_tokens < 0:
         raise invalid(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
-    if params.HasField("max_tokens") and min_tokens > params.max_tokens:
-        raise invalid(f"min_tokens must be <= max_tokens ({params.max_tokens}), "
+    if sp.HasField("max_tokens") and min_tokens > sp.max_tokens:
+        raise invalid(f"min_tokens must be <= max_tokens ({sp.max_tokens}), "
                       f"got {min_tokens}", "min_tokens")
     out["min_tokens"] = min_tokens
     return out
 
 
-def validate_n(params: api_pb2.SamplingParams) -> int:
-    """The number of choices to generate: ``params.n``, default 1.
+def validate_n(sp: api_pb2.SamplingParams) -> int:
+    """The number of choices to generate: ``sp.n``, default 1.
 
     Raises:
         RequestError(INVALID_ARGUMENT): n outside [1, 64], e.g. ``n must be in [1, 64], got 0``.
     """
-    n = params.n if params.HasField("n") else 1
+    n = sp.n if sp.HasField("n") else 1
     if not 1 <= n <= MAX_N:
         raise invalid(f"n must be in [1, {MAX_N}], got {n}", "n")
     return n
