@@ -87,7 +87,7 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
     kwargs = validate_chat_template_kwargs(chat_template_kwargs, RESERVED_TEMPLATE_KWARGS)
     if continue_final_message and add_generation_prompt:
         raise invalid("continue_final_message and add_generation_prompt cannot both be true",
-                      "continue_final_message")
+                      None)  # (two options at odds: no one field; /tokenize names the chat's)
     if not tokenizer.chat_template:
         raise invalid("this model has no chat template (a base model?): send a plain prompt "
                       "(/v1/completions), or start the router with --chat-template FILE", None)
