@@ -203,17 +203,22 @@ def engine_refusal(req: PreparedRequest, code_value: int, message: str) -> Engin
     """The error of an engine output that ended a choice of ``req`` (``RequestOutput.error_code``
     and ``error_message``).
 
-    ``param``: the router checks every field before submitting except what only the scheduler
-    knows, a beam search's ``beam_width`` against its max_num_seqs and KV cache size
-    (``services/scheduler/beam_search_groups.py``), so the engine's INVALID_ARGUMENT for a beam
-    search names ``beam_width``; any other engine error names no field.
+    ``param``: the router checks every field before submitting except what only the engine
+    knows: a beam search's ``beam_width`` against the scheduler's max_num_seqs and KV cache
+    size (``services/scheduler/beam_search_groups.py``), and a LoRA adapter (the ``model``)
+    against the workers (none served, or the adapter failed to load). So the engine's
+    INVALID_ARGUMENT names ``beam_width`` for a beam search, ``model`` for a request with an
+    adapter, no field for one that is both (either may be at fault) nor for any other error.
 
     NOTE: the engine's RequestOutput carries no field name, so this is inferred from the
     request, not read from the error.
     """
     code = status_of(code_value)
-    beam = code == grpc.StatusCode.INVALID_ARGUMENT and req.params.beam_width > 0
-    return EngineError(code, message, "beam_width" if beam else None)
+    param = None
+    if code == grpc.StatusCode.INVALID_ARGUMENT and (req.params.beam_width > 0) != (
+            req.lora is not None):
+        param = "beam_width" if req.params.beam_width > 0 else "model"
+    return EngineError(code, message, param)
 
 
 # Default of the router's --max-stream-buffer: outputs (engine steps) buffered per call.

@@ -9,6 +9,7 @@ import math
 import grpc
 import pytest
 
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import engine_refusal, prepare
@@ -204,17 +205,24 @@ def test_http_tool_choice_auto_and_none_give_plain_content():
     assert sampled.tool_calls is not None  # without beam search the text is parsed
 
 
-@pytest.mark.parametrize("beam, code, message, status, param", [
-    (True, grpc.StatusCode.INVALID_ARGUMENT, "request cmpl-1-0: beam_width 8 with 90 new tokens "
-     "may need 80 KV blocks but the cache has 48; lower beam_width or max_tokens", 400,
+@pytest.mark.parametrize("beam, lora, code, message, status, param", [
+    (True, False, grpc.StatusCode.INVALID_ARGUMENT, "request cmpl-1-0: beam_width 8 with 90 new "
+     "tokens may need 80 KV blocks but the cache has 48; lower beam_width or max_tokens", 400,
      "beam_width"),
-    (True, grpc.StatusCode.INVALID_ARGUMENT, "request 7: beam_width 9 is more than "
+    (True, False, grpc.StatusCode.INVALID_ARGUMENT, "request 7: beam_width 9 is more than "
      "max_num_seqs=8 (every beam is a running sequence)", 400, "beam_width"),
-    (True, grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full", 429, None),
-    (False, grpc.StatusCode.INVALID_ARGUMENT, "requested things", 400, None),
+    (False, True, grpc.StatusCode.INVALID_ARGUMENT, "model 'a' is a LoRA adapter but the "
+     "workers run no adapters", 400, "model"),
+    (True, True, grpc.StatusCode.INVALID_ARGUMENT, "either", 400, None),  # adapter or beams?
+    (True, False, grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full", 429, None),
+    (False, False, grpc.StatusCode.INVALID_ARGUMENT, "requested things", 400, None),
 ])
-def test_engine_refusals_of_a_beam_search_name_beam_width(beam, code, message, status, param):
-    """The scheduler's own rules (max_num_seqs, the KV cache's size) are beam_width's."""
+def test_engine_refusals_name_what_only_the_engine_checks(beam, lora, code, message, status,
+                                                         param):
+    """The scheduler's own rules (max_num_seqs, the KV cache's size) are beam_width's; the
+    workers' refusal of an adapter is the model's."""
     prepared, _ = http({"use_beam_search": True, "n": 2} if beam else {})
+    if lora:
+        prepared.lora = LoRARequest(1, "a", "/adapters/a")
     e = from_error(engine_refusal(prepared, code.value[0], message), prompt_param="messages")
     assert (e.status, e.param, e.message) == (status, param, message)
