@@ -135,10 +135,13 @@ def test_a_template_refusal_names_messages_over_http():
     ``param`` "messages" (it named no field while the param was read from the message)."""
     from services.router.openai.requests import from_error
 
-    tok = tiny_bos_tokenizer()
-    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
-    with pytest.raises(RequestError, match="chat template rejected the messages") as err:
-        text_api.tokenize(api_pb2.TokenizeRequest(chat=CHAT), tok, INFO)
+    tok = tiny_bos_tokenizer()  # (shared: its template is put back)
+    template, tok.chat_template = tok.chat_template, "{{ raise_exception('no') }}"
+    try:
+        with pytest.raises(RequestError, match="chat template rejected the messages") as err:
+            text_api.tokenize(api_pb2.TokenizeRequest(chat=CHAT), tok, INFO)
+    finally:
+        tok.chat_template = template
     assert err.value.param == "messages"
     assert from_error(err.value, prompt_param="messages").param == "messages"
     assert from_error(err.value, prompt_param="input").param == "input"  # /v1/responses
