@@ -7,7 +7,7 @@ engine in one process, the full pagedserve stack, and optionally vLLM's OpenAI s
 
 The fixed workload (issue 7): 128 requests, prompt lengths uniform in 32–512 tokens, output
 lengths uniform in 32–256 tokens forced with ignore_eos, prompts cut from real text (the
-standard library's docstrings, see ``serving.corpus_text``), seed 0, SmolLM2-135M-Instruct in
+standard library's docstrings, see ``corpus.corpus_text``), seed 0, SmolLM2-135M-Instruct in
 bfloat16 on CPU, greedy.
 
 - (a) transformers ``generate`` over static batches in arrival order, left-padded; each batch
@@ -60,7 +60,7 @@ class Item:
 def workload(tokenizer, num: int, seed: int, prompt_range=(32, 512),
              output_range=(32, 256)) -> list[Item]:
     """``num`` requests with uniform prompt and output lengths (inclusive ranges)."""
-    from serving import corpus_text
+    from benchmarks.corpus import corpus_text
 
     rng = random.Random(seed)
     ids = tokenizer(corpus_text())["input_ids"]

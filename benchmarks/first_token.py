@@ -27,10 +27,10 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=20)
     a = p.parse_args()
 
+    from benchmarks.engine_steps import generate
+    from benchmarks.probes import chat_prompts
     from services.common.tokenizer_loading import load_tokenizer
     from services.worker.model_runner import ModelRunner
-    from tests.stack.test_smollm2 import chat_prompts
-    from tests.worker.invariance_driver import generate
 
     prompt = chat_prompts([a.chat])[0]
     runner = ModelRunner(None, dtype=a.dtype, enforce_eager=a.enforce_eager,

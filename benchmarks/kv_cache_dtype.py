@@ -5,7 +5,7 @@ For each compute dtype (``--dtypes``) and KV cache mode (auto, int8, fp8_e4m3, f
 - **capacity**: KV tokens that fit in ``--kv-cache-memory`` (2 GiB; the worker's sizing rule,
   ``ModelRunner.bytes_per_block``), and the ratio to ``auto`` at that dtype;
 - **first-step logprobs**: the first generated token's top-5 logprobs of the 16 chat prompts
-  of ``tests/stack/test_same_answer.py``, mean |logprob - transformers float32|;
+  of ``benchmarks/probes.py``, mean |logprob - transformers float32|;
 - **greedy agreement**: how many of the 16 chats' greedy answers (``--max-tokens`` tokens) are
   identical to ``auto``'s at that dtype, and the mean length of the common prefix.
 
@@ -42,16 +42,20 @@ def main() -> None:
     p.add_argument("--kv-layout", default="auto", choices=["auto", "rows", "pairs"])
     a = p.parse_args()
     import torch
-    from logprob_distance import probe_prompts_and_reference
 
+    from benchmarks.engine_steps import generate
+    from benchmarks.probes import (
+        TOP,
+        hf_first_logprobs,
+        mean_distance,
+        probe_prompts_and_reference,
+    )
     from services.worker import attention
     from services.worker.model_runner import ModelRunner
-    from tests.stack.test_same_answer import TOP, _hf_first_logprobs, _mean_distance
-    from tests.worker.invariance_driver import generate
 
     attention.CPU_KV_LAYOUT = a.kv_layout
     prompts, hf = probe_prompts_and_reference()
-    fp32 = _hf_first_logprobs(hf, prompts)
+    fp32 = hf_first_logprobs(hf, prompts)
     del hf
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch "
           f"{torch.__version__}, SmolLM2-135M, {len(prompts)} chats, top {TOP}, "
@@ -78,7 +82,7 @@ def main() -> None:
             prefix = sum(next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t),
                               len(x)) for x, y in zip(answers, base_answers, strict=True))
             print(f"| {dtype} | {mode} | {tokens:,} | {tokens / base_tokens:.2f}x | "
-                  f"{_mean_distance(tops, fp32):.4f} | {same}/{len(prompts)} | "
+                  f"{mean_distance(tops, fp32):.4f} | {same}/{len(prompts)} | "
                   f"{prefix / len(prompts):.1f} |", flush=True)
 
 

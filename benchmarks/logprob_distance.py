@@ -5,8 +5,8 @@ prompts on SmolLM2, mean |logprob - transformers' float32 logprob| over those to
 - pagedserve bf16 eager (``ModelRunner(enforce_eager=True)``) and float32 eager,
 - transformers bf16 (whose logits are rounded to bf16).
 
-The prompts and helpers are ``tests/stack/test_same_answer.py``'s, which asserts the order of
-the first, second and fourth.
+The prompts and helpers are ``benchmarks/probes.py``'s; ``tests/stack/test_same_answer.py``
+asserts the order of the first, second and fourth.
 
     .venv/bin/python benchmarks/logprob_distance.py
 
@@ -27,22 +27,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def probe_prompts_and_reference():
-    """The prompt token ids of the 16 probe chats (``tests/stack/test_same_answer.py``) and
-    transformers' float32 SmolLM2, the reference every table here is measured against."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from services.common.model_files import resolve_model
-    from tests.stack.test_same_answer import PROBE_CHATS
-    from tests.stack.test_smollm2 import chat_prompts
-
-    src = resolve_model(None)
-    hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
-                                              dtype=torch.float32).eval()
-    return chat_prompts(PROBE_CHATS), hf
-
-
 def main() -> None:
     import argparse
 
@@ -56,25 +40,26 @@ def main() -> None:
         return
     import torch
 
-    from services.worker.model_runner import ModelRunner
-    from tests.stack.test_same_answer import (
+    from benchmarks.engine_steps import generate
+    from benchmarks.probes import (
         TOP,
-        _hf_first_logprobs,
-        _mean_distance,
-        _our_first_logprobs,
+        hf_first_logprobs,
+        mean_distance,
+        our_first_logprobs,
+        probe_prompts_and_reference,
     )
-    from tests.stack_harness import InProcessStack
-    from tests.worker.invariance_driver import generate
+    from benchmarks.stack_harness import InProcessStack
+    from services.worker.model_runner import ModelRunner
 
     prompts, hf = probe_prompts_and_reference()
-    fp32 = _hf_first_logprobs(hf, prompts)
-    hf_bf16 = _hf_first_logprobs(hf.to(torch.bfloat16), prompts)
+    fp32 = hf_first_logprobs(hf, prompts)
+    hf_bf16 = hf_first_logprobs(hf.to(torch.bfloat16), prompts)
     del hf
     stack = InProcessStack(None, worker_argv=["--dtype", "bfloat16",
                                               "--kv-cache-memory", "256MiB"]).start()
     try:
         runs = {"pagedserve bf16, compiled (the default)":
-                _our_first_logprobs(stack.address, prompts)}
+                our_first_logprobs(stack.address, prompts)}
     finally:
         stack.stop()
     for dtype in ("bfloat16", "float32"):
@@ -86,7 +71,7 @@ def main() -> None:
                                  for ref in hf_bf16]
     print(f"mean |logprob - transformers float32| of the top {TOP}, {len(prompts)} chats:")
     for name, tops in runs.items():
-        print(f"  {name:42s} {_mean_distance(tops, fp32):.4f}")
+        print(f"  {name:42s} {mean_distance(tops, fp32):.4f}")
 
 
 
@@ -95,12 +80,17 @@ def quantized(modes: list[str], dtypes: list[str]) -> None:
     """The ``--quantization`` table (the module docstring)."""
     import torch
 
+    from benchmarks.probes import (
+        TOP,
+        hf_first_logprobs,
+        mean_distance,
+        probe_prompts_and_reference,
+        run_ours,
+    )
     from services.worker.model_runner import ModelRunner
-    from tests.stack.test_same_answer import TOP, _hf_first_logprobs, _mean_distance
-    from tests.worker.test_model import run_ours
 
     prompts, hf = probe_prompts_and_reference()
-    fp32 = _hf_first_logprobs(hf, prompts)
+    fp32 = hf_first_logprobs(hf, prompts)
     del hf
     print(f"mean |logprob - reference| of each run's top {TOP}, first step, {len(prompts)} "
           f"chats (pagedserve eager)")
@@ -115,7 +105,7 @@ def quantized(modes: list[str], dtypes: list[str]) -> None:
             tops = [[(t, lp[t].item()) for t in lp.topk(TOP).indices.tolist()] for lp in full]
             unquantized = unquantized or full
             print(f"  {dtype + ', ' + (mode or 'unquantized'):34s} "
-                  f"{_mean_distance(tops, fp32):21.4f} {_mean_distance(tops, unquantized):15.4f}",
+                  f"{mean_distance(tops, fp32):21.4f} {mean_distance(tops, unquantized):15.4f}",
                   flush=True)
 
 

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def make_adapters(model_folder: str, out: Path, n: int, rank: int) -> list[str]:
-    """``n`` random PEFT adapters (``tests.helpers.make_peft_lora``) of the model in
+    """``n`` random PEFT adapters (``tiny_models.make_peft_lora``) of the model in
     ``model_folder``, written under ``out``; returns their folders."""
-    from tests.helpers import make_peft_lora
+    from benchmarks.tiny_models import make_peft_lora
 
     return [make_peft_lora(model_folder, out / f"a{i}", r=rank, seed=i) for i in range(n)]
 

@@ -66,27 +66,12 @@ class Result:
     error: str = ""
 
 
-def corpus_text() -> str:
-    """Real English text that needs no download: the module docstrings of Python's standard
-    library, read from the source files (parsed, never imported)."""
-    import ast
-    import sysconfig
-
-    docs = []
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        if doc and len(doc) > 200:
-            docs.append(doc)
-    return "\n\n".join(docs)
-
-
 def make_dataset(tokenizer, num: int, seed: int, max_prompt_len: int,
                  max_output_len: int) -> list[WorkItem]:
     """``num`` seeded requests: log-normal prompt/output lengths, prompts cut from the corpus."""
     rng = random.Random(seed)
+    from benchmarks.corpus import corpus_text
+
     ids = tokenizer(corpus_text())["input_ids"]
     items = []
     for _ in range(num):

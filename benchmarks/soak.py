@@ -261,7 +261,7 @@ async def drive(address: str, plans: list[Plan], concurrency: int, stall_timeout
 
 
 def make_model(folder: Path) -> str:
-    from tests.helpers import make_servable_tiny_llama
+    from benchmarks.tiny_models import make_servable_tiny_llama
     return make_servable_tiny_llama(folder, max_position_embeddings=4096)
 
 

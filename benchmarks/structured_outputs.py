@@ -40,7 +40,7 @@ SCHEMA = {"type": "object", "properties": {
 
 def acceptance_schemas() -> dict[str, dict]:
     """The 5 schemas of tests/stack/test_structured_outputs.py."""
-    from tests.stack.test_structured_outputs import SCHEMAS
+    from benchmarks.structured_output_schemas import SCHEMAS
 
     return SCHEMAS
 

@@ -21,6 +21,8 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from services.common.decode_errors import DecodeErrorInterceptor
+
 log = logging.getLogger(__name__)
 
 # NOTE: explicit message-size limits (grpc's default receive limit is 4 MiB). A StepRequest for
@@ -71,12 +73,15 @@ def install_uvloop() -> None:
 async def new_server(host: str, port: int, *, tls=None, interceptors=(),
                      max_receive_bytes: int | None = None
                      ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Create a grpc.aio server bound to host:port with standard health checking.
+    """Create a grpc.aio server bound to host:port with standard health checking. A unary
+    request message that does not parse is answered INVALID_ARGUMENT, on every service
+    (``decode_errors.DecodeErrorInterceptor``, after ``interceptors``).
 
     Args:
         tls: a ``services.common.tls.TLSConfig`` (TLS; mTLS when it has a CA bundle), or None
             for plaintext.
-        interceptors: grpc.aio server interceptors (e.g. the router's API-key check).
+        interceptors: grpc.aio server interceptors (e.g. the router's API-key check), outermost
+            first.
         max_receive_bytes: the largest request message accepted (larger ones are refused with
             RESOURCE_EXHAUSTED); None = ``MAX_MESSAGE_BYTES``, the internal links' limit.
 
@@ -91,7 +96,8 @@ async def new_server(host: str, port: int, *, tls=None, interceptors=(),
     options = SERVER_OPTIONS if max_receive_bytes is None else [
         o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"] + [
         ("grpc.max_receive_message_length", max_receive_bytes)]
-    server = grpc.aio.server(options=options, interceptors=list(interceptors) or None)
+    server = grpc.aio.server(options=options,
+                             interceptors=[*interceptors, DecodeErrorInterceptor()])
     if tls is not None:
         bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
     else:

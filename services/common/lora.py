@@ -270,26 +270,49 @@ def check_adapter(path: str, model_config: dict, max_lora_rank: int) -> AdapterI
     targets = config.get("target_modules")
     for module in targets if isinstance(targets, list) else ():
         if module not in shapes:
-            raise AdapterError(f"{folder}: target module {module!r} is one the model lacks "
-                               f"(it has {', '.join(LORA_MODULES)})")
+            raise _lacks(folder, module)
     ranks: dict[str, int] = {}  # module kind -> largest rank
+    for (layer, module), ab in sorted(_lora_tensors(folder, shapes, num_layers).items()):
+        rank = _pair_rank(folder, config, layer, module, ab, shapes[module], max_lora_rank)
+        ranks[module] = max(ranks.get(module, 0), rank)
+    return AdapterInfo(rank=max(ranks.values()), lora_alpha=float(config.get("lora_alpha", 8)),
+                       use_rslora=bool(config.get("use_rslora", False)),
+                       target_modules=tuple(sorted(ranks)),
+                       base_model_name_or_path=str(config.get("base_model_name_or_path") or ""))
+
+
+def _lacks(folder: Path, module: str, tensor: str = "") -> AdapterError:
+    """The error of a target module the model lacks (named by ``tensor``, if one)."""
+    of = f" (tensor {tensor})" if tensor else ""
+    return AdapterError(f"{folder}: target module {module!r}{of} is one the model lacks "
+                        f"(it has {', '.join(LORA_MODULES)})")
+
+
+def _lora_tensors(folder: Path, shapes: dict[str, tuple[int, int]], num_layers: int
+                  ) -> dict[tuple[int, str], dict[str, list[int]]]:
+    """The shapes of the adapter's LoRA tensors (its safetensors header, nothing loaded):
+    ``{(layer, module): {"A": shape, "B": shape}}``, each checked to be a float LoRA A/B
+    weight of a module and layer the model has.
+
+    Raises:
+        AdapterError: another tensor, a module the model lacks, a layer past its last, a
+            dtype that is not a float, no LoRA tensor at all.
+    """
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
-    for name, t in read_safetensors_header(weights).items():
+    for name, t in read_safetensors_header(folder / ADAPTER_WEIGHTS).items():
         if name == "__metadata__":
             continue
         m = _KEY.fullmatch(name)
         if m is None:
             other = re.search(r"\.(\w+)\.lora_[AB]\.", name)
             if other is not None:
-                raise AdapterError(f"{folder}: target module {other[1]!r} (tensor {name}) is "
-                                   f"one the model lacks (it has {', '.join(LORA_MODULES)})")
+                raise _lacks(folder, other[1], name)
             raise AdapterError(f"{folder}: tensor {name} is not a LoRA A/B weight of a decoder "
                                "layer's projection (embedding, lm_head and bias tensors are not "
                                "supported)")
         layer, module, ab = int(m[1]), m[2], m[3]
         if module not in shapes:
-            raise AdapterError(f"{folder}: target module {module!r} is one the model lacks "
-                               f"(it has {', '.join(LORA_MODULES)})")
+            raise _lacks(folder, module)
         if layer >= num_layers:
             raise AdapterError(f"{folder}: tensor {name} is for layer {layer} but the model has "
                                f"{num_layers} layers")
@@ -299,30 +322,38 @@ def check_adapter(path: str, model_config: dict, max_lora_rank: int) -> AdapterI
         pairs.setdefault((layer, module), {})[ab] = list(t.get("shape", ()))
     if not pairs:
         raise AdapterError(f"{folder}: {ADAPTER_WEIGHTS} has no LoRA tensor")
-    for (layer, module), ab in sorted(pairs.items()):
-        where = f"layer {layer} {module}"
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{folder}: {where} has lora_{''.join(ab)} without its pair")
-        (a, b), (d_in, d_out) = (ab["A"], ab["B"]), shapes[module]
-        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
-            raise AdapterError(f"{folder}: {where}: lora_A {a} and lora_B {b} are not "
-                               "[r, in] and [out, r] of one rank r")
-        if a[1] != d_in or b[0] != d_out:
-            raise AdapterError(f"{folder}: {where}: shapes lora_A {a}, lora_B {b} do not fit "
-                               f"the base model's {module} ({d_in} in, {d_out} out; hidden "
-                               "size, head dims or intermediate size differ)")
-        want = pattern_value(config.get("rank_pattern"), layer, module, config.get("r", 8))
-        if a[0] != want:
-            raise AdapterError(f"{folder}: {where}: lora_A {a} has rank {a[0]}, "
-                               f"{ADAPTER_CONFIG} says r={want:g} (r / rank_pattern)")
-        if a[0] > max_lora_rank:
-            raise AdapterError(f"{folder}: rank {a[0]} ({where}) is above --max-lora-rank "
-                               f"{max_lora_rank}")
-        ranks[module] = max(ranks.get(module, 0), a[0])
-    return AdapterInfo(rank=max(ranks.values()), lora_alpha=float(config.get("lora_alpha", 8)),
-                       use_rslora=bool(config.get("use_rslora", False)),
-                       target_modules=tuple(sorted(ranks)),
-                       base_model_name_or_path=str(config.get("base_model_name_or_path") or ""))
+    return pairs
+
+
+def _pair_rank(folder: Path, config: dict, layer: int, module: str, ab: dict[str, list[int]],
+               shape: tuple[int, int], max_lora_rank: int) -> int:
+    """The rank r of one module's lora_A ``[r, in]`` and lora_B ``[out, r]``, checked against
+    the base module's ``shape`` (in, out), the config's r / rank_pattern and
+    ``max_lora_rank``.
+
+    Raises:
+        AdapterError: a tensor without its pair, shapes that are not of one rank or do not
+            fit the module, a rank other than the config's or above ``max_lora_rank``.
+    """
+    where = f"layer {layer} {module}"
+    if set(ab) != {"A", "B"}:
+        raise AdapterError(f"{folder}: {where} has lora_{''.join(ab)} without its pair")
+    (a, b), (d_in, d_out) = (ab["A"], ab["B"]), shape
+    if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+        raise AdapterError(f"{folder}: {where}: lora_A {a} and lora_B {b} are not "
+                           "[r, in] and [out, r] of one rank r")
+    if a[1] != d_in or b[0] != d_out:
+        raise AdapterError(f"{folder}: {where}: shapes lora_A {a}, lora_B {b} do not fit "
+                           f"the base model's {module} ({d_in} in, {d_out} out; hidden "
+                           "size, head dims or intermediate size differ)")
+    want = pattern_value(config.get("rank_pattern"), layer, module, config.get("r", 8))
+    if a[0] != want:
+        raise AdapterError(f"{folder}: {where}: lora_A {a} has rank {a[0]}, "
+                           f"{ADAPTER_CONFIG} says r={want:g} (r / rank_pattern)")
+    if a[0] > max_lora_rank:
+        raise AdapterError(f"{folder}: rank {a[0]} ({where}) is above --max-lora-rank "
+                           f"{max_lora_rank}")
+    return a[0]
 
 
 # GGUF metadata keys (after "<architecture>.") of the config fields check_adapter uses

@@ -22,15 +22,13 @@ from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import EngineError, status_of
 from services.router.replicas import ReplicaSet
 from services.router.tokenizer import encode_prompt
-from services.router.validation import RequestError, validate_request_id
+from services.router.validation import invalid, validate_request_id
 
 MAX_INPUTS = 2048  # inputs per request (OpenAI's limit for an embeddings request's array)
 # nothing is sampled on a pooling server; the engine still takes (and checks) parameters
 _POOLING_PARAMS = EngineSamplingParams(max_tokens=1)
 
 
-def _invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass(slots=True)
@@ -49,36 +47,43 @@ class PreparedEmbed:
 
 
 def prepare_embed(request: api_pb2.EmbedRequest, tokenizer,
-                  info: engine_pb2.GetEngineInfoResponse) -> PreparedEmbed:
+                  info: engine_pb2.GetEngineInfoResponse, *, one_list: bool = False
+                  ) -> PreparedEmbed:
     """Validate ``request`` against the engine ``info`` and tokenize its texts (with the
     tokenizer's special tokens, as vLLM does).
 
+    Args:
+        one_list: the client sent one list of token ids as the whole input (OpenAI's
+            ``input: [1, 2, 3]``, the request's one input): an id error names it
+            ``input[j]``, as the client wrote it, not ``input[0][j]``.
+
     Raises:
-        RequestError: INVALID_ARGUMENT naming the field and the limit: the server does not
-            pool, no or too many inputs, an empty or over-long input (``max_model_len``), an
-            id outside the vocabulary, ``dimensions`` the model does not support, a
+        RequestError: INVALID_ARGUMENT naming the field (``param``) and the limit: the server
+            does not pool, no or too many inputs, an empty or over-long input
+            (``max_model_len``), an id outside the vocabulary, ``dimensions`` the model does not
+            support, a
             ``truncate_prompt_tokens`` below 1 (but -1) or above ``max_model_len`` (vLLM's
             rule), a bad request_id.
     """
     if info.runner != "pooling":
-        raise _invalid("The model does not support Embeddings API (the server runs --runner "
-                       f"{info.runner or 'generate'}; start it with --runner pooling)")
+        raise invalid("The model does not support Embeddings API (the server runs --runner "
+                       f"{info.runner or 'generate'}; start it with --runner pooling)", None)
     request_id = validate_request_id(request.request_id or "embd-" + uuid.uuid4().hex)
     n = len(request.input)
     if not 1 <= n <= MAX_INPUTS:
-        raise _invalid(f"input has {n} items: between 1 and {MAX_INPUTS} are allowed")
+        raise invalid(f"input has {n} items: between 1 and {MAX_INPUTS} are allowed", "input")
     dims = (_dimensions(request.dimensions, info) if request.HasField("dimensions") else None)
     truncate = (request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens")
                 else None)
     if truncate is not None and not (truncate >= 1 or truncate == -1):
-        raise _invalid("truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), "
-                       f"got {truncate}")
+        raise invalid("truncate_prompt_tokens must be an integer >= 1, or -1 (max_model_len), "
+                       f"got {truncate}", "truncate_prompt_tokens")
     if truncate == -1:
         truncate = info.max_model_len
     if truncate is not None and truncate > info.max_model_len:
-        raise _invalid(f"truncate_prompt_tokens value ({truncate}) is greater than "
+        raise invalid(f"truncate_prompt_tokens value ({truncate}) is greater than "
                        f"max_model_len ({info.max_model_len}); select a smaller truncation "
-                       "size")
+                       "size", "truncate_prompt_tokens")
     prompts = []
     for i, item in enumerate(request.input):
         kind = item.WhichOneof("input")
@@ -87,17 +92,18 @@ def prepare_embed(request: api_pb2.EmbedRequest, tokenizer,
         elif kind == "token_ids" and item.token_ids.ids:
             ids = list(item.token_ids.ids)
         else:
-            raise _invalid(f"input[{i}] is empty")
+            raise invalid(f"input[{i}] is empty", "input")
         if truncate is not None:
             ids = ids[-truncate:]  # (the last ones, as vLLM keeps)
         if len(ids) > info.max_model_len:
-            raise _invalid(f"input[{i}] has {len(ids)} tokens, more than the model's "
+            raise invalid(f"input[{i}] has {len(ids)} tokens, more than the model's "
                            f"max_model_len {info.max_model_len}; shorten it or set "
-                           "truncate_prompt_tokens")
+                           "truncate_prompt_tokens", "input")
         bad = next((j for j, t in enumerate(ids) if not 0 <= t < info.vocab_size), None)
         if bad is not None:
-            raise _invalid(f"input[{i}][{bad}] = {ids[bad]} is not a token id: ids must be in "
-                           f"[0, {info.vocab_size})")
+            where = "input" if one_list else f"input[{i}]"
+            raise invalid(f"{where}[{bad}] = {ids[bad]} is not a token id: ids must be in "
+                           f"[0, {info.vocab_size})", "input")
         prompts.append(ids)
     return PreparedEmbed(request_id, prompts, dims)
 
@@ -107,18 +113,19 @@ def _dimensions(value: int, info: engine_pb2.GetEngineInfoResponse) -> int:
     Matryoshka model only, one of its ``matryoshka_dimensions`` when it lists them, at most
     the embedding size."""
     if value < 1:
-        raise _invalid(f"dimensions must be a positive integer, got {value}")
+        raise invalid(f"dimensions must be a positive integer, got {value}", "dimensions")
     if not info.is_matryoshka:
-        raise _invalid(f"dimensions: Model \"{info.model}\" does not support matryoshka "
-                       "representation, changing output dimensions will lead to poor results")
+        raise invalid(f"dimensions: Model \"{info.model}\" does not support matryoshka "
+                       "representation, changing output dimensions will lead to poor results",
+                      "dimensions")
     allowed = list(info.matryoshka_dimensions)
     if allowed and value not in allowed:
-        raise _invalid(f"dimensions {value}: Model \"{info.model}\" only supports {allowed} "
+        raise invalid(f"dimensions {value}: Model \"{info.model}\" only supports {allowed} "
                        "matryoshka dimensions, using other output dimensions will lead to poor "
-                       "results")
+                       "results", "dimensions")
     if value > info.embedding_size:
-        raise _invalid(f"dimensions {value} is more than the model's embedding size "
-                       f"{info.embedding_size}")
+        raise invalid(f"dimensions {value} is more than the model's embedding size "
+                       f"{info.embedding_size}", "dimensions")
     return value
 
 

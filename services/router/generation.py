@@ -46,6 +46,7 @@ from services.router.validation import (
     MAX_LOGPROBS,
     RequestError,
     TextOptions,
+    invalid,
     validate_n,
     validate_priority,
     validate_prompt_ids,
@@ -103,10 +104,9 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
             runs the pooling runner (embeddings only: nothing can be generated).
     """
     if info.runner == "pooling":
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           "The model does not support Completions API or Chat Completions "
-                           "API: the server runs --runner pooling (an embedding model); use "
-                           "the Embed RPC (gRPC) or POST /v1/embeddings (HTTP)")
+        raise invalid("The model does not support Completions API or Chat Completions API: "
+                      "the server runs --runner pooling (an embedding model); use the Embed "
+                      "RPC (gRPC) or POST /v1/embeddings (HTTP)", None)
     request_id = validate_request_id(request.request_id) or uuid.uuid4().hex
     params, text = validate_sampling(request.sampling_params, vocab_size=info.vocab_size,
                                      max_logprobs=max_logprobs)
@@ -115,18 +115,17 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+            raise invalid("prompt is empty", "prompt")
         ids = encode_prompt(tokenizer, request.prompt)
     elif kind == "chat":
         if not request.chat.messages:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty")
+            raise invalid("chat.messages is empty", "messages")
         ids = encode_chat(tokenizer, request.chat.messages, tools=request.chat.tools,
                           chat_template_kwargs=request.chat.chat_template_kwargs)
     elif kind == "prompt_token_ids":
         ids = list(request.prompt_token_ids.ids)
     else:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                           "prompt is empty: set one of prompt, chat or prompt_token_ids")
+        raise invalid("prompt is empty: set one of prompt, chat or prompt_token_ids", "prompt")
     validate_prompt_ids(ids, max_model_len=info.max_model_len, vocab_size=info.vocab_size)
     sp = request.sampling_params
     eos = frozenset() if params.ignore_eos else frozenset(info.eos_token_ids)
@@ -189,11 +188,37 @@ class RequestLog:
 
 
 class EngineError(Exception):
-    """The engine ended the request with an error (a gRPC status code and message)."""
+    """The engine ended the request with an error (a gRPC status code and message).
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    Attributes:
+        param: the request field at fault, named as ``RequestError.param``, or None.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.code, self.message, self.param = code, message, param
+
+
+def engine_refusal(req: PreparedRequest, code_value: int, message: str) -> EngineError:
+    """The error of an engine output that ended a choice of ``req`` (``RequestOutput.error_code``
+    and ``error_message``).
+
+    ``param``: the router checks every field before submitting except what only the engine
+    knows: a beam search's ``beam_width`` against the scheduler's max_num_seqs and KV cache
+    size (``services/scheduler/beam_search_groups.py``), and a LoRA adapter (the ``model``)
+    against the workers (none served, or the adapter failed to load). So the engine's
+    INVALID_ARGUMENT names ``beam_width`` for a beam search, ``model`` for a request with an
+    adapter, no field for one that is both (either may be at fault) nor for any other error.
+
+    NOTE: the engine's RequestOutput carries no field name, so this is inferred from the
+    request, not read from the error.
+    """
+    code = status_of(code_value)
+    param = None
+    if code == grpc.StatusCode.INVALID_ARGUMENT and (req.params.beam_width > 0) != (
+            req.lora is not None):
+        param = "beam_width" if req.params.beam_width > 0 else "model"
+    return EngineError(code, message, param)
 
 
 # Default of the router's --max-stream-buffer: outputs (engine steps) buffered per call.
@@ -253,63 +278,94 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
     """Async generator of the GenerateResponses of one prepared request, all its choices merged.
 
     Waits for the request's grammar, if any (see the module's note), then submits ``req.n``
-    engine requests (one per choice, see ``services.router.choices``) and
-    yields each choice's messages as its tokens arrive, tagged with ``index``; every choice ends
-    with its own message carrying finish_reason and that choice's usage. The generator ends
-    after all n choices ended. A beam search (``params.beam_width`` > 0) submits one engine
-    request, id ``req.request_id``, and yields its n choices' single messages at its end
-    (``services.router.beam_search_choices``).
-
-    If any choice fails in the engine, or the caller stops listening (client cancelled), every
-    choice still running is aborted in the engine so none keeps KV blocks.
+    engine requests (one per choice, ``services.router.choices``; a beam search one, id
+    ``req.request_id``, ``services.router.beam_search_choices``) and yields each choice's
+    messages as its tokens arrive, tagged with ``index``; each choice ends with a message
+    carrying its finish_reason and usage. If a choice fails in the engine, or the caller stops
+    listening (client cancelled), every choice still running is aborted in the engine.
 
     Args:
-        max_pending: most engine outputs buffered for this call while its caller does not
-            read (see ``OutputQueue``); past it every choice is aborted in the engine at once.
-        on_overflow: called with the ``EngineError`` (RESOURCE_EXHAUSTED) when that happens,
-            from the engine stream's reader, so a caller suspended in a write to its slow client
-            can end the call (the gRPC servicer aborts the RPC); the generator itself raises
-            that error at its next read.
+        max_pending: most engine outputs buffered while the caller does not read
+            (``OutputQueue``); past it every choice is aborted in the engine at once.
+        on_overflow: called with that ``EngineError`` (RESOURCE_EXHAUSTED), from the engine
+            stream's reader, so a caller suspended in a write to its slow client can end the
+            call; the generator itself raises it at its next read.
 
     Raises:
-        EngineError: the engine rejected or failed one of the choices (e.g. RESOURCE_EXHAUSTED
-            when its queue is full, UNAVAILABLE when it is unreachable), or INVALID_ARGUMENT
-            before anything is submitted when one of its engine request ids is still running
-            (a client reused a request_id), or RESOURCE_EXHAUSTED when the caller read too
-            slowly (more than ``max_pending`` outputs waiting), or INVALID_ARGUMENT
-            ``structured_outputs.<kind>: ...`` before anything is submitted when the grammar is
-            invalid.
+        EngineError: the engine rejected or failed a choice (e.g. RESOURCE_EXHAUSTED when its
+            queue is full, UNAVAILABLE when unreachable); the caller read too slowly
+            (RESOURCE_EXHAUSTED); before anything is submitted, INVALID_ARGUMENT when an engine
+            request id is still running (a reused request_id) or the grammar is invalid
+            (``structured_outputs.<kind>: ...``).
     """
-    params = req.params
-    if req.structured_outputs is not None:
-        try:
-            grammar = await compile_structured_outputs(req.structured_outputs)
-        except RequestError as e:
-            raise EngineError(e.code, e.message) from None
-        params = replace(params, structured_output=grammar)
-    choices: dict[str, Choice | BeamSearch] = {}  # by engine request id
+    params = await _with_grammar(req)
+    choices = _choices(req, tokenizer)
 
     def overflowed() -> None:  # called by the engine stream's reader: stop every choice now
-        for choice in choices.values():
-            if not choice.finished:
-                choice.finished = True
-                engine.abort(choice.engine_request_id)
-                engine.release(choice.engine_request_id)
+        _abort_running(engine, choices)
         if on_overflow is not None:
             on_overflow(slow_client_error(max_pending))
 
-    # the outputs of all the choices, in arrival order
-    queue = OutputQueue(max_pending, overflowed)
-    if params.beam_width:  # one engine request for every choice (see beam_search)
-        choices[req.request_id] = BeamSearch(req.request_id, req.n, req.prompt_token_ids,
-                                             req.text, tokenizer)
-    else:
-        for i in range(req.n):
-            rid = child_request_id(req.request_id, i, req.n)
-            choices[rid] = Choice(i, rid, req.request_id, req.prompt_token_ids, req.text,
-                                  tokenizer)
-    # NOTE: checked before anything is submitted, so that the clean-up below never aborts
-    # another caller's request that happens to have one of these ids.
+    queue = OutputQueue(max_pending, overflowed)  # every choice's outputs, in arrival order
+    _submit(engine, req, params, choices, queue)
+    num_running = len(choices)
+    try:
+        while num_running:
+            out = await queue.get()
+            if out is OutputQueue.OVERFLOW:
+                raise slow_client_error(max_pending)
+            choice = choices.get(out.request_id)
+            if choice is None or choice.finished:  # e.g. the ABORT after a stop-string hit
+                continue
+            if out.error_code:
+                choice.finished = True  # the engine has already ended it
+                raise engine_refusal(req, out.error_code, out.error_message)
+            responses, stop_string_hit = choice.on_output(out)
+            if stop_string_hit:
+                engine.abort(out.request_id)
+                engine.release(out.request_id)
+            if choice.finished:
+                num_running -= 1
+            for response in responses:
+                yield response
+    finally:
+        _abort_running(engine, choices)  # cancelled, or a choice failed: free their blocks
+
+
+async def _with_grammar(req: PreparedRequest) -> EngineSamplingParams:
+    """``req.params`` with the compiled grammar of ``req.structured_outputs``, if any.
+
+    Raises:
+        EngineError: INVALID_ARGUMENT ``structured_outputs.<kind>: ...``, the grammar invalid.
+    """
+    if req.structured_outputs is None:
+        return req.params
+    try:
+        grammar = await compile_structured_outputs(req.structured_outputs)
+    except RequestError as e:
+        raise EngineError(e.code, e.message, e.param) from None
+    return replace(req.params, structured_output=grammar)
+
+
+def _choices(req: PreparedRequest, tokenizer) -> dict[str, Choice | BeamSearch]:
+    """The choices of ``req`` by engine request id: one per choice, or one beam search for all."""
+    if req.params.beam_width:
+        return {req.request_id: BeamSearch(req.request_id, req.n, req.prompt_token_ids,
+                                           req.text, tokenizer)}
+    rids = (child_request_id(req.request_id, i, req.n) for i in range(req.n))
+    return {rid: Choice(i, rid, req.request_id, req.prompt_token_ids, req.text, tokenizer)
+            for i, rid in enumerate(rids)}
+
+
+def _submit(engine: ReplicaSet, req: PreparedRequest, params: EngineSamplingParams,
+            choices: dict[str, Choice | BeamSearch], queue: OutputQueue) -> None:
+    """Submit every choice's engine request, its outputs to ``queue``.
+
+    Raises:
+        EngineError: INVALID_ARGUMENT, nothing submitted: an engine request id is running.
+    """
+    # NOTE: checked before anything is submitted, so that the clean-up never aborts another
+    # caller's request that happens to have one of these ids.
     taken = next((rid for rid in choices if engine.is_running(rid)), None)
     if taken is not None:
         raise EngineError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -322,28 +378,13 @@ async def stream_responses(engine: ReplicaSet, tokenizer, req: PreparedRequest, 
                       priority=req.priority, queue=queue,
                       parent_request_id=req.request_id if len(choices) > 1 else "",
                       lora=req.lora)
-    num_running = len(choices)
-    try:
-        while num_running:
-            out = await queue.get()
-            if out is OutputQueue.OVERFLOW:
-                raise slow_client_error(max_pending)
-            choice = choices.get(out.request_id)
-            if choice is None or choice.finished:  # e.g. the ABORT after a stop-string hit
-                continue
-            if out.error_code:
-                choice.finished = True  # the engine has already ended it
-                raise EngineError(status_of(out.error_code), out.error_message)
-            responses, stop_string_hit = choice.on_output(out)
-            if stop_string_hit:
-                engine.abort(out.request_id)
-                engine.release(out.request_id)
-            if choice.finished:
-                num_running -= 1
-            for response in responses:
-                yield response
-    finally:
-        for choice in choices.values():
-            if not choice.finished:  # cancelled, or a sibling failed: free the engine's blocks
-                engine.abort(choice.engine_request_id)
-                engine.release(choice.engine_request_id)
+
+
+def _abort_running(engine: ReplicaSet, choices: dict[str, Choice | BeamSearch]) -> None:
+    """Abort the choices still running in the engine (freeing their KV blocks); each is then
+    finished."""
+    for choice in choices.values():
+        if not choice.finished:
+            choice.finished = True
+            engine.abort(choice.engine_request_id)
+            engine.release(choice.engine_request_id)

@@ -73,7 +73,8 @@ class ServedModel:
             return None
         lora = self.loras.get(model) if self.loras is not None else None
         if lora is None:
-            raise RequestError(grpc.StatusCode.NOT_FOUND, f"The model `{model}` does not exist.")
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"The model `{model}` does not exist.",
+                               "model")
         return lora
 
     def adapters(self, info: engine_pb2.GetEngineInfoResponse

@@ -16,7 +16,6 @@ from aiohttp import web
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import PORT, add_flag, float_in, int_in, parse_bytes
-from services.common.decode_errors import DecodeErrorInterceptor
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags, request_id_var
 from services.common.metrics import ROUTER_PORT, add_metrics_flags, start_metrics_server
@@ -383,8 +382,7 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     api_keys = getattr(args, "api_key", None)
     server, port, health = await new_server(
         args.host, args.port, tls=tls,
-        interceptors=[*([ApiKeyInterceptor(api_keys)] if api_keys else []),
-                      DecodeErrorInterceptor()],  # unparsable request -> INVALID_ARGUMENT
+        interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else [],
         max_receive_bytes=args.max_request_bytes)
     args.port = port
     # NOTE: the router is SERVING (readiness: "" and SERVICE; GET /health 200) exactly while at

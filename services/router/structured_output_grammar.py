@@ -96,7 +96,7 @@ def check_size(kind: str, text: str) -> None:
         size = len(text.encode("utf-8", "surrogatepass"))
         if size > MAX_GRAMMAR_BYTES:
             raise invalid(f"structured_outputs.{kind} must be at most {MAX_GRAMMAR_BYTES} "
-                          f"bytes, got {size}")
+                          f"bytes, got {size}", "structured_outputs")
 
 
 def build_grammar(kind: str, text: str) -> str:
@@ -112,12 +112,13 @@ def build_grammar(kind: str, text: str) -> str:
     try:
         grammar = _grammar(kind, text)
     except ValueError as e:  # llguidance refused the text before validation
-        raise invalid(f"structured_outputs.{kind}: {e}") from None
+        raise invalid(f"structured_outputs.{kind}: {e}", "structured_outputs") from None
     except RecursionError:
-        raise invalid(f"structured_outputs.{kind} is nested too deeply") from None
+        raise invalid(f"structured_outputs.{kind} is nested too deeply",
+                      "structured_outputs") from None
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise invalid(f"structured_outputs.{kind}: {messages[0].strip()}")
+        raise invalid(f"structured_outputs.{kind}: {messages[0].strip()}", "structured_outputs")
     for warning in messages:
         log.info("structured_outputs.%s: llguidance warning: %s", kind, warning)
     return grammar
@@ -130,20 +131,21 @@ def _grammar(kind: str, text: str) -> str:
         return _json_grammar(_schema(text))
     if kind == "json_object":
         if text != "true":
-            raise invalid("structured_outputs.json_object must be true")
+            raise invalid("structured_outputs.json_object must be true", "structured_outputs")
         return _json_grammar({"type": "object"})
     if kind == "choice":
         choices = json.loads(text)
         if not choices:
-            raise invalid("structured_outputs.choice must list at least one string")
+            raise invalid("structured_outputs.choice must list at least one string",
+                          "structured_outputs")
         empty = next((i for i, c in enumerate(choices) if not c), None)
         if empty is not None:
-            raise invalid(f"structured_outputs.choice[{empty}] is empty")
+            raise invalid(f"structured_outputs.choice[{empty}] is empty", "structured_outputs")
         # NOTE: one regex (a single lexeme), not llguidance's "choice" (a rule of alternatives,
         # whose parser refuses rows of over 2000 items only once it runs, in the worker)
         return llguidance.grammar_from("regex", "|".join(map(_literal, choices)))
     if not text:
-        raise invalid(f"structured_outputs.{kind} is empty")
+        raise invalid(f"structured_outputs.{kind} is empty", "structured_outputs")
     if kind == "regex":
         return llguidance.grammar_from("regex", text)
     return _lark(llguidance.grammar_from("grammar", text))
@@ -172,16 +174,18 @@ def _schema(text: str) -> dict:
     try:
         schema = json.loads(text)
     except ValueError as e:
-        raise invalid(f"structured_outputs.json is not valid JSON: {e}") from None
+        raise invalid(f"structured_outputs.json is not valid JSON: {e}",
+                      "structured_outputs") from None
     except RecursionError:
-        raise invalid("structured_outputs.json is nested too deeply") from None
+        raise invalid("structured_outputs.json is nested too deeply",
+                      "structured_outputs") from None
     if not isinstance(schema, dict):
         raise invalid("structured_outputs.json must be a JSON Schema object, got "
-                      f"{type(schema).__name__}")
+                      f"{type(schema).__name__}", "structured_outputs")
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise invalid(f"structured_outputs.json must nest at most {MAX_SCHEMA_DEPTH} JSON "
-                      f"objects/arrays, got {depth}")
+                      f"objects/arrays, got {depth}", "structured_outputs")
     return schema
 
 
@@ -267,7 +271,7 @@ class GrammarCache:
             self._entries.move_to_end(key)
         ok, value = entry
         if not ok:
-            raise invalid(value)
+            raise invalid(value, "structured_outputs")
         return value
 
     def compile(self, key: tuple[str, str]) -> str:
@@ -293,7 +297,7 @@ class GrammarCache:
                 self._entries.popitem(last=False)
         ok, value = entry
         if not ok:
-            raise invalid(value)
+            raise invalid(value, "structured_outputs")
         return value
 
 

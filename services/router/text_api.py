@@ -24,7 +24,7 @@ def _messages(messages, field: str):
         RequestError(INVALID_ARGUMENT): no messages (``field is empty``).
     """
     if not messages:
-        raise invalid(f"{field} is empty")
+        raise invalid(f"{field} is empty", "messages")
     return messages
 
 
@@ -74,7 +74,7 @@ def tokenize(request: api_pb2.TokenizeRequest, tokenizer,
                           continue_final_message=request.continue_final_message,
                           add_special_tokens=bool(add_special))
     else:
-        raise invalid("prompt is empty: set one of prompt or chat")
+        raise invalid("prompt is empty: set one of prompt or chat", "prompt")
     return api_pb2.TokenizeResponse(token_ids=ids, count=len(ids),
                                     max_model_len=info.max_model_len)
 

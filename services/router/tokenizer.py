@@ -81,20 +81,21 @@ def encode_chat(tokenizer: PreTrainedTokenizerFast, messages: Sequence, *,
             ``continue_final_message`` with ``add_generation_prompt``.
     """
     if not messages:
-        raise invalid("chat.messages is empty")
+        raise invalid("chat.messages is empty", "messages")
     rendered = validate_messages(messages)
     tool_dicts: list = validate_tools(tools)
     kwargs = validate_chat_template_kwargs(chat_template_kwargs, RESERVED_TEMPLATE_KWARGS)
     if continue_final_message and add_generation_prompt:
-        raise invalid("continue_final_message and add_generation_prompt cannot both be true")
+        raise invalid("continue_final_message and add_generation_prompt cannot both be true",
+                      None)  # (two options at odds: no one field; /tokenize names the chat's)
     if not tokenizer.chat_template:
         raise invalid("this model has no chat template (a base model?): send a plain prompt "
-                      "(/v1/completions), or start the router with --chat-template FILE")
+                      "(/v1/completions), or start the router with --chat-template FILE", None)
     try:
         text = tokenizer.apply_chat_template(rendered, tools=tool_dicts or None, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message,
                                              **kwargs)
     except Exception as e:  # jinja2 TemplateError, or raise_exception() in the template
-        raise invalid(f"chat template rejected the messages: {e}") from e
+        raise invalid(f"chat template rejected the messages: {e}", "messages") from e
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)

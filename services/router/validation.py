@@ -38,22 +38,29 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class RequestError(Exception):
-    """A request the router refuses; the servicer turns it into a gRPC status.
+    """A request the router refuses; the gRPC servicer turns it into a status (``code`` and
+    ``message``), the HTTP layer into OpenAI's error body (``param`` its field,
+    ``openai.requests.from_error``).
 
     Attributes:
         code: the gRPC status code (INVALID_ARGUMENT for every rule here).
         message: what is wrong, naming the field and its allowed range.
+        param: the request field at fault as api.proto's GenerateRequest / SamplingParams
+            name it at the top level (``"temperature"``, ``"stop"`` for ``stop[2]``,
+            ``"messages"`` for ``chat.messages[1].role``, ``"prompt"`` for the prompt or its
+            token ids), or None when no one field is.
     """
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, param: str | None = None):
         super().__init__(message)
         self.code = code
         self.message = message
+        self.param = param
 
 
-def invalid(message: str) -> RequestError:
-    """A RequestError with INVALID_ARGUMENT (every validation rule's code)."""
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid(message: str, param: str | None) -> RequestError:
+    """A RequestError with INVALID_ARGUMENT (every validation rule's code) about ``param``."""
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +87,17 @@ def _fmt(x: float) -> str:
     return repr(float(f"{x:.7g}"))
 
 
-def _finite(name: str, x: float) -> float:
+def _finite(name: str, x: float, param: str | None = None) -> float:
+    """``x``, the field ``name`` (its ``param``; None: ``name``), checked to be finite."""
     if not math.isfinite(x):
-        raise invalid(f"{name} must be a finite number, got {_fmt(x)}")
+        raise invalid(f"{name} must be a finite number, got {_fmt(x)}", param or name)
     return x
 
 
-def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int,
+def validate_sampling(sp: api_pb2.SamplingParams, *, vocab_size: int,
                       max_logprobs: int = MAX_LOGPROBS
                       ) -> tuple[EngineSamplingParams, TextOptions]:
-    """Check ``params`` and split them into what the engine samples with and what the router
+    """Check ``sp`` and split them into what the engine samples with and what the router
     applies to the text. Unset fields take the defaults documented in api.proto.
 
     top_k 0, -1 and values >= vocab_size all mean "off" and become -1 (``TOP_K_OFF``).
@@ -101,45 +109,45 @@ def validate_sampling(params: api_pb2.SamplingParams, *, vocab_size: int,
         RequestError(INVALID_ARGUMENT): a field is out of range (the message names it), or a
             field beam search refuses is set with it (see ``_beam_search``).
     """
-    temperature = _finite("temperature", params.temperature) if params.HasField(
+    temperature = _finite("temperature", sp.temperature) if sp.HasField(
         "temperature") else 1.0
     if temperature < 0:
-        raise invalid(f"temperature must be >= 0, got {_fmt(temperature)}")
-    top_p = _finite("top_p", params.top_p) if params.HasField("top_p") else 1.0
+        raise invalid(f"temperature must be >= 0, got {_fmt(temperature)}", "temperature")
+    top_p = _finite("top_p", sp.top_p) if sp.HasField("top_p") else 1.0
     if not 0 < top_p <= 1:
-        raise invalid(f"top_p must be in (0, 1], got {_fmt(top_p)}")
-    top_k = params.top_k if params.HasField("top_k") else TOP_K_OFF
+        raise invalid(f"top_p must be in (0, 1], got {_fmt(top_p)}", "top_p")
+    top_k = sp.top_k if sp.HasField("top_k") else TOP_K_OFF
     if top_k < -1:
-        raise invalid(f"top_k must be -1 (off) or >= 0, got {top_k}")
+        raise invalid(f"top_k must be -1 (off) or >= 0, got {top_k}", "top_k")
     if top_k == 0 or top_k >= vocab_size:
         top_k = TOP_K_OFF
-    if params.HasField("max_tokens") and params.max_tokens < 1:
-        raise invalid(f"max_tokens must be >= 1, got {params.max_tokens}")
-    stop = tuple(params.stop)
+    if sp.HasField("max_tokens") and sp.max_tokens < 1:
+        raise invalid(f"max_tokens must be >= 1, got {sp.max_tokens}", "max_tokens")
+    stop = tuple(sp.stop)
     if len(stop) > MAX_STOP_STRINGS:
-        raise invalid(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        raise invalid(f"stop must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
     for i, s in enumerate(stop):
         if not 1 <= len(s) <= MAX_STOP_STRING_CHARS:
             raise invalid(f"stop[{i}] must have 1 to {MAX_STOP_STRING_CHARS} characters, "
-                               f"got {len(s)}")
-    _check_ids("stop_token_ids", params.stop_token_ids, vocab_size)
+                               f"got {len(s)}", "stop")
+    _check_ids("stop_token_ids", sp.stop_token_ids, vocab_size, "stop_token_ids")
     engine = EngineSamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=params.seed if params.HasField("seed") else None,
-        max_tokens=params.max_tokens if params.HasField("max_tokens") else None,
-        stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
-        logprobs=_logprobs(params, "logprobs", max_logprobs, vocab_size),
-        prompt_logprobs=_logprobs(params, "prompt_logprobs", max_logprobs, vocab_size),
-        logit_bias=_logit_bias(params, vocab_size), **_penalties(params))
+        seed=sp.seed if sp.HasField("seed") else None,
+        max_tokens=sp.max_tokens if sp.HasField("max_tokens") else None,
+        stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
+        logprobs=_logprobs(sp, "logprobs", max_logprobs, vocab_size),
+        prompt_logprobs=_logprobs(sp, "prompt_logprobs", max_logprobs, vocab_size),
+        logit_bias=_logit_bias(sp, vocab_size), **_penalties(sp))
     text = TextOptions(
-        stop=stop, include_stop_str_in_output=params.include_stop_str_in_output,
-        skip_special_tokens=(params.skip_special_tokens
-                             if params.HasField("skip_special_tokens") else True))
-    if params.use_beam_search:
-        return _beam_search(params, engine), text
+        stop=stop, include_stop_str_in_output=sp.include_stop_str_in_output,
+        skip_special_tokens=(sp.skip_special_tokens
+                             if sp.HasField("skip_special_tokens") else True))
+    if sp.use_beam_search:
+        return _beam_search(sp, engine), text
     for name in ("beam_width", "length_penalty", "early_stopping"):
-        if params.HasField(name) and getattr(params, name) != _BEAM_DEFAULTS.get(name):
-            raise invalid(f"{name} requires use_beam_search to be true")
+        if sp.HasField(name) and getattr(sp, name) != _BEAM_DEFAULTS.get(name):
+            raise invalid(f"{name} requires use_beam_search to be true", name)
     return engine, text
 
 
@@ -150,9 +158,9 @@ _BEAM_OFF = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_
              ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
 
 
-def _beam_search(params: api_pb2.SamplingParams, engine: EngineSamplingParams
+def _beam_search(sp: api_pb2.SamplingParams, engine: EngineSamplingParams
                  ) -> EngineSamplingParams:
-    """The engine parameters of a beam search (``use_beam_search``): ``engine`` (``params``
+    """The engine parameters of a beam search (``use_beam_search``): ``engine`` (``sp``
     already checked as for sampling) reduced to what beam search uses (max_tokens,
     stop_token_ids, ignore_eos) plus beam_width (default n), length_penalty (default 1.0) and
     early_stopping (default "false"), at temperature 0 (unset means 0 here); the seed is
@@ -165,119 +173,125 @@ def _beam_search(params: api_pb2.SamplingParams, engine: EngineSamplingParams
             ``length_penalty`` is not finite, or ``early_stopping`` is none of "true",
             "false", "never".
     """
-    given = {"temperature": params.temperature if params.HasField("temperature") else 0.0}
+    given = {"temperature": sp.temperature if sp.HasField("temperature") else 0.0}
     for name, off in _BEAM_OFF:
         value = given.get(name, getattr(engine, name))
         if value != off:
-            raise invalid(f"{name} must be {off:g} with use_beam_search, got {_fmt(value)}")
+            raise invalid(f"{name} must be {off:g} with use_beam_search, got {_fmt(value)}", name)
     if engine.top_k != TOP_K_OFF:
-        raise invalid(f"top_k must be off (0 or -1) with use_beam_search, got {engine.top_k}")
+        raise invalid(f"top_k must be off (0 or -1) with use_beam_search, got {engine.top_k}",
+                      "top_k")
     if engine.min_tokens:
-        raise invalid(f"min_tokens must be 0 with use_beam_search, got {engine.min_tokens}")
+        raise invalid(f"min_tokens must be 0 with use_beam_search, got {engine.min_tokens}",
+                      "min_tokens")
     if engine.logit_bias:
-        raise invalid("logit_bias must be empty with use_beam_search")
+        raise invalid("logit_bias must be empty with use_beam_search", "logit_bias")
     for name in ("logprobs", "prompt_logprobs", "structured_outputs"):
-        if params.HasField(name):
-            raise invalid(f"{name} is not supported with use_beam_search")
-    if params.stop:
+        if sp.HasField(name):
+            raise invalid(f"{name} is not supported with use_beam_search", name)
+    if sp.stop:
         raise invalid("stop (stop strings) is not supported with use_beam_search: beams are "
-                      "ranked on tokens, not text; use stop_token_ids")
-    n = validate_n(params)
-    width = params.beam_width if params.HasField("beam_width") else n
+                      "ranked on tokens, not text; use stop_token_ids", "stop")
+    n = validate_n(sp)
+    width = sp.beam_width if sp.HasField("beam_width") else n
     if not n <= width <= MAX_BEAM_WIDTH:
-        raise invalid(f"beam_width must be in [n, {MAX_BEAM_WIDTH}] (n is {n}), got {width}")
-    length_penalty = (_finite("length_penalty", params.length_penalty)
-                      if params.HasField("length_penalty") else 1.0)
-    early_stopping = params.early_stopping if params.HasField("early_stopping") else "false"
+        raise invalid(f"beam_width must be in [n, {MAX_BEAM_WIDTH}] (n is {n}), got {width}",
+                      "beam_width")
+    length_penalty = (_finite("length_penalty", sp.length_penalty)
+                      if sp.HasField("length_penalty") else 1.0)
+    early_stopping = sp.early_stopping if sp.HasField("early_stopping") else "false"
     if early_stopping not in EARLY_STOPPING:
         raise invalid('early_stopping must be one of "true", "false", "never", got '
-                      f"{early_stopping!r}")
+                      f"{early_stopping!r}", "early_stopping")
     return EngineSamplingParams(
         temperature=0.0, max_tokens=engine.max_tokens, stop_token_ids=engine.stop_token_ids,
         ignore_eos=engine.ignore_eos, beam_width=width, length_penalty=length_penalty,
         early_stopping=early_stopping)
 
 
-def _logprobs(params: api_pb2.SamplingParams, name: str, limit: int, vocab_size: int
+def _logprobs(sp: api_pb2.SamplingParams, name: str, limit: int, vocab_size: int
               ) -> int | None:
-    """``params.<name>`` (logprobs or prompt_logprobs) in [0, limit] (the router's
+    """``sp.<name>`` (logprobs or prompt_logprobs) in [0, limit] (the router's
     --max-logprobs; -1: ``vocab_size``), or None (unset).
 
     Raises:
         RequestError(INVALID_ARGUMENT): out of range, e.g. ``logprobs must be in [0, 20]
             (the router's --max-logprobs), got 21``.
     """
-    if not params.HasField(name):
+    if not sp.HasField(name):
         return None
-    value = getattr(params, name)
+    value = getattr(sp, name)
     limit = vocab_size if limit < 0 else limit
     if not 0 <= value <= limit:
         raise invalid(f"{name} must be in [0, {limit}] (the router's --max-logprobs), "
-                      f"got {value}")
+                      f"got {value}", name)
     return value
 
 
-def _logit_bias(params: api_pb2.SamplingParams, vocab_size: int
+def _logit_bias(sp: api_pb2.SamplingParams, vocab_size: int
                 ) -> tuple[tuple[int, float], ...]:
-    """``params.logit_bias`` as (token id, bias) pairs sorted by id: at most
+    """``sp.logit_bias`` as (token id, bias) pairs sorted by id: at most
     ``MAX_LOGIT_BIAS`` entries, ids in [0, vocab_size), biases finite and in [-100, 100].
 
     Raises:
         RequestError(INVALID_ARGUMENT): e.g. ``logit_bias token id 60000 must be in
             [0, 49152)`` or ``logit_bias[5] must be in [-100, 100], got 150.0``.
     """
-    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+    if len(sp.logit_bias) > MAX_LOGIT_BIAS:
         raise invalid(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, "
-                      f"got {len(params.logit_bias)}")
-    pairs = tuple(sorted(params.logit_bias.items()))
+                      f"got {len(sp.logit_bias)}", "logit_bias")
+    pairs = tuple(sorted(sp.logit_bias.items()))
     for token_id, bias in pairs:
         if not 0 <= token_id < vocab_size:
-            raise invalid(f"logit_bias token id {token_id} must be in [0, {vocab_size})")
-        _finite(f"logit_bias[{token_id}]", bias)
+            raise invalid(f"logit_bias token id {token_id} must be in [0, {vocab_size})",
+                          "logit_bias")
+        _finite(f"logit_bias[{token_id}]", bias, "logit_bias")
         if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-            raise invalid(f"logit_bias[{token_id}] must be in [-100, 100], got {_fmt(bias)}")
+            raise invalid(f"logit_bias[{token_id}] must be in [-100, 100], got {_fmt(bias)}",
+                          "logit_bias")
     return pairs
 
 
-def _penalties(params: api_pb2.SamplingParams) -> dict[str, Any]:
+def _penalties(sp: api_pb2.SamplingParams) -> dict[str, Any]:
     """min_p, the three penalties and min_tokens, checked (vLLM's ranges), with defaults.
 
     Raises:
         RequestError(INVALID_ARGUMENT): e.g. ``min_p must be in [0, 1], got 1.5``.
     """
     def get(name: str, default: float) -> float:
-        return _finite(name, getattr(params, name)) if params.HasField(name) else default
+        return _finite(name, getattr(sp, name)) if sp.HasField(name) else default
 
     min_p = get("min_p", 0.0)
     if not 0 <= min_p <= 1:
-        raise invalid(f"min_p must be in [0, 1], got {_fmt(min_p)}")
+        raise invalid(f"min_p must be in [0, 1], got {_fmt(min_p)}", "min_p")
     repetition_penalty = get("repetition_penalty", 1.0)
     if repetition_penalty <= 0:
-        raise invalid(f"repetition_penalty must be > 0, got {_fmt(repetition_penalty)}")
+        raise invalid(f"repetition_penalty must be > 0, got {_fmt(repetition_penalty)}",
+                      "repetition_penalty")
     out: dict[str, float | int] = {"min_p": min_p, "repetition_penalty": repetition_penalty}
     for name in ("presence_penalty", "frequency_penalty"):
         out[name] = get(name, 0.0)
         if not -2 <= out[name] <= 2:
-            raise invalid(f"{name} must be in [-2, 2], got {_fmt(out[name])}")
-    min_tokens = params.min_tokens if params.HasField("min_tokens") else 0
+            raise invalid(f"{name} must be in [-2, 2], got {_fmt(out[name])}", name)
+    min_tokens = sp.min_tokens if sp.HasField("min_tokens") else 0
     if min_tokens < 0:
-        raise invalid(f"min_tokens must be >= 0, got {min_tokens}")
-    if params.HasField("max_tokens") and min_tokens > params.max_tokens:
-        raise invalid(f"min_tokens must be <= max_tokens ({params.max_tokens}), "
-                      f"got {min_tokens}")
+        raise invalid(f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+    if sp.HasField("max_tokens") and min_tokens > sp.max_tokens:
+        raise invalid(f"min_tokens must be <= max_tokens ({sp.max_tokens}), "
+                      f"got {min_tokens}", "min_tokens")
     out["min_tokens"] = min_tokens
     return out
 
 
-def validate_n(params: api_pb2.SamplingParams) -> int:
-    """The number of choices to generate: ``params.n``, default 1.
+def validate_n(sp: api_pb2.SamplingParams) -> int:
+    """The number of choices to generate: ``sp.n``, default 1.
 
     Raises:
         RequestError(INVALID_ARGUMENT): n outside [1, 64], e.g. ``n must be in [1, 64], got 0``.
     """
-    n = params.n if params.HasField("n") else 1
+    n = sp.n if sp.HasField("n") else 1
     if not 1 <= n <= MAX_N:
-        raise invalid(f"n must be in [1, {MAX_N}], got {n}")
+        raise invalid(f"n must be in [1, {MAX_N}], got {n}", "n")
     return n
 
 
@@ -291,7 +305,8 @@ def validate_priority(priority: int, *, scheduling_policy: str) -> int:
     """
     if priority != 0 and scheduling_policy != PRIORITY_POLICY:
         raise invalid("priority must be 0 unless the scheduler runs --scheduling-policy "
-                      f"priority (it runs {scheduling_policy or 'fcfs'}), got {priority}")
+                      f"priority (it runs {scheduling_policy or 'fcfs'}), got {priority}",
+                      "priority")
     return priority
 
 
@@ -303,11 +318,11 @@ def validate_prompt_ids(ids: Sequence[int], *, max_model_len: int, vocab_size: i
         RequestError(INVALID_ARGUMENT): naming the lengths or the first bad id and its index.
     """
     if len(ids) == 0:
-        raise invalid("prompt is empty")
+        raise invalid("prompt is empty", "prompt")
     if len(ids) >= max_model_len:
         raise invalid(f"prompt has {len(ids)} tokens but max_model_len is {max_model_len}: "
-                           "the prompt must be shorter than max_model_len")
-    _check_ids("prompt_token_ids", ids, vocab_size)
+                           "the prompt must be shorter than max_model_len", "prompt")
+    _check_ids("prompt_token_ids", ids, vocab_size, "prompt")
 
 
 def validate_messages(messages: Sequence) -> list[dict]:
@@ -333,16 +348,16 @@ def validate_messages(messages: Sequence) -> list[dict]:
             or ``messages[3].tool_call_id 'x' answers no earlier tool call``.
     """
     if not messages:
-        raise invalid("messages is empty")
+        raise invalid("messages is empty", "messages")
     out = []
     call_ids: set[str] = set()  # ids of the tool calls made so far
     for i, m in enumerate(messages):
         role, content = _get(m, "role", None), _get(m, "content", None)
         if not isinstance(role, str) or not isinstance(content, str):
-            raise invalid(f"messages[{i}] needs a string role and content")
+            raise invalid(f"messages[{i}] needs a string role and content", "messages")
         if role not in CHAT_ROLES:
             raise invalid(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
-                          f"got {role!r}")
+                          f"got {role!r}", "messages")
         message: dict[str, Any] = {"role": role, "content": content}
         if _get(m, "name", ""):
             message["name"] = _get(m, "name", "")
@@ -350,20 +365,21 @@ def validate_messages(messages: Sequence) -> list[dict]:
         if calls:
             if role != "assistant":
                 raise invalid(f"messages[{i}].tool_calls: only an assistant message makes "
-                              f"tool calls, this one is {role!r}")
-            message["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]")
+                              f"tool calls, this one is {role!r}", "messages")
+            message["tool_calls"] = [_tool_call(c, f"messages[{i}].tool_calls[{j}]", "messages")
                                      for j, c in enumerate(calls)]
         call_id = _get(m, "tool_call_id", "")
         if role == "tool":
             if not call_id:
-                raise invalid(f"messages[{i}].tool_call_id is required on a tool message")
+                raise invalid(f"messages[{i}].tool_call_id is required on a tool message",
+                              "messages")
             if call_id not in call_ids:
                 raise invalid(f"messages[{i}].tool_call_id {call_id!r} answers no tool call "
-                              "of an earlier assistant message")
+                              "of an earlier assistant message", "messages")
             message["tool_call_id"] = call_id
         elif call_id:
             raise invalid(f"messages[{i}].tool_call_id: only a tool message answers a tool "
-                          f"call, this one is {role!r}")
+                          f"call, this one is {role!r}", "messages")
         call_ids.update(c["id"] for c in message.get("tool_calls", ()))
         out.append(message)
     return out
@@ -384,16 +400,17 @@ def validate_tools(tools: Sequence[api_pb2.Tool]) -> list[dict]:
     seen: dict[str, int] = {}
     for i, tool in enumerate(tools):
         if not tool.name:
-            raise invalid(f"tools[{i}].name is empty")
+            raise invalid(f"tools[{i}].name is empty", "tools")
         if tool.name in seen:
-            raise invalid(f"tools[{i}].name {tool.name!r} is taken by tools[{seen[tool.name]}]")
+            raise invalid(f"tools[{i}].name {tool.name!r} is taken by tools[{seen[tool.name]}]",
+                          "tools")
         seen[tool.name] = i
         function: dict[str, Any] = {"name": tool.name}
         if tool.description:
             function["description"] = tool.description
         if tool.parameters_json:
-            function["parameters"] = _json_object(tool.parameters_json,
-                                                  f"tools[{i}].parameters_json")
+            function["parameters"] = _json_object(f"tools[{i}].parameters_json",
+                                                  tool.parameters_json, "tools")
         out.append({"type": "function", "function": function})
     return out
 
@@ -403,23 +420,24 @@ def _get(message, name: str, default):
     return message.get(name, default) if isinstance(message, dict) else getattr(message, name)
 
 
-def _tool_call(call, name: str) -> dict:
-    """One ToolCall (proto or dict) as the template takes it, checked."""
+def _tool_call(call, name: str, param: str) -> dict:
+    """One ToolCall (proto or dict), the field ``name`` of the request field ``param``, as the
+    template takes it, checked."""
     call_id, function = _get(call, "id", ""), _get(call, "name", "")
     if not isinstance(call_id, str) or not call_id:
-        raise invalid(f"{name}.id must be a non-empty string")
+        raise invalid(f"{name}.id must be a non-empty string", param)
     if not isinstance(function, str) or not function:
-        raise invalid(f"{name}.name must be a non-empty string")
+        raise invalid(f"{name}.name must be a non-empty string", param)
     arguments = _get(call, "arguments", "")
     if not isinstance(arguments, str):
-        raise invalid(f"{name}.arguments must be a JSON object as text")
+        raise invalid(f"{name}.arguments must be a JSON object as text", param)
     return {"id": call_id, "type": "function",
-            "function": {"name": function, "arguments": _json_object(arguments,
-                                                                     f"{name}.arguments")}}
+            "function": {"name": function, "arguments": _json_object(
+                f"{name}.arguments", arguments, param)}}
 
 
-def _json_object(text: str, name: str) -> dict:
-    """``text`` parsed as a JSON object.
+def _json_object(name: str, text: str, param: str) -> dict:
+    """``text`` (the field ``name`` of the request field ``param``) parsed as a JSON object.
 
     Raises:
         RequestError(INVALID_ARGUMENT): not JSON, or not an object (naming ``name``).
@@ -427,9 +445,9 @@ def _json_object(text: str, name: str) -> dict:
     try:
         value = json.loads(text)
     except (ValueError, RecursionError) as e:
-        raise invalid(f"{name} must be a JSON object as text: {e}") from None
+        raise invalid(f"{name} must be a JSON object as text: {e}", param) from None
     if not isinstance(value, dict):
-        raise invalid(f"{name} must be a JSON object as text, got a {type(value).__name__}")
+        raise invalid(f"{name} must be a JSON object as text, got a {type(value).__name__}", param)
     return value
 
 
@@ -448,16 +466,16 @@ def validate_chat_template_kwargs(text: str, reserved: Collection[str] = ()) -> 
     """
     if not text:
         return {}
-    value = _json_object(text, "chat.chat_template_kwargs")
+    value = _json_object("chat.chat_template_kwargs", text, "chat_template_kwargs")
     try:  # Python's json reads NaN, Infinity and 1e400 (as inf): none of them is JSON
         json.dumps(value, allow_nan=False)
     except ValueError:
         raise invalid("chat.chat_template_kwargs must hold JSON values only: NaN and infinite "
-                      "numbers (e.g. 1e400) are not JSON") from None
+                      "numbers (e.g. 1e400) are not JSON", "chat_template_kwargs") from None
     for key in value:
         if key in reserved:
             raise invalid(f"chat.chat_template_kwargs may not set {key!r} (an argument of the "
-                          "template call, not a template variable)")
+                          "template call, not a template variable)", "chat_template_kwargs")
     return value
 
 
@@ -469,15 +487,16 @@ def validate_request_id(request_id: str) -> str:
     """
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid(f"request_id must have at most {MAX_REQUEST_ID_CHARS} characters, "
-                           f"got {len(request_id)}")
+                           f"got {len(request_id)}", "request_id")
     return request_id or uuid.uuid4().hex
 
 
-def _check_ids(name: str, ids: Sequence[int], vocab_size: int) -> None:
-    """Raise naming the first id outside [0, vocab_size); O(n) in C for the common case."""
+def _check_ids(name: str, ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """Raise naming the first id of ``ids`` (the field ``name`` of the request field
+    ``param``) outside [0, vocab_size); O(n) in C for the common case."""
     if len(ids) and (min(ids) < 0 or max(ids) >= vocab_size):
         i, bad = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
-        raise invalid(f"{name}[{i}] must be in [0, {vocab_size}), got {bad}")
+        raise invalid(f"{name}[{i}] must be in [0, {vocab_size}), got {bad}", param)
 
 
 def validate_token_ids(name: str, ids: Sequence[int], *, vocab_size: int) -> None:
@@ -488,4 +507,4 @@ def validate_token_ids(name: str, ids: Sequence[int], *, vocab_size: int) -> Non
         RequestError(INVALID_ARGUMENT): naming the first bad id and its index, e.g.
             ``token_ids[3] must be in [0, 49152), got 60000``.
     """
-    _check_ids(name, ids, vocab_size)
+    _check_ids(name, ids, vocab_size, name)

@@ -9,11 +9,12 @@ import math
 import grpc
 import pytest
 
+from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
-from services.router.generation import prepare
+from services.router.generation import engine_refusal, prepare
 from services.router.openai.errors import OpenAIError
-from services.router.openai.requests import from_status, parse_chat, parse_completion
+from services.router.openai.requests import from_error, parse_chat, parse_completion
 from services.router.validation import RequestError, validate_sampling
 from tests.router import SMOLLM2_VOCAB_SIZE, smollm2_tokenizer
 
@@ -121,7 +122,7 @@ def http(body: dict, chat: bool = True, tool_parser: str | None = None):
     try:
         return prepare(request, smollm2_tokenizer(), INFO), parsed
     except RequestError as e:  # as openai.http answers it
-        raise from_status(e.code, e.message, param) from None
+        raise from_error(e, param) from None
 
 
 def http_refusal(body: dict, chat: bool = True) -> OpenAIError:
@@ -204,16 +205,24 @@ def test_http_tool_choice_auto_and_none_give_plain_content():
     assert sampled.tool_calls is not None  # without beam search the text is parsed
 
 
-@pytest.mark.parametrize("message, param", [
-    ("request cmpl-1-0: beam_width 8 with 90 new tokens may need 80 KV blocks but the cache "
-     "has 48; lower beam_width or max_tokens", "beam_width"),
-    ("request 7: beam_width 9 is more than max_num_seqs=8 (every beam is a running sequence)",
+@pytest.mark.parametrize("beam, lora, code, message, status, param", [
+    (True, False, grpc.StatusCode.INVALID_ARGUMENT, "request cmpl-1-0: beam_width 8 with 90 new "
+     "tokens may need 80 KV blocks but the cache has 48; lower beam_width or max_tokens", 400,
      "beam_width"),
-    ("request chat-2: prompt has 400 tokens, max_model_len=384 leaves no room for output",
-     "messages"),
-    ("beam_width must be >= n", "beam_width"),
-    ("requested things", None),
+    (True, False, grpc.StatusCode.INVALID_ARGUMENT, "request 7: beam_width 9 is more than "
+     "max_num_seqs=8 (every beam is a running sequence)", 400, "beam_width"),
+    (False, True, grpc.StatusCode.INVALID_ARGUMENT, "model 'a' is a LoRA adapter but the "
+     "workers run no adapters", 400, "model"),
+    (True, True, grpc.StatusCode.INVALID_ARGUMENT, "either", 400, None),  # adapter or beams?
+    (True, False, grpc.StatusCode.RESOURCE_EXHAUSTED, "engine queue is full", 429, None),
+    (False, False, grpc.StatusCode.INVALID_ARGUMENT, "requested things", 400, None),
 ])
-def test_engine_refusals_name_the_field_after_the_request_id(message, param):
-    e = from_status(grpc.StatusCode.INVALID_ARGUMENT, message, prompt_param="messages")
-    assert (e.status, e.param) == (400, param)
+def test_engine_refusals_name_what_only_the_engine_checks(beam, lora, code, message, status,
+                                                         param):
+    """The scheduler's own rules (max_num_seqs, the KV cache's size) are beam_width's; the
+    workers' refusal of an adapter is the model's."""
+    prepared, _ = http({"use_beam_search": True, "n": 2} if beam else {})
+    if lora:
+        prepared.lora = LoRARequest(1, "a", "/adapters/a")
+    e = from_error(engine_refusal(prepared, code.value[0], message), prompt_param="messages")
+    assert (e.status, e.param, e.message) == (status, param, message)

@@ -12,7 +12,6 @@ import pytest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.router.embedding import PreparedEmbed, prepare_embed, shorten
 from services.router.openai.embeddings import (
-    embedding_param,
     embedding_response,
     parse_embedding,
 )
@@ -61,7 +60,7 @@ def test_other_shapes_are_refused(value):
 def test_limits_name_the_field(body, words, param):
     with pytest.raises(RequestError) as err:
         _prepare(body)
-    assert words in err.value.message and embedding_param(err.value.message) == param
+    assert words in err.value.message and err.value.param == param
 
 
 def test_prompt_of_max_model_len_is_taken_and_truncation_keeps_the_last():

@@ -9,7 +9,7 @@ import pytest
 
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai.errors import OpenAIError
-from services.router.openai.requests import from_status, parse_chat
+from services.router.openai.requests import from_error, parse_chat
 from services.router.validation import RequestError, validate_messages, validate_tools
 
 CALL = {"id": "call_1", "type": "function",
@@ -27,7 +27,7 @@ def http_error(messages) -> OpenAIError:
     except OpenAIError as e:
         return e
     except RequestError as e:
-        return from_status(e.code, e.message, prompt_param="messages")
+        return from_error(e, prompt_param="messages")
     raise AssertionError("accepted")
 
 
@@ -129,4 +129,4 @@ def test_tools_of_the_grpc_api_are_checked_and_shaped_for_the_template():
         with pytest.raises(RequestError) as err:
             validate_tools(tools)
         assert err.value.message.startswith(message)
-        assert from_status(err.value.code, err.value.message).param == "tools"
+        assert from_error(err.value).param == "tools"

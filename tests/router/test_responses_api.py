@@ -4,6 +4,7 @@ package's own pydantic types (validated, not the client's lenient construction).
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
@@ -12,11 +13,13 @@ from services.common.finish_reason import FinishReason
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.openai.errors import OpenAIError
 from services.router.openai.reasoning import ReasoningOptions, ReasoningSplitter
+from services.router.openai.requests import from_error
 from services.router.openai.responses import ResponseBuilder
 from services.router.openai.responses_api import ResponseEvents
 from services.router.openai.responses_input import parse_responses, rename
 from services.router.openai.responses_store import ResponseStore
 from services.router.openai.tool_calls import NamedParser
+from services.router.validation import RequestError
 
 EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -200,13 +203,23 @@ def test_a_default_reasoning_is_accepted(reasoning):
 
 
 def test_grammar_errors_of_text_format_name_text_format():
-    err = OpenAIError(400, "structured_outputs.json: bad schema", param="structured_outputs")
-    renamed = rename(err, "text")
+    grammar = RequestError(grpc.StatusCode.INVALID_ARGUMENT, "structured_outputs.json: bad schema",
+                           "structured_outputs")
+    renamed = rename(from_error(grammar, "input", "text"))  # text.format set the grammar
     assert renamed.message == "text.format.schema: bad schema" and renamed.param == "text"
-    err = OpenAIError(400, "structured_outputs.json_object must be true", param="x")
-    assert rename(err, "text").message == "text.format must be true"
-    own = OpenAIError(400, "structured_outputs.json: bad", param="structured_outputs")
-    assert rename(own, "structured_outputs").message == "structured_outputs.json: bad"
+    err = OpenAIError(400, "structured_outputs.json_object must be true", param="text")
+    assert rename(err).message == "text.format must be true"
+    own = rename(from_error(grammar, "input", "structured_outputs"))  # vLLM's extra set it
+    assert (own.message, own.param) == ("structured_outputs.json: bad schema",
+                                        "structured_outputs")
+
+
+@pytest.mark.parametrize("field, param", [("max_tokens", "max_output_tokens"),
+                                          ("messages", "input"), ("prompt", "input"),
+                                          ("temperature", "temperature"), ("tools", "tools")])
+def test_validation_errors_name_the_responses_field(field, param):
+    e = RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field} is wrong", field)
+    assert rename(from_error(e, "input", "text")).param == param
 
 
 def test_store_is_an_lru_of_conversations():

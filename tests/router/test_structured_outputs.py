@@ -23,7 +23,7 @@ from services.common.pb.pagedserve.v1 import api_pb2
 from services.router import structured_output_grammar as so_mod
 from services.router.generation import EngineError
 from services.router.openai.errors import OpenAIError
-from services.router.openai.requests import from_status, parse_chat, parse_completion
+from services.router.openai.requests import from_error, parse_chat, parse_completion
 from services.router.openai.structured_output_format import error_param
 from services.router.structured_output_grammar import (
     MAX_GRAMMAR_BYTES,
@@ -122,14 +122,17 @@ def test_http_refusals_name_the_field(fields, param, words):
 
 
 def test_a_grammar_error_names_the_field_that_set_it():
-    message = "structured_outputs.json: Invalid type: foo"
+    with pytest.raises(RequestError) as err:
+        build_grammar("json", '{"type": "foo"}')
+    assert err.value.param == "structured_outputs"
+    message = err.value.message
+    assert message.startswith("structured_outputs.json")
     fmt = parse_chat({"messages": [], "response_format": {"type": "json_object"}})
-    e = from_status(grpc.StatusCode.INVALID_ARGUMENT, message, fmt.prompt_param,
-                    fmt.structured_param)
+    e = from_error(err.value, fmt.prompt_param, fmt.structured_param)
     assert (e.status, e.param, e.message) == (400, "response_format", message)
     # the completions route names the field by error_param, over its whole body
     vllm = {"prompt": "a", "structured_outputs": {"regex": "a"}}
-    e = from_status(grpc.StatusCode.INVALID_ARGUMENT, message, "prompt", error_param(vllm))
+    e = from_error(err.value, "prompt", error_param(vllm))
     assert (e.status, e.param, e.message) == (400, "structured_outputs", message)
 
 

@@ -128,3 +128,20 @@ def test_servicer_maps_request_errors_to_their_status():
     with pytest.raises(_Aborted):
         asyncio.run(servicer.Detokenize(api_pb2.DetokenizeRequest(token_ids=[99]), context))
     assert context.code == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in context.details
+
+
+def test_a_template_refusal_names_messages_over_http():
+    """The template's own refusal (role order, raise_exception) is about the messages:
+    ``param`` "messages" (it named no field while the param was read from the message)."""
+    from services.router.openai.requests import from_error
+
+    tok = tiny_bos_tokenizer()  # (shared: its template is put back)
+    template, tok.chat_template = tok.chat_template, "{{ raise_exception('no') }}"
+    try:
+        with pytest.raises(RequestError, match="chat template rejected the messages") as err:
+            text_api.tokenize(api_pb2.TokenizeRequest(chat=CHAT), tok, INFO)
+    finally:
+        tok.chat_template = template
+    assert err.value.param == "messages"
+    assert from_error(err.value, prompt_param="messages").param == "messages"
+    assert from_error(err.value, prompt_param="input").param == "input"  # /v1/responses

@@ -109,6 +109,9 @@ def test_top_k_off_values_become_minus_one(top_k):
 ])
 def test_out_of_range_fields(fields, message):
     assert error(check, **fields) == message
+    with pytest.raises(RequestError) as e:
+        check(**fields)
+    assert e.value.param == next(iter(fields))  # the field itself, OpenAI's ``param``
 
 
 def test_limits_are_inclusive():
@@ -257,3 +260,28 @@ def test_chat_template_kwargs_refuse_numbers_that_are_not_json(text):
     assert e.value.message.startswith("chat.chat_template_kwargs must hold JSON values only")
     assert validate_chat_template_kwargs('{"x": 1e300, "y": [1, null]}') == {
         "x": 1e300, "y": [1, None]}
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda: validate_prompt_ids([], max_model_len=8, vocab_size=VOCAB), "prompt"),
+    (lambda: validate_prompt_ids([1] * 8, max_model_len=8, vocab_size=VOCAB), "prompt"),
+    (lambda: validate_prompt_ids([VOCAB], max_model_len=8, vocab_size=VOCAB), "prompt"),
+    (lambda: validate_messages([]), "messages"),
+    (lambda: validate_messages([{"role": "tool", "content": "x"}]), "messages"),
+    (lambda: validate_messages([{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c", "name": "f", "arguments": "[]"}]}]), "messages"),
+    (lambda: validate_chat_template_kwargs("[]"), "chat_template_kwargs"),
+    (lambda: validate_chat_template_kwargs('{"tools": 1}', ("tools",)), "chat_template_kwargs"),
+    (lambda: validate_request_id("x" * 129), "request_id"),
+    (lambda: validate_n(api_pb2.SamplingParams(n=0)), "n"),
+    (lambda: validate_priority(1, scheduling_policy="fcfs"), "priority"),
+    (lambda: check(use_beam_search=True, temperature=0.5), "temperature"),
+    (lambda: check(use_beam_search=True, stop=["x"]), "stop"),
+    (lambda: check(beam_width=3), "beam_width"),
+])
+def test_every_refusal_names_its_field(call, param):
+    """``RequestError.param``: the field, carried to OpenAI's error body as it is (no message
+    is parsed for it)."""
+    with pytest.raises(RequestError) as e:
+        call()
+    assert e.value.param == param

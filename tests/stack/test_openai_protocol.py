@@ -15,8 +15,8 @@ from services.common.sampling_params import EngineSamplingParams
 from services.router.generation import EngineError, PreparedRequest
 from services.router.openai.errors import OpenAIError
 from services.router.openai.http import OpenAIServer
-from services.router.openai.requests import from_status, parse_chat, parse_completion
-from services.router.validation import TextOptions
+from services.router.openai.requests import from_error, parse_chat, parse_completion
+from services.router.validation import RequestError, TextOptions
 
 
 def test_completion_fields_map_onto_the_grpc_request():
@@ -138,18 +138,25 @@ def test_chat_refusals_name_the_field(body, param):
     assert err.value.status == 400 and err.value.param == param
 
 
-@pytest.mark.parametrize("code, message, status, param", [
-    (grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0, got -1.0", 400, "temperature"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "stop[2] must have 1 to 256 characters", 400, "stop"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty", 400, "messages"),
-    (grpc.StatusCode.INVALID_ARGUMENT, "prompt has 9 tokens but max_model_len is 8", 400,
-     "messages"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", 429, None),
-    (grpc.StatusCode.UNAVAILABLE, "scheduler gone", 503, None),
-    (grpc.StatusCode.INTERNAL, "boom", 500, None),
+@pytest.mark.parametrize("code, message, field, status, param", [
+    (grpc.StatusCode.INVALID_ARGUMENT, "temperature must be >= 0, got -1.0", "temperature", 400,
+     "temperature"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "stop[2] must have 1 to 256 characters", "stop", 400,
+     "stop"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "chat.messages is empty", "messages", 400, "messages"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "prompt has 9 tokens but max_model_len is 8", "prompt",
+     400, "messages"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "structured_outputs.regex is empty",
+     "structured_outputs", 400, "response_format"),
+    (grpc.StatusCode.INVALID_ARGUMENT, "request_id must have at most 128 characters",
+     "request_id", 400, None),  # the X-Request-Id header, not a body field
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", None, 429, None),
+    (grpc.StatusCode.UNAVAILABLE, "scheduler gone", None, 503, None),
+    (grpc.StatusCode.INTERNAL, "boom", None, 500, None),
 ])
-def test_grpc_status_to_http(code, message, status, param):
-    e = from_status(code, message, prompt_param="messages")
+def test_grpc_status_to_http(code, message, field, status, param):
+    e = from_error(RequestError(code, message, field), prompt_param="messages",
+                   structured_param="response_format")
     assert (e.status, e.param) == (status, param)
     assert e.body()["error"]["message"] == message
 

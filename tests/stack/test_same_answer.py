@@ -19,9 +19,16 @@ import math
 import openai
 import pytest
 
+from benchmarks.probes import (
+    PROBE_CHATS,
+    TOP,
+    chat_prompts,
+    hf_first_logprobs,
+    mean_distance,
+    our_first_logprobs,
+)
 from pagedserve_client import Client
 from tests.stack.conftest import _leak_check
-from tests.stack.test_smollm2 import chat_prompts
 from tests.stack_harness import InProcessStack
 
 CHATS = ["What is the capital of France?", "List three fruits.",
@@ -92,39 +99,6 @@ def test_top_k_1_is_greedy_at_any_temperature(stack):
                 assert top1.token_ids == greedy.token_ids, (chat, temperature)
 
 
-PROBE_CHATS = [
-    "What is the capital of France?", "List three fruits.", "Write a haiku about autumn.",
-    "Explain gravity to a child.", "What is 17 times 23?", "Name a famous painter.",
-    "How do I boil an egg?", "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?", "Give me a synonym for happy.", "What does a CPU do?",
-    "Suggest a name for a cat.", "Who wrote Hamlet?", "What is the boiling point of water?",
-    "Describe the ocean in one sentence.", "What is machine learning?"]
-TOP = 5
-
-
-def _hf_first_logprobs(model, prompts: list[list[int]]) -> list:
-    """transformers' log_softmax at the last prompt position, float32 ``[V]`` per prompt (the
-    logits in the model's dtype, as transformers returns them, then widened)."""
-    import torch
-    with torch.inference_mode():
-        return [torch.log_softmax(model(torch.tensor([p])).logits[0, -1].float(), dim=-1)
-                for p in prompts]
-
-
-def _our_first_logprobs(address: str, prompts: list[list[int]]) -> list[list[tuple[int, float]]]:
-    with Client(address) as c:
-        return [[(t.token_id, t.logprob) for t in
-                 c.generate(prompt_token_ids=p, temperature=0, max_tokens=1,
-                            logprobs=TOP).logprobs[0].top] for p in prompts]
-
-
-def _mean_distance(tops: list[list[tuple[int, float]]], reference: list) -> float:
-    """Mean |logprob - reference logprob| over each prompt's top tokens."""
-    diffs = [abs(lp - ref[t].item()) for top, ref in zip(tops, reference, strict=True)
-             for t, lp in top]
-    return sum(diffs) / len(diffs)
-
-
 @pytest.mark.parametrize("stack", ["smollm2"], indirect=True)
 def test_first_step_logprobs_are_float32_values(stack):
     import torch
@@ -138,10 +112,10 @@ def test_first_step_logprobs_are_float32_values(stack):
     src = resolve_model(None)
     hf = AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
                                               dtype=torch.float32).eval()
-    fp32 = _hf_first_logprobs(hf, prompts)
-    hf_bf16 = _hf_first_logprobs(hf.to(torch.bfloat16), prompts)
+    fp32 = hf_first_logprobs(hf, prompts)
+    hf_bf16 = hf_first_logprobs(hf.to(torch.bfloat16), prompts)
     del hf
-    ours = _our_first_logprobs(stack.address, prompts)
+    ours = our_first_logprobs(stack.address, prompts)
     eager = ModelRunner(None, dtype="bfloat16", enforce_eager=True, kv_cache_memory=64 << 20)
     ours_eager = [[(t, lp) for t, lp in zip(*generate(eager, p, 1)[1][0][1:], strict=True)]
                   for p in prompts]
@@ -152,9 +126,9 @@ def test_first_step_logprobs_are_float32_values(stack):
         ref_values = [ref[t].item() for t, _ in top]
         ties = len(values) - len(set(values))
         assert ties == len(ref_values) - len(set(ref_values)), top  # no tie float32 lacks
-    ours_d = _mean_distance(ours, fp32)
-    eager_d = _mean_distance(ours_eager, fp32)
-    hf_bf16_d = _mean_distance([[(t, ref[t].item()) for t in ref.topk(TOP).indices.tolist()]
+    ours_d = mean_distance(ours, fp32)
+    eager_d = mean_distance(ours_eager, fp32)
+    hf_bf16_d = mean_distance([[(t, ref[t].item()) for t in ref.topk(TOP).indices.tolist()]
                                 for ref in hf_bf16], fp32)
     # The compiled forward rounds at other places than the eager one (Inductor's fused norm
     # rounds once where the eager op rounds twice, and keeps fused sums in float32), so the

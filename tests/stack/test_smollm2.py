@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from pagedserve_client import Client
 
+from benchmarks.probes import chat_prompts
 from services.common.model_files import resolve_model
 from tests.helpers import hf_beam_search
 from tests.stack.conftest import _leak_check, hf_greedy
@@ -34,17 +35,6 @@ def hf_smol():
     src = resolve_model(None)
     return AutoModelForCausalLM.from_pretrained(src.folder, gguf_file=src.gguf_file,
                                                 dtype=torch.float32).eval()
-
-
-def chat_prompts(chats: list[str]) -> list[list[int]]:
-    """The prompt ids of one-message chats, by transformers' tokenizer and chat template."""
-    from transformers import AutoTokenizer
-
-    src = resolve_model(None)
-    tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
-    return [list(tok.apply_chat_template([{"role": "user", "content": c}],
-                                         add_generation_prompt=True, tokenize=True,
-                                         return_dict=True)["input_ids"]) for c in chats]
 
 
 def hf_chat_greedy(hf_smol, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:

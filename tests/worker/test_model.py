@@ -14,9 +14,10 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from benchmarks.probes import run_ours
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, NewRequest, StepInput
-from services.worker.attention import AttentionMetadata, select_backend
+from services.worker.attention import select_backend
 from services.worker.device import resolve_dtype
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
@@ -25,29 +26,6 @@ from tests.helpers import make_tiny_llama
 
 NEW_TOKENS = 16
 GREEDY = EngineSamplingParams(temperature=0.0)
-
-
-def run_ours(model, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
-    """Logits ``[T, V]`` of one prompt in one step, its blocks scattered over the cache."""
-    cfg = model.config
-    num_tokens = len(token_ids)
-    num_blocks = -(-num_tokens // block_size)
-    shape = (4 * num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    embed = model.embed_tokens  # (a GGUF's stored table has no float weight: its dtype)
-    dtype = embed.dtype if hasattr(embed, "dtype") else embed.weight.dtype
-    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-              for _ in range(cfg.num_hidden_layers)]
-    block_table = torch.randperm(4 * num_blocks)[:num_blocks].to(torch.int32)[None]  # [1, nb]
-    positions = torch.arange(num_tokens)
-    meta = AttentionMetadata(
-        slot_mapping=block_table[0, positions // block_size].long() * block_size
-        + positions % block_size,
-        block_tables=block_table,
-        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        max_query_len=num_tokens, max_seq_len=num_tokens)
-    with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(token_ids), positions, caches, [meta] * len(caches)))
 
 
 VARIANTS = {

@@ -86,8 +86,8 @@ class CompletionCall:
                 prepared = prepare(request, tokenizer, info, max_logprobs=max_logprobs,
                                    lora=lora)
             except RequestError as e:
-                if batch and e.message.startswith("prompt"):
-                    raise RequestError(e.code, f"prompt[{p}]: {e.message}") from None
+                if batch and e.param == "prompt":
+                    raise RequestError(e.code, f"prompt[{p}]: {e.message}", e.param) from None
                 raise
             if batch:
                 prepared.request_id = f"{request_id}-{p}"

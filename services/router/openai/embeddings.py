@@ -6,18 +6,17 @@ types and ``encoding_format`` only; everything else is ``services.router.embeddi
 from __future__ import annotations
 
 import base64
-import re
 
 import numpy as np
 
 from services.common.pb.pagedserve.v1 import api_pb2
 from services.router.embedding import PreparedEmbed
 from services.router.openai.errors import OpenAIError, bad_request, utf8
+from services.router.validation import RequestError
 
 ENCODING_FORMATS = ("float", "base64")
 _SHAPES = ("input must be a non-empty string, a list of strings, a list of token ids, or a "
            "list of token-id lists")
-_PARAMS = ("input", "dimensions", "truncate_prompt_tokens")  # what prepare_embed's errors name
 
 
 def _is_int(x) -> bool:
@@ -66,20 +65,16 @@ def parse_embedding(body: dict) -> tuple[api_pb2.EmbedRequest, str]:
     return request, fmt
 
 
-def embedding_param(message: str) -> str | None:
-    """The field a ``prepare_embed`` error names (its first word), for OpenAI's ``param``."""
-    m = re.match(r"[a-z_]+", message)
-    return m.group(0) if m and m.group(0) in _PARAMS else None
-
-
-def embedding_error(message: str, body: dict) -> OpenAIError:
-    """The 400 for a ``prepare_embed`` error about ``body``: ``param`` its field, and an
-    ``input`` that is one list of token ids named as the client sent it (``input[2]``, not
-    the gRPC request's ``input[0][2]``)."""
+def is_one_token_list(body: dict) -> bool:
+    """Whether ``body``'s ``input`` is one list of token ids (one input, ``[1, 2, 3]``), which
+    ``prepare_embed(one_list=True)`` names as the client wrote it."""
     value = body.get("input")
-    if isinstance(value, list) and value and all(_is_int(x) for x in value):
-        message = re.sub(r"^input\[0\](?=\[)", "input", message)
-    return bad_request(message, embedding_param(message))
+    return isinstance(value, list) and bool(value) and all(_is_int(x) for x in value)
+
+
+def embedding_error(e: RequestError) -> OpenAIError:
+    """The 400 for a ``prepare_embed`` error: its message, ``param`` its field."""
+    return bad_request(e.message, e.param)
 
 
 def embedding_response(req: PreparedEmbed, vectors: list[list[float]], encoding_format: str,

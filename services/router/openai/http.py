@@ -53,6 +53,7 @@ from services.router.openai.completions import CompletionCall
 from services.router.openai.embeddings import (
     embedding_error,
     embedding_response,
+    is_one_token_list,
     parse_embedding,
 )
 from services.router.openai.errors import OpenAIError, bad_request
@@ -65,7 +66,7 @@ from services.router.openai.reasoning import (
 )
 from services.router.openai.requests import (
     ParsedRequest,
-    from_status,
+    from_error,
     parse_chat,
     parse_completion,
 )
@@ -296,7 +297,7 @@ class OpenAIServer:
                 call = CompletionCall.prepare(parsed, request_id, self.tokenizer, info,
                                               self.max_logprobs, request.get(_LORA))
         except RequestError as e:
-            raise from_status(e.code, e.message, "prompt") from None
+            raise from_error(e, "prompt") from None
         for prepared in call.prepared:
             entry.accepted(prepared)
         entry.request_id = request_id
@@ -314,7 +315,7 @@ class OpenAIServer:
                     entry.observe(r)
                     call.add(r)
             except EngineError as e:  # e.g. an invalid grammar (before any message)
-                raise from_status(e.code, e.message, "prompt", structured_param) from None
+                raise from_error(e, "prompt", structured_param) from None
             return web.json_response(call.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
 
@@ -330,18 +331,20 @@ class OpenAIServer:
         entry: RequestLog = request[_LOG]
         try:
             if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
-                prepared = await asyncio.to_thread(prepare_embed, parsed, self.tokenizer, info)
+                prepared = await asyncio.to_thread(prepare_embed, parsed, self.tokenizer, info,
+                                                   one_list=is_one_token_list(body))
             else:
-                prepared = prepare_embed(parsed, self.tokenizer, info)
+                prepared = prepare_embed(parsed, self.tokenizer, info,
+                                         one_list=is_one_token_list(body))
         except RequestError as e:
-            raise embedding_error(e.message, body) from None
+            raise embedding_error(e) from None
         entry.request_id = prepared.request_id
         request_id_var.set(prepared.request_id)
         entry.prompt_tokens = sum(map(len, prepared.prompts))
         try:
             vectors = await run_embed(self.engine, prepared)
         except EngineError as e:
-            raise from_status(e.code, e.message, "input") from None
+            raise from_error(e, "input") from None
         return web.json_response(
             embedding_response(prepared, vectors, encoding_format, info.model),
             headers={REQUEST_ID_HEADER: prepared.request_id})
@@ -421,7 +424,7 @@ class OpenAIServer:
                     entry.observe(r)
                     builder.add(r)
             except EngineError as e:  # e.g. an invalid grammar (before any message)
-                raise from_status(e.code, e.message, parsed.prompt_param,
+                raise from_error(e, parsed.prompt_param,
                                   parsed.structured_param) from None
             return web.json_response(builder.response(), headers=headers,
                                      dumps=lambda o: json.dumps(o, ensure_ascii=False))
@@ -452,7 +455,7 @@ class OpenAIServer:
                 prepared = prepare(parsed.request, self.tokenizer, info,
                                    max_logprobs=self.max_logprobs, lora=request.get(_LORA))
         except RequestError as e:
-            raise errors(from_status(e.code, e.message, parsed.prompt_param,
+            raise errors(from_error(e, parsed.prompt_param,
                                      parsed.structured_param)) from None
         entry.accepted(prepared)
         return prepared
@@ -465,7 +468,7 @@ class OpenAIServer:
         chat = parsed.chat
         response_id = new_response_id()
         prepared = await self._prepare(request, chat, info, response_id,
-                                       lambda e: rename(e, chat.structured_param))
+                                       rename)
         reasoning = self._reasoning(chat.chat_template_kwargs, chat.include_reasoning, prepared)
         events = ResponseEvents(info.model, parsed.echo, chat.tool_calls,
                                 reasoning.splitter if reasoning is not None else None,
@@ -487,8 +490,7 @@ class OpenAIServer:
                     return web.json_response(events.response(), headers=headers,
                                              dumps=lambda o: json.dumps(o, ensure_ascii=False))
             except EngineError as e:  # e.g. an invalid grammar (before any message)
-                raise rename(from_status(e.code, e.message, "input", chat.structured_param),
-                             chat.structured_param) from None
+                raise rename(from_error(e, "input", chat.structured_param)) from None
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache", **headers})
             await resp.prepare(request)
@@ -504,8 +506,7 @@ class OpenAIServer:
                 self._keep(parsed, events)
             except EngineError as e:
                 entry.error = e.code.name
-                err = rename(from_status(e.code, e.message, "input", chat.structured_param),
-                             chat.structured_param)
+                err = rename(from_error(e, "input", chat.structured_param))
                 await resp.write(_event(events.error(err.message, err.code, err.param)))
             await resp.write_eof()
             return resp
@@ -553,7 +554,7 @@ class OpenAIServer:
         try:
             first = await anext(responses, None)
         except EngineError as e:
-            raise from_status(e.code, e.message, prompt_param, structured_param) from None
+            raise from_error(e, prompt_param, structured_param) from None
         entry: RequestLog = request[_LOG]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
@@ -572,7 +573,7 @@ class OpenAIServer:
                 await resp.write(_sse(builder.usage_chunk()))
         except EngineError as e:
             entry.error = e.code.name
-            await resp.write(_sse(from_status(e.code, e.message, prompt_param,
+            await resp.write(_sse(from_error(e, prompt_param,
                                               structured_param).body()))
         await resp.write(_sse("[DONE]"))
         await resp.write_eof()

@@ -1,5 +1,5 @@
-"""OpenAI JSON request bodies -> ``api_pb2.GenerateRequest``, and the OpenAI error for a gRPC
-status (``from_status``; the error itself is ``openai.errors.OpenAIError``).
+"""OpenAI JSON request bodies -> ``api_pb2.GenerateRequest``, and the OpenAI error for a
+validation or engine error (``from_error``; the error itself is ``openai.errors.OpenAIError``).
 
 Only the JSON *types* are checked here (a number where a number belongs, an int32 where the
 proto has one); every range rule stays in ``services.router.validation``, which runs afterwards
@@ -21,12 +21,13 @@ from typing import Any
 import grpc
 
 from services.common.pb.pagedserve.v1 import api_pb2
+from services.router.generation import EngineError
 from services.router.openai.errors import OpenAIError, bad_request, utf8
 from services.router.openai.messages import parse_messages
 from services.router.openai.responses import OutputOptions
 from services.router.openai.structured_output_format import error_param, parse_structured_outputs
 from services.router.openai.tools import parse_tools
-from services.router.validation import MAX_LOGPROBS, MAX_N
+from services.router.validation import MAX_LOGPROBS, MAX_N, RequestError
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 SEED_MODULUS = 2**64  # the proto's seed is a uint64; OpenAI's may be negative
@@ -40,43 +41,35 @@ _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_pena
            "frequency_penalty")
 _INTS = ("top_k", "n", "min_tokens")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
-# Field names that validation messages start with, as the OpenAI request spells them.
-_PARAMS = set(_FLOATS + _INTS + _BOOLS) | {"max_tokens", "seed", "stop", "stop_token_ids",
-                                           "priority", "logprobs", "top_logprobs",
-                                           "prompt_logprobs", "logit_bias", "tools",
-                                           "use_beam_search", "beam_width", "length_penalty",
-                                           "early_stopping", "chat_template_kwargs", "model"}
-STRUCTURED = "structured_outputs"  # the first word of a grammar error (structured_outputs.py)
+# The ``RequestError.param`` of a grammar error (services.router.structured_output_grammar).
+STRUCTURED = "structured_outputs"
 MAX_BEST_OF = MAX_N  # candidates per prompt, as many as choices
 MAX_PROMPTS = 1024  # prompts in one /v1/completions batch
 _INT_KEY = re.compile(r"-?[0-9]{1,12}")  # a logit_bias key: a token id in decimal
 
 
-def from_status(code: grpc.StatusCode, message: str, prompt_param: str = "prompt",
-                structured_param: str = STRUCTURED) -> OpenAIError:
-    """The OpenAI error for a gRPC status from validation or the engine: INVALID_ARGUMENT and
-    OUT_OF_RANGE -> 400 (``param`` is the field the message starts with), RESOURCE_EXHAUSTED
-    -> 429, UNAVAILABLE -> 503, anything else -> 500. The engine's refusals start with
-    "request <id>: ", which is skipped.
+def from_error(error: RequestError | EngineError, prompt_param: str = "prompt",
+               structured_param: str = STRUCTURED) -> OpenAIError:
+    """The OpenAI error for a validation or engine error, by its gRPC code: INVALID_ARGUMENT
+    and OUT_OF_RANGE -> 400, RESOURCE_EXHAUSTED -> 429, UNAVAILABLE -> 503, anything else ->
+    500; the message as it is. A 400's ``param`` is the error's ``param``, where the route
+    names it differently mapped: the prompt's fields ("prompt", "messages") to
+    ``prompt_param``, a grammar's to ``structured_param``, ``request_id`` (the
+    X-Request-Id header here, not a field) to none.
 
     Args:
-        prompt_param: the request field holding the prompt ("prompt" or "messages"), named
-            for errors about the prompt or its tokens.
+        prompt_param: the request field holding the prompt ("prompt", "messages" or
+            "input").
         structured_param: the request field that set the grammar ("structured_outputs",
-            "response_format", ...), named for ``structured_outputs.<kind>`` errors.
+            "response_format", ...).
     """
-    status, type_ = _HTTP.get(code, (500, "server_error"))
+    status, type_ = _HTTP.get(error.code, (500, "server_error"))
     param = None
     if status == 400:
-        m = re.match(r"(?:request \S+: )?(?:chat\.)?([a-z_]+)", message)
-        word = m.group(1) if m else ""
-        if word in ("prompt", "prompt_token_ids", "messages"):
-            param = prompt_param
-        elif word == STRUCTURED:
-            param = structured_param
-        elif word in _PARAMS:
-            param = word
-    return OpenAIError(status, message, type_, param, code.name.lower())
+        route = {"prompt": prompt_param, "messages": prompt_param,
+                 STRUCTURED: structured_param, "request_id": None}
+        param = route.get(error.param, error.param) if error.param is not None else None
+    return OpenAIError(status, error.message, type_, param, error.code.name.lower())
 
 
 @dataclass(slots=True)
@@ -91,7 +84,7 @@ class ParsedRequest:
         tool_calls: (chat with tools) makes the per-choice parser that reads tool calls out
             of the text (``openai.tool_calls``); None: the text is the content.
         structured_param: the field that set ``sampling_params.structured_outputs``, named by
-            the 400 of an invalid grammar (see ``from_status``).
+            the 400 of an invalid grammar (see ``from_error``).
         include_reasoning: (chat) return the reasoning span (``--reasoning-parser``); False
             drops it.
         chat_template_kwargs: (chat) the extra template variables (also in ``request``, as

@@ -60,15 +60,18 @@ _REASONING = ("effort", "summary", "generate_summary")
 NO_STORE = "this router stores no responses (see --enable-responses-api-store)"
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-# Chat field names in the shared mapping's errors -> the Responses fields they came from.
+# Chat field names in the text of the shared mapping's errors -> the Responses fields they came
+# from (the text only: an error's ``param`` is renamed by ``_PARAMS``).
 _RENAMES = [(re.compile(r"\b(?:max_completion_tokens|max_tokens)\b"), "max_output_tokens"),
             (re.compile(r"\bresponse_format\.json_schema\b"), "text.format"),
             (re.compile(r"\bresponse_format\b"), "text.format"),
             (re.compile(r"\b(tools\[\d+\])\.function\b"), r"\1"),
             (re.compile(r"\b(?:chat\.)?messages\b"), "input")]
+# An error's chat ``param`` -> the Responses field it came from (the others are the same).
 _PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
            "response_format": "text", "messages": "input"}
-# A grammar error's chat-side name (``structured_outputs.<kind>``) when text.format set it.
+# A grammar error's chat-side name in its text (``structured_outputs.<kind>``) when
+# text.format set the grammar (its ``param`` is then "text").
 _GRAMMAR_RENAMES = [(re.compile(r"\bstructured_outputs\.json_object\b"), "text.format"),
                     (re.compile(r"\bstructured_outputs\.json\b"), "text.format.schema")]
 
@@ -171,26 +174,19 @@ def parse_responses(body: dict, tool_parser: str | None = None,
     return ParsedResponses(parsed, echo, messages, echo["store"])
 
 
-def rename(e: OpenAIError, structured_param: str | None = None) -> OpenAIError:
-    """``e`` with the chat field names of its message and ``param`` replaced by the Responses
-    fields they came from (``max_tokens`` -> ``max_output_tokens``, ``response_format`` ->
-    ``text.format``, ``messages`` -> ``input``, ``tools[i].function.x`` -> ``tools[i].x``).
-
-    Args:
-        structured_param: the request's ``ParsedRequest.structured_param``; "text" (the
-            grammar is ``text.format``'s) also renames grammar errors,
-            ``structured_outputs.json`` -> ``text.format.schema``,
-            ``structured_outputs.json_object`` -> ``text.format`` (param "text").
+def rename(e: OpenAIError) -> OpenAIError:
+    """``e`` (an error of the chat mapping, its grammar's param already the request's
+    ``ParsedRequest.structured_param``, see ``requests.from_error``) with its ``param``
+    replaced by the Responses field it came from (``_PARAMS``: ``max_tokens`` ->
+    ``max_output_tokens``, ``response_format`` -> ``text``, ``messages`` -> ``input``), and
+    the chat field names in its text by the Responses ones (``tools[i].function.x`` ->
+    ``tools[i].x``, ...; with param "text" also ``structured_outputs.json`` ->
+    ``text.format.schema``, ``structured_outputs.json_object`` -> ``text.format``).
     """
-    message = e.message
-    for pattern, name in _RENAMES:
-        message = pattern.sub(name, message)
     param = _PARAMS.get(e.param, e.param) if e.param is not None else None
-    if structured_param == "text" and re.match(r"(?:request \S+: )?structured_outputs\.",
-                                                message):
-        for pattern, name in _GRAMMAR_RENAMES:
-            message = pattern.sub(name, message)
-        param = "text"
+    message = e.message
+    for pattern, name in _RENAMES + (_GRAMMAR_RENAMES if param == "text" else []):
+        message = pattern.sub(name, message)
     return OpenAIError(e.status, message, e.type, param, e.code)
 
 

@@ -17,7 +17,6 @@ rest (empty input, the chat template's refusals, ids outside the vocabulary) is
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
@@ -63,7 +62,8 @@ def tokenize(body: dict, tokenizer, info: engine_pb2.GetEngineInfoResponse) -> d
         req.prompt = utf8(prompt, param)
     else:
         param = "messages"
-        req.chat.SetInParent()  # an empty list still selects "chat", so the error names it
+        if messages == []:  # (text_api would name the gRPC API's field, chat.messages)
+            raise bad_request("messages is empty", param)
         req.chat.messages.extend(parse_messages(messages))
         if body.get("tools") is not None:
             generate = api_pb2.GenerateRequest()
@@ -77,10 +77,8 @@ def tokenize(body: dict, tokenizer, info: engine_pb2.GetEngineInfoResponse) -> d
     try:
         out = text_api.tokenize(req, tokenizer, info)
     except RequestError as e:
-        kwargs_error = e.message.startswith("chat.chat_template_kwargs")
-        message = re.sub(r"^chat\.messages\b", "messages", e.message)  # the gRPC field's name
-        raise OpenAIError(400, message, param="chat_template_kwargs" if kwargs_error
-                          else param, code=e.code.name.lower()) from None
+        raise OpenAIError(400, e.message, param=e.param or param,
+                          code=e.code.name.lower()) from None
     answer: dict[str, Any] = {"count": out.count, "max_model_len": out.max_model_len,
                               "tokens": list(out.token_ids)}
     if strs:
