@@ -37,6 +37,7 @@ from tests.scheduler.factories import (
     make_request,
     make_scheduler,
     run_to_completion,
+    step_output,
 )
 
 FAKE_TOKENS = st.integers(10, 59)  # the fake model's token range
@@ -80,12 +81,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduling_policy=policy,
             long_prefill_token_threshold=threshold,
             max_num_waiting_requests=max_waiting,
-            max_steps_in_flight=1 if mode == "serial" else 2,
+            pipeline_parallel_size=2 if mode == "pipelined" else 1,  # (async: 2 in flight)
             async_scheduling=mode == "async",
             sliding_windows=windows,
         )
         event(f"mode: {mode}")
-        self.pending: deque = deque()  # (SchedulerOutput, sampled) sent, oldest first
+        self.pending: deque = deque()  # (ScheduledStep, sampled) sent, oldest first
         self.worker = FakeWorker(self.scheduler)
         self.requests = []
         self.num_added = 0
@@ -148,7 +149,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Apply the oldest step in flight."""
         if self.pending:
             out, sampled = self.pending.popleft()
-            self.scheduler.update_from_output(out, sampled)
+            self.scheduler.update_from_output(out, step_output(out, sampled))
 
     @rule()
     def preempt(self):
