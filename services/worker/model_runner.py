@@ -366,7 +366,7 @@ class ModelRunner:
         each), which the scheduler has not handed out yet."""
         requests, next_block = [], 0
         ps = self.parallel
-        owns_tokens = ps is None or ps.config.is_last_stage  # (it appended its samples)
+        samples = ps is None or ps.config.is_last_stage  # (it appended its samples)
         for i, n in enumerate(lens):
             blocks = list(range(next_block, next_block + n // self.block_size + 1))
             next_block += len(blocks)
@@ -375,9 +375,11 @@ class ModelRunner:
             requests.append(NewRequest(f"__warmup_{i}", [0] * n, _WARMUP_SAMPLING,
                                        blocks * len(self.kv_cache_groups), 0, n))
         self.execute_step(StepInput(-2, requests, [], []))
+        # the decode step as the scheduler builds it (each request's new token: 0), as this
+        # rank sees it
         self.execute_step(StepInput(-1, [], [] if self.pooler else [  # (pooled: nothing next)
-            CachedRequest(r.request_id, [] if owns_tokens else [0], [], False,
-                          len(r.prompt_token_ids), 1) for r in requests], []))
+            CachedRequest(r.request_id, [0], [], False, len(r.prompt_token_ids), 1)
+            for r in requests], []).for_rank(samples))
         self.execute_step(StepInput(-1, [], [], [r.request_id for r in requests]))
 
     def _warm_up(self) -> None:

@@ -166,10 +166,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if request is None:  # an id the scheduler never saw
             assert self.scheduler.abort_request("req-unknown") is None
             return
-        was_finished = request.is_finished
+        was_finished = request.status is RequestStatus.FINISHED
         update = self.scheduler.abort_request(request.request_id)
         assert (update is None) == was_finished
-        assert request.is_finished and request.block_ids == []
+        assert request.status is RequestStatus.FINISHED and request.block_ids == []
 
     @invariant()
     def accounting_is_exact(self):
@@ -195,7 +195,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         hits = s.prefix_cache_hits_total
         event(f"prefix-cache hit tokens: {'0' if not hits else '1-9' if hits < 10 else '10+'}")
         for r in self.requests:
-            assert r.is_finished
+            assert r.status is RequestStatus.FINISHED
             event(f"finish: {r.finish_reason.value}")
             if r.finish_reason is not FinishReason.ABORT:
                 expected = expected_output(r, s.config.max_model_len, self.eos)

@@ -312,7 +312,7 @@ def test_self_preemption_no_admission_that_step_and_fifo_blocking():
     while b.status is not RequestStatus.RUNNING:
         assert c.status is RequestStatus.WAITING and list(s.waiting) == [b, c]
         w.step()
-    assert a.is_finished
+    assert a.status is RequestStatus.FINISHED
     run_to_completion(s, w)
     assert outputs_by_id([a, b, c]) == {r.request_id: expected_output(r, 32) for r in (a, b, c)}
 
