@@ -136,7 +136,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="build step N+1 while step N runs on the workers (one step of look-ahead); "
                   "default: on where it can run, off under pipeline parallelism (which keeps "
                   "one step per stage in flight) and speculative decoding (asking for it there "
-                  "is an error)"),
+                  "is an error)")
     add_flag(p, "--max-num-waiting-requests", type=int_in(0),
              default=_default("max_num_waiting_requests"),
              help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (0 = no "
