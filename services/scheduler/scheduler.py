@@ -288,11 +288,12 @@ class Scheduler:
                 or (max_tokens is not None and num_output >= max_tokens))
 
     def _take_drafts(self, request: Request, num_new: int, plan: StepPlan) -> int:
-        """Takes ``request``'s drafts; returns how many of them this step verifies (0 unless
-        it is speculating and the request decodes: ``num_drafts_to_verify``)."""
+        """Cuts ``request``'s drafts to those this step verifies (none unless it is speculating
+        and the request decodes: ``num_drafts_to_verify``) and returns how many; they go into
+        its CachedRequest (``_step_output``)."""
         spec, request.spec_token_ids = request.spec_token_ids, []
         if not (plan.speculating and num_new == 1):
-            return 0  # NOTE: from here on a request holds the drafts its next step verifies
+            return 0
         threshold = self.config.long_prefill_token_threshold
         d = num_drafts_to_verify(len(spec), min(plan.budget, threshold or plan.budget),
                                  len(request.output_token_ids),
@@ -365,7 +366,7 @@ class Scheduler:
         for request_id, num_new in plan.num_scheduled.items():
             request = requests[request_id]
             num_prompt = len(request.prompt_token_ids)
-            drafts, request.spec_token_ids = request.spec_token_ids, []  # (_take_drafts')
+            drafts, request.spec_token_ids = request.spec_token_ids, []  # (``_take_drafts``)
             if request.num_tokens_sent == 0:
                 new_reqs.append(NewRequest(
                     request_id, request.all_token_ids, request.sampling_params,
