@@ -40,11 +40,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def run_engine(runner, requests, *, prefix_caching: bool = True) -> tuple[float, int, int]:
     """Run ``requests`` (scheduler Requests) to the end; returns (seconds, computed tokens,
     peak KV blocks in use)."""
-    from services.common.step_wire import step_to_pb
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.logprobs import logprobs_of
     from services.scheduler.scheduler import Scheduler
-    from services.worker.server import step_input_from_pb
 
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
                                           enable_prefix_caching=prefix_caching),
@@ -60,12 +57,9 @@ def run_engine(runner, requests, *, prefix_caching: bool = True) -> tuple[float,
         out = scheduler.schedule()
         peak = max(peak, bm.num_blocks - bm.num_free_blocks)
         computed += out.total_num_scheduled_tokens
-        res = runner.execute_step(step_input_from_pb(step_to_pb(out), runner.vocab_size))
-        scheduler.update_from_output(out, dict(zip(res.request_ids, res.sampled_token_ids,
-                                                   strict=True)), logprobs_of(res))
+        scheduler.update_from_output(out, runner.execute_step(out.for_rank(samples=True)))
     elapsed = time.perf_counter() - t0
-    runner.execute_step(step_input_from_pb(step_to_pb(scheduler.schedule()),
-                                           runner.vocab_size))  # (drop the finished)
+    runner.execute_step(scheduler.schedule().for_rank(samples=True))  # (drop the finished)
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
     return elapsed, computed, peak
 

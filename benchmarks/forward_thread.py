@@ -40,8 +40,6 @@ async def run_engine(runner, items, on_executor: bool, with_server: bool = True,
     from throughput import loaded_scheduler
 
     from services.common.grpc_utils import new_server
-    from services.common.step_wire import step_to_pb
-    from services.worker.server import step_input_from_pb
 
     server = (await new_server("127.0.0.1", 0))[0] if with_server else None
     if server is not None:
@@ -54,13 +52,12 @@ async def run_engine(runner, items, on_executor: bool, with_server: bool = True,
         n, t0 = 0, time.perf_counter()
         while scheduler.has_unfinished_requests():
             out = scheduler.schedule()
-            step = step_input_from_pb(step_to_pb(out), runner.vocab_size)
+            step = out.for_rank(samples=True)
             if on_executor:
                 res = await loop.run_in_executor(pool, runner.execute_step, step)
             else:
                 res = runner.execute_step(step)
-            updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
-                                                                 res.sampled_token_ids)))
+            updates = scheduler.update_from_output(out, res)
             n += sum(len(u.new_token_ids) for u in updates)
         return n / (time.perf_counter() - t0)
     finally:

@@ -35,12 +35,10 @@ def main() -> None:
 
     import random
 
-    from services.common.step_wire import step_to_pb
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
     from services.worker.model_runner import ModelRunner
-    from services.worker.server import step_input_from_pb
 
     runner = ModelRunner(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
                          enforce_eager=True)
@@ -64,9 +62,7 @@ def main() -> None:
             peak_decode = max(peak_decode, held)
         else:
             peak_prefill = max(peak_prefill, held)
-        res = runner.execute_step(step_input_from_pb(step_to_pb(out), runner.vocab_size))
-        scheduler.update_from_output(out, dict(zip(res.request_ids, res.sampled_token_ids,
-                                                   strict=True)))
+        scheduler.update_from_output(out, runner.execute_step(out.for_rank(samples=True)))
     bm.check_invariants([])
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
 

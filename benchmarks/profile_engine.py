@@ -6,8 +6,8 @@ one process, under torch.profiler, plus the Python time outside torch ops.
 
 Prints the top torch ops by self CPU time (``--by-shape``: the native linear and attention
 ops split by shape, with GFLOP/s), and splits each step's wall time into scheduling
-(``Scheduler.schedule`` + ``update_from_output``), the StepRequest encode/decode, and the worker's
-``execute_step``.
+(``Scheduler.schedule`` + ``update_from_output``), the sampling rank's view of the step
+(``StepInput.for_rank``), and the worker's ``execute_step``.
 """
 
 from __future__ import annotations
@@ -39,13 +39,11 @@ def main() -> None:
     from compare import workload
     from torch.profiler import ProfilerActivity, profile
 
-    from services.common.step_wire import step_to_pb
     from services.router.tokenizer import load_tokenizer
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
     from services.worker.model_runner import ModelRunner
-    from services.worker.server import step_input_from_pb
 
     items = workload(load_tokenizer(a.model), a.num_requests, a.seed)
     runner = ModelRunner(a.model, dtype=a.dtype, quantization=a.quantization,
@@ -56,7 +54,7 @@ def main() -> None:
     for i, it in enumerate(items):
         scheduler.add_request(Request(f"r{i}", list(it.prompt_token_ids), EngineSamplingParams(
             temperature=0, max_tokens=it.output_len, ignore_eos=True)))
-    spent = {"schedule": 0.0, "encode/decode": 0.0, "execute_step": 0.0, "update": 0.0}
+    spent = {"schedule": 0.0, "rank view": 0.0, "execute_step": 0.0, "update": 0.0}
     steps, tokens = 0, 0
     t_all = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], record_shapes=a.by_shape) as prof:
@@ -64,12 +62,11 @@ def main() -> None:
             t0 = time.perf_counter()
             out = scheduler.schedule()
             t1 = time.perf_counter()
-            step = step_input_from_pb(step_to_pb(out), runner.vocab_size)
+            step = out.for_rank(samples=True)
             t2 = time.perf_counter()
             res = runner.execute_step(step)
             t3 = time.perf_counter()
-            updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
-                                                                 res.sampled_token_ids)))
+            updates = scheduler.update_from_output(out, res)
             t4 = time.perf_counter()
             for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 spent[k] += dt

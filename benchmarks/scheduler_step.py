@@ -21,10 +21,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.common.step import StepOutput  # noqa: E402
 from services.common.step_wire import step_to_pb  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.request import EngineSamplingParams, Request  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
+
+
+def _sampled(out, token: int) -> StepOutput:
+    """A worker's answer giving every request of ``out`` the token ``token``."""
+    rids = list(out.num_scheduled_tokens)
+    return StepOutput(out.step_id, rids, [token] * len(rids))
 
 
 def measure(num_requests: int, prompt_len: int, steps: int, block_size: int,
@@ -34,7 +41,8 @@ def measure(num_requests: int, prompt_len: int, steps: int, block_size: int,
     blocks_per_request = -(-max_model_len // block_size)
     config = SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=8192,
                              max_model_len=max_model_len, block_size=block_size,
-                             enable_prefix_caching=prefix_caching)
+                             enable_prefix_caching=prefix_caching,
+                             async_scheduling=False)  # (the tokens go on the wire: encoded)
     scheduler = Scheduler(config, num_kv_blocks=num_requests * blocks_per_request + 1,
                           eos_token_ids=[0])
     params = EngineSamplingParams(temperature=0.0, ignore_eos=True, max_tokens=steps + 64)
@@ -44,16 +52,15 @@ def measure(num_requests: int, prompt_len: int, steps: int, block_size: int,
     # prefill (untimed): as many steps as the budget needs
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
         out = scheduler.schedule()
-        scheduler.update_from_output(out, {rid: 7 for rid in out.num_scheduled_tokens})
+        scheduler.update_from_output(out, _sampled(out, 7))
     times = []
     for step in range(steps):
         t0 = time.perf_counter()
         out = scheduler.schedule()
-        step_to_pb(out)
+        step_to_pb(out.for_rank(samples=True))  # (what WorkerGroup.send encodes)
         times.append(time.perf_counter() - t0)
         assert len(out.num_scheduled_tokens) == num_requests
-        scheduler.update_from_output(out, {rid: 7 + step % 1000 for rid in
-                                           out.num_scheduled_tokens})
+        scheduler.update_from_output(out, _sampled(out, 7 + step % 1000))
     times.sort()
     return {"prefix_caching": prefix_caching, "median_ms": statistics.median(times) * 1e3,
             "p90_ms": times[int(0.9 * len(times))] * 1e3,

@@ -87,13 +87,9 @@ def run_engine(runner, prompts: list[list[int]], max_tokens: list[int], spec,
                batch: int) -> dict:
     """Run ``prompts`` in waves of ``batch`` (all at once for batch >= len); returns the
     figures of the module docstring."""
-    from services.common.step_wire import step_to_pb
     from services.scheduler.config import SchedulerConfig
-    from services.scheduler.logprobs import token_logprobs_of
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
-    from services.scheduler.spec_decode import sampled_of
-    from services.worker.server import step_input_from_pb
 
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len,
                                           max_num_batched_tokens=2048, speculative=spec),
@@ -109,16 +105,13 @@ def run_engine(runner, prompts: list[list[int]], max_tokens: list[int], spec,
                 temperature=0.0, max_tokens=max_tokens[i])))
         while scheduler.has_unfinished_requests():
             out = scheduler.schedule()
-            res = runner.execute_step(step_input_from_pb(step_to_pb(out),
-                                                         runner.vocab_size))
-            sampled, spec_result = sampled_of(res, token_logprobs_of(res))
+            res = runner.execute_step(out.for_rank(samples=True))
             now = time.perf_counter()
             num_steps += 1
-            for u in scheduler.update_from_output(out, sampled, spec=spec_result):
+            for u in scheduler.update_from_output(out, res):
                 times.setdefault(u.request_id, []).extend([now] * len(u.new_token_ids))
     elapsed = time.perf_counter() - t0
-    runner.execute_step(step_input_from_pb(step_to_pb(scheduler.schedule()),
-                                           runner.vocab_size))  # (drop the finished)
+    runner.execute_step(scheduler.schedule().for_rank(samples=True))  # (drop the finished)
     bm = scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "KV blocks leaked"
     tokens = sum(len(t) for t in times.values())
@@ -126,7 +119,9 @@ def run_engine(runner, prompts: list[list[int]], max_tokens: list[int], spec,
     stats = scheduler.spec_stats
     return {"seconds": elapsed, "tokens": tokens, "tok_s": tokens / elapsed,
             "itl_ms": 1000 * sum(itls) / len(itls), "steps": num_steps,
-            "acceptance": stats.acceptance_rate, "drafted": stats.num_draft_tokens,
+            "acceptance": (stats.num_accepted_tokens / stats.num_draft_tokens
+                           if stats.num_draft_tokens else 0.0),
+            "drafted": stats.num_draft_tokens,
             "tokens_per_verify": (1 + stats.num_accepted_tokens / stats.num_drafts
                                   if stats.num_drafts else 1.0)}
 

@@ -80,11 +80,9 @@ def engine_run(runner, items, grammar: str) -> tuple[float, int, int]:
     """Output tokens/s of the workload through Scheduler + ModelRunner, every request with
     ``structured_output=grammar`` ("" = none); and (all output tokens, live ones: before each
     request's first EOS)."""
-    from services.common.step_wire import step_to_pb
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
-    from services.worker.server import step_input_from_pb
 
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
                           runner.num_kv_blocks, runner.eos_token_ids,
@@ -97,9 +95,8 @@ def engine_run(runner, items, grammar: str) -> tuple[float, int, int]:
     t0 = time.perf_counter()
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        res = runner.execute_step(step_input_from_pb(step_to_pb(out), runner.vocab_size))
-        for u in scheduler.update_from_output(out, dict(zip(res.request_ids,
-                                                            res.sampled_token_ids, strict=True))):
+        res = runner.execute_step(out.for_rank(samples=True))
+        for u in scheduler.update_from_output(out, res):
             outputs.setdefault(u.request_id, []).extend(u.new_token_ids)
     elapsed = time.perf_counter() - t0
     total = sum(len(ids) for ids in outputs.values())

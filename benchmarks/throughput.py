@@ -64,12 +64,10 @@ def bench_transformers(model_dir, gguf_file, prompts, output_len, batch_size, dt
 def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype: str,
                  **runner_kwargs) -> float:
     """Output tokens/s of the engine in one process: Scheduler + ModelRunner, no gRPC (each
-    step still goes through the StepRequest encoding the services use). ``output_len``: one
-    length for every prompt, or one per prompt (forced with ignore_eos); ``runner_kwargs`` go
-    to ``ModelRunner`` (e.g. ``batch_invariant=True``)."""
-    from services.common.step_wire import step_to_pb
+    step is the sampling rank's view, ``StepInput.for_rank``, as the services send).
+    ``output_len``: one length for every prompt, or one per prompt (forced with ignore_eos);
+    ``runner_kwargs`` go to ``ModelRunner`` (e.g. ``batch_invariant=True``)."""
     from services.worker.model_runner import ModelRunner
-    from services.worker.server import step_input_from_pb
 
     runner = ModelRunner(model, dtype=dtype, **runner_kwargs)
     lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
@@ -77,9 +75,8 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
     n, t0 = 0, time.perf_counter()
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
-        res = runner.execute_step(step_input_from_pb(step_to_pb(out), runner.vocab_size))
-        updates = scheduler.update_from_output(out, dict(zip(res.request_ids,
-                                                             res.sampled_token_ids)))
+        res = runner.execute_step(out.for_rank(samples=True))
+        updates = scheduler.update_from_output(out, res)
         n += sum(len(u.new_token_ids) for u in updates)
     assert n == sum(lens), "a request ended early"
     return n / (time.perf_counter() - t0)

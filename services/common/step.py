@@ -1,16 +1,18 @@
 """One engine step and its result: the only types that cross the scheduler↔worker boundary.
 
 The scheduler builds a ``StepInput`` per step (``Scheduler.schedule``), every worker rank runs
-it (``ModelRunner.execute_step``) and the driver answers a ``StepOutput``. ``step_wire.py``
-maps both to worker.proto (one encoder and one decoder each way); in-process users (tests,
-benchmarks) pass the very same objects. A request is sent in full once (``NewRequest``), then
-only as diffs (``CachedRequest``): docs/architecture.md, "The step protocol". Torch-free.
+its view of it (``StepInput.for_rank``: what a rank that samples is told differs) with
+``ModelRunner.execute_step``, and the driver answers a ``StepOutput``. ``step_wire.py`` maps
+both to worker.proto (one encoder and one decoder each way, encoding only); in-process users
+(tests, benchmarks) pass the very same objects, through the same ``for_rank``. A request is
+sent in full once (``NewRequest``), then only as diffs (``CachedRequest``):
+docs/architecture.md, "The step protocol". Torch-free.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.common.lora import LoRARequest
 from services.common.sampling_params import EngineSamplingParams
@@ -36,8 +38,8 @@ class CachedRequest:
     """A request the worker already holds: what changed since the previous step."""
 
     request_id: str
-    # since last sent, appended to the token list: for the pipeline stages that do not sample
-    # ([] mid-prefill and with async scheduling), for a beam on every rank; when resumed, the
+    # since last sent, appended to the token list ([] mid-prefill and with async scheduling;
+    # a rank that samples gets them only for a beam: ``StepInput.for_rank``); when resumed, the
     # whole token list (replaces the worker's)
     new_token_ids: list[int]
     new_block_ids: list[int]  # appended to the block tables (k per KV cache group, group by
@@ -72,6 +74,18 @@ class StepInput:
     # got a token (StepOutput.draft_token_ids); 0 = none
     num_speculative_tokens: int = 0
 
+    def for_rank(self, samples: bool) -> StepInput:
+        """The step as a rank sees it: a rank that ``samples`` (the last pipeline stage) has
+        appended its own samples, so it gets ``new_token_ids`` only for resumed requests and
+        beams (the scheduler picks a beam's tokens); any other rank gets every new token id.
+        Returns ``self`` when nothing differs (no copy)."""
+        if not samples or not any(c.new_token_ids and not (c.resumed_from_preemption or c.beam)
+                                  for c in self.cached_requests):
+            return self
+        cached = [c if c.resumed_from_preemption or c.beam or not c.new_token_ids else
+                  replace(c, new_token_ids=[]) for c in self.cached_requests]
+        return replace(self, cached_requests=cached)
+
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
         """Request id -> tokens computed this step, in compute order."""
@@ -103,19 +117,39 @@ class SampledLogprobs:
 
 
 @dataclass(slots=True)
-class PromptChunkLogprobs:
-    """Raw logprobs of the prompt tokens one request's chunk scored this step.
+class Logprobs:
+    """The raw logprobs (natural logs) of consecutive tokens of one request: a prompt chunk's
+    (``StepOutput.prompt_logprobs``, passed on to the router as is) or a step's new tokens
+    (``RequestUpdate.logprobs``).
 
-    Prompt token ``first_position + j`` (``j < len(logprobs)``) has logprob ``logprobs[j]``
-    given the tokens before it; ``top_token_ids`` / ``top_logprobs`` hold k pairs per scored
-    token (k = their length / len(logprobs)), most likely first. Position 0 is never scored.
+    Token ``start + j`` (``j < len(logprobs)``; a prompt index, or an output token's index in
+    the whole token list) has logprob ``logprobs[j]`` given the tokens before it;
+    ``top_token_ids`` / ``top_logprobs`` hold ``k`` pairs per token, most likely first.
+    Prompt position 0 is never scored.
     """
 
     request_id: str
-    first_position: int
+    start: int
     logprobs: list[float]
     top_token_ids: list[int]
     top_logprobs: list[float]
+
+    @property
+    def k(self) -> int:
+        """Top pairs per token."""
+        return len(self.top_token_ids) // max(1, len(self.logprobs))
+
+    def from_position(self, position: int) -> Logprobs | None:
+        """The part from token ``position`` on (None if nothing is left): a chunk recomputed
+        after a preemption repeats tokens the router already has."""
+        skip = max(0, position - self.start)
+        if skip >= len(self.logprobs):
+            return None
+        if skip == 0:
+            return self
+        k = self.k
+        return Logprobs(self.request_id, self.start + skip, self.logprobs[skip:],
+                        self.top_token_ids[skip * k:], self.top_logprobs[skip * k:])
 
 
 @dataclass(slots=True)
@@ -130,7 +164,7 @@ class StepOutput:
     # accepted drafts and then the token sampled after them
     sampled_token_ids: list[int]
     logprobs: SampledLogprobs | None = None  # None when no request of the step asked
-    prompt_logprobs: list[PromptChunkLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[Logprobs] = field(default_factory=list)  # chunks scored
     # per request, how many of sampled_token_ids are its (1 + accepted drafts); None = one each
     num_sampled_token_ids: list[int] | None = None
     # per request (parallel to request_ids), the drafts proposed to follow its new tokens

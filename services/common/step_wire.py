@@ -16,8 +16,8 @@ from services.common.pb.pagedserve.v1 import engine_pb2, worker_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import (
     CachedRequest,
+    Logprobs,
     NewRequest,
-    PromptChunkLogprobs,
     SampledLogprobs,
     StepInput,
     StepOutput,
@@ -43,16 +43,11 @@ _CACHED = [(f.name, str(f.type).startswith("list"),
            for f in fields(CachedRequest)[1:]]
 
 
-def _cached_requests_to_pb(cached: list[CachedRequest], samples: bool
-                           ) -> worker_pb2.CachedRequests:
-    """The cached requests as columns, for a rank that ``samples`` (keeps its own tokens: it
-    gets token ids only for resumed requests and beams) or not."""
+def _cached_requests_to_pb(cached: list[CachedRequest]) -> worker_pb2.CachedRequests:
+    """The cached requests as columns."""
     msg = worker_pb2.CachedRequests(request_ids=[c.request_id for c in cached])
     for name, is_list, default in _CACHED:
         values = [getattr(c, name) for c in cached]
-        if name == "new_token_ids" and samples:
-            values = [v if c.resumed_from_preemption or c.beam else []
-                      for v, c in zip(values, cached, strict=True)]
         if is_list:
             if any(values):
                 getattr(msg, name).extend(chain.from_iterable(values))
@@ -77,9 +72,8 @@ def lora_from_pb(msg, field: str = "lora") -> LoRARequest | None:
     return LoRARequest(lora.lora_id, lora.name, lora.path)
 
 
-def step_to_pb(step: StepInput, samples: bool = True) -> worker_pb2.StepRequest:
-    """Encode ``step`` as the StepRequest of a rank of the sampling (last) pipeline stage
-    (``samples``), or of an earlier stage (which gets every new token id)."""
+def step_to_pb(step: StepInput) -> worker_pb2.StepRequest:
+    """Encode ``step`` as is (a rank's view of it: ``StepInput.for_rank``)."""
     return worker_pb2.StepRequest(
         step_id=step.step_id,
         new_requests=[
@@ -89,7 +83,7 @@ def step_to_pb(step: StepInput, samples: bool = True) -> worker_pb2.StepRequest:
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens, lora=lora_to_pb(r.lora))
             for r in step.new_requests],
-        cached_requests=_cached_requests_to_pb(step.cached_requests, samples),
+        cached_requests=_cached_requests_to_pb(step.cached_requests),
         finished_request_ids=sorted(step.finished_request_ids),
         copy_src_block_ids=[src for src, _ in step.blocks_to_copy],
         copy_dst_block_ids=[dst for _, dst in step.blocks_to_copy],
@@ -166,9 +160,9 @@ def step_output_to_pb(out: StepOutput) -> worker_pb2.StepResult:
     result.failed_messages.extend(out.failed_messages)
     for pl in out.prompt_logprobs:
         result.prompt_request_ids.append(pl.request_id)
-        result.prompt_first_positions.append(pl.first_position)
+        result.prompt_first_positions.append(pl.start)
         result.prompt_num_tokens.append(len(pl.logprobs))
-        result.prompt_num_top.append(len(pl.top_token_ids) // max(1, len(pl.logprobs)))
+        result.prompt_num_top.append(pl.k)
         result.prompt_logprobs.extend(pl.logprobs)
         result.prompt_top_token_ids.extend(pl.top_token_ids)
         result.prompt_top_logprobs.extend(pl.top_logprobs)
@@ -219,7 +213,7 @@ def step_output_from_pb(r: worker_pb2.StepResult) -> StepOutput:
             == len(r.prompt_request_ids) or sum(counts_p) != len(r.prompt_logprobs)
             or not sum(pairs) == len(r.prompt_top_token_ids) == len(r.prompt_top_logprobs)):
         raise ValueError(f"step {r.step_id}: malformed prompt logprobs columns")
-    prompt = [PromptChunkLogprobs(*fields) for fields in zip(
+    prompt = [Logprobs(*fields) for fields in zip(
         r.prompt_request_ids, r.prompt_first_positions, _cut(list(r.prompt_logprobs), counts_p),
         _cut(list(r.prompt_top_token_ids), pairs), _cut(list(r.prompt_top_logprobs), pairs),
         strict=True)]

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from services.common.step import Logprobs
 from services.scheduler.beam_search import BeamGroup, num_candidates
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.logprobs import TokenLogprobs
 from services.scheduler.outputs import RequestUpdate
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.state import SchedulerState
@@ -147,7 +147,7 @@ class BeamScheduler:
         rid = root.request_id
         self._beam_ids -= {f"{rid}#beam{i}" for i in range(1, group.beam_width)}
 
-    def proposed(self, beam: Request, top: TokenLogprobs | None) -> RequestUpdate | None:
+    def proposed(self, beam: Request, top: Logprobs | None) -> RequestUpdate | None:
         """A beam's step came back with its candidates (``top``); once the whole group has
         proposed, pick the next beams (fork, append) or end the search. Returns the group's
         final update when it ended."""

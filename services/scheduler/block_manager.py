@@ -381,16 +381,7 @@ class BlockManager:
             self._release(blocks[table[j]])
             table[j] = -1
         if computed_block_ids:
-            for hit_table in computed_block_ids:
-                for block_id in hit_table:
-                    if block_id >= 0:
-                        block = blocks[block_id]
-                        if block.ref_count == 0:
-                            del self.free_block_ids[block_id]
-                        block.ref_count += 1
-            request.block_ids = [list(t) for t in computed_block_ids]
-            request.num_cached_blocks = len(computed_block_ids[0])
-            num_computed = request.num_cached_blocks * self.block_size
+            num_computed = self._take_hit(request, computed_block_ids)
         else:
             if not request.block_ids:
                 request.block_ids = [[] for _ in range(self.num_groups)]
@@ -412,6 +403,18 @@ class BlockManager:
         else:  # NOTE: nothing to register, but the scheduler's fast path reads the count
             request.num_cached_blocks = num_tokens // self.block_size
         return new_block_ids
+
+    def _take_hit(self, request: Request, hit: Sequence[Sequence[int]]) -> int:
+        """Make the prefix hit ``hit`` (one table per group) ``request``'s tables, a reference
+        more on each block; returns the tokens they hold."""
+        for block_id in (b for table in hit for b in table if b >= 0):
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+        request.block_ids = [list(t) for t in hit]
+        request.num_cached_blocks = len(hit[0])
+        return request.num_cached_blocks * self.block_size
 
     # ---- beams: forks and copy-on-write ------------------------------------------------
     def fork(self, dst: Request, src: Request) -> None:

@@ -1,10 +1,13 @@
-"""The scheduler's limits and policies (``SchedulerConfig``), checked once at construction."""
+"""The scheduler's limits and policies (``SchedulerConfig``), checked once at construction.
+
+Each default is written once, here: the scheduler's flags read them (``field_default``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.spec_decode_config import SpeculativeConfig
+from services.common.spec_decode_config import SpeculativeConfig, check_spec_decode_parallelism
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -13,8 +16,16 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 class SchedulerConfig:
     """Scheduling limits and policies.
 
+    ``async_scheduling`` None (the default) resolves at construction to on where it can run:
+    one pipeline stage (``pipeline_parallel_size``, the workers') and no speculative decoding
+    (the drafts follow the tokens the last step returned); async scheduling needs step N's
+    tokens only where they are sampled, so pipeline parallelism keeps one step per stage in
+    flight instead (as in vLLM): ``max_steps_in_flight``.
+
     Raises:
-        ValueError: a limit is < 1 (the ``0 = off`` ones < 0), or an unknown policy.
+        ValueError: a limit is < 1 (the ``0 = off`` ones < 0), an unknown policy, async
+            scheduling asked for (True) with pipeline parallelism or speculative decoding, or
+            speculative decoding with pipeline parallelism (each naming both flags).
     """
 
     max_num_seqs: int = 256  # running requests at most (= rows of a decode batch)
@@ -24,10 +35,11 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # share full KV blocks of identical prefixes
     scheduling_policy: str = "fcfs"  # "fcfs" (arrival order) or "priority" (lower = sooner)
     long_prefill_token_threshold: int = 0  # most prefill tokens per request per step; 0 = off
-    max_num_waiting_requests: int = 0  # refuse new requests beyond this queue length; 0 = off
+    max_num_waiting_requests: int = 1024  # refuse new requests beyond this queue length; 0 = off
     max_num_waiting_tokens: int = 0  # ... or beyond this many queued tokens; 0 = off
-    max_steps_in_flight: int = 1  # steps scheduled before the oldest result (pipeline stages)
-    async_scheduling: bool = False  # schedule requests whose token is still in flight
+    pipeline_parallel_size: int = 1  # the workers' pipeline stages (one step in flight each)
+    # schedule requests whose token is still in flight; None = on where it can run (above)
+    async_scheduling: bool | None = None
     speculative: SpeculativeConfig | None = None  # speculative decoding (no async scheduling)
     max_loras: int = 1  # distinct LoRA adapters among the running requests (vLLM's max_loras)
     # steps the oldest waiting request may be passed over because its adapter has no slot;
@@ -36,7 +48,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "max_steps_in_flight", "max_loras", "max_lora_skips"):
+                     "pipeline_parallel_size", "max_loras", "max_lora_skips"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_prefill_token_threshold", "max_num_waiting_requests",
@@ -46,7 +58,22 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
-        if self.speculative is not None and (self.async_scheduling
-                                             or self.max_steps_in_flight > 1):
-            raise ValueError("speculative decoding needs async_scheduling off and one step in "
-                             "flight (the drafts follow the tokens the last step returned)")
+        check_spec_decode_parallelism(self.speculative, self.pipeline_parallel_size)
+        can_async = self.pipeline_parallel_size == 1 and self.speculative is None
+        if self.async_scheduling and not can_async:
+            other = ("--speculative-config" if self.speculative is not None else
+                     f"--pipeline-parallel-size {self.pipeline_parallel_size}")
+            raise ValueError(f"--async-scheduling does not work with {other}: "
+                             + ("the drafts follow the tokens the last step returned"
+                                if self.speculative is not None else
+                                "the earlier stages need each step's sampled tokens"))
+        if self.async_scheduling is None:
+            self.async_scheduling = can_async
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Steps scheduled before the oldest result is back: one per pipeline stage, or two
+        with async scheduling (the one running and the next)."""
+        if self.pipeline_parallel_size > 1:
+            return self.pipeline_parallel_size
+        return 2 if self.async_scheduling else 1

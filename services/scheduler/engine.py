@@ -34,12 +34,10 @@ from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.shutdown import SHUTTING_DOWN
-from services.scheduler.logprobs import prompt_logprobs_of, token_logprobs_of
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outputs import RequestUpdate
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import QueueFullError, Scheduler
-from services.scheduler.spec_decode import sampled_of
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -232,7 +230,7 @@ class Engine:
         """Step until an unexpected exception: keeps up to ``max_steps_in_flight`` steps (the
         pipeline-parallel size) sent before the oldest result is back, so every pipeline stage
         has a micro-batch to work on; a worker failure fails every request and reconnects."""
-        pending: deque = deque()  # SchedulerOutputs sent, oldest first
+        pending: deque = deque()  # ScheduledSteps sent, oldest first
         limit = self.scheduler.config.max_steps_in_flight
         while True:
             try:
@@ -258,16 +256,7 @@ class Engine:
                 continue
             self.num_steps_total += 1
             self._fail_requests(result.failed_request_ids, result.failed_messages)
-            token_logprobs = token_logprobs_of(result)  # (WorkerGroup.receive checked it)
-            sampled, spec = ({}, None) if result.embeddings is not None else sampled_of(
-                result, token_logprobs)  # (a pooling step: vectors, no tokens)
-            embeddings = (None if result.embeddings is None
-                          else dict(zip(result.request_ids, result.embeddings, strict=True)))
-            logprobs = (None if token_logprobs is None
-                        else {rid: lps[-1] for rid, lps in token_logprobs.items()})
-            self._publish(self.scheduler.update_from_output(out, sampled, logprobs,
-                                                            prompt_logprobs_of(result), spec,
-                                                            embeddings))
+            self._publish(self.scheduler.update_from_output(out, result))
 
     def _fail_requests(self, request_ids: list[str], messages: list[str]) -> None:
         """End the requests a step left out because they cannot run (``StepOutput.
@@ -367,10 +356,10 @@ class Engine:
                 request_id=u.request_id, new_token_ids=u.new_token_ids,
                 finish_reason=None if u.finish_reason is None else u.finish_reason.pb,
                 num_cached_tokens=u.num_cached_tokens)
-            for lp in u.logprobs or ():
-                out.new_token_logprobs.append(lp.logprob)
-                out.top_token_ids.extend(lp.top_token_ids)
-                out.top_logprobs.extend(lp.top_logprobs)
+            if u.logprobs is not None:
+                out.new_token_logprobs.extend(u.logprobs.logprobs)
+                out.top_token_ids.extend(u.logprobs.top_token_ids)
+                out.top_logprobs.extend(u.logprobs.top_logprobs)
             if u.embedding is not None:
                 out.embedding.extend(u.embedding)
             if u.beams is not None:

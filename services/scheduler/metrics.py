@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from services.common.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS
-from services.scheduler.outputs import RequestUpdate, SchedulerOutput
+from services.scheduler.outputs import RequestUpdate, ScheduledStep
 from services.scheduler.scheduler import Scheduler
 
 PREFIX = "pagedserve:"
@@ -195,7 +195,7 @@ class SchedulerMetrics:
         self._timings[request_id] = _Timing(now)
         self._queued.add(request_id)
 
-    def observe_scheduled(self, out: SchedulerOutput, now: float) -> None:
+    def observe_scheduled(self, out: ScheduledStep, now: float) -> None:
         """A step was scheduled: its token count, and the queue time of first-time requests."""
         self.iteration_tokens.observe(out.total_num_scheduled_tokens)
         for new in out.new_requests:

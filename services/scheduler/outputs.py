@@ -1,7 +1,8 @@
 """What the scheduler hands on after ``schedule()`` and ``update_from_output()``.
 
-``SchedulerOutput`` (one step: ``services/common/step.py``'s ``StepInput`` and the scheduler's
-bookkeeping of it) goes to every worker rank through ``worker_client.py``; ``RequestUpdate`` (a
+``ScheduledStep`` (one step: ``services/common/step.py``'s ``StepInput`` and the scheduler's
+bookkeeping of it) goes to every worker rank through ``worker_client.py`` (each rank its
+``StepInput.for_rank`` view); ``RequestUpdate`` (a
 request's new tokens or its end) goes to the routers through ``engine.py``. Torch-free.
 """
 
@@ -9,22 +10,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.step import StepInput
+from services.common.step import Logprobs, StepInput
 from services.scheduler.beam_search import BeamHypothesis
-from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
 from services.scheduler.request import FinishReason, Request
 
 
 @dataclass(slots=True)
-class SchedulerOutput(StepInput):
+class ScheduledStep(StepInput):
     """One engine step as the scheduler keeps it until ``update_from_output``: the
-    ``StepInput`` every rank gets, plus bookkeeping that is never sent."""
+    ``StepInput`` every rank gets (its view: ``for_rank``), plus bookkeeping that is never
+    sent. (Not vLLM's ``ScheduledStep``, which is what the workers receive: the StepInput.)
+    The drafts a step verifies are its CachedRequests' ``spec_token_ids``, nowhere else."""
 
     # request_id -> its epoch when scheduled, in schedule order: a result from before a
     # preemption (or for an earlier request of the same id) is stale
     epochs: dict[str, int] = field(default_factory=dict)
     sampled_req_ids: set[str] = field(default_factory=set)  # chunks that reach the end: a token
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)  # drafts verified
     applied: bool = False  # update_from_output has consumed it
 
 
@@ -38,15 +39,15 @@ class RequestUpdate:
     num_prompt_tokens: int
     num_output_tokens: int  # after this update
     num_cached_tokens: int  # prefix-cache hit at first schedule (0 if never scheduled)
-    logprobs: list[TokenLogprobs] | None = None  # of new_token_ids (aligned), when asked
-    prompt_logprobs: PromptLogprobs | None = None  # prompt tokens scored by this step's chunk
+    logprobs: Logprobs | None = None  # of new_token_ids (aligned), when asked
+    prompt_logprobs: Logprobs | None = None  # prompt tokens scored by this step's chunk
     beams: list[BeamHypothesis] | None = None  # a beam search's result, on its final update
     embedding: list[float] | None = None  # a pooling request's vector, on its final update
 
 
 def request_update(
     request: Request, new_token_ids: list[int], reason: FinishReason | None,
-    logprobs: list[TokenLogprobs] | None = None, prompt_logprobs: PromptLogprobs | None = None,
+    logprobs: Logprobs | None = None, prompt_logprobs: Logprobs | None = None,
 ) -> RequestUpdate:
     """The RequestUpdate of ``request`` as it is now: ``new_token_ids`` appended (or none),
     finished with ``reason`` (or None while running)."""

@@ -138,10 +138,6 @@ class Request:
             return self.output_token_ids[start - num_prompt:end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def finish(self, reason: FinishReason) -> None:
         """Set ``status`` and ``finish_reason`` together (they must always agree)."""
         self.status = RequestStatus.FINISHED

@@ -17,17 +17,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain
 
-from services.common.step import CachedRequest, NewRequest
+from services.common.step import CachedRequest, Logprobs, NewRequest, StepOutput
 from services.scheduler.beam_search_groups import BeamScheduler
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.logprobs import PromptLogprobs, TokenLogprobs
 from services.scheduler.lora_admission import LoRAAdmission
-from services.scheduler.outputs import RequestUpdate, SchedulerOutput, request_update
+from services.scheduler.outputs import RequestUpdate, ScheduledStep, request_update
 from services.scheduler.request import FinishReason, Request, RequestStatus
-from services.scheduler.spec_decode import SpecDecodeResult, SpecDecodeStats, num_drafts_to_verify
+from services.scheduler.spec_decode import SpecDecodeStats, num_drafts_to_verify
 from services.scheduler.state import SchedulerState
 from services.scheduler.step_plan import StepPlan
+from services.scheduler.step_results import RequestResult, first_tokens, results_by_request
 from services.scheduler.waiting_queue import WaitingQueue
 
 
@@ -45,7 +45,7 @@ class Scheduler:
     latest arrival. Admission takes the head of ``waiting`` (same key order). Beam groups are
     ``beams`` (``beam_scheduling.py``); both share ``state`` (``state.py``).
 
-    Any number of SchedulerOutputs may await ``update_from_output`` (the engine keeps up to
+    Any number of ScheduledSteps may await ``update_from_output`` (the engine keeps up to
     ``max_steps_in_flight``, the pipeline depth); each is applied once, and a step that never
     comes back (a worker failure) blocks nothing. Outputs with nothing scheduled still carry
     ``finished_request_ids``: forward them.
@@ -205,7 +205,7 @@ class Scheduler:
         state.finish(request, FinishReason.ABORT)
         return request_update(request, [], FinishReason.ABORT)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledStep:
         """Pick this step's requests and token counts, allocating blocks for them.
 
         The rule: each request gets up to ``num_tokens - num_computed_tokens`` tokens (at most
@@ -288,8 +288,9 @@ class Scheduler:
                 or (max_tokens is not None and num_output >= max_tokens))
 
     def _take_drafts(self, request: Request, num_new: int, plan: StepPlan) -> int:
-        """Takes ``request``'s drafts; returns how many of them this step verifies (0 unless
-        it is speculating and the request decodes: ``num_drafts_to_verify``)."""
+        """Cuts ``request``'s drafts to those this step verifies (none unless it is speculating
+        and the request decodes: ``num_drafts_to_verify``) and returns how many; they go into
+        its CachedRequest (``_step_output``)."""
         spec, request.spec_token_ids = request.spec_token_ids, []
         if not (plan.speculating and num_new == 1):
             return 0
@@ -298,8 +299,7 @@ class Scheduler:
                                  len(request.output_token_ids),
                                  request.sampling_params.max_tokens, request.num_tokens,
                                  self.config.max_model_len)
-        if d:
-            plan.spec_token_ids[request.request_id] = spec[:d]
+        request.spec_token_ids = spec[:d]
         return d
 
     def _allocate_running(self, request: Request, slots: int, plan: StepPlan) -> bool:
@@ -353,7 +353,7 @@ class Scheduler:
             loras.admitted(request)
         loras.end(waiting)
 
-    def _step_output(self, plan: StepPlan) -> SchedulerOutput:
+    def _step_output(self, plan: StepPlan) -> ScheduledStep:
         """The step for the workers: each request's diff (O(its new tokens + new blocks)),
         then the schedule-time accounting: the scheduled tokens count as computed from now on.
         """
@@ -363,40 +363,23 @@ class Scheduler:
         epochs: dict[str, int] = {}
         sampled: set[str] = set()
         send_tokens = not self.config.async_scheduling  # (with it, the new tokens are unknown)
-        resumed, drafts = plan.resumed, plan.spec_token_ids
         for request_id, num_new in plan.num_scheduled.items():
             request = requests[request_id]
-            sent = request.num_tokens_sent
             num_prompt = len(request.prompt_token_ids)
-            if sent == 0:
+            drafts, request.spec_token_ids = request.spec_token_ids, []  # (``_take_drafts``)
+            if request.num_tokens_sent == 0:
                 new_reqs.append(NewRequest(
                     request_id, request.all_token_ids, request.sampling_params,
                     list(chain.from_iterable(request.block_ids)), request.num_computed_tokens,
                     num_new, request.lora))
-            elif request_id in resumed or request.resend:  # (a forked beam: its KV is new)
-                request.resend = False
-                cached_reqs.append(CachedRequest(
-                    request_id, request.all_token_ids,
-                    list(chain.from_iterable(request.block_ids)), True,
-                    request.num_computed_tokens, num_new))
             else:
-                beam = request.beam_group is not None  # (the scheduler picks its tokens)
-                first = plan.first_new_block.get(request_id, -1)
-                if request.trimmed_to >= 0:  # (blocks freed after rejected drafts)
-                    first, request.trimmed_to = request.trimmed_to, -1
-                cached_reqs.append(CachedRequest(
-                    request_id,
-                    [] if not (send_tokens or beam) else
-                    request.output_token_ids[sent - num_prompt:]
-                    if sent >= num_prompt else request.token_ids_from(sent),
-                    plan.new_blocks[request_id], False, request.num_computed_tokens, num_new,
-                    first, drafts.get(request_id) or [], beam,
-                ))
+                cached_reqs.append(self._cached_request(request, num_new, plan, send_tokens,
+                                                        drafts))
             request.num_tokens_sent = num_tokens = num_prompt + len(request.output_token_ids)
             request.num_computed_tokens += num_new
             epochs[request_id] = request.epoch
             if request.num_computed_tokens == (num_tokens + request.num_output_placeholders
-                                               + len(drafts.get(request_id, ()))):
+                                               + len(drafts)):
                 sampled.add(request_id)
                 if not send_tokens and request.beam_group is None and not self.pooling:
                     request.num_output_placeholders += 1  # NOTE: a beam waits for its pick
@@ -406,116 +389,125 @@ class Scheduler:
         self.num_blocks_copied_total += len(plan.blocks_to_copy)
         spec = self.config.speculative
         k = spec.num_speculative_tokens if plan.speculating and spec else 0
-        return SchedulerOutput(self._step_id, new_reqs, cached_reqs, finished,
-                               plan.blocks_to_copy, k, epochs, sampled, plan.spec_token_ids)
+        return ScheduledStep(self._step_id, new_reqs, cached_reqs, finished,
+                             plan.blocks_to_copy, k, epochs, sampled)
 
-    def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int],
-        logprobs: dict[str, TokenLogprobs] | None = None,
-        prompt_logprobs: dict[str, PromptLogprobs] | None = None,
-        spec: SpecDecodeResult | None = None,
-        embeddings: dict[str, list[float]] | None = None,
-    ) -> list[RequestUpdate]:
-        """Apply a finished step: append tokens, finish requests.
+    @staticmethod
+    def _cached_request(request: Request, num_new: int, plan: StepPlan, send_tokens: bool,
+                        drafts: list[int]) -> CachedRequest:
+        """The diff of a request the workers hold: whole when resumed (or a forked beam, whose
+        KV is new), else its new tokens (all of them here: ``StepInput.for_rank`` is what a
+        sampling rank gets) and blocks, verifying ``drafts``."""
+        request_id = request.request_id
+        if request_id in plan.resumed or request.resend:
+            request.resend = False
+            return CachedRequest(request_id, request.all_token_ids,
+                                 list(chain.from_iterable(request.block_ids)), True,
+                                 request.num_computed_tokens, num_new)
+        beam = request.beam_group is not None  # (the scheduler picks its tokens)
+        first = plan.first_new_block.get(request_id, -1)
+        if request.trimmed_to >= 0:  # (blocks freed after rejected drafts)
+            first, request.trimmed_to = request.trimmed_to, -1
+        sent, num_prompt = request.num_tokens_sent, len(request.prompt_token_ids)
+        new_tokens = ([] if not (send_tokens or beam) else
+                      request.output_token_ids[sent - num_prompt:] if sent >= num_prompt
+                      else request.token_ids_from(sent))
+        return CachedRequest(request_id, new_tokens, plan.new_blocks[request_id], False,
+                             request.num_computed_tokens, num_new, first, drafts, beam)
 
-        ``sampled_token_ids`` maps request_id -> the token sampled for it. Tokens are used only
-        for requests whose chunk reached the end when scheduled and that are still running in
-        the same epoch; others (mid-prefill, aborted, finished or preempted since, a look-ahead
-        step of a request that finished meanwhile) are ignored.
-        ``logprobs`` maps request_id -> its token's logprobs (requests that asked), carried
-        into the RequestUpdate as is. ``prompt_logprobs`` maps request_id -> the prompt tokens
-        its chunk scored; each prompt token is passed on once (a recompute after preemption
-        repeats none), on an update of its own for a mid-prefill chunk.
-        A request whose chunk reached the end but got no token is recomputed (preempted).
-        ``spec`` (speculative decoding): the drafts each request accepted before its sampled
-        token (a prefix of those the step verified, ``output.spec_token_ids``; the rest are
-        rejected: ``num_computed_tokens`` steps back over them and the blocks only they used
-        are freed), their logprobs, and the next step's drafts. The accepted tokens and then
-        the sampled one are appended one by one, each checked for a stop as if it came alone:
-        what follows the one that finishes the request is dropped.
-        ``embeddings`` (a pooling scheduler): request_id -> its pooled vector, for the requests
-        whose last prompt token the step computed; each finishes (STOP) with it.
+    def update_from_output(self, step: ScheduledStep, output: StepOutput
+                           ) -> list[RequestUpdate]:
+        """Apply a finished step's ``output``: append tokens, finish requests.
+
+        Walks the step's requests in schedule order, each with its part of ``output``
+        (``step_results.results_by_request``). A request's result is used only if its chunk
+        reached the end when scheduled and it is still running in the same epoch; others
+        (mid-prefill, aborted, finished or preempted since, a look-ahead step of a request that
+        finished meanwhile) are ignored. A request whose chunk reached the end but got no token
+        is recomputed (preempted). Logprobs go on the RequestUpdate as they came; the prompt
+        tokens a chunk scored are passed on once (a recompute after preemption repeats none),
+        on an update of their own for a mid-prefill chunk. Speculative decoding, pooling and
+        beams: ``_apply_tokens``, ``_pooled``, ``BeamScheduler.proposed``.
 
         Returns:
             One RequestUpdate per request that got a token (and maybe finished), in schedule
             order.
 
         Raises:
-            ValueError: ``output`` was applied before.
+            ValueError: ``step`` was applied before.
         """
-        if output.applied:
-            raise ValueError(f"update_from_output(): step {output.step_id} was applied before")
-        output.applied = True
+        if step.applied:
+            raise ValueError(f"update_from_output(): step {step.step_id} was applied before")
+        step.applied = True
+        results = results_by_request(output)
+        prompt = {p.request_id: p for p in output.prompt_logprobs}
+        drafts = {c.request_id: c.spec_token_ids for c in step.cached_requests}
         updates: list[RequestUpdate] = []
-        any_finished = False
         state = self.state
-        requests = state.requests
-        sampled = output.sampled_req_ids
-        for request_id, epoch in output.epochs.items():  # (in schedule order)
-            request = requests.get(request_id)
+        for request_id, epoch in step.epochs.items():  # (in schedule order)
+            request = state.requests.get(request_id)
             if request is None or request.epoch != epoch or (
                     request.status is not RequestStatus.RUNNING):
                 continue  # aborted, finished or preempted since it was scheduled
+            result = results.get(request_id)
+            reached_end = request_id in step.sampled_req_ids
             if request.beam_group is not None:
-                if request_id in sampled:
-                    update = self.beams.proposed(request, logprobs.get(request_id)
-                                                 if logprobs else None)
-                    if update is not None:
-                        updates.append(update)
-                        any_finished = True
+                if reached_end:
+                    update = self.beams.proposed(request, result.logprobs if result else None)
+                    updates += [update] if update is not None else []
                 continue
-            prompt_chunk = (self._new_prompt_logprobs(request, prompt_logprobs.get(request_id))
-                            if prompt_logprobs else None)
-            token_id = sampled_token_ids.get(request_id)
-            reached_end = request_id in sampled
-            if prompt_chunk is not None and (not reached_end or token_id is None):
+            prompt_chunk = self._new_prompt_logprobs(request, prompt.get(request_id))
+            if prompt_chunk is not None and (not reached_end or not (result and
+                                                                     result.token_ids)):
                 updates.append(request_update(request, [], None, prompt_logprobs=prompt_chunk))
+                prompt_chunk = None
             if not reached_end:
                 continue  # NOTE: mid-prefill chunk: a sampled token (if any) is discarded.
             if self.pooling:
-                updates.extend(self._pooled(request, (embeddings or {}).get(request_id)))
-                any_finished = True
+                updates += self._pooled(request, result.embedding if result else None)
                 continue
-            if request.num_output_placeholders:
-                request.num_output_placeholders -= 1
-            drafts = output.spec_token_ids.get(request_id)
-            accepted = spec.accepted.get(request_id, []) if spec else []
-            if token_id is None or (accepted and accepted != (drafts or [])[:len(accepted)]):
-                # NOTE: the worker owed a token and sent none, or accepted tokens it was not
-                # asked to verify (a worker bug). Its token list may now differ from ours:
-                # recompute the request as after a preemption (the resume replaces the
-                # workers' list) rather than leave it with nothing to do.
-                state.running.remove(request)
-                state.preempt(request)
-                continue
-            last = logprobs.get(request_id) if logprobs else None
-            if drafts:
-                self.spec_stats.observe(len(drafts), len(accepted))
-                request.num_computed_tokens -= len(drafts) - len(accepted)
-            if not accepted:
-                request.output_token_ids.append(token_id)
-                reason = self._check_stop(request, token_id)
-                new_tokens = [token_id]
-                token_logprobs = None if last is None else [last]
-            else:
-                new_tokens, reason = self._append_run(request, [*accepted, token_id])
-                lps = spec.accepted_logprobs.get(request_id) if spec else None
-                token_logprobs = (None if last is None or lps is None
-                                  else [*lps, last][:len(new_tokens)])
-            if reason is not None:
-                del requests[request_id]
-                state.finish(request, reason)
-                any_finished = True
-            else:
-                if drafts and len(accepted) < len(drafts):
-                    self._free_rejected(request)
-                if spec and spec.drafts:
-                    request.spec_token_ids = spec.drafts.get(request_id, [])
-            updates.append(request_update(request, new_tokens, reason, token_logprobs,
-                                          prompt_chunk))
-        if any_finished:
+            update = self._apply_tokens(request, result, drafts.get(request_id, []))
+            if update is not None:
+                update.prompt_logprobs = prompt_chunk
+                updates.append(update)
+        if any(u.finish_reason is not None for u in updates):
             state.running[:] = [r for r in state.running if r.status is RequestStatus.RUNNING]
         return updates
+
+    def _apply_tokens(self, request: Request, result: RequestResult | None,
+                      drafts: list[int]) -> RequestUpdate | None:
+        """Append a request's new tokens (its accepted ``drafts``, a prefix of those the step
+        verified, and the token sampled after them) one by one, each checked for a stop as if
+        it came alone: what follows the one that finishes the request is dropped. Rejected
+        drafts: ``num_computed_tokens`` steps back over them and the blocks only they used are
+        freed. The proposals in ``result`` become the request's drafts. None (the request is
+        recomputed) when the worker sent no token or accepted tokens it was not asked to
+        verify."""
+        state = self.state
+        if request.num_output_placeholders:
+            request.num_output_placeholders -= 1
+        accepted = result.token_ids[:-1] if result else []
+        if not (result and result.token_ids) or accepted != drafts[:len(accepted)]:
+            # NOTE: a worker bug. Its token list may now differ from ours: recompute the
+            # request as after a preemption (the resume replaces the workers' list) rather
+            # than leave it with nothing to do.
+            state.running.remove(request)
+            state.preempt(request)
+            return None
+        if drafts:
+            self.spec_stats.observe(len(drafts), len(accepted))
+            request.num_computed_tokens -= len(drafts) - len(accepted)
+        start = request.num_tokens
+        new_tokens, reason = self._append_run(request, result.token_ids)
+        if reason is not None:
+            del state.requests[request.request_id]
+            state.finish(request, reason)
+        else:
+            if len(accepted) < len(drafts):
+                self._free_rejected(request)
+            request.spec_token_ids = result.draft_token_ids
+        return request_update(request, new_tokens, reason,
+                              first_tokens(result.logprobs, len(new_tokens), start))
 
     def _pooled(self, request: Request, embedding: list[float] | None) -> list[RequestUpdate]:
         """Finish a pooling ``request`` whose prompt is computed with its ``embedding`` (its
@@ -554,8 +546,7 @@ class Scheduler:
             request.trimmed_to = len(request.block_ids[0])
 
     @staticmethod
-    def _new_prompt_logprobs(request: Request, chunk: PromptLogprobs | None
-                             ) -> PromptLogprobs | None:
+    def _new_prompt_logprobs(request: Request, chunk: Logprobs | None) -> Logprobs | None:
         """The part of ``chunk`` the router does not have yet; advances the bookmark."""
         if chunk is None or request.sampling_params.prompt_logprobs is None:
             return None

@@ -15,7 +15,7 @@ import logging
 
 import grpc
 
-from services.common.config import PORT, add_flag, float_in, int_in
+from services.common.config import PORT, add_flag, field_default, float_in, int_in
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
 from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
@@ -96,6 +96,11 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_rejected_total=s.num_rejected_total)
 
 
+def _default(name: str):
+    """The default of SchedulerConfig's field ``name`` (the flag's)."""
+    return field_default(SchedulerConfig, name)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """The scheduler's flags (also accepted by ``pagedserve serve``)."""
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
@@ -104,42 +109,51 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="comma-separated worker rank addresses, rank 0 first")
     add_flag(p, "--worker-connect-timeout", type=float_in(0, lo_open=True), default=900.0,
              help="seconds to wait for the workers at start-up")
-    add_flag(p, "--block-size", type=int_in(1, 1024), default=16,
+    add_flag(p, "--block-size", type=int_in(1, 1024), default=_default("block_size"),
              help="tokens per KV block (the workers' must be equal)")
-    add_flag(p, "--max-num-seqs", type=int_in(1), default=256,
+    add_flag(p, "--max-num-seqs", type=int_in(1), default=_default("max_num_seqs"),
              help="most requests in one step (at most the workers' --max-num-seqs)")
-    add_flag(p, "--max-num-batched-tokens", type=int_in(1), default=2048,
+    add_flag(p, "--max-num-batched-tokens", type=int_in(1),
+             default=_default("max_num_batched_tokens"),
              help="most tokens computed in one step (the chunked-prefill budget; at most the "
                   "workers')")
     add_flag(p, "--max-model-len", type=int_in(1), default=None,
              help="longest prompt+output in tokens (default: the workers' max_model_len, the "
                   "model's context length unless capped; at most theirs)")
-    add_flag(p, "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    add_flag(p, "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+             default=_default("enable_prefix_caching"),
              help="reuse the KV blocks of identical prompt prefixes across requests")
-    add_flag(p, "--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs",
+    add_flag(p, "--scheduling-policy", choices=SCHEDULING_POLICIES,
+             default=_default("scheduling_policy"),
              help="fcfs: arrival order; priority: by each request's priority (lower = sooner), "
                   "then arrival; also picks the preemption victim")
     add_flag(p, "--long-prefill-token-threshold", type=int_in(0), default=None,
              help="most prompt tokens one request prefills per step, so running decodes keep "
                   "moving while a long prompt is chunked in (default: max-num-batched-tokens / "
                   "4; 0 = no cap)")
-    add_flag(p, "--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-             help="build step N+1 while step N runs on the workers (one step of look-ahead; "
-                  "off under pipeline parallelism, which keeps one step per stage in flight)")
-    add_flag(p, "--max-num-waiting-requests", type=int_in(0), default=1024,
+    add_flag(p, "--async-scheduling", action=argparse.BooleanOptionalAction,
+             default=_default("async_scheduling"),
+             help="build step N+1 while step N runs on the workers (one step of look-ahead); "
+                  "default: on where it can run, off under pipeline parallelism (which keeps "
+                  "one step per stage in flight) and speculative decoding (asking for it there "
+                  "is an error)")
+    add_flag(p, "--max-num-waiting-requests", type=int_in(0),
+             default=_default("max_num_waiting_requests"),
              help="refuse new requests with RESOURCE_EXHAUSTED while this many wait (0 = no "
                   "limit)")
-    add_flag(p, "--max-num-waiting-tokens", type=int_in(0), default=0,
+    add_flag(p, "--max-num-waiting-tokens", type=int_in(0),
+             default=_default("max_num_waiting_tokens"),
              help="refuse new requests with RESOURCE_EXHAUSTED once the waiting queue would "
                   "hold more prompt tokens than this (0 = no limit)")
-    add_flag(p, "--speculative-config", type=speculative_config_arg, default=None,
+    add_flag(p, "--speculative-config", type=speculative_config_arg,
+             default=_default("speculative"),
              help="speculative decoding, vLLM's JSON, e.g. '{\"method\": \"ngram\", "
                   "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' or "
                   "'{\"method\": \"draft_model\", \"model\": PATH, "
                   "\"num_speculative_tokens\": 4}' (also disable_by_batch_size, "
-                  "prompt_lookup_min); workers and scheduler must agree; turns async "
-                  "scheduling off")
-    add_flag(p, "--max-loras", type=int_in(1), default=1,
+                  "prompt_lookup_min); workers and scheduler must agree; not with "
+                  "--async-scheduling")
+    add_flag(p, "--max-loras", type=int_in(1), default=_default("max_loras"),
              help="most distinct LoRA adapters among the requests of one step (vLLM's flag; "
                   "the workers' active adapter slots: serve passes one value to both); a "
                   "request whose adapter would be one more waits, without being starved")
@@ -152,23 +166,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
                      ) -> SchedulerConfig:
     """The SchedulerConfig the flags ask for (``--long-prefill-token-threshold`` unset means a
-    quarter of ``--max-num-batched-tokens``) for workers of ``pipeline_parallel_size`` stages:
-    one step in flight per stage keeps every stage busy; on a single stage, async scheduling
-    keeps two (the one running and the next). Async scheduling needs the tokens of step N
-    only on the sampling stage, so it is off under pipeline parallelism (as in vLLM).
-
-    Speculative decoding (``--speculative-config``) turns async scheduling off (the drafts
-    follow the tokens the last step returned) and is refused under pipeline parallelism.
+    quarter of ``--max-num-batched-tokens``) for workers of ``pipeline_parallel_size`` stages
+    (``SchedulerConfig`` resolves async scheduling and the steps in flight from them).
 
     Raises:
-        ValueError: a flag out of range, naming it.
+        ValueError: a flag out of range, or flags that do not go together, naming them.
     """
-    speculative = getattr(args, "speculative_config", None)
-    if speculative is not None and pipeline_parallel_size > 1:
-        raise ValueError("--speculative-config: speculative decoding does not run under "
-                         f"pipeline parallelism (the workers have {pipeline_parallel_size} "
-                         "stages)")
-    use_async = args.async_scheduling and pipeline_parallel_size == 1 and speculative is None
     threshold = args.long_prefill_token_threshold
     if threshold is None:
         threshold = max(1, args.max_num_batched_tokens // 4)
@@ -180,11 +183,12 @@ def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
             scheduling_policy=args.scheduling_policy, long_prefill_token_threshold=threshold,
             max_num_waiting_requests=args.max_num_waiting_requests,
             max_num_waiting_tokens=args.max_num_waiting_tokens,
-            max_steps_in_flight=(pipeline_parallel_size if pipeline_parallel_size > 1
-                                 else 2 if use_async else 1),
-            async_scheduling=use_async, speculative=speculative,
-            max_loras=getattr(args, "max_loras", 1))
+            pipeline_parallel_size=pipeline_parallel_size,
+            async_scheduling=args.async_scheduling, speculative=args.speculative_config,
+            max_loras=args.max_loras)
     except ValueError as e:  # name the flag, not the field
+        if str(e).startswith("--"):
+            raise
         flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
         raise ValueError(f"{flag}: {e}") from None
 

@@ -23,26 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.step import StepOutput
-from services.scheduler.logprobs import TokenLogprobs
-
-
-@dataclass(slots=True)
-class SpecDecodeResult:
-    """What a step's result says about speculation (the StepResult's columns, cut per
-    request).
-
-    Attributes:
-        accepted: request id -> the drafts it accepted, in order, before its sampled token
-            (only requests with at least one token more than one).
-        accepted_logprobs: request id -> the logprobs of those tokens (requests that asked).
-        drafts: request id -> the drafts proposed to follow its new tokens (next step's).
-    """
-
-    accepted: dict[str, list[int]] = field(default_factory=dict)
-    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-
 
 @dataclass(slots=True)
 class SpecDecodeStats:
@@ -71,11 +51,6 @@ class SpecDecodeStats:
         for i in range(num_accepted):
             per_pos[i] += 1
 
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted / verified drafts (0 before any)."""
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
 
 def num_drafts_to_verify(num_drafts: int, budget: int, num_output_tokens: int,
                          max_tokens: int | None, num_tokens: int, max_model_len: int) -> int:
@@ -86,28 +61,3 @@ def num_drafts_to_verify(num_drafts: int, budget: int, num_output_tokens: int,
     if max_tokens is not None:
         room = min(room, max_tokens - num_output_tokens - 1)
     return max(0, room)
-
-
-def sampled_of(out: StepOutput, logprobs: dict[str, list[TokenLogprobs]] | None = None
-               ) -> tuple[dict[str, int], SpecDecodeResult | None]:
-    """Cut a step's tokens: per request its last sampled token, and (when some request got
-    more than one, or drafts were proposed) the speculative part: the accepted drafts before
-    it, their logprobs (from ``logprobs``: ``token_logprobs_of``'s) and the proposals.
-    ``out`` is well-formed (``step_wire.step_output_from_pb`` checked a worker's)."""
-    rids, tokens, counts = out.request_ids, out.sampled_token_ids, out.num_sampled_token_ids
-    if counts is None and out.draft_token_ids is None:
-        return dict(zip(rids, tokens, strict=True)), None
-    spec = SpecDecodeResult()
-    sampled: dict[str, int] = {}
-    t = 0
-    for rid, n in zip(rids, counts or [1] * len(rids), strict=True):
-        sampled[rid] = tokens[t + n - 1]
-        if n > 1:
-            spec.accepted[rid] = tokens[t:t + n - 1]
-            if logprobs is not None and rid in logprobs:
-                spec.accepted_logprobs[rid] = logprobs[rid][:-1]
-        t += n
-    for rid, drafts in zip(rids, out.draft_token_ids or [], strict=False):
-        if drafts:
-            spec.drafts[rid] = drafts
-    return sampled, spec

@@ -35,7 +35,7 @@ class SchedulerState:
         self.key: Callable[[Request], int | tuple[int, int]] = (
             (lambda r: (r.priority, r.arrival_seq)) if scheduling_policy == "priority"
             else (lambda r: r.arrival_seq))
-        self.finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self.finished_req_ids: set[str] = set()  # for the next ScheduledStep
         self.num_preemptions_total = 0
         self._num_epochs = 0
 
@@ -68,7 +68,7 @@ class SchedulerState:
         takes it out of ``requests`` and ``running`` or ``waiting``."""
         self.block_manager.free(request)
         request.finish(reason)
-        # NOTE: num_tokens_sent > 0 <=> the request was in some SchedulerOutput (prompts are
+        # NOTE: num_tokens_sent > 0 <=> the request was in some ScheduledStep (prompts are
         # non-empty); workers hold state only for those.
         if request.num_tokens_sent > 0:
             self.finished_req_ids.add(request.request_id)

@@ -1,6 +1,6 @@
 """What one ``Scheduler.schedule()`` call has decided so far (``StepPlan``), filled in by the
 scheduling rule (``scheduler.py``) and by beam groups (``beam_scheduling.py``), then turned into
-the step's ``SchedulerOutput``."""
+the step's ``ScheduledStep``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ class StepPlan:
         new_blocks: request_id -> block ids new to the workers, group by group.
         first_new_block: request_id -> the table index ``new_blocks`` start at, for a request
             whose table entries copy-on-write replaced (absent: appended).
-        spec_token_ids: request_id -> the drafts this step verifies after its last token.
         resumed: requests admitted again after a preemption (sent whole).
         blocks_to_copy: copy-on-write (src, dst) blocks every rank copies before the forward.
     """
@@ -31,6 +30,5 @@ class StepPlan:
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_blocks: dict[str, list[int]] = field(default_factory=dict)
     first_new_block: dict[str, int] = field(default_factory=dict)
-    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     resumed: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

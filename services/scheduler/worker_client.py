@@ -1,7 +1,8 @@
 """The scheduler's side of the scheduler↔worker protocol: one Execute stream per worker rank.
 
-``WorkerGroup.send`` encodes a ``SchedulerOutput`` as one ``StepRequest`` (new requests in full,
-the rest as diffs; ``services/common/step_wire.py``) and sends it to every rank;
+``WorkerGroup.send`` encodes each rank's view of a ``ScheduledStep`` (``StepInput.for_rank``)
+as one ``StepRequest`` (new requests in full, the rest as diffs;
+``services/common/step_wire.py``) and sends it to every rank;
 ``WorkerGroup.receive`` returns the driver's answer to the oldest step sent, decoded.
 
 Connecting pushes the scheduler's limits (block_size, max_model_len, max_num_seqs,
@@ -30,7 +31,7 @@ from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.step import StepOutput
 from services.common.step_wire import step_output_from_pb, step_to_pb
 from services.common.tls import aio_channel
-from services.scheduler.outputs import SchedulerOutput
+from services.scheduler.outputs import ScheduledStep
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class WorkerGroup:
         pp = max(1, infos[0].pipeline_parallel_size)
         return next(k for k, i in enumerate(infos) if i.rank == (pp - 1) * tp)
 
-    async def send(self, out: SchedulerOutput) -> None:
+    async def send(self, out: ScheduledStep) -> None:
         """Send one step to every rank without waiting for its result (pipelining: several
         steps may be sent before the oldest result is received; results come back in order).
 
@@ -187,11 +188,10 @@ class WorkerGroup:
         """
         if not self._calls:
             raise WorkerError("no worker connection")
-        req = step_to_pb(out)
         # NOTE: the earlier pipeline stages cannot know the sampled tokens: theirs carries them
-        other = step_to_pb(out, samples=False) if not all(self._samples) else req
+        views = {samples: step_to_pb(out.for_rank(samples)) for samples in set(self._samples)}
         try:
-            await asyncio.gather(*(call.write(req if samples else other)
+            await asyncio.gather(*(call.write(views[samples])
                                    for call, samples in zip(self._calls, self._samples,
                                                             strict=True)))
         except grpc.RpcError as e:
@@ -199,7 +199,7 @@ class WorkerGroup:
         except asyncio.InvalidStateError as e:
             raise WorkerError(f"worker stream failed: {e}") from e
 
-    async def receive(self, out: SchedulerOutput) -> StepOutput:
+    async def receive(self, out: ScheduledStep) -> StepOutput:
         """Every rank's answer to ``out`` (the oldest step sent); return the driver's.
 
         Raises:

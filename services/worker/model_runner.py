@@ -16,7 +16,7 @@ forward (``kernels.copy_blocks``).
 Speculative decoding (vLLM V1 style; ``--speculative-config``): a step may carry draft tokens
 per request (``CachedRequest.spec_token_ids``), which every rank computes as 1 + d query
 positions; the driver samples every position with the request's own parameters and keeps the
-drafts while they equal the samples, plus the sample after them (``spec_verify.py``, lossless
+drafts while they equal the samples, plus the sample after them (``spec_decode/verify.py``, lossless
 for our deterministic proposers), appends those, and sends its tp peers what it kept. After
 appending, it proposes the next drafts (``StepInput.num_speculative_tokens``) by prompt lookup
 (``ngram_proposer.py``) or with a draft model (``draft_model.py``).
@@ -366,7 +366,7 @@ class ModelRunner:
         each), which the scheduler has not handed out yet."""
         requests, next_block = [], 0
         ps = self.parallel
-        owns_tokens = ps is None or ps.config.is_last_stage  # (it appended its samples)
+        samples = ps is None or ps.config.is_last_stage  # (it appended its samples)
         for i, n in enumerate(lens):
             blocks = list(range(next_block, next_block + n // self.block_size + 1))
             next_block += len(blocks)
@@ -375,9 +375,11 @@ class ModelRunner:
             requests.append(NewRequest(f"__warmup_{i}", [0] * n, _WARMUP_SAMPLING,
                                        blocks * len(self.kv_cache_groups), 0, n))
         self.execute_step(StepInput(-2, requests, [], []))
+        # the decode step as the scheduler builds it (each request's new token: 0), as this
+        # rank sees it
         self.execute_step(StepInput(-1, [], [] if self.pooler else [  # (pooled: nothing next)
-            CachedRequest(r.request_id, [] if owns_tokens else [0], [], False,
-                          len(r.prompt_token_ids), 1) for r in requests], []))
+            CachedRequest(r.request_id, [0], [], False, len(r.prompt_token_ids), 1)
+            for r in requests], []).for_rank(samples))
         self.execute_step(StepInput(-1, [], [], [r.request_id for r in requests]))
 
     def _warm_up(self) -> None:
@@ -483,7 +485,7 @@ class ModelRunner:
 
     def _verify(self, batch: PreparedStep, logits: torch.Tensor, token_ids: torch.Tensor
                 ) -> tuple[list[int], list[int] | None, SampledLogprobs | None]:
-        """The driver's verification of a step with drafts (``spec_verify.verify_drafts``):
+        """The driver's verification of a step with drafts (``spec_decode.verify.verify_drafts``):
         keep each request's accepted drafts and the token sampled after them, append them,
         tell the tp peers, and take their logprobs.
 

@@ -15,7 +15,7 @@ from services.common.sampling_params import EngineSamplingParams
 from services.common.step import (
     CachedRequest,
     NewRequest,
-    PromptChunkLogprobs,
+    Logprobs,
     SampledLogprobs,
     StepInput,
     StepOutput,
@@ -73,9 +73,9 @@ def test_the_step_is_the_step_request_field_for_field():
 
 def test_the_output_is_the_step_result_field_for_field():
     """The nested logprobs are the result's columns: SampledLogprobs' by name, and each
-    PromptChunkLogprobs field as a ``prompt_`` column (plus the token and top-pair counts)."""
-    prompt = {f"prompt_{n}" for n in _names(PromptChunkLogprobs)} - {
-        "prompt_request_id", "prompt_first_position", "prompt_prompt_logprobs"}
+    Logprobs field as a ``prompt_`` column (plus the token and top-pair counts)."""
+    prompt = {f"prompt_{n}" for n in _names(Logprobs)} - {
+        "prompt_request_id", "prompt_start", "prompt_prompt_logprobs"}
     names = (set(_names(StepOutput)) - {"logprobs", "prompt_logprobs", "draft_token_ids"}
              | set(_names(SampledLogprobs))
              | prompt | {"prompt_request_ids", "prompt_first_positions", "prompt_logprobs",
@@ -106,9 +106,9 @@ steps = st.builds(StepInput, st.integers(0, 2**62), st.lists(new_requests, max_s
 @given(steps)
 def test_a_step_round_trips_and_a_sampling_rank_gets_only_the_tokens_it_cannot_know(step):
     step.finished_request_ids = sorted(step.finished_request_ids)  # (the wire's order)
-    assert step_from_pb(step_to_pb(step, samples=False)) == step
-    sampling = step_from_pb(step_to_pb(step, samples=True))
-    assert sampling == replace(step, cached_requests=[
+    assert step_from_pb(step_to_pb(step)) == step
+    assert step.for_rank(samples=False) is step
+    assert step.for_rank(samples=True) == replace(step, cached_requests=[
         c if c.resumed_from_preemption or c.beam else replace(c, new_token_ids=[])
         for c in step.cached_requests])
 
@@ -130,8 +130,8 @@ def outputs(draw) -> StepOutput:
     prompt = []
     for i in range(draw(st.integers(0, 2))):
         m, k = draw(st.integers(1, 3)), draw(st.integers(0, 2))
-        prompt.append(PromptChunkLogprobs(f"p{i}", draw(st.integers(1, 50)), [-1.0] * m,
-                                          list(range(m * k)), [-2.0] * (m * k)))
+        prompt.append(Logprobs(f"p{i}", draw(st.integers(1, 50)), [-1.0] * m,
+                               list(range(m * k)), [-2.0] * (m * k)))
     drafts = draw(st.none() | st.lists(ids.map(lambda t: [abs(x) for x in t]), min_size=n,
                                        max_size=n))
     failed = draw(st.lists(st.text(max_size=4), max_size=2))
@@ -165,3 +165,12 @@ def test_failed_requests_round_trip_beside_embeddings_and_are_checked():
     bad.failed_messages.append("an error without its request")
     with pytest.raises(ValueError, match="malformed failed request columns: 1 ids, 2 messages"):
         step_output_from_pb(bad)
+
+
+def test_malformed_sampled_and_draft_columns_are_refused():
+    for bad in (worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[1, 2],
+                                      num_sampled_token_ids=[1]),
+                worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[1],
+                                      num_draft_token_ids=[3], draft_token_ids=[1])):
+        with pytest.raises(ValueError, match="malformed"):
+            step_output_from_pb(bad)

@@ -6,7 +6,13 @@ from collections import deque
 
 import pytest
 
-from tests.scheduler.factories import FakeWorker, expected_output, make_requests, make_scheduler
+from tests.scheduler.factories import (
+    FakeWorker,
+    expected_output,
+    make_requests,
+    make_scheduler,
+    step_output,
+)
 
 
 def _run(max_steps_in_flight: int, num_kv_blocks: int = 64, n: int = 6,
@@ -14,7 +20,8 @@ def _run(max_steps_in_flight: int, num_kv_blocks: int = 64, n: int = 6,
     """Drive the scheduler with up to ``max_steps_in_flight`` steps sent ahead; the fake worker
     applies each step as it is sent (workers run steps in order), results come back later."""
     s = make_scheduler(num_kv_blocks, max_num_batched_tokens=16, max_model_len=32,
-                       max_steps_in_flight=max_steps_in_flight, long_prefill_token_threshold=8,
+                       pipeline_parallel_size=1 if async_scheduling else max_steps_in_flight,
+                       long_prefill_token_threshold=8,
                        async_scheduling=async_scheduling)
     w = FakeWorker(s)
     requests = make_requests(n, 11, max_tokens=7)
@@ -36,7 +43,7 @@ def _run(max_steps_in_flight: int, num_kv_blocks: int = 64, n: int = 6,
             pending.append((out, w.execute(out)))
         most_in_flight = max(most_in_flight, len(pending))
         out, sampled = pending.popleft()
-        for u in s.update_from_output(out, sampled):
+        for u in s.update_from_output(out, step_output(out, sampled)):
             outputs[u.request_id] += u.new_token_ids
     assert s.block_manager.num_free_blocks == num_kv_blocks
     assert (look_ahead > 0) == async_scheduling
@@ -56,13 +63,13 @@ def test_two_steps_in_flight_give_the_serial_outputs(num_kv_blocks, async_schedu
 
 
 def test_a_second_step_in_flight_has_nothing_for_requests_awaiting_tokens():
-    s = make_scheduler(max_steps_in_flight=2)
+    s = make_scheduler(pipeline_parallel_size=2)
     for r in make_requests(3, 4):
         s.add_request(r)
     first = s.schedule()
     assert s.schedule().num_scheduled_tokens == {}  # everything is in the first step
-    with pytest.raises(ValueError, match="max_steps_in_flight"):
-        make_scheduler(max_steps_in_flight=0)
-    s.update_from_output(first, {})
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        make_scheduler(pipeline_parallel_size=0)
+    s.update_from_output(first, step_output(first, {}))
     with pytest.raises(ValueError, match="applied before"):
-        s.update_from_output(first, {})
+        s.update_from_output(first, step_output(first, {}))

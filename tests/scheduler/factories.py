@@ -1,7 +1,7 @@
 """Factories and a fake worker for the scheduler tests.
 
 ``FakeWorker`` plays every worker rank: it rebuilds each request's token ids and block table
-from the SchedulerOutput diffs and its own samples alone (as a real worker must: the sampling
+from the ScheduledStep diffs and its own samples alone (as a real worker must: the sampling
 stage appends what it samples, the other pipeline stages append ``new_token_ids``, a resumed
 request's token list is replaced), checks them against the scheduler's own Request objects,
 writes a "KV cache" of (KV cache group, position, token ids up to and including that position)
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.step import StepOutput
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.outputs import RequestUpdate, SchedulerOutput
+from services.scheduler.outputs import RequestUpdate, ScheduledStep
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
 from services.scheduler.scheduler import Scheduler
 
@@ -57,13 +57,17 @@ def make_scheduler(
     sliding_windows: tuple[int, ...] = (0,),
     vocab_size: int | None = None,
     pooling: bool = False,
+    async_scheduling: bool = False,
     **config_kwargs,
 ) -> Scheduler:
+    """A Scheduler over ``num_kv_blocks`` small blocks; async scheduling off unless asked
+    (the tests drive in-flight steps themselves: ``pipeline_parallel_size``)."""
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         block_size=block_size,
+        async_scheduling=async_scheduling,
         **config_kwargs,
     )
     return Scheduler(config, num_kv_blocks, list(eos_token_ids), sliding_windows, vocab_size,
@@ -106,6 +110,12 @@ def expected_output(
             return out, FinishReason.LENGTH
 
 
+def step_output(step, sampled: dict[str, int], **kwargs) -> StepOutput:
+    """The StepOutput that gives each request of ``sampled`` its one token (``kwargs``: the
+    StepOutput's other fields)."""
+    return StepOutput(step.step_id, list(sampled), list(sampled.values()), **kwargs)
+
+
 def prefix_keys(token_ids: list[int]) -> list[int]:
     """Key ``i`` identifies ``token_ids[:i + 1]`` (a chained hash; what the fake K/V holds)."""
     keys, key = [], 0
@@ -133,7 +143,7 @@ class _WorkerState:
 
 @dataclass
 class FakeWorker:
-    """Applies SchedulerOutputs the way a worker does and samples with ``fake_token``.
+    """Applies ScheduledSteps the way a worker does and samples with ``fake_token``.
 
     Call ``execute`` with each step as it is sent (steps run in order on the workers); the
     results may be applied later (look-ahead steps: several in flight)."""
@@ -143,14 +153,14 @@ class FakeWorker:
     states: dict[str, _WorkerState] = field(default_factory=dict)
     # slot -> (group, pos, prefix key)
     kv: dict[int, tuple[int, int, int]] = field(default_factory=dict)
-    outputs: list[SchedulerOutput] = field(default_factory=list)
+    outputs: list[ScheduledStep] = field(default_factory=list)
     sliding_windows: list[int] | None = None  # the group layout; None = the scheduler's
 
     def __post_init__(self) -> None:
         if self.sliding_windows is None:
             self.sliding_windows = list(self.scheduler.block_manager.sliding_windows)
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: ScheduledStep) -> dict[str, int]:
         sched, bs = self.scheduler, self.scheduler.config.block_size
         windows = self.sliding_windows
         num_groups = len(windows)
@@ -247,7 +257,7 @@ class FakeWorker:
 
     def step(self) -> list[RequestUpdate]:
         out = self.scheduler.schedule()
-        return self.scheduler.update_from_output(out, self.execute(out))
+        return self.scheduler.update_from_output(out, step_output(out, self.execute(out)))
 
 
 def run_to_completion(
@@ -274,7 +284,7 @@ def run_to_completion(
                 continue  # a step that only preempted: the next one resumes (the engine's retry)
             return updates
         out, sampled = pending.popleft()
-        updates += scheduler.update_from_output(out, sampled)
+        updates += scheduler.update_from_output(out, step_output(out, sampled))
         scheduler.block_manager.check_invariants(scheduler.requests.values())
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
@@ -299,7 +309,7 @@ class FakeRanks:
         await asyncio.sleep(self.delay)  # submits and aborts interleave here
         step_id, sampled = self.queue.popleft()
         assert step_id == out.step_id
-        return StepOutput(step_id, list(sampled), list(sampled.values()))
+        return step_output(out, sampled)
 
     async def connect(self, timeout: float) -> None:
         self.queue.clear()

@@ -1,7 +1,7 @@
 """Beam search in the scheduler (``services/scheduler/beam_search.py``) against transformers.
 
 The fake worker here plays every rank as a real one must for beams: it keeps each request's
-token list and block tables from the SchedulerOutput diffs alone (a beam's tokens come in
+token list and block tables from the ScheduledStep diffs alone (a beam's tokens come in
 ``new_token_ids``; its own argmax is never appended), applies ``blocks_to_copy`` to its "KV
 cache" before the step and ``first_new_block`` to the tables, writes each computed position's
 (position, prefix key) into its slot and then reads the whole context back through the block
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from services.scheduler.beam_search import BeamGroup, _f32
-from services.scheduler.logprobs import TokenLogprobs
+from services.common.step import SampledLogprobs, StepOutput
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
 from tests.helpers import hf_beam_search, make_tiny_llama
 from tests.scheduler.factories import make_scheduler, prefix_keys, split_tables
@@ -103,11 +103,18 @@ class BeamWorker:
             sampled[rid] = int(lps.argmax())
             if params.beam_width:
                 top = lps.topk(params.logprobs)
-                logprobs[rid] = TokenLogprobs(float(top.values[0]), top.indices.tolist(),
-                                              top.values.tolist())
+                logprobs[rid] = (float(top.values[0]), top.indices.tolist(),
+                                 top.values.tolist())
             else:
                 tokens.append(sampled[rid])
-        return sampled, logprobs
+        # the StepResult's columns: k per sampled token (-1: asked for none), then theirs
+        columns = SampledLogprobs(
+            [len(logprobs[r][1]) if r in logprobs else -1 for r in sampled],
+            [logprobs[r][0] for r in sampled if r in logprobs],
+            [t for r in sampled if r in logprobs for t in logprobs[r][1]],
+            [v for r in sampled if r in logprobs for v in logprobs[r][2]])
+        return StepOutput(out.step_id, list(sampled), list(sampled.values()),
+                          columns if logprobs else None)
 
     def run(self, max_steps=5000):
         sched, updates = self.scheduler, []
@@ -116,7 +123,7 @@ class BeamWorker:
                 self.execute(sched.schedule())  # (the workers drop the finished beams)
                 return updates
             out = sched.schedule()
-            updates += sched.update_from_output(out, *self.execute(out))
+            updates += sched.update_from_output(out, self.execute(out))
             sched.block_manager.check_invariants(sched.requests.values())
         raise AssertionError("beam search did not finish")
 
@@ -220,7 +227,7 @@ def test_abort_frees_every_beam(model):
     sched.add_request(beam_request("b", prompt_of(1), 4, 30))
     for _ in range(6):
         out = sched.schedule()
-        sched.update_from_output(out, *worker.execute(out))
+        sched.update_from_output(out, worker.execute(out))
     assert len(sched.running) == 4 and sched.block_manager.num_shared_blocks > 0
     update = sched.abort_request("b")
     assert update.finish_reason is FinishReason.ABORT

@@ -26,8 +26,8 @@ def _submit(engine: Engine, sink, index: int, prompt_len: int, max_tokens: int) 
     return rid
 
 
-def _engine(max_steps_in_flight: int = 1, **kwargs) -> tuple[Engine, FakeRanks, list[bool]]:
-    scheduler = make_scheduler(64, max_steps_in_flight=max_steps_in_flight,
+def _engine(stages: int = 1, **kwargs) -> tuple[Engine, FakeRanks, list[bool]]:
+    scheduler = make_scheduler(64, pipeline_parallel_size=stages,
                                long_prefill_token_threshold=8, **kwargs)
     health: list[bool] = []
 

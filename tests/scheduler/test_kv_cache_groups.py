@@ -19,6 +19,7 @@ from tests.scheduler.factories import (
     make_request,
     make_scheduler,
     run_to_completion,
+    step_output,
 )
 
 BS = 4
@@ -326,7 +327,7 @@ def test_gemma3_270m_shape_one_4096_token_request():
     held = []
     while s.has_unfinished_requests():
         out = s.schedule()
-        s.update_from_output(out, w.execute(out))
+        s.update_from_output(out, step_output(out, w.execute(out)))
         if out.num_scheduled_tokens.get("req-0") == 1 and r.block_ids:  # a decode step
             held.append(s.block_manager.num_blocks_held(r))
             assert s.block_manager.num_blocks_held(r, 2) == ceil_div(r.num_computed_tokens, 16)

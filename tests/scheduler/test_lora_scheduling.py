@@ -26,6 +26,7 @@ from tests.scheduler.factories import (
     final_outputs,
     make_request,
     make_scheduler,
+    step_output,
 )
 
 A, B, C = (LoRARequest(i, name, f"/adapters/{name}") for i, name in ((1, "a"), (2, "b"), (3, "c")))
@@ -76,7 +77,7 @@ def _steps_until_scheduled(max_lora_skips: int, limit: int = 60) -> int | None:
         if any(r.request_id == "req-1" for r in out.new_requests):
             assert starving.num_lora_skips == step  # (passed over at every step before)
             return step
-        scheduler.update_from_output(out, worker.execute(out))
+        scheduler.update_from_output(out, step_output(out, worker.execute(out)))
     return None
 
 
@@ -100,7 +101,7 @@ def test_preemption_keeps_the_adapter_and_the_workers_keep_the_request():
         out = scheduler.schedule()
         resumed |= any(c.request_id == "req-1" and c.resumed_from_preemption
                        for c in out.cached_requests)
-        scheduler.update_from_output(out, worker.execute(out))
+        scheduler.update_from_output(out, step_output(out, worker.execute(out)))
     assert late.num_preemptions > 0 and resumed
     assert late.lora == B and early.lora == A
     # the adapter was sent once, with the request in full; a resume is a diff of the same
@@ -119,7 +120,7 @@ def test_the_prefix_cache_never_shares_blocks_between_adapters():
         scheduler.add_request(r)
         while scheduler.has_unfinished_requests():
             out = scheduler.schedule()
-            scheduler.update_from_output(out, worker.execute(out))
+            scheduler.update_from_output(out, step_output(out, worker.execute(out)))
         return r.num_cached_tokens
 
     assert run(0, A) == 0

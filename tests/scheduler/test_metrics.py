@@ -3,7 +3,7 @@
 import pytest
 
 from services.scheduler.metrics import SchedulerMetrics
-from tests.scheduler.factories import FakeWorker, make_request, make_scheduler
+from tests.scheduler.factories import FakeWorker, make_request, make_scheduler, step_output
 
 STEP = 0.25  # seconds of fake clock per engine step
 
@@ -25,7 +25,8 @@ def drive(scheduler, metrics, requests, abort_after=None):
         metrics.observe_scheduled(out, now)
         now += STEP
         steps += 1
-        metrics.observe_updates(scheduler.update_from_output(out, worker.execute(out)), now)
+        updates = scheduler.update_from_output(out, step_output(out, worker.execute(out)))
+        metrics.observe_updates(updates, now)
         if abort_after and steps == abort_after[1]:
             update = scheduler.abort_request(abort_after[0])
             metrics.observe_updates([update], now)
@@ -71,7 +72,7 @@ def test_gauges_and_core_counters_read_the_scheduler_at_scrape_time():
         scheduler.add_request(make_request(i, 8, max_tokens=4))
     assert value(metrics, "num_requests_waiting") == 3
     out = scheduler.schedule()
-    scheduler.update_from_output(out, FakeWorker(scheduler).execute(out))
+    scheduler.update_from_output(out, step_output(out, FakeWorker(scheduler).execute(out)))
     assert value(metrics, "num_requests_running") == 2
     assert value(metrics, "num_requests_waiting") == 1
     used = scheduler.block_manager.num_used_blocks / scheduler.block_manager.num_blocks

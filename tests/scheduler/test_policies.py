@@ -12,6 +12,7 @@ from tests.scheduler.factories import (
     make_requests,
     make_scheduler,
     run_to_completion,
+    step_output,
 )
 
 
@@ -46,7 +47,7 @@ def test_priority_admits_lower_value_first_then_arrival():
     while s.has_unfinished_requests():
         out = s.schedule()
         admitted += [r.request_id for r in out.new_requests]
-        s.update_from_output(out, w.execute(out))
+        s.update_from_output(out, step_output(out, w.execute(out)))
     assert admitted == ["req-4", "req-1", "req-3", "req-0", "req-2"]
 
 
@@ -59,7 +60,8 @@ def test_later_high_priority_request_finishes_before_waiting_low_priority_ones()
     running = [prioritized(i, 12, 1, max_tokens=6, ignore_eos=True) for i in range(2)]
     for r in running:
         s.add_request(r)
-    s.update_from_output(out := s.schedule(), w.execute(out))  # both running: 8 of 8 blocks
+    # both running: 8 of 8 blocks
+    s.update_from_output(out := s.schedule(), step_output(out, w.execute(out)))
     waiting = [prioritized(i, 12, 1, max_tokens=6, ignore_eos=True) for i in range(2, 5)]
     for r in waiting:
         s.add_request(r)
@@ -80,7 +82,7 @@ def test_priority_preempts_the_lowest_priority_running_request():
     s.add_request(low)
     s.add_request(high)
     while not s.num_preemptions_total:
-        s.update_from_output(out := s.schedule(), w.execute(out))
+        s.update_from_output(out := s.schedule(), step_output(out, w.execute(out)))
     assert low.num_preemptions == 1 and high.num_preemptions == 0
     run_to_completion(s, w)
     for r in (low, high):
@@ -96,7 +98,7 @@ def test_preempted_request_keeps_its_place_in_line():
     s.add_request(a)
     s.add_request(b)
     while not s.num_preemptions_total:
-        s.update_from_output(out := s.schedule(), w.execute(out))
+        s.update_from_output(out := s.schedule(), step_output(out, w.execute(out)))
     late = prioritized(2, 4, 2, max_tokens=2)  # same priority as b, arrives after it
     s.add_request(late)
     assert [r.request_id for r in s.waiting] == ["req-1", "req-2"]
@@ -108,14 +110,14 @@ def test_long_prefill_cap_keeps_decodes_moving():
     w = FakeWorker(s)
     decoder = make_request(0, 4, max_tokens=30, ignore_eos=True)
     s.add_request(decoder)
-    s.update_from_output(out := s.schedule(), w.execute(out))
+    s.update_from_output(out := s.schedule(), step_output(out, w.execute(out)))
     s.add_request(long := make_request(1, 100, max_tokens=2))
     steps = 0
     while long.num_computed_tokens < long.num_prompt_tokens:
         out = s.schedule()
         assert out.num_scheduled_tokens["req-0"] == 1  # the decode runs every step
         assert out.num_scheduled_tokens["req-1"] <= 8
-        s.update_from_output(out, w.execute(out))
+        s.update_from_output(out, step_output(out, w.execute(out)))
         steps += 1
     assert steps == -(-100 // 8)
     run_to_completion(s, w)
@@ -131,7 +133,7 @@ def test_without_the_cap_an_older_long_prefill_takes_the_whole_budget():
     s.add_request(make_request(1, 4, max_tokens=30, ignore_eos=True))
     out = s.schedule()
     assert out.num_scheduled_tokens == {"req-0": 32}
-    s.update_from_output(out, w.execute(out))
+    s.update_from_output(out, step_output(out, w.execute(out)))
 
 
 def test_load_shedding_by_request_count():
@@ -141,7 +143,8 @@ def test_load_shedding_by_request_count():
     with pytest.raises(QueueFullError, match=r"2 requests waiting \(--max-num-waiting-requests 2"):
         s.add_request(make_request(2, 4))
     assert s.num_rejected_total == 1 and s.get_request("req-2") is None
-    s.update_from_output(out := s.schedule(), FakeWorker(s).execute(out))  # req-0 admitted
+    # req-0 admitted
+    s.update_from_output(out := s.schedule(), step_output(out, FakeWorker(s).execute(out)))
     s.add_request(make_request(3, 4))  # room again
 
 

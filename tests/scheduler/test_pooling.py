@@ -1,25 +1,28 @@
 """A pooling scheduler (workers on --runner pooling): a request is its prompt's forward only,
 finished with its vector by the step that computes its last prompt token."""
 
-from services.scheduler.outputs import SchedulerOutput
+from services.common.step import StepOutput
+from services.scheduler.outputs import ScheduledStep
 from services.scheduler.request import FinishReason, RequestStatus
 from tests.scheduler.factories import make_request, make_scheduler
 
 
-def _pooled(out: SchedulerOutput) -> dict[str, list[float]]:
+def _pooled(out: ScheduledStep) -> StepOutput:
     """A fake pooling worker's answer: a vector for each request whose chunk ended its prompt
     (its id's index, its computed length)."""
-    return {rid: [float(rid.split("-")[1]), 1.0] for rid in out.sampled_req_ids}
+    rids = [rid for rid in out.epochs if rid in out.sampled_req_ids]
+    return StepOutput(out.step_id, rids, [],
+                      embeddings=[[float(rid.split("-")[1]), 1.0] for rid in rids])
 
 
-def _run(sched, max_steps: int = 50) -> tuple[list, list[SchedulerOutput]]:
+def _run(sched, max_steps: int = 50) -> tuple[list, list[ScheduledStep]]:
     updates, steps = [], []
     for _ in range(max_steps):
         if not sched.has_unfinished_requests():
             break
         out = sched.schedule()
         steps.append(out)
-        updates += sched.update_from_output(out, {}, embeddings=_pooled(out))
+        updates += sched.update_from_output(out, _pooled(out))
     return updates, steps
 
 
@@ -50,7 +53,7 @@ def test_a_step_without_the_vector_recomputes_the_request():
     r = make_request(1, 5)
     sched.add_request(r)
     out = sched.schedule()
-    assert sched.update_from_output(out, {}, embeddings={}) == []
+    assert sched.update_from_output(out, StepOutput(out.step_id, [], [], embeddings=[])) == []
     assert r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0
     updates, _ = _run(sched)
     assert [u.embedding for u in updates] == [[1.0, 1.0]]

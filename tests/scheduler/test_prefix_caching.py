@@ -9,7 +9,13 @@ import pytest
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.prefix_keys import hash_block
 from services.scheduler.request import Request
-from tests.scheduler.factories import FakeWorker, expected_output, make_scheduler, run_to_completion
+from tests.scheduler.factories import (
+    FakeWorker,
+    expected_output,
+    make_scheduler,
+    run_to_completion,
+    step_output,
+)
 
 
 def request(rid: str, tokens: list[int], **kw) -> Request:
@@ -193,7 +199,8 @@ def test_requests_admitted_in_one_step_share_the_prefix():
     shared = reqs[0].block_ids[0][:3]
     assert all(r.block_ids[0][:3] == shared for r in reqs)
     assert s.block_manager.num_used_blocks == 3 + 4  # the prefix once, one tail block each
-    s.update_from_output(out, w.execute(out))  # FakeWorker checks every slot it reads
+    # FakeWorker checks every slot it reads
+    s.update_from_output(out, step_output(out, w.execute(out)))
     run_to_completion(s, w)
 
 

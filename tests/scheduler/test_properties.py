@@ -37,6 +37,7 @@ from tests.scheduler.factories import (
     make_request,
     make_scheduler,
     run_to_completion,
+    step_output,
 )
 
 FAKE_TOKENS = st.integers(10, 59)  # the fake model's token range
@@ -80,12 +81,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduling_policy=policy,
             long_prefill_token_threshold=threshold,
             max_num_waiting_requests=max_waiting,
-            max_steps_in_flight=1 if mode == "serial" else 2,
+            pipeline_parallel_size=2 if mode == "pipelined" else 1,  # (async: 2 in flight)
             async_scheduling=mode == "async",
             sliding_windows=windows,
         )
         event(f"mode: {mode}")
-        self.pending: deque = deque()  # (SchedulerOutput, sampled) sent, oldest first
+        self.pending: deque = deque()  # (ScheduledStep, sampled) sent, oldest first
         self.worker = FakeWorker(self.scheduler)
         self.requests = []
         self.num_added = 0
@@ -148,7 +149,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Apply the oldest step in flight."""
         if self.pending:
             out, sampled = self.pending.popleft()
-            self.scheduler.update_from_output(out, sampled)
+            self.scheduler.update_from_output(out, step_output(out, sampled))
 
     @rule()
     def preempt(self):
@@ -165,10 +166,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         if request is None:  # an id the scheduler never saw
             assert self.scheduler.abort_request("req-unknown") is None
             return
-        was_finished = request.is_finished
+        was_finished = request.status is RequestStatus.FINISHED
         update = self.scheduler.abort_request(request.request_id)
         assert (update is None) == was_finished
-        assert request.is_finished and request.block_ids == []
+        assert request.status is RequestStatus.FINISHED and request.block_ids == []
 
     @invariant()
     def accounting_is_exact(self):
@@ -194,7 +195,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         hits = s.prefix_cache_hits_total
         event(f"prefix-cache hit tokens: {'0' if not hits else '1-9' if hits < 10 else '10+'}")
         for r in self.requests:
-            assert r.is_finished
+            assert r.status is RequestStatus.FINISHED
             event(f"finish: {r.finish_reason.value}")
             if r.finish_reason is not FinishReason.ABORT:
                 expected = expected_output(r, s.config.max_model_len, self.eos)

@@ -61,17 +61,20 @@ def test_step_result_logprobs_are_cut_per_request():
     import pytest
 
     from services.common.pb.pagedserve.v1 import worker_pb2
+    from services.common.step import Logprobs
     from services.common.step_wire import step_output_from_pb
-    from services.scheduler.logprobs import TokenLogprobs, logprobs_of
+    from services.scheduler.step_results import results_by_request
 
     result = worker_pb2.StepResult(
         step_id=1, request_ids=["a", "b", "c"], sampled_token_ids=[1, 2, 3],
         num_top_logprobs=[2, -1, 0], sampled_logprobs=[-0.5, -1.5],
         top_token_ids=[1, 7], top_logprobs=[-0.5, -2.0])
-    assert logprobs_of(step_output_from_pb(result)) == {
-        "a": TokenLogprobs(-0.5, [1, 7], [-0.5, -2.0]), "c": TokenLogprobs(-1.5, [], [])}
-    assert logprobs_of(step_output_from_pb(worker_pb2.StepResult(
-        request_ids=["a"], sampled_token_ids=[1]))) is None
+    cut = results_by_request(step_output_from_pb(result))
+    assert {rid: r.logprobs for rid, r in cut.items()} == {
+        "a": Logprobs("a", 0, [-0.5], [1, 7], [-0.5, -2.0]), "b": None,
+        "c": Logprobs("c", 0, [-1.5], [], [])}
+    assert results_by_request(step_output_from_pb(worker_pb2.StepResult(
+        request_ids=["a"], sampled_token_ids=[1])))["a"].logprobs is None
     del result.top_logprobs[1]
     with pytest.raises(ValueError, match="malformed"):
         step_output_from_pb(result)
@@ -81,20 +84,20 @@ def test_step_result_prompt_logprobs_are_cut_per_request():
     import pytest
 
     from services.common.pb.pagedserve.v1 import worker_pb2
+    from services.common.step import Logprobs
     from services.common.step_wire import step_output_from_pb
-    from services.scheduler.logprobs import PromptLogprobs, prompt_logprobs_of
 
     result = worker_pb2.StepResult(
         prompt_request_ids=["a", "b"], prompt_first_positions=[1, 9],
         prompt_num_tokens=[2, 1], prompt_num_top=[1, 0], prompt_logprobs=[-1.0, -2.0, -3.0],
         prompt_top_token_ids=[4, 5], prompt_top_logprobs=[-0.5, -0.75])
-    assert prompt_logprobs_of(step_output_from_pb(result)) == {
-        "a": PromptLogprobs(1, [-1.0, -2.0], [4, 5], [-0.5, -0.75], 1),
-        "b": PromptLogprobs(9, [-3.0], [], [], 0)}
-    assert prompt_logprobs_of(step_output_from_pb(worker_pb2.StepResult())) is None
+    assert step_output_from_pb(result).prompt_logprobs == [
+        Logprobs("a", 1, [-1.0, -2.0], [4, 5], [-0.5, -0.75]),
+        Logprobs("b", 9, [-3.0], [], [])]
+    assert step_output_from_pb(worker_pb2.StepResult()).prompt_logprobs == []
     del result.prompt_logprobs[0]
     with pytest.raises(ValueError, match="malformed"):
         step_output_from_pb(result)
-    p = PromptLogprobs(3, [-1.0, -2.0], [7, 8], [-1.0, -2.0], 1)
+    p = Logprobs("a", 3, [-1.0, -2.0], [7, 8], [-1.0, -2.0])
     assert p.from_position(2) is p and p.from_position(5) is None
-    assert p.from_position(4) == PromptLogprobs(4, [-2.0], [8], [-2.0], 1)
+    assert p.from_position(4) == Logprobs("a", 4, [-2.0], [8], [-2.0])

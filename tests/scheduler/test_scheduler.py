@@ -16,6 +16,7 @@ from tests.scheduler.factories import (
     make_requests,
     make_scheduler,
     run_to_completion,
+    step_output,
 )
 
 
@@ -72,7 +73,7 @@ def test_single_request_prefill_then_decode_with_diffs():
     assert out.cached_requests == []
     assert new.prompt_token_ids == r.prompt_token_ids and new.block_ids == [0, 1, 2]
     assert new.num_computed_tokens == 0 and new.sampling_params is r.sampling_params
-    (update,) = s.update_from_output(out, w.execute(out))
+    (update,) = s.update_from_output(out, step_output(out, w.execute(out)))
     t0 = fake_token("req-0", 10)
     assert (update.new_token_ids, update.finish_reason) == ([t0], None)
     assert (update.num_prompt_tokens, update.num_output_tokens) == (10, 1)
@@ -83,11 +84,11 @@ def test_single_request_prefill_then_decode_with_diffs():
     (cached,) = out.cached_requests
     assert cached.new_token_ids == [t0] and cached.new_block_ids == []  # slot 10: block 2
     assert cached.num_computed_tokens == 10 and not cached.resumed_from_preemption
-    s.update_from_output(out, w.execute(out))
+    s.update_from_output(out, step_output(out, w.execute(out)))
 
     out = s.schedule()  # slot 11 still in block 2; then slot 12 would need block 3
     assert out.cached_requests[0].new_block_ids == []
-    (update,) = s.update_from_output(out, w.execute(out))
+    (update,) = s.update_from_output(out, step_output(out, w.execute(out)))
     assert update.finish_reason is FinishReason.LENGTH and update.num_output_tokens == 3
     assert r.status is RequestStatus.FINISHED and r.block_ids == []
     assert s.num_running == 0 and not s.has_unfinished_requests()
@@ -113,7 +114,7 @@ def test_continuous_batching_join_next_step_leave_at_once():
     assert out.num_scheduled_tokens == {"req-0": 1, "req-1": 5}
     assert [n.request_id for n in out.new_requests] == ["req-1"]
     assert [c.request_id for c in out.cached_requests] == ["req-0"]
-    s.update_from_output(out, w.execute(out))
+    s.update_from_output(out, step_output(out, w.execute(out)))
     updates = w.step()  # a's third token: a finishes and leaves in this very update
     assert {u.request_id: u.finish_reason for u in updates} == {
         "req-0": FinishReason.LENGTH,
@@ -122,7 +123,7 @@ def test_continuous_batching_join_next_step_leave_at_once():
     assert s.running == [b]
     out = s.schedule()
     assert out.finished_request_ids == {"req-0"} and out.num_scheduled_tokens == {"req-1": 1}
-    s.update_from_output(out, w.execute(out))
+    s.update_from_output(out, step_output(out, w.execute(out)))
     run_to_completion(s, w)
     assert outputs_by_id([a, b]) == {
         r.request_id: expected_output(r, 128) for r in (a, b)
@@ -139,7 +140,7 @@ def test_chunked_prefill_of_a_prompt_longer_than_the_budget():
         out = s.schedule()
         data = (out.new_requests or out.cached_requests)[0]
         seen.append((out.num_scheduled_tokens["req-0"], data.num_computed_tokens))
-        updates = s.update_from_output(out, w.execute(out))
+        updates = s.update_from_output(out, step_output(out, w.execute(out)))
         if data.num_computed_tokens + out.num_scheduled_tokens["req-0"] < 100:
             assert updates == [] and r.output_token_ids == []
             assert r.status is RequestStatus.RUNNING
@@ -156,7 +157,7 @@ def test_mid_prefill_sampled_token_is_ignored():
     s = make_scheduler(max_num_batched_tokens=8)
     s.add_request(make_request(0, 20))
     out = s.schedule()
-    assert s.update_from_output(out, {"req-0": 42}) == []
+    assert s.update_from_output(out, step_output(out, {"req-0": 42})) == []
     assert s.get_request("req-0").output_token_ids == []
 
 
@@ -164,7 +165,8 @@ def test_mid_prefill_sampled_token_is_ignored():
 def test_missing_sampled_token_recomputes_the_request(async_scheduling):
     """A token the worker owed and did not send (a worker bug): the request is recomputed from
     its whole token list, as after a preemption, and still ends with the right tokens."""
-    s = make_scheduler(async_scheduling=async_scheduling, max_steps_in_flight=2)
+    s = make_scheduler(async_scheduling=async_scheduling,  # (two steps in flight either way)
+                       pipeline_parallel_size=1 if async_scheduling else 2)
     w = FakeWorker(s)
     r = make_request(0, 6, max_tokens=3)
     s.add_request(r)
@@ -172,13 +174,14 @@ def test_missing_sampled_token_recomputes_the_request(async_scheduling):
     w.execute(out)  # the worker samples (and keeps) a token the scheduler never gets
     ahead = s.schedule()
     w.execute(ahead)
-    assert s.update_from_output(out, {}) == []
+    assert s.update_from_output(out, step_output(out, {})) == []
     assert r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0
-    assert s.update_from_output(ahead, {"req-0": 99}) == []  # stale: a new epoch
+    # stale: a new epoch
+    assert s.update_from_output(ahead, step_output(ahead, {"req-0": 99})) == []
     resumed = s.schedule()
     assert resumed.cached_requests[0].resumed_from_preemption
     assert resumed.cached_requests[0].new_token_ids == r.all_token_ids
-    s.update_from_output(resumed, w.execute(resumed))
+    s.update_from_output(resumed, step_output(resumed, w.execute(resumed)))
     run_to_completion(s, w)
     assert r.output_token_ids == expected_output(r, 128)[0]
     run_to_completion(s, w)
@@ -194,12 +197,12 @@ def test_token_budget_and_max_num_seqs_are_respected():
     out = s.schedule()
     # FIFO admission until the budget runs out: 8 + 8 + 4 (a partial chunk).
     assert out.num_scheduled_tokens == {"req-0": 8, "req-1": 8, "req-2": 4}
-    s.update_from_output(out, w.execute(out))
+    s.update_from_output(out, step_output(out, w.execute(out)))
     while s.has_unfinished_requests():
         out = s.schedule()
         assert out.total_num_scheduled_tokens <= 20
         assert len(out.num_scheduled_tokens) <= 3 and s.num_running <= 3
-        s.update_from_output(out, w.execute(out))
+        s.update_from_output(out, step_output(out, w.execute(out)))
     assert all(r.num_output_tokens == 5 for r in reqs)
 
 
@@ -222,7 +225,7 @@ def test_admission_is_fifo_in_arrival_order():
     while s.has_unfinished_requests():
         out = s.schedule()
         order += [n.request_id for n in out.new_requests]
-        s.update_from_output(out, w.execute(out))
+        s.update_from_output(out, step_output(out, w.execute(out)))
     assert order == [f"req-{i}" for i in range(5)]
 
 
@@ -240,7 +243,7 @@ def test_preemption_victim_is_latest_arrival_and_everyone_finishes():
         out = s.schedule()
         if s.num_preemptions_total:  # (the first step that preempted)
             break
-        s.update_from_output(out, w.execute(out))
+        s.update_from_output(out, step_output(out, w.execute(out)))
     # All four cross into their 3rd block together: req-0 and req-1 take req-3's two blocks,
     # then req-2 finds none and is itself the tail. Victims go tail first, each to the front.
     assert [r.request_id for r in reqs if r.num_preemptions] == ["req-2", "req-3"]
@@ -252,7 +255,7 @@ def test_preemption_victim_is_latest_arrival_and_everyone_finishes():
     assert s.num_preemptions_total == 2 and s.running == reqs[:2]
     assert set(out.num_scheduled_tokens) == {"req-0", "req-1"}
     victim = reqs[3]
-    s.update_from_output(out, w.execute(out))
+    s.update_from_output(out, step_output(out, w.execute(out)))
 
     resumed = None
     while s.has_unfinished_requests():
@@ -262,7 +265,7 @@ def test_preemption_victim_is_latest_arrival_and_everyone_finishes():
                 req3 = s.get_request("req-3")
                 num_scheduled = out.num_scheduled_tokens["req-3"]
                 resumed = (c, list(req3.block_ids[0]), num_scheduled, req3.num_tokens)
-        s.update_from_output(out, w.execute(out))
+        s.update_from_output(out, step_output(out, w.execute(out)))
         s.block_manager.check_invariants(s.requests.values())
     data, table, num_scheduled, num_tokens = resumed
     assert data.new_block_ids == table and data.num_computed_tokens == 0
@@ -304,12 +307,12 @@ def test_self_preemption_no_admission_that_step_and_fifo_blocking():
     assert s.num_preemptions_total == 1 and b.num_preemptions == 1
     assert b.status is RequestStatus.PREEMPTED and out.num_scheduled_tokens == {"req-0": 1}
     assert list(s.waiting) == [b, c]  # c would fit, but no admission in a preempting step
-    s.update_from_output(out, w.execute(out))
+    s.update_from_output(out, step_output(out, w.execute(out)))
     # b needs 7 blocks, 6 are free until a finishes: c (1 block) must not skip ahead of b.
     while b.status is not RequestStatus.RUNNING:
         assert c.status is RequestStatus.WAITING and list(s.waiting) == [b, c]
         w.step()
-    assert a.is_finished
+    assert a.status is RequestStatus.FINISHED
     run_to_completion(s, w)
     assert outputs_by_id([a, b, c]) == {r.request_id: expected_output(r, 32) for r in (a, b, c)}
 
@@ -335,7 +338,7 @@ def test_abort_running_frees_blocks_and_tells_the_worker():
     assert s.abort_request("req-0") is None and s.abort_request("nope") is None
     out = s.schedule()
     assert out.finished_request_ids == {"req-0"} and set(out.num_scheduled_tokens) == {"req-1"}
-    s.update_from_output(out, w.execute(out))
+    s.update_from_output(out, step_output(out, w.execute(out)))
 
 
 def test_abort_waiting_never_seen_is_not_sent():
@@ -355,7 +358,7 @@ def test_abort_while_step_in_flight_ignores_its_token():
     out = s.schedule()
     sampled = w.execute(out)
     s.abort_request("req-0")
-    updates = s.update_from_output(out, sampled)
+    updates = s.update_from_output(out, step_output(out, sampled))
     assert [u.request_id for u in updates] == ["req-1"]
     assert s.schedule().finished_request_ids == {"req-0"}
 
@@ -368,10 +371,11 @@ def test_a_request_awaiting_its_token_is_not_scheduled_again_and_a_step_applies_
     out = s.schedule()
     assert s.get_request("req-0").num_computed_tokens == 4  # counted when scheduled
     assert s.schedule().num_scheduled_tokens == {}
-    assert [u.new_token_ids for u in s.update_from_output(out, {"req-0": 11})] == [[11]]
+    updates = s.update_from_output(out, step_output(out, {"req-0": 11}))
+    assert [u.new_token_ids for u in updates] == [[11]]
     assert s.schedule().num_scheduled_tokens == {"req-0": 1}
     with pytest.raises(ValueError, match="applied before"):
-        s.update_from_output(out, {"req-0": 11})
+        s.update_from_output(out, step_output(out, {"req-0": 11}))
 
 
 def test_a_lost_step_whose_requests_were_all_aborted_does_not_block():
@@ -384,8 +388,8 @@ def test_a_lost_step_whose_requests_were_all_aborted_does_not_block():
     s.add_request(make_request(1, 4))
     out = s.schedule()
     assert out.finished_request_ids == {"req-0"} and out.num_scheduled_tokens == {"req-1": 4}
-    assert s.update_from_output(lost, {"req-0": 11}) == []
-    assert len(s.update_from_output(out, {"req-1": 11})) == 1
+    assert s.update_from_output(lost, step_output(lost, {"req-0": 11})) == []
+    assert len(s.update_from_output(out, step_output(out, {"req-1": 11}))) == 1
     assert s.block_manager.num_free_blocks == s.block_manager.num_blocks - 1
 
 
@@ -400,9 +404,10 @@ def test_a_result_from_before_a_preemption_is_ignored():
     s.state.preempt(request)
     resumed = s.schedule()
     assert resumed.num_scheduled_tokens == {"req-0": 4}
-    assert s.update_from_output(first, {"req-0": 11}) == []
+    assert s.update_from_output(first, step_output(first, {"req-0": 11})) == []
     assert request.output_token_ids == []
-    assert [u.new_token_ids for u in s.update_from_output(resumed, {"req-0": 12})] == [[12]]
+    updates = s.update_from_output(resumed, step_output(resumed, {"req-0": 12}))
+    assert [u.new_token_ids for u in updates] == [[12]]
 
 
 # --- finishing ------------------------------------------------------------------------------
@@ -478,7 +483,7 @@ def test_max_model_len_caps_a_larger_max_tokens():
 
 def test_schedule_cost_does_not_grow_with_waiting_queue():
     """Admission stops at the first request that cannot run; the rest are never looked at."""
-    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=6)
+    s = make_scheduler(max_num_seqs=2, max_num_batched_tokens=6, max_num_waiting_requests=0)
     for r in make_requests(2000, 4, max_tokens=3):
         s.add_request(r)
     calls = 0
@@ -499,9 +504,9 @@ def test_schedule_cost_does_not_grow_with_waiting_queue():
 
 
 def test_logprobs_ride_along_with_their_token_only():
-    """update_from_output puts a request's TokenLogprobs on its RequestUpdate; a mid-prefill
+    """update_from_output puts a request's logprobs on its RequestUpdate; a mid-prefill
     chunk's (discarded) token takes its logprobs with it."""
-    from services.scheduler.logprobs import TokenLogprobs
+    from services.common.step import SampledLogprobs
     from tests.scheduler.factories import FakeWorker, make_request, make_scheduler
 
     s = make_scheduler(max_num_batched_tokens=6)
@@ -511,20 +516,26 @@ def test_logprobs_ride_along_with_their_token_only():
     w = FakeWorker(s)
     out = s.schedule()  # long gets 6 of 8 prompt tokens: no token yet
     sampled = w.execute(out)
-    lp = {rid: TokenLogprobs(-0.25, [t], [-0.25]) for rid, t in sampled.items()}
-    assert [u.request_id for u in s.update_from_output(out, sampled, lp)] == []
+    n = len(sampled)
+    lp = SampledLogprobs([1] * n, [-0.25] * n, list(sampled.values()), [-0.25] * n)
+    assert [u.request_id for u in s.update_from_output(out, step_output(out, sampled,
+                                                                        logprobs=lp))] == []
     out = s.schedule()
     sampled = w.execute(out)
-    lp = {"req-0": TokenLogprobs(-0.5, [sampled["req-0"]], [-0.5])}
-    updates = {u.request_id: u for u in s.update_from_output(out, sampled, lp)}
-    assert updates["req-0"].logprobs == [lp["req-0"]]  # (one per new token)
+    lp = SampledLogprobs([1 if rid == "req-0" else -1 for rid in sampled], [-0.5],
+                         [sampled["req-0"]], [-0.5])
+    updates = {u.request_id: u for u in s.update_from_output(out, step_output(out, sampled,
+                                                                              logprobs=lp))}
+    got = updates["req-0"].logprobs  # (one per new token, at its position)
+    assert (got.start, got.logprobs, got.top_token_ids, got.top_logprobs) == (
+        8, [-0.5], [sampled["req-0"]], [-0.5])
     assert updates["req-1"].logprobs is None
 
 
 def test_prompt_logprobs_skip_the_cache_and_are_passed_on_once():
     """A prompt_logprobs request computes its whole prompt even when it is cached; each prompt
     token's logprobs reach the router once, chunk by chunk (a recomputed chunk repeats none)."""
-    from services.scheduler.logprobs import PromptLogprobs
+    from services.common.step import Logprobs
     from services.scheduler.request import Request
     from tests.scheduler.factories import FakeWorker, make_scheduler, run_to_completion
 
@@ -539,13 +550,16 @@ def test_prompt_logprobs_skip_the_cache_and_are_passed_on_once():
     assert out.num_scheduled_tokens["req-1"] == 8
 
     def chunk(start, n):
-        return {"req-1": PromptLogprobs(start, [-1.0] * n, [5] * n, [-1.0] * n, 1)}
-    (u,) = s.update_from_output(out, w.execute(out), None, chunk(1, 7))  # mid-prefill
+        return [Logprobs("req-1", start, [-1.0] * n, [5] * n, [-1.0] * n)]
+    # mid-prefill
+    (u,) = s.update_from_output(out, step_output(out, w.execute(out),
+                                                 prompt_logprobs=chunk(1, 7)))
     assert u.new_token_ids == [] and (u.prompt_logprobs.start, len(u.prompt_logprobs.logprobs)
                                       ) == (1, 7)
     out = s.schedule()
     # the worker repeats tokens 5..7 (as after a recompute): only 8..11 go on
-    (u,) = s.update_from_output(out, w.execute(out), None, chunk(5, 7))
+    (u,) = s.update_from_output(out, step_output(out, w.execute(out),
+                                                 prompt_logprobs=chunk(5, 7)))
     assert len(u.new_token_ids) == 1 and u.prompt_logprobs.start == 8
     assert len(u.prompt_logprobs.logprobs) == 4 and u.prompt_logprobs.top_token_ids == [5] * 4
     assert not s.get_request("req-1").needs_prompt_logprobs

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import pytest
 
 from services.common.spec_decode_config import SpeculativeConfig
-from services.scheduler.outputs import SchedulerOutput
+from services.scheduler.outputs import ScheduledStep
 from services.scheduler.request import FinishReason
 from services.scheduler.scheduler import Scheduler
-from services.scheduler.spec_decode import SpecDecodeResult, num_drafts_to_verify
+from services.common.step import StepOutput
+from services.scheduler.spec_decode import num_drafts_to_verify
 from tests.scheduler.factories import (
     expected_output,
     fake_token,
@@ -52,7 +53,7 @@ class SpecWorker:
         self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, prefix key)
         self.lookahead_seen = 0  # the most slots past a step's tokens a table covered
 
-    def execute(self, out: SchedulerOutput) -> tuple[dict[str, int], SpecDecodeResult]:
+    def execute(self, out: ScheduledStep) -> StepOutput:
         bs = self.scheduler.config.block_size
         for rid in out.finished_request_ids:
             self.states.pop(rid)
@@ -75,14 +76,13 @@ class SpecWorker:
             state.table += c.new_block_ids
             if c.spec_token_ids:
                 drafts[c.request_id] = c.spec_token_ids
-        sampled: dict[str, int] = {}
-        result = SpecDecodeResult()
+        new_tokens: dict[str, list[int]] = {}
+        proposals: dict[str, list[int]] = {}
         reads = []
         for rid, n in out.num_scheduled_tokens.items():
             state, request = self.states[rid], self.scheduler.get_request(rid)
             assert state.tokens == request.all_token_ids
             d = drafts.get(rid, [])
-            assert out.spec_token_ids.get(rid, []) == d
             seq = state.tokens + d
             start, end = state.num_computed, state.num_computed + n
             if d:
@@ -111,14 +111,14 @@ class SpecWorker:
             token = fake_token(rid, num_real + len(accepted))
             state.tokens += [*accepted, token]
             state.num_computed = len(state.tokens) - 1
-            sampled[rid] = token
-            if accepted:
-                result.accepted[rid] = accepted
+            new_tokens[rid] = [*accepted, token]
             if out.num_speculative_tokens:
-                proposal = self.propose(rid, state.tokens, out.num_speculative_tokens)
-                if proposal:
-                    result.drafts[rid] = proposal
-        return sampled, result
+                proposals[rid] = self.propose(rid, state.tokens, out.num_speculative_tokens)
+        return StepOutput(out.step_id, list(new_tokens),
+                          [t for tokens in new_tokens.values() for t in tokens],
+                          num_sampled_token_ids=[len(t) for t in new_tokens.values()],
+                          draft_token_ids=([proposals[rid] for rid in new_tokens]
+                                           if out.num_speculative_tokens else None))
 
 
 def run(scheduler: Scheduler, worker: SpecWorker, max_steps: int = 5000):
@@ -128,8 +128,7 @@ def run(scheduler: Scheduler, worker: SpecWorker, max_steps: int = 5000):
         if not scheduler.has_unfinished_requests():
             return updates
         out = scheduler.schedule()
-        sampled, spec = worker.execute(out)
-        for u in scheduler.update_from_output(out, sampled, spec=spec):
+        for u in scheduler.update_from_output(out, worker.execute(out)):
             updates.setdefault(u.request_id, []).append(u)
         scheduler.block_manager.check_invariants(scheduler.requests.values())
     raise AssertionError("unfinished")
@@ -208,24 +207,21 @@ def test_rejected_drafts_roll_back_and_free_their_blocks():
     sched.add_request(r)
     wrong = SpecWorker(sched, lambda rid, tokens, k: [fake_token(rid, len(tokens)) + 1] * k)
     out = sched.schedule()  # the prefill: drafts come back with its token
-    sampled, spec = wrong.execute(out)
-    sched.update_from_output(out, sampled, spec=spec)
+    sched.update_from_output(out, wrong.execute(out))
     assert r.spec_token_ids and len(r.spec_token_ids) == 4
     out = sched.schedule()
-    assert out.num_scheduled_tokens["req-3"] == 5 and out.spec_token_ids["req-3"] == [
+    assert out.num_scheduled_tokens["req-3"] == 5 and out.cached_requests[0].spec_token_ids == [
         fake_token("req-3", 4) + 1] * 4
     held = len(r.block_ids[0])
     assert held * 2 >= r.num_computed_tokens == 4 + 4  # slots for the drafts
-    sampled, spec = wrong.execute(out)
-    sched.update_from_output(out, sampled, spec=spec)
+    sched.update_from_output(out, wrong.execute(out))
     assert r.num_computed_tokens == 4 and r.num_tokens == 5  # every draft rejected
     assert len(r.block_ids[0]) == 2 < held  # ceil(4 / 2): the drafts' blocks are free again
     assert r.trimmed_to == 2
     out = sched.schedule()  # the workers cut their tables too
     cached = out.cached_requests[0]
     assert cached.first_new_block == 2 and r.trimmed_to == -1
-    sampled, spec = wrong.execute(out)
-    sched.update_from_output(out, sampled, spec=spec)
+    sched.update_from_output(out, wrong.execute(out))
     sched.block_manager.check_invariants(sched.requests.values())
 
 
@@ -236,8 +232,7 @@ def test_draft_model_gets_lookahead_slots_and_keeps_them():
     worker = SpecWorker(sched, oracle(0.5, seed=3))
     for _ in range(6):
         out = sched.schedule()
-        sampled, spec = worker.execute(out)
-        sched.update_from_output(out, sampled, spec=spec)
+        sched.update_from_output(out, worker.execute(out))
         for r in sched.running:  # the draft model's own K/V for its next drafts lives there
             assert len(r.block_ids[0]) * 4 >= r.num_computed_tokens + DRAFT.num_speculative_tokens
     assert worker.lookahead_seen >= DRAFT.num_speculative_tokens
@@ -251,10 +246,10 @@ def test_large_batches_turn_speculation_off():
     worker = SpecWorker(sched, oracle(1.0))
     out = sched.schedule()
     assert out.num_speculative_tokens == 2  # (admitted this step: 0 running before)
-    sampled, res = worker.execute(out)
-    sched.update_from_output(out, sampled, spec=res)
+    sched.update_from_output(out, worker.execute(out))
     out = sched.schedule()
-    assert out.num_speculative_tokens == 0 and not out.spec_token_ids  # 3 running
+    assert out.num_speculative_tokens == 0 and not any(  # 3 running
+        c.spec_token_ids for c in out.cached_requests)
     assert all(n == 1 for n in out.num_scheduled_tokens.values())
 
 
@@ -293,39 +288,27 @@ def test_num_drafts_to_verify_limits():
 
 
 def test_async_scheduling_and_speculation_are_exclusive():
-    with pytest.raises(ValueError, match="async_scheduling off"):
+    with pytest.raises(ValueError, match="--async-scheduling does not work with "
+                                         "--speculative-config"):
         make_scheduler(speculative=NGRAM, async_scheduling=True)
 
 
 def test_step_results_are_cut_per_request():
-    from services.common.pb.pagedserve.v1 import worker_pb2
-    from services.common.step_wire import step_output_from_pb
-    from services.scheduler.logprobs import token_logprobs_of
-    from services.scheduler.spec_decode import sampled_of
+    from services.common.step import SampledLogprobs
+    from services.scheduler.step_results import results_by_request
 
-    plain = worker_pb2.StepResult(request_ids=["a", "b"], sampled_token_ids=[5, 6])
-    assert sampled_of(step_output_from_pb(plain)) == ({"a": 5, "b": 6}, None)
-    accepted_only = worker_pb2.StepResult(request_ids=["a", "b"], sampled_token_ids=[1, 2, 3, 6],
-                                          num_sampled_token_ids=[3, 1])
-    sampled, spec = sampled_of(step_output_from_pb(accepted_only))
-    assert sampled == {"a": 3, "b": 6} and spec.accepted == {"a": [1, 2]} and not spec.drafts
-    full = worker_pb2.StepResult(
-        request_ids=["a", "b"], sampled_token_ids=[1, 2, 6], num_sampled_token_ids=[2, 1],
-        num_draft_token_ids=[0, 2], draft_token_ids=[8, 9],
-        num_top_logprobs=[1, 1, -1], sampled_logprobs=[-0.5, -0.25],
-        top_token_ids=[1, 2], top_logprobs=[-0.5, -0.25])
-    lps = token_logprobs_of(step_output_from_pb(full))
-    assert [lp.logprob for lp in lps["a"]] == [-0.5, -0.25] and "b" not in lps
-    sampled, spec = sampled_of(step_output_from_pb(full), lps)
-    assert sampled == {"a": 2, "b": 6} and spec.accepted == {"a": [1]}
-    assert spec.drafts == {"b": [8, 9]} and [lp.logprob for lp in spec.accepted_logprobs["a"]] == [
-        -0.5]
-    drafts_only = worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[4],
-                                        num_draft_token_ids=[2], draft_token_ids=[8, 9])
-    assert sampled_of(step_output_from_pb(drafts_only))[1].drafts == {"a": [8, 9]}
-    for bad in (worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[1, 2],
-                                      num_sampled_token_ids=[1]),
-                worker_pb2.StepResult(request_ids=["a"], sampled_token_ids=[1],
-                                      num_draft_token_ids=[3], draft_token_ids=[1])):
-        with pytest.raises(ValueError, match="malformed"):
-            step_output_from_pb(bad)
+    plain = results_by_request(StepOutput(0, ["a", "b"], [5, 6]))
+    assert {r: (x.token_ids, x.logprobs, x.draft_token_ids) for r, x in plain.items()} == {
+        "a": ([5], None, []), "b": ([6], None, [])}
+    accepted_only = results_by_request(StepOutput(0, ["a", "b"], [1, 2, 3, 6],
+                                                  num_sampled_token_ids=[3, 1]))
+    assert accepted_only["a"].token_ids == [1, 2, 3] and accepted_only["b"].token_ids == [6]
+    full = results_by_request(StepOutput(
+        0, ["a", "b"], [1, 2, 6], SampledLogprobs([1, 1, -1], [-0.5, -0.25], [1, 2],
+                                                  [-0.5, -0.25]),
+        num_sampled_token_ids=[2, 1], draft_token_ids=[[], [8, 9]]))
+    assert full["a"].token_ids == [1, 2] and full["b"].draft_token_ids == [8, 9]
+    lp = full["a"].logprobs
+    assert (lp.logprobs, lp.top_token_ids, lp.top_logprobs) == ([-0.5, -0.25], [1, 2],
+                                                                [-0.5, -0.25])
+    assert full["b"].logprobs is None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.common.step import PromptChunkLogprobs, SampledLogprobs
+from services.common.step import Logprobs, SampledLogprobs
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
@@ -53,7 +53,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, chunks: list[PromptChunk]
-                            ) -> list[PromptChunkLogprobs]:
+                            ) -> list[Logprobs]:
     """The raw logprobs of the prompt tokens scored this step, one topk for all of them.
 
     Args:
@@ -61,7 +61,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, chunks: list[PromptChunk]
             (chunk c owns ``len(c.target_token_ids)`` consecutive rows).
         chunks: what each request's rows score.
     Returns:
-        One ``PromptChunkLogprobs`` per chunk (natural logs).
+        One ``Logprobs`` per chunk (natural logs).
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
     targets = torch.tensor([t for c in chunks for t in c.target_token_ids], dtype=torch.int64,
@@ -76,7 +76,7 @@ def compute_prompt_logprobs(logits: torch.Tensor, chunks: list[PromptChunk]
         n, k = len(c.target_token_ids), min(c.k, max_k)
         ids = [i for r in range(row, row + n) for i in indices[r][:k]] if k else []
         lps = [v for r in range(row, row + n) for v in values[r][:k]] if k else []
-        out.append(PromptChunkLogprobs(c.request_id, c.first_position, chosen[row:row + n], ids,
+        out.append(Logprobs(c.request_id, c.first_position, chosen[row:row + n], ids,
                                        lps))
         row += n
     return out
