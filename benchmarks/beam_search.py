@@ -162,10 +162,11 @@ def main() -> None:
     args = p.parse_args()
 
     from services.common.tokenizer_loading import load_tokenizer
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     tokenizer = load_tokenizer(args.model)
-    runner = ModelRunner(args.model, dtype=args.dtype)
+    runner = ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype))
     results: dict = {"cpu": cpu_info(), "dtype": args.dtype}
     bs = runner.block_size
     long_prompt = workload(tokenizer, 1, args.seed, prompt_range=(512, 512))[0].prompt_token_ids

@@ -28,13 +28,14 @@ def main() -> None:
     a = p.parse_args()
 
     from services.common.tokenizer_loading import load_tokenizer
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from tests.stack.test_smollm2 import chat_prompts
     from tests.worker.invariance_driver import generate
 
     prompt = chat_prompts([a.chat])[0]
-    runner = ModelRunner(None, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                         kv_cache_memory=64 << 20)
+    runner = ModelRunner(WorkerConfig(model=None, dtype=a.dtype, enforce_eager=a.enforce_eager,
+                                      kv_cache_memory=64 << 20))
     tokens, logprobs = generate(runner, prompt, a.tokens)
     print(repr(load_tokenizer(None).decode(tokens)))
     for i, (_, ids, values) in enumerate(logprobs[:4]):

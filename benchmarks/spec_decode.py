@@ -147,6 +147,7 @@ def main() -> None:
 
     from services.common.spec_decode_config import SpeculativeConfig
     from services.router.tokenizer import load_tokenizer
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     torch.set_num_threads(2)
@@ -156,9 +157,9 @@ def main() -> None:
                                            return_dict=True)["input_ids"]) for r in REQUESTS]
     if args.quick:
         repeat = repeat[:2]
-    runner = ModelRunner(args.model, dtype="float32", device="cpu",
-                         kv_cache_memory=2 << 30, max_num_seqs=256,
-                         speculative=SpeculativeConfig("ngram", args.k, 4, 2))
+    runner = ModelRunner(WorkerConfig(model=args.model, dtype="float32", device="cpu",
+                                      kv_cache_memory=2 << 30, max_num_seqs=256,
+                                      speculative=SpeculativeConfig("ngram", args.k, 4, 2)))
     cases = [("repeat", 1, repeat), ("repeat", 8, repeat)]
     if not args.quick:
         cases.append(("repeat", 64, repeat * 8))

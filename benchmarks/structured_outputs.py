@@ -123,10 +123,11 @@ def main() -> None:
 
     from services.common.tokenizer_loading import load_tokenizer
     from services.router.structured_output_grammar import build_grammar
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     tokenizer = load_tokenizer(args.model)
-    runner = ModelRunner(args.model, dtype=args.dtype)
+    runner = ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype))
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=runner.vocab_size,
                                          eos_token=list(runner.eos_token_ids) or None)
     results: dict = {"compile": compile_times(acceptance_schemas(), lltok, args.repeat)}

@@ -68,10 +68,11 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
     length for every prompt, or one per prompt (forced with ignore_eos); ``runner_kwargs`` go
     to ``ModelRunner`` (e.g. ``batch_invariant=True``)."""
     from services.common.step_wire import step_to_pb
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from services.worker.server import step_input_from_pb
 
-    runner = ModelRunner(model, dtype=dtype, **runner_kwargs)
+    runner = ModelRunner(WorkerConfig(model=model, dtype=dtype, **runner_kwargs))
     lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
     scheduler = loaded_scheduler(runner, prompts, lens)
     n, t0 = 0, time.perf_counter()
