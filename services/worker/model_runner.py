@@ -45,6 +45,7 @@ from services.common.step import (
 )
 from services.common.tokenizer_loading import load_tokenizer
 from services.worker.attention import (
+    AttentionBackend,
     AttentionMetadata,
     choose_kv_layout,
     resolve_kv_cache_dtype,
@@ -176,7 +177,7 @@ class ModelRunner:
         else:
             log.info("forward runs eagerly: %s", self.eager_reason)
 
-    def _select_backend(self, config: WorkerConfig):
+    def _select_backend(self, config: WorkerConfig) -> AttentionBackend:
         """The attention backend of ``config.attention_backend`` on this device, and the KV
         cache dtype it stores (sets ``kv_cache_dtype``, ``kv_cache_dtype_name``,
         ``attention_backend_name``).
@@ -205,7 +206,7 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return total, total - free - torch.cuda.memory_reserved(self.device)
 
-    def _load(self, config: WorkerConfig, backend) -> None:
+    def _load(self, config: WorkerConfig, backend: AttentionBackend) -> None:
         """Load this rank's part of the model (its LoRA manager and pooler too) and set what
         the model decides: ``max_model_len``, ``eos_token_ids``, ``vocab_size``, ...
 
@@ -228,7 +229,7 @@ class ModelRunner:
             info.eos_token_ids, info.vocab_size, info.name)
         self.weights_quantization = info.quantization  # "" / "int8" / "w8a8" / "gguf"
 
-    def _plan_kv_cache(self, backend) -> None:
+    def _plan_kv_cache(self, backend: AttentionBackend) -> None:
         """This rank's KV cache geometry: its groups and pairs (``_plan_kv_cache_groups``),
         ``bytes_per_block``, the draft proposer (whose K/V shares the blocks) and the
         backend's ``kv_layout``."""
