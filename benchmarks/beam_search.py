@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/beam_search.py                       # the fixed workload
     .venv/bin/python benchmarks/beam_search.py --num-prompts 2 --new-tokens 8   # smoke
 
-Everything runs through the engine in one process (Scheduler + ModelRunner, each step through
-the StepRequest / StepResult encodings the services use), SmolLM2-135M-Instruct float32.
+Everything runs through the engine in one process (Scheduler + ModelRunner, each step the
+sampling rank's view of the scheduler's step, ``StepInput.for_rank``, as the services send), SmolLM2-135M-Instruct float32.
 
 Blocks: the peak number of KV blocks in use (after each schedule(), when a step holds the most)
 for one beam_width 8 request of a 512-token prompt generating 64 tokens, against 8 independent
@@ -156,10 +156,11 @@ def main() -> None:
     args = p.parse_args()
 
     from services.common.tokenizer_loading import load_tokenizer
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     tokenizer = load_tokenizer(args.model)
-    runner = ModelRunner(args.model, dtype=args.dtype)
+    runner = ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype))
     results: dict = {"cpu": cpu_info(), "dtype": args.dtype}
     bs = runner.block_size
     long_prompt = workload(tokenizer, 1, args.seed, prompt_range=(512, 512))[0].prompt_token_ids

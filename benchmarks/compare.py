@@ -13,8 +13,8 @@ bfloat16 on CPU, greedy.
 - (a) transformers ``generate`` over static batches in arrival order, left-padded; each batch
   runs until its longest output, and only the requested output tokens are counted. The best
   of batch sizes 8, 32 and 64.
-- (b) the engine in-process: ``Scheduler`` + ``ModelRunner``, no gRPC (each step still goes
-  through the StepRequest encoding the services use).
+- (b) the engine in-process: ``Scheduler`` + ``ModelRunner``, no gRPC (each step the sampling
+  rank's view of the scheduler's step, ``StepInput.for_rank``, as the services send).
 - (c) the stack: ``pagedserve serve`` (three processes), every request sent at once, through
   its OpenAI HTTP API (``--stack-api http``, the default: the same client code as vLLM's) or
   over gRPC (``--stack-api grpc``).

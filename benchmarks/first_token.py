@@ -30,11 +30,12 @@ def main() -> None:
     from benchmarks.engine_steps import generate
     from benchmarks.probes import chat_prompts
     from services.common.tokenizer_loading import load_tokenizer
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     prompt = chat_prompts([a.chat])[0]
-    runner = ModelRunner(None, dtype=a.dtype, enforce_eager=a.enforce_eager,
-                         kv_cache_memory=64 << 20)
+    runner = ModelRunner(WorkerConfig(model=None, dtype=a.dtype, enforce_eager=a.enforce_eager,
+                                      kv_cache_memory=64 << 20))
     tokens, logprobs = generate(runner, prompt, a.tokens)
     print(repr(load_tokenizer(None).decode(tokens)))
     for i, (_, ids, values) in enumerate(logprobs[:4]):

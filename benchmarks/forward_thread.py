@@ -86,6 +86,7 @@ def main() -> None:
 
     from services.common.grpc_utils import install_uvloop
     from services.router.tokenizer import load_tokenizer
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     install_uvloop()
@@ -96,9 +97,11 @@ def main() -> None:
             pool = None
             if name == "executor, loaded there":
                 pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
-                runner = pool.submit(ModelRunner, a.model, dtype=a.dtype).result()
+                runner = pool.submit(ModelRunner,
+                                     WorkerConfig(model=a.model, dtype=a.dtype)).result()
             else:
-                runner = ModelRunner(a.model, dtype=a.dtype)  # a fresh KV cache each run
+                # a fresh KV cache each run
+                runner = ModelRunner(WorkerConfig(model=a.model, dtype=a.dtype))
             before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
             tok_s = asyncio.run(run_engine(runner, items, on_executor=name != "main",
                                            with_server=name != "executor, no server", pool=pool))

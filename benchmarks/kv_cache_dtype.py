@@ -9,7 +9,8 @@ For each compute dtype (``--dtypes``) and KV cache mode (auto, int8, fp8_e4m3, f
 - **greedy agreement**: how many of the 16 chats' greedy answers (``--max-tokens`` tokens) are
   identical to ``auto``'s at that dtype, and the mean length of the common prefix.
 
-pagedserve runs eagerly in process (``ModelRunner(enforce_eager=True)``, the native kernels).
+pagedserve runs eagerly in process (``ModelRunner(WorkerConfig(enforce_eager=True))``, the
+native kernels).
 
     .venv/bin/python benchmarks/kv_cache_dtype.py [--dtypes bfloat16,float32] [--max-tokens 32]
         [--modes auto,int8] [--kv-layout rows]
@@ -51,6 +52,7 @@ def main() -> None:
         probe_prompts_and_reference,
     )
     from services.worker import attention
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     attention.CPU_KV_LAYOUT = a.kv_layout
@@ -67,8 +69,8 @@ def main() -> None:
     for dtype in a.dtypes.split(","):
         base_tokens = base_answers = None
         for mode in a.modes.split(","):
-            runner = ModelRunner(None, dtype=dtype, enforce_eager=True, kv_cache_memory=64 << 20,
-                                 kv_cache_dtype=mode)
+            runner = ModelRunner(WorkerConfig(model=None, dtype=dtype, enforce_eager=True,
+                                              kv_cache_memory=64 << 20, kv_cache_dtype=mode))
             tokens = a.kv_cache_memory // runner.bytes_per_block * runner.block_size
             tops, answers = [], []
             for prompt in prompts:

@@ -38,10 +38,11 @@ def main() -> None:
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(a.model, dtype=a.dtype, kv_cache_memory=a.kv_cache_memory,
-                         enforce_eager=True)
+    runner = ModelRunner(WorkerConfig(model=a.model, dtype=a.dtype,
+                                      kv_cache_memory=a.kv_cache_memory, enforce_eager=True))
     windows = [g.sliding_window for g in runner.kv_cache_groups]
     bs = runner.block_size
     scheduler = Scheduler(SchedulerConfig(max_model_len=a.prompt_len + a.output_len,

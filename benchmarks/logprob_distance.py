@@ -2,7 +2,7 @@
 prompts on SmolLM2, mean |logprob - transformers' float32 logprob| over those tokens, for
 
 - the bf16 stack at its defaults (compiled, float32 logits from the native LM head),
-- pagedserve bf16 eager (``ModelRunner(enforce_eager=True)``) and float32 eager,
+- pagedserve bf16 eager (``ModelRunner(WorkerConfig(enforce_eager=True))``) and float32 eager,
 - transformers bf16 (whose logits are rounded to bf16).
 
 The prompts and helpers are ``benchmarks/probes.py``'s; ``tests/stack/test_same_answer.py``
@@ -49,6 +49,7 @@ def main() -> None:
         probe_prompts_and_reference,
     )
     from benchmarks.stack_harness import InProcessStack
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     prompts, hf = probe_prompts_and_reference()
@@ -63,7 +64,8 @@ def main() -> None:
     finally:
         stack.stop()
     for dtype in ("bfloat16", "float32"):
-        runner = ModelRunner(None, dtype=dtype, enforce_eager=True, kv_cache_memory=64 << 20)
+        runner = ModelRunner(WorkerConfig(model=None, dtype=dtype, enforce_eager=True,
+                                          kv_cache_memory=64 << 20))
         runs[f"pagedserve {dtype}, eager"] = [
             list(zip(*generate(runner, p, 1)[1][0][1:], strict=True)) for p in prompts]
         del runner
@@ -87,6 +89,7 @@ def quantized(modes: list[str], dtypes: list[str]) -> None:
         probe_prompts_and_reference,
         run_ours,
     )
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     prompts, hf = probe_prompts_and_reference()
@@ -98,8 +101,8 @@ def quantized(modes: list[str], dtypes: list[str]) -> None:
     for dtype in dtypes:
         unquantized = None
         for mode in [None, *modes]:
-            runner = ModelRunner(None, dtype=dtype, enforce_eager=True, kv_cache_memory=64 << 20,
-                                 quantization=mode)
+            runner = ModelRunner(WorkerConfig(model=None, dtype=dtype, enforce_eager=True,
+                                              kv_cache_memory=64 << 20, quantization=mode))
             full = [torch.log_softmax(run_ours(runner.model, p)[-1], dim=-1) for p in prompts]
             del runner
             tops = [[(t, lp[t].item()) for t in lp.topk(TOP).indices.tolist()] for lp in full]

@@ -43,11 +43,12 @@ def main() -> None:
     from services.scheduler.config import SchedulerConfig
     from services.scheduler.request import EngineSamplingParams, Request
     from services.scheduler.scheduler import Scheduler
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     items = workload(load_tokenizer(a.model), a.num_requests, a.seed)
-    runner = ModelRunner(a.model, dtype=a.dtype, quantization=a.quantization,
-                         kv_cache_dtype=a.kv_cache_dtype)
+    runner = ModelRunner(WorkerConfig(model=a.model, dtype=a.dtype, quantization=a.quantization,
+                                      kv_cache_dtype=a.kv_cache_dtype))
     scheduler = Scheduler(SchedulerConfig(max_model_len=runner.max_model_len),
                           runner.num_kv_blocks, runner.eos_token_ids,
                           sliding_windows=[g.sliding_window for g in runner.kv_cache_groups])

@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/spec_decode.py                  # the fixed workloads
     .venv/bin/python benchmarks/spec_decode.py --new-tokens 16 --quick    # smoke
 
-Everything runs through the engine in one process (Scheduler + ModelRunner, each step through
-the StepRequest / StepResult encodings the services use), SmolLM2-135M-Instruct float32, one
+Everything runs through the engine in one process (Scheduler + ModelRunner, each step the
+sampling rank's view of the scheduler's step, ``StepInput.for_rank``, as the services send), SmolLM2-135M-Instruct float32, one
 model runner for every mode (its ngram proposer only runs when a step asks for drafts), the
 scheduler without async scheduling in every mode (speculation turns it off; the off mode runs
 the same loop, so the ratio is the mechanism's). Modes:
@@ -142,6 +142,7 @@ def main() -> None:
 
     from services.common.spec_decode_config import SpeculativeConfig
     from services.router.tokenizer import load_tokenizer
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     torch.set_num_threads(2)
@@ -151,9 +152,9 @@ def main() -> None:
                                            return_dict=True)["input_ids"]) for r in REQUESTS]
     if args.quick:
         repeat = repeat[:2]
-    runner = ModelRunner(args.model, dtype="float32", device="cpu",
-                         kv_cache_memory=2 << 30, max_num_seqs=256,
-                         speculative=SpeculativeConfig("ngram", args.k, 4, 2))
+    runner = ModelRunner(WorkerConfig(model=args.model, dtype="float32", device="cpu",
+                                      kv_cache_memory=2 << 30, max_num_seqs=256,
+                                      speculative=SpeculativeConfig("ngram", args.k, 4, 2)))
     cases = [("repeat", 1, repeat), ("repeat", 8, repeat)]
     if not args.quick:
         cases.append(("repeat", 64, repeat * 8))

@@ -6,8 +6,8 @@ schema versus none, and grammar compile times for the acceptance tests' 5 schema
 
 Throughput: compare.py's workload (``compare.workload``: prompts of 32-512 tokens cut from
 real text, 32-256 output tokens forced with ignore_eos, seed 0, greedy, SmolLM2-135M-Instruct)
-through the engine in one process (Scheduler + ModelRunner, each step through the StepRequest
-encoding the services use, as compare.py's (b)), once unconstrained and once with every
+through the engine in one process (Scheduler + ModelRunner, each step the sampling
+rank's view ``StepInput.for_rank``, as the services send, as compare.py's (b)), once unconstrained and once with every
 request under ``SCHEMA`` (compiled by the router's ``build_grammar``). A grammar that completes
 before the request's output length allows only EOS from then on (ignore_eos keeps it going):
 the report says how many output tokens were generated with the grammar still open ("live").
@@ -120,10 +120,11 @@ def main() -> None:
 
     from services.common.tokenizer_loading import load_tokenizer
     from services.router.structured_output_grammar import build_grammar
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
     tokenizer = load_tokenizer(args.model)
-    runner = ModelRunner(args.model, dtype=args.dtype)
+    runner = ModelRunner(WorkerConfig(model=args.model, dtype=args.dtype))
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=runner.vocab_size,
                                          eos_token=list(runner.eos_token_ids) or None)
     results: dict = {"compile": compile_times(acceptance_schemas(), lltok, args.repeat)}

@@ -35,6 +35,7 @@ def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
 
     from services.common.sampling_params import EngineSamplingParams
     from services.common.step import CachedRequest, NewRequest, StepInput
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from services.worker.parallel.distributed import (
         ParallelConfig,
@@ -47,8 +48,8 @@ def _run_rank(rank: int, tp: int, port: int, ns: dict, results) -> None:
     parallel = None
     if tp > 1:
         parallel = init_distributed(ParallelConfig(tp, 1, rank), torch.device("cpu"))
-    runner = ModelRunner(ns["model"], dtype=ns["dtype"], device="cpu",
-                         kv_cache_memory=256 << 20, parallel=parallel)
+    runner = ModelRunner(WorkerConfig(model=ns["model"], dtype=ns["dtype"], device="cpu",
+                                      kv_cache_memory=256 << 20), parallel)
     comm = [0.0, 0]  # seconds, calls
     if parallel is not None:
         for name in ("all_reduce", "all_gather_last_dim"):

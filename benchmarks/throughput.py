@@ -66,10 +66,11 @@ def bench_engine(model: str | None, prompts, output_len: int | list[int], dtype:
     """Output tokens/s of the engine in one process: Scheduler + ModelRunner, no gRPC (each
     step is the sampling rank's view, ``StepInput.for_rank``, as the services send).
     ``output_len``: one length for every prompt, or one per prompt (forced with ignore_eos);
-    ``runner_kwargs`` go to ``ModelRunner`` (e.g. ``batch_invariant=True``)."""
+    ``runner_kwargs`` go to ``WorkerConfig`` (e.g. ``batch_invariant=True``)."""
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(model, dtype=dtype, **runner_kwargs)
+    runner = ModelRunner(WorkerConfig(model=model, dtype=dtype, **runner_kwargs))
     lens = [output_len] * len(prompts) if isinstance(output_len, int) else output_len
     scheduler = loaded_scheduler(runner, prompts, lens)
     n, t0 = 0, time.perf_counter()

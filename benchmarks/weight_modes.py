@@ -39,10 +39,11 @@ class Keep(logging.Handler):
 logging.getLogger("services.worker.loader").addHandler(Keep())
 logging.getLogger("services.worker.loader").setLevel(logging.INFO)
 import torch
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 before = status()
-runner = ModelRunner(sys.argv[4] or None, dtype=sys.argv[1], enforce_eager=True,
-                     kv_cache_memory=128 << 20, quantization=sys.argv[2] or None)
+runner = ModelRunner(WorkerConfig(model=sys.argv[4] or None, dtype=sys.argv[1], enforce_eager=True,
+                                  kv_cache_memory=128 << 20, quantization=sys.argv[2] or None))
 if runner.structured is not None:
     runner.structured._ready.result()  # (its tokenizer is built in the background)
 after = status()

@@ -47,7 +47,8 @@ async def _serve_ranks(args: argparse.Namespace) -> None:
     from services.cli.ranks import RankSupervisor
     from services.worker.server import world_size
     world_size(args)  # a --world-size that disagrees: ValueError
-    await RankSupervisor(args).run()
+    await RankSupervisor(args, max_restarts=args.max_restarts,
+                         restart_window=args.restart_window).run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -80,7 +80,7 @@ def forwarded_argv(name: str, ns: argparse.Namespace) -> list[str]:
     for action in _service_parser(name)._actions:
         if action.dest in _WIRING or action.dest in _SECRETS or not action.option_strings:
             continue
-        value = getattr(ns, action.dest, None)
+        value = vars(ns).get(action.dest)
         if isinstance(action, argparse._StoreTrueAction):
             argv += [action.option_strings[0]] if value else []
         elif isinstance(action, argparse.BooleanOptionalAction):
@@ -99,7 +99,7 @@ def forwarded_env(name: str, ns: argparse.Namespace) -> dict[str, str]:
     variables for its process."""
     env = {}
     for action in _service_parser(name)._actions:
-        value = getattr(ns, action.dest, None)
+        value = vars(ns).get(action.dest)
         if action.dest in _SECRETS and value is not None and action.option_strings:
             env[env_name(action.option_strings[0])] = (
                 value.as_flag_value() if hasattr(value, "as_flag_value") else str(value))

@@ -78,13 +78,13 @@ def local_ranks(args: argparse.Namespace) -> range:
             ``--dist-init-addr`` (naming the flags and values).
     """
     world = args.tensor_parallel_size * args.pipeline_parallel_size
-    nnodes, node = getattr(args, "nnodes", 1), getattr(args, "node_rank", 0)
+    nnodes, node = args.nnodes, args.node_rank
     if world % nnodes:
         raise ValueError(f"--nnodes {nnodes} must divide the world size {world} "
                          "(--tensor-parallel-size x --pipeline-parallel-size)")
     if node >= nnodes:
         raise ValueError(f"--node-rank {node} must be below --nnodes {nnodes}")
-    if nnodes > 1 and not getattr(args, "dist_init_addr", None):
+    if nnodes > 1 and not args.dist_init_addr:
         raise ValueError(f"--nnodes {nnodes}: give every host --dist-init-addr HOST:PORT, "
                          "the address of rank 0's host (--node-rank 0) and a free port there")
     per_node = world // nnodes
@@ -104,15 +104,19 @@ class RankSupervisor:
     """Runs and restarts the rank processes of one worker group.
 
     Args:
-        args: the worker's flags (``--max-restarts`` / ``--restart-window`` where given).
+        args: the worker's flags.
         base_delay: seconds before the first restart (the supervisor's backoff then doubles).
+        max_restarts / restart_window: the restart rule (``--max-restarts`` /
+            ``--restart-window``, ``pagedserve worker``'s own flags).
 
     Attributes:
         ranks: the ranks this host runs (all of them unless ``--nnodes`` > 1).
         addresses: the gRPC address of ``ranks[i]`` at index i.
     """
 
-    def __init__(self, args: argparse.Namespace, base_delay: float = BASE_DELAY) -> None:
+    def __init__(self, args: argparse.Namespace, base_delay: float = BASE_DELAY,
+                 max_restarts: int = DEFAULT_MAX_RESTARTS,
+                 restart_window: float = DEFAULT_RESTART_WINDOW) -> None:
         self.args = args
         self.world_size = args.tensor_parallel_size * args.pipeline_parallel_size
         self.ranks = local_ranks(args)
@@ -121,14 +125,13 @@ class RankSupervisor:
                              f"{len(self.ranks)} ranks: rank r serves on --port + r")
         self.addresses = [f"{args.host}:{args.port + i}" for i in range(len(self.ranks))]
         argv = rank_argv(args)
-        local = not getattr(args, "dist_init_addr", None)
+        local = not args.dist_init_addr
         # the ranks serve TLS with this worker's --ssl-* flags: health checks use them too
         self.supervisor = Supervisor(
             {"worker": lambda: rank_group(argv, self.world_size, args.port, args.metrics_port,
                                           ranks=self.ranks, rendezvous=local)},
             {"worker": self.addresses},
-            getattr(args, "max_restarts", DEFAULT_MAX_RESTARTS),
-            getattr(args, "restart_window", DEFAULT_RESTART_WINDOW), base_delay,
+            max_restarts, restart_window, base_delay,
             who="pagedserve worker", credentials=client_credentials(tls_from_args(args)))
 
     @property
@@ -179,4 +182,4 @@ class RankSupervisor:
             halt.set()
             if watch is not None:  # the loop ends within a poll (it may be restarting the group)
                 await asyncio.wait([watch])
-            await asyncio.to_thread(self.stop, getattr(self.args, "shutdown_timeout", 0.0) + 3.0)
+            await asyncio.to_thread(self.stop, self.args.shutdown_timeout + 3.0)

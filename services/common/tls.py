@@ -127,13 +127,12 @@ def load_tls(certfile: str | None = None, keyfile: str | None = None,
 
 
 def tls_from_args(args) -> TLSConfig | None:
-    """``load_tls`` from a namespace with the ``add_tls_flags`` flags (missing ones = unset).
+    """``load_tls`` from a namespace with the ``add_tls_flags`` flags.
 
     Raises:
         ValueError / FileNotFoundError: as ``load_tls``.
     """
-    return load_tls(getattr(args, "ssl_certfile", None), getattr(args, "ssl_keyfile", None),
-                    getattr(args, "ssl_ca_certs", None))
+    return load_tls(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs)
 
 
 def client_credentials(tls: TLSConfig | None) -> grpc.ChannelCredentials | None:

@@ -181,9 +181,9 @@ def registry_from_args(args, base_names: Callable[[], tuple[str, ...]]) -> LoRAR
         ValueError: ``--lora-modules`` or ``--allow-runtime-lora-updating`` without
             ``--enable-lora``, or a bad ``--lora-modules`` entry (naming it and the problem).
     """
-    modules = getattr(args, "lora_modules", None) or []
-    if not getattr(args, "enable_lora", False):
-        if modules or getattr(args, "allow_runtime_lora_updating", False):
+    modules = args.lora_modules or []
+    if not args.enable_lora:
+        if modules or args.allow_runtime_lora_updating:
             raise ValueError("--lora-modules and --allow-runtime-lora-updating need "
                              "--enable-lora")
         return None

@@ -366,6 +366,50 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_metrics_flags(p, ROUTER_PORT)
 
 
+def _openai_server(args, engine: ReplicaSet, tokenizer, metrics: RouterMetrics,
+                   served: ServedModel, inflight: InFlight) -> OpenAIServer | None:
+    """The OpenAI-compatible HTTP server the flags ask for (not started), or None with
+    ``--http-port -1``; its requests count in ``inflight`` (one drain with gRPC's)."""
+    if args.http_port == DISABLED:
+        return None
+    http = OpenAIServer(engine, tokenizer, metrics, max_body_bytes=args.max_request_bytes,
+                        served=served)
+    http.max_stream_buffer = args.max_stream_buffer
+    http.max_logprobs = args.max_logprobs
+    http.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    if args.enable_responses_api_store:
+        http.responses_store = ResponseStore(args.responses_api_store_size)
+    http.reasoning_parser = args.reasoning_parser
+    if served.loras is not None and args.allow_runtime_lora_updating:
+        LoRARoutes(served.loras).add_to(http.app)
+    http.app.middlewares.append(_http_gate(inflight))
+    return http
+
+
+async def _start_http(http: OpenAIServer, args, tls) -> None:
+    """Start ``http`` on ``--http-host`` (default ``--host``) and ``--http-port`` (HTTPS with
+    the router's certificate, behind ``--api-key`` when set); sets ``args.http_port`` to the
+    port bound."""
+    if args.api_key:
+        http.require_api_keys(args.api_key)
+    ssl_context = tls.http_ssl_context() if tls is not None and tls.certfile is not None else None
+    args.http_port = await http.start(args.http_host or args.host, args.http_port, ssl_context)
+    log.info("router OpenAI-compatible %s on %s:%d", "HTTPS" if ssl_context else "HTTP",
+             args.http_host or args.host, args.http_port)
+
+
+async def _grpc_server(args, tls):
+    """The public gRPC server, not started: ``(server, port, health)`` (``new_server``), behind
+    ``--api-key`` when set, refusing requests over ``--max-request-bytes``; sets ``args.port``
+    to the port bound."""
+    server, port, health = await new_server(
+        args.host, args.port, tls=tls,
+        interceptors=[ApiKeyInterceptor(args.api_key)] if args.api_key else [],
+        max_receive_bytes=args.max_request_bytes)
+    args.port = port
+    return server, port, health
+
+
 async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None):
     """Load the tokenizer, connect to the scheduler, and serve until stopped.
 
@@ -379,12 +423,7 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
                          f"({', '.join(TOOL_PARSERS)})")
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model, args.chat_template)
     tls = tls_from_args(args)
-    api_keys = getattr(args, "api_key", None)
-    server, port, health = await new_server(
-        args.host, args.port, tls=tls,
-        interceptors=[ApiKeyInterceptor(api_keys)] if api_keys else [],
-        max_receive_bytes=args.max_request_bytes)
-    args.port = port
+    server, port, health = await _grpc_server(args, tls)
     # NOTE: the router is SERVING (readiness: "" and SERVICE; GET /health 200) exactly while at
     # least one scheduler replica can serve: its stream is up, its engine has a complete worker
     # group, and its engine agrees with the others. Liveness (grpc_utils.LIVENESS) stays
@@ -405,35 +444,14 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     api_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         [SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
-    http = (OpenAIServer(engine, tokenizer, metrics, max_body_bytes=args.max_request_bytes,
-                         served=served)
-            if args.http_port != DISABLED else None)
-    if http is not None:
-        http.max_stream_buffer = args.max_stream_buffer
-        http.max_logprobs = args.max_logprobs
-        http.tool_parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-        if args.enable_responses_api_store:
-            http.responses_store = ResponseStore(args.responses_api_store_size)
-        http.reasoning_parser = args.reasoning_parser
-        if loras is not None and args.allow_runtime_lora_updating:
-            LoRARoutes(loras).add_to(http.app)
-    if http is not None:
-        http.app.middlewares.append(_http_gate(inflight))
+    http = _openai_server(args, engine, tokenizer, metrics, served, inflight)
     await server.start()
     metrics_server = start_metrics_server(metrics.registry, args.metrics_host or args.host,
                                           args.metrics_port)
     args.metrics_port = metrics_server.port if metrics_server else args.metrics_port
     try:
         if http is not None:  # before the engine is up: /health answers 503 meanwhile
-            if api_keys:
-                http.require_api_keys(api_keys)
-            ssl_context = (tls.http_ssl_context()
-                           if tls is not None and tls.certfile is not None else None)
-            https = ssl_context is not None
-            args.http_port = await http.start(args.http_host or args.host, args.http_port,
-                                              ssl_context)
-            log.info("router OpenAI-compatible %s on %s:%d", "HTTPS" if https else "HTTP",
-                     args.http_host or args.host, args.http_port)
+            await _start_http(http, args, tls)
         log.info("router waiting for scheduler %s (routing %s)",
                  args.schedulers or args.scheduler, args.routing_policy)
         info = await engine.start(timeout=args.scheduler_connect_timeout)
@@ -452,4 +470,3 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         await engine.close()
         if metrics_server is not None:
             metrics_server.close()
-

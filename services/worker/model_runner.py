@@ -35,7 +35,7 @@ import torch
 from kernels.copy_blocks import copy_blocks
 from kernels.kv_quant import cache_row_size
 from services.common.sampling_params import EngineSamplingParams
-from services.common.spec_decode_config import SpeculativeConfig
+from services.common.spec_decode_config import SpeculativeConfig, check_spec_decode_parallelism
 from services.common.step import (
     CachedRequest,
     NewRequest,
@@ -45,18 +45,19 @@ from services.common.step import (
 )
 from services.common.tokenizer_loading import load_tokenizer
 from services.worker.attention import (
+    AttentionBackend,
     AttentionMetadata,
     choose_kv_layout,
     resolve_kv_cache_dtype,
     select_backend,
 )
 from services.worker.compiled import CompiledForward, why_eager
+from services.worker.config import WorkerConfig
 from services.worker.device import resolve_device, resolve_dtype
 from services.worker.huge_pages import zeros_on_huge_pages
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.loader import Model, load_model
-from services.worker.lora import LoRAConfig
 from services.worker.lora.manager import make_lora_manager
 from services.worker.models.llama import DecoderLayer, lm_head_logits
 from services.worker.parallel.distributed import ParallelState
@@ -74,7 +75,6 @@ if TYPE_CHECKING:  # (imported where the draft_model method needs it)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 << 30  # bytes
 # The dummy requests sample with top-k and top-p, so the sort those take is in the profile.
 _WARMUP_SAMPLING = EngineSamplingParams(temperature=1.0, top_p=0.9, top_k=50)
 
@@ -83,53 +83,43 @@ class ModelRunner:
     """Loads the model, allocates the paged KV cache and runs engine steps.
 
     Args:
-        model: transformers folder or ``.gguf`` file; None = the packaged SmolLM2.
-        dtype: ``"auto"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
-        device: ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...
-        block_size: tokens per KV block.
-        kv_cache_memory: KV cache bytes on CPU (default 2 GiB); ignored on CUDA.
-        kv_cache_dtype: how the KV cache stores K/V (vLLM's ``--kv-cache-dtype``): ``"auto"``
-            = the model dtype; ``"int8"`` (per token and head, the scale in the row),
-            ``"fp8"`` / ``"fp8_e4m3"`` / ``"fp8_e5m2"`` (per-tensor scale 1.0): half the bytes
-            of bf16, a quarter of float32's, so about twice / four times the blocks
-            (``kernels/kv_quant.py``). The torch and cpu attention backends read them; the
-            draft model of speculative decoding keeps its own K/V at the model dtype.
-        gpu_memory_utilization: fraction of the GPU's total memory this worker may use (weights,
-            activations and KV cache); the KV cache gets what the profiled peak leaves.
-        max_num_batched_tokens: tokens of the largest step, used to profile peak memory on CUDA.
-        max_model_len: longest sequence (tokens); default and upper bound: the model's.
-        attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cpu"``
-            (services/worker/attention.py).
-        max_num_seqs: sequences of the largest step (``--max-num-seqs``: the input batch's rows
-            and, on CUDA, the profiling step's sequences, each sampling a token).
+        config: the rank's settings (``services/worker/config.py``). What the runner makes of
+            them, beyond what ``WorkerConfig`` says:
+
+            - ``kv_cache_memory``: the KV cache's bytes on CPU; on CUDA the cache gets
+              ``gpu_memory_utilization * total`` less the peak of a profiling step of
+              ``max_num_batched_tokens`` tokens in ``max_num_seqs`` sequences.
+            - ``kv_cache_dtype``: int8 / fp8 rows are half the bytes of bf16, a quarter of
+              float32's, so about twice / four times the blocks (``kernels/kv_quant.py``). The
+              torch and cpu attention backends read them; the draft model of speculative
+              decoding keeps its own K/V at the model dtype.
+            - ``max_model_len``: at most the model's (its default).
+            - ``enforce_eager`` off: a single-rank CPU worker on the native kernels runs the
+              forward through ``torch.compile`` (``services/worker/compiled.py``), compiled
+              here, at start, by warm-up steps.
+            - ``speculative``: the driver proposes drafts after each step that asks
+              (``StepInput.num_speculative_tokens``): prompt lookup (``ngram_proposer.py``) or
+              a draft model (``draft_model.py``, loaded here, its KV cache beside the target's
+              in the same block ids, so the KV memory is split: ``num_kv_blocks = kv_bytes //
+              (target + draft bytes per block)``). Every rank verifies the drafts a step
+              carries.
+            - ``batch_invariant``: every request's tokens and logprobs bitwise the same
+              whatever else the step holds (its batch, the chunking of its prompt, a
+              prefix-cache hit). The attention kernel, and a 16-bit model's linear layers, are
+              row-invariant always; this also puts a float32 model's linear layers and LM head
+              on the native row-invariant kernel (``services/worker/packed_linear.py``). CPU
+              only, native attention backend.
+            - ``quantization``: None (weights in ``dtype``; a GGUF's ``Q8_0`` linear layers stay
+              int8 on a CPU), ``"int8"`` (the decoder's linear weights int8 per output channel,
+              weight-only) or ``"w8a8"`` (int8 weights and per-token int8 activations);
+              ``services/worker/quantized_linear.py``. CPU only.
+            - ``runner`` / ``pooler_config``: ``"pooling"`` = embeddings, no LM head
+              (``services/worker/pooler.py``); ``"auto"``: from the checkpoint.
+            - ``lora``: ``services/worker/lora/`` (``NewRequest.lora`` loaded at first use, its
+              rows updated in the batched forward).
         parallel: this rank's place in a tensor/pipeline-parallel group (``init_distributed``);
             None = a single rank. Every rank runs every step; only the driver (tp rank 0 of the
             last stage) returns sampled tokens, the others an empty ``StepOutput``.
-        enforce_eager: never compile the forward (vLLM's ``--enforce-eager``). Otherwise a
-            single-rank CPU worker on the native kernels runs it through ``torch.compile``
-            (``services/worker/compiled.py``), compiled here, at start, by warm-up steps.
-
-        speculative: speculative decoding (``--speculative-config``), or None. The driver
-            proposes drafts after each step that asks (``StepInput.num_speculative_tokens``):
-            prompt lookup (``ngram_proposer.py``) or a draft model (``draft_model.py``, loaded
-            here, its KV cache beside the target's in the same block ids, so the KV memory is
-            split: ``num_kv_blocks = kv_bytes // (target + draft bytes per block)``). Every
-            rank verifies the drafts a step carries.
-        batch_invariant: ``--batch-invariant``: every request's tokens and logprobs bitwise the
-            same whatever else the step holds (its batch, the chunking of its prompt, a
-            prefix-cache hit). The attention kernel, and a 16-bit model's linear layers, are
-            row-invariant always; this also puts a float32 model's linear layers and LM head on
-            the native row-invariant kernel (``services/worker/packed_linear.py``). CPU only,
-            native attention backend.
-        quantization: ``--quantization`` (vLLM's flag): None (weights in ``dtype``; a GGUF's
-            ``Q8_0`` linear layers stay int8 on a CPU), ``"int8"`` (the decoder's linear
-            weights int8 per output channel, weight-only) or ``"w8a8"`` (int8 weights and
-            per-token int8 activations); ``services/worker/quantized_linear.py``. CPU only.
-        runner / pooler_config: ``--runner`` (``"generate"``, ``"pooling"``: embeddings, no
-            LM head, ``services/worker/pooler.py``; ``"auto"``: from the checkpoint) and
-            ``--pooler-config`` (JSON; default: what the checkpoint declares).
-        lora: ``--enable-lora``'s limits (``services/worker/lora/``: ``NewRequest.lora``
-            loaded at first use, its rows updated in the batched forward), or None.
 
     The driver also holds the structured-output state (``structured``: llguidance matchers
     over the model's tokenizer, built in the background from here on); other ranks have None.
@@ -143,90 +133,129 @@ class ModelRunner:
             bad ``runner`` / ``pooler_config`` (naming the field).
     """
 
-    def __init__(self, model: str | None, dtype: str = "auto", device: str = "auto",
-                 block_size: int = 16, kv_cache_memory: int | None = None,
-                 kv_cache_dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.9, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, attention_backend: str = "auto",
-                 max_num_seqs: int = 256, parallel: ParallelState | None = None,
-                 enforce_eager: bool = False,
-                 speculative: SpeculativeConfig | None = None,
-                 batch_invariant: bool = False, quantization: str | None = None,
-                 runner: str = "generate", pooler_config: str | None = None,
-                 lora: LoRAConfig | None = None) -> None:
-        if speculative is not None and parallel and parallel.config.pipeline_parallel_size > 1:
-            raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
-                             f"{parallel.config.pipeline_parallel_size} (> 1): drafts are "
-                             "verified and appended where the tokens are sampled; use tensor "
-                             "parallelism or no speculation")
-        self.speculative = speculative
-        self.batch_invariant = batch_invariant
-        self.quantization = quantization
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+    def __init__(self, config: WorkerConfig, parallel: ParallelState | None = None) -> None:
+        check_spec_decode_parallelism(  # (the group's: ``config`` may leave its sizes 1)
+            config.speculative, parallel.config.pipeline_parallel_size if parallel else 1)
+        self.config = config
+        self.speculative = config.speculative
+        self.batch_invariant = config.batch_invariant
+        self.quantization = config.quantization
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.dtype_name = str(self.dtype).removeprefix("torch.")
-        self.block_size = block_size
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        backend = select_backend(attention_backend, self.device)
+        self.block_size = config.block_size
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        backend = self._select_backend(config)
+        cuda_baseline = self._cuda_memory_baseline() if self.device.type == "cuda" else None
+        self.parallel = parallel
+        self._load(config, backend)
+        self._plan_kv_cache(backend)
+        self.sampler = Sampler()
+        self.structured = (StructuredOutputs(lambda: load_tokenizer(config.model),
+                                             self.vocab_size, self.eos_token_ids)
+                           if parallel is None or parallel.config.is_driver else None)
+        self.input_batch = InputBatch(self.device, self.block_size, 0, self.vocab_size,
+                                      self.eos_token_ids, max_num_seqs=self.max_num_seqs,
+                                      max_model_len=self.max_model_len,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      num_kv_cache_groups=len(self.kv_cache_groups),
+                                      structured=self.structured)
+        self.forward: Model | CompiledForward = self.model  # (the CUDA profile's steps run it)
+        if cuda_baseline is not None:
+            kv_bytes = self._profile_cuda(self.max_num_batched_tokens, self.max_num_seqs,
+                                          config.gpu_memory_utilization, *cuda_baseline)
+        else:
+            kv_bytes = config.kv_cache_memory
+        self._allocate_kv_blocks(kv_bytes)
+        world = parallel.config.world_size if parallel else 1
+        self.eager_reason = why_eager(config.enforce_eager, self.device, backend.name, world)
+        if self.eager_reason is None:
+            self.forward = CompiledForward(self.model, backend, self.block_size,
+                                           self.kv_cache_dtype)
+            self._warm_up()
+        else:
+            log.info("forward runs eagerly: %s", self.eager_reason)
+
+    def _select_backend(self, config: WorkerConfig) -> AttentionBackend:
+        """The attention backend of ``config.attention_backend`` on this device, and the KV
+        cache dtype it stores (sets ``kv_cache_dtype``, ``kv_cache_dtype_name``,
+        ``attention_backend_name``).
+
+        Raises:
+            ValueError: a KV cache dtype the backend cannot read, or ``batch_invariant``
+                without the native CPU kernels.
+        """
+        backend = select_backend(config.attention_backend, self.device)
         self.kv_cache_dtype = resolve_kv_cache_dtype(
-            kv_cache_dtype, self.dtype, backend.name,
+            config.kv_cache_dtype, self.dtype, backend.name,
             torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None)
-        self.kv_cache_dtype_name = kv_cache_dtype
-        if batch_invariant and backend.name != "cpu":
+        self.kv_cache_dtype_name = config.kv_cache_dtype
+        if config.batch_invariant and backend.name != "cpu":
             raise ValueError(f"--batch-invariant needs the native CPU attention kernels "
                              f"(--attention-backend cpu or auto on a CPU), not {backend.name!r}")
         self.attention_backend_name = backend.name  # "torch", "triton" or "cpu" ("auto" resolved)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            free, total = torch.cuda.mem_get_info(self.device)
-            non_torch_before = total - free - torch.cuda.memory_reserved(self.device)
-        self.parallel = parallel
-        self.model, config, info = load_model(model, self.dtype, self.device, backend, parallel,
-                                              batch_invariant=batch_invariant,
-                                              quantization=quantization, runner=runner, lora=lora)
-        self.lora = make_lora_manager(self.model, lora, config, parallel) if lora else None
+        return backend
+
+    def _cuda_memory_baseline(self) -> tuple[int, int]:
+        """Before loading: ``(total bytes of the GPU, bytes this process holds outside torch's
+        allocator)``, with the allocator's peak reset, for ``_profile_cuda``."""
+        torch.cuda.set_device(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, total - free - torch.cuda.memory_reserved(self.device)
+
+    def _load(self, config: WorkerConfig, backend: AttentionBackend) -> None:
+        """Load this rank's part of the model (its LoRA manager and pooler too) and set what
+        the model decides: ``max_model_len``, ``eos_token_ids``, ``vocab_size``, ...
+
+        Raises:
+            ValueError: ``config.max_model_len`` above the model's, or the loader's refusals.
+        """
+        self.model, model_config, info = load_model(
+            config.model, self.dtype, self.device, backend, self.parallel,
+            batch_invariant=config.batch_invariant, quantization=config.quantization,
+            runner=config.runner, lora=config.lora)
+        self.lora = (make_lora_manager(self.model, config.lora, model_config, self.parallel)
+                     if config.lora else None)
         self.info = info  # (its runner, pooler defaults and Matryoshka sizes: worker_info)
-        self.pooler = make_pooler(info.runner, pooler_config, info.pooler)
-        if max_model_len is not None and max_model_len > info.max_model_len:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+        self.pooler = make_pooler(info.runner, config.pooler_config, info.pooler)
+        if config.max_model_len is not None and config.max_model_len > info.max_model_len:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {info.max_model_len}")
-        self.max_model_len = max_model_len or info.max_model_len
+        self.max_model_len = config.max_model_len or info.max_model_len
         self.eos_token_ids, self.vocab_size, self.model_name = (
             info.eos_token_ids, info.vocab_size, info.name)
         self.weights_quantization = info.quantization  # "" / "int8" / "w8a8" / "gguf"
+
+    def _plan_kv_cache(self, backend: AttentionBackend) -> None:
+        """This rank's KV cache geometry: its groups and pairs (``_plan_kv_cache_groups``),
+        ``bytes_per_block``, the draft proposer (whose K/V shares the blocks) and the
+        backend's ``kv_layout``."""
         cfg = self.model.config
         # NOTE: this rank's layers and KV heads only (a pipeline stage, a tensor-parallel shard).
         self.num_layers = len(self.model.layers)
         self.num_kv_heads: int = cast(DecoderLayer, self.model.layers[0]).attn.n_kv_heads
         self._plan_kv_cache_groups(list(cfg.sliding_windows))
         self.kv_row = cache_row_size(cfg.head_dim, self.kv_cache_dtype)  # elements per row
-        self.bytes_per_block = (2 * self.num_kv_pairs * block_size * self.num_kv_heads
+        self.bytes_per_block = (2 * self.num_kv_pairs * self.block_size * self.num_kv_heads
                                 * self.kv_row * self.kv_cache_dtype.itemsize)
-        self.ngram, self.draft = self._build_proposer(speculative, backend)
-        draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
+        self.ngram, self.draft = self._build_proposer(self.speculative, backend)
         # the caches' order inside a block (the draft's share the backend): before compiling
         head_dims = [cfg.head_dim] + ([self.draft.head_dim] if self.draft is not None else [])
-        backend.kv_layout = choose_kv_layout(backend.name, self.kv_cache_dtype, block_size,
+        backend.kv_layout = choose_kv_layout(backend.name, self.kv_cache_dtype, self.block_size,
                                              head_dims, compute_dtype=self.dtype)
         self.kv_layout = backend.kv_layout  # "rows" or "pairs" (kernels/kv_layout.py)
-        self.sampler = Sampler()
-        self.structured = (StructuredOutputs(lambda: load_tokenizer(model), self.vocab_size,
-                                             self.eos_token_ids)
-                           if parallel is None or parallel.config.is_driver else None)
-        self.input_batch = InputBatch(self.device, block_size, 0, self.vocab_size,
-                                      self.eos_token_ids, max_num_seqs=max_num_seqs,
-                                      max_model_len=self.max_model_len,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      num_kv_cache_groups=len(self.kv_cache_groups),
-                                      structured=self.structured)
-        self.forward: Model | CompiledForward = self.model  # (the CUDA profile's steps run it)
-        if self.device.type == "cuda":
-            kv_bytes = self._profile_cuda(max_num_batched_tokens, max_num_seqs,
-                                          gpu_memory_utilization, total, non_torch_before)
-        else:
-            kv_bytes = DEFAULT_CPU_KV_CACHE_MEMORY if kv_cache_memory is None else kv_cache_memory
+
+    def _allocate_kv_blocks(self, kv_bytes: int) -> None:
+        """As many KV blocks as ``kv_bytes`` holds (the draft model's share included): sets
+        ``num_kv_blocks`` and ``kv_caches``.
+
+        Raises:
+            ValueError: not one block fits, naming the flag to change.
+        """
+        draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
         num_blocks = int(kv_bytes // (self.bytes_per_block + draft_bytes))
         if num_blocks < 1:
             raise ValueError(
@@ -242,20 +271,12 @@ class ModelRunner:
         self.input_batch.num_kv_blocks = num_blocks
         log.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s, --kv-cache-dtype "
                  "%s) on %s; %d KV cache groups (windows %s, 0 = full), %d K/V tensor pairs for "
-                 "%d layers", num_blocks, block_size, num_blocks * block_size,
+                 "%d layers", num_blocks, self.block_size, num_blocks * self.block_size,
                  num_blocks * self.bytes_per_block / 2**30,
-                 str(self.kv_cache_dtype).removeprefix("torch."), kv_cache_dtype,
+                 str(self.kv_cache_dtype).removeprefix("torch."), self.kv_cache_dtype_name,
                  self.device, len(self.kv_cache_groups),
                  [g.sliding_window for g in self.kv_cache_groups], self.num_kv_pairs,
                  self.num_layers)
-        world = parallel.config.world_size if parallel else 1
-        self.eager_reason = why_eager(enforce_eager, self.device, backend.name, world)
-        if self.eager_reason is None:
-            self.forward = CompiledForward(self.model, backend, self.block_size,
-                                           self.kv_cache_dtype)
-            self._warm_up()
-        else:
-            log.info("forward runs eagerly: %s", self.eager_reason)
 
     def _build_proposer(self, speculative: SpeculativeConfig | None, backend
                         ) -> tuple[NgramProposer | None, DraftProposer | None]:

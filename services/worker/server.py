@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from services.common.config import PORT, add_flag, float_in, int_in, parse_bytes
+from services.common.config import PORT, add_flag, field_default, float_in, int_in, parse_bytes
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
 from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metrics_server
@@ -37,6 +38,7 @@ from services.common.spec_decode_config import SpeculativeConfig
 from services.common.step import StepInput
 from services.common.step_wire import step_from_pb, step_output_to_pb
 from services.common.tls import add_tls_flags, tls_from_args
+from services.worker.config import WorkerConfig
 from services.worker.cpu_governor import ThreadGovernor, governor_for
 from services.worker.cpu_threads import cpu_bind_flag, pin_threads, plan_from_args, set_threads
 from services.worker.lora import LoRAConfig
@@ -190,49 +192,60 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
             yield step_output_to_pb(out)
 
 
+def _default(name: str):
+    """``WorkerConfig``'s default of field ``name``: its flag's."""
+    return field_default(WorkerConfig, name)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     """The worker's flags (also accepted by ``pagedserve serve``)."""
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
     add_flag(p, "--port", type=PORT, default=50053, help="WorkerService port")
-    add_flag(p, "--model", default=None,
+    add_flag(p, "--model", default=_default("model"),
              help="transformers folder or .gguf file (default: packaged SmolLM2-135M-Instruct)")
-    add_flag(p, "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    add_flag(p, "--dtype", default=_default("dtype"),
+             choices=["auto", "float32", "bfloat16", "float16"],
              help="compute dtype; auto = bfloat16 on a CPU/GPU with native bf16, else float32")
-    add_flag(p, "--device", default="auto", help="cpu, cuda or auto")
-    add_flag(p, "--block-size", type=int_in(1, 1024), default=16,
+    add_flag(p, "--device", default=_default("device"), help="cpu, cuda or auto")
+    add_flag(p, "--block-size", type=int_in(1, 1024), default=_default("block_size"),
              help="tokens per KV block (worker and scheduler must agree)")
-    add_flag(p, "--kv-cache-memory", type=parse_bytes, default=parse_bytes("2GiB"),
+    add_flag(p, "--kv-cache-memory", type=parse_bytes,
+             default=_default("kv_cache_memory"),
              help="KV cache size on CPU, e.g. 4GiB")
-    add_flag(p, "--kv-cache-dtype", default="auto",
+    add_flag(p, "--kv-cache-dtype", default=_default("kv_cache_dtype"),
              choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
              help="how the KV cache stores K/V: auto = the model dtype; int8 = per token and "
                   "head with a one-byte scale; fp8 (= fp8_e4m3) / fp8_e5m2 = float8 with scale "
                   "1.0. Half the bytes of bfloat16 (about twice the tokens in --kv-cache-memory, "
                   "half the bytes read per decoded token); every attention backend")
-    add_flag(p, "--gpu-memory-utilization", type=float_in(0, 1, lo_open=True), default=0.9,
+    add_flag(p, "--gpu-memory-utilization", type=float_in(0, 1, lo_open=True),
+             default=_default("gpu_memory_utilization"),
              help="fraction of GPU memory for weights, activations and KV cache")
-    add_flag(p, "--max-num-seqs", type=int_in(1), default=256,
+    add_flag(p, "--max-num-seqs", type=int_in(1), default=_default("max_num_seqs"),
              help="most requests in one step (the scheduler's may not be larger; the worker's "
                   "input batch and, on CUDA, the profiling forward pass are sized for it)")
-    add_flag(p, "--max-num-batched-tokens", type=int_in(1), default=2048,
+    add_flag(p, "--max-num-batched-tokens", type=int_in(1),
+             default=_default("max_num_batched_tokens"),
              help="most tokens computed in one step (the chunked-prefill budget; the "
                   "scheduler's may not be larger; on CUDA also the size of the profiling "
                   "forward pass)")
-    add_flag(p, "--max-model-len", type=int_in(1), default=None,
+    add_flag(p, "--max-model-len", type=int_in(1), default=_default("max_model_len"),
              help="longest prompt+output in tokens (default: the model's context length; the "
                   "scheduler's may not be larger)")
-    add_flag(p, "--attention-backend", default="auto", choices=["auto", "torch", "triton", "cpu"],
+    add_flag(p, "--attention-backend", default=_default("attention_backend"),
+             choices=["auto", "torch", "triton", "cpu"],
              help="auto = triton on CUDA, torch on CPU; cpu = the native C++ CPU kernels")
-    add_flag(p, "--enforce-eager", action="store_true",
+    add_flag(p, "--enforce-eager", action="store_true", default=_default("enforce_eager"),
              help="run the model eagerly: never torch.compile the forward (by default a "
                   "single-rank CPU worker compiles it at start, cached on disk)")
     add_flag(p, "--batch-invariant", action="store_true",
+             default=_default("batch_invariant"),
              help="every request's output bitwise the same whatever else is in the batch, "
                   "at any dtype (vLLM's VLLM_BATCH_INVARIANT). A 16-bit model on the CPU "
                   "already is (its linear layers run on the native row-invariant kernels); "
                   "this puts a float32 model's there too. CPU with the native kernels only "
                   "(docs/architecture.md#numerics)")
-    add_flag(p, "--quantization", default=None,
+    add_flag(p, "--quantization", default=_default("quantization"),
              choices=["gguf", "none", "awq", "gptq", "int8", "w8a8"],
              help="how the weights are stored. gguf (the default for a .gguf model on a CPU "
                   "worker without tensor parallelism): the file's quantized tensors as stored "
@@ -247,13 +260,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                   "config.json's quantization_config without the flag). Unset: gguf for a "
                   ".gguf, the "
                   "checkpoint's own for AWQ / GPTQ, else --dtype. CPU only")
-    add_flag(p, "--runner", default="auto", choices=list(RUNNERS),
+    add_flag(p, "--runner", default=_default("runner"), choices=list(RUNNERS),
              help="what the server runs (vLLM's flag): generate = sample tokens; pooling = "
                   "embeddings (/v1/embeddings: one forward per prompt, no LM head, no KV kept); "
                   "auto = pooling for an embedding checkpoint (a sentence-transformers "
                   "modules.json or 1_Pooling/config.json, or config.json architectures naming "
                   "only ...Model), else generate")
-    add_flag(p, "--pooler-config", type=pooler_config_flag, default=None,
+    add_flag(p, "--pooler-config", type=pooler_config_flag,
+             default=_default("pooler_config"),
              help='the pooling runner\'s pooling as JSON, vLLM\'s fields: {"pooling_type": '
                   '"LAST" | "MEAN" | "CLS", "normalize": true | false}; fields left out: what '
                   "the checkpoint's sentence-transformers config says, else LAST, normalized")
@@ -261,30 +275,35 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="serve LoRA adapters (vLLM's flag): each request may name a PEFT adapter, "
                   "loaded from its folder at first use; rows of different adapters run in "
                   "one step (services/worker/lora/)")
-    add_flag(p, "--max-loras", type=int_in(1), default=1,
+    add_flag(p, "--max-loras", type=int_in(1), default=field_default(LoRAConfig, "max_loras"),
              help="LoRA adapters resident at once, so the most distinct adapters in one step "
                   "(vLLM's flag; the scheduler's may not be larger)")
-    add_flag(p, "--max-lora-rank", type=int_in(1), default=16,
+    add_flag(p, "--max-lora-rank", type=int_in(1),
+             default=field_default(LoRAConfig, "max_lora_rank"),
              help="the largest LoRA rank served (vLLM's flag); each resident slot is this "
                   "wide, and an adapter of a higher rank is refused")
-    add_flag(p, "--max-cpu-loras", type=int_in(1), default=None,
+    add_flag(p, "--max-cpu-loras", type=int_in(1),
+             default=field_default(LoRAConfig, "max_cpu_loras"),
              help="LoRA adapters kept loaded in CPU memory, least recently used evicted "
                   "(vLLM's flag; default and minimum: --max-loras)")
-    add_flag(p, "--tensor-parallel-size", type=int_in(1), default=1,
+    add_flag(p, "--tensor-parallel-size", type=int_in(1),
+             default=_default("tensor_parallel_size"),
              help="ranks each layer is split across (all-reduce over gloo/NCCL)")
-    add_flag(p, "--pipeline-parallel-size", type=int_in(1), default=1,
+    add_flag(p, "--pipeline-parallel-size", type=int_in(1),
+             default=_default("pipeline_parallel_size"),
              help="pipeline stages the layers are split into (one rank group per stage)")
     add_flag(p, "--rank", type=int_in(0), default=None,
              help="serve only this rank (rendezvous at --dist-init-addr, or MASTER_ADDR:"
                   "MASTER_PORT); unset with more than one rank: start all ranks here (or this "
                   "host's share, --nnodes), rank r on --port + r")
-    add_flag(p, "--world-size", type=int_in(1), default=None,
+    add_flag(p, "--world-size", type=int_in(1), default=_default("world_size"),
              help="number of ranks; must equal tensor x pipeline parallel size (a check)")
     add_flag(p, "--distributed-timeout", type=float_in(0, lo_open=True), default=60.0,
              help="seconds a rank waits on a peer (a collective, a missed heartbeat) before "
                   "failing; the rendezvous at start waits up to 5 minutes, or this if longer")
     add_flag(p, "--pipeline-layer-partition", type=partition_flag,
-             default=os.environ.get("VLLM_PP_LAYER_PARTITION"),
+             default=os.environ.get("VLLM_PP_LAYER_PARTITION",
+                                    _default("pipeline_layer_partition")),
              help="layers per pipeline stage, e.g. 10,20 (must sum to the model's layer count; "
                   "unset: an even split). Also read from vLLM's VLLM_PP_LAYER_PARTITION")
     add_flag(p, "--dist-init-addr", default=None,
@@ -326,7 +345,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def speculative_flag(text: str) -> str:
     """``--speculative-config``'s argparse type: the text, once ``SpeculativeConfig.parse``
-    accepts it (parsed again by ``build_runner``; kept a string so it forwards as given).
+    accepts it (parsed again by ``WorkerConfig.from_args``; kept a string so it forwards as
+    given).
 
     Raises:
         argparse.ArgumentTypeError: parse's message.
@@ -367,78 +387,55 @@ def pooler_config_flag(text: str) -> str:
 
 
 def world_size(args) -> int:
-    """Ranks the flags ask for. Raises ValueError when --world-size disagrees, or
-    --pipeline-layer-partition has another number of stages than --pipeline-parallel-size."""
-    from services.worker.parallel.layer_partition import parse_partition
-    world = args.tensor_parallel_size * args.pipeline_parallel_size
-    if args.world_size is not None and args.world_size != world:
-        raise ValueError(f"--world-size {args.world_size} != --tensor-parallel-size "
-                         f"{args.tensor_parallel_size} x --pipeline-parallel-size "
-                         f"{args.pipeline_parallel_size}")
-    partition = parse_partition(getattr(args, "pipeline_layer_partition", None))
-    if partition is not None and len(partition) != args.pipeline_parallel_size:
-        raise ValueError(f"--pipeline-layer-partition {args.pipeline_layer_partition} has "
-                         f"{len(partition)} stages but --pipeline-parallel-size is "
-                         f"{args.pipeline_parallel_size}")
-    return world
+    """Ranks the flags ask for (``WorkerConfig.num_ranks``).
+
+    Raises:
+        ValueError: the flags disagree (``WorkerConfig``'s checks: --world-size,
+            --pipeline-layer-partition or --speculative-config against the parallel sizes).
+    """
+    return WorkerConfig.from_args(args).num_ranks
 
 
 def advertised_host(args) -> str:
     """Where the scheduler reaches this host's ranks: ``--advertise-host``, else ``--host``
     unless that is a wildcard (0.0.0.0, ::), else this host's name."""
     import socket
-    if getattr(args, "advertise_host", None):
+    if args.advertise_host:
         return args.advertise_host
     return args.host if args.host not in ("", "0.0.0.0", "::", "[::]") else socket.getfqdn()
 
 
 def build_runner(args):
     """Join the rank group (if any), load this rank's part of the model and allocate the KV
-    cache (slow: seconds to minutes)."""
+    cache (slow: seconds to minutes).
+
+    Raises:
+        ValueError: flags that disagree (``WorkerConfig.from_args``), before joining.
+    """
     from services.worker.device import resolve_device
     from services.worker.model_runner import ModelRunner
     from services.worker.parallel.distributed import ParallelConfig, init_distributed
-    from services.worker.parallel.layer_partition import parse_partition
-    world_size(args)
-    if getattr(args, "speculative_config", None) and args.pipeline_parallel_size > 1:
-        raise ValueError("--speculative-config does not work with --pipeline-parallel-size "
-                         f"{args.pipeline_parallel_size} (> 1)")
-    pc = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size, args.rank or 0,
-                        parse_partition(getattr(args, "pipeline_layer_partition", None)))
-    parallel, device = None, args.device
+    config = WorkerConfig.from_args(args)
+    pc = ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size,
+                        args.rank or 0, config.layer_partition)
+    parallel = None
     if pc.world_size > 1:
-        resolved = resolve_device(args.device)
-        if resolved.type == "cuda" and args.device in ("auto", "cuda"):
+        resolved = resolve_device(config.device)
+        if resolved.type == "cuda" and config.device in ("auto", "cuda"):
             import torch  # NOTE: one GPU per rank: LOCAL_RANK (torchrun) or the rank
             local_rank = int(os.environ.get("LOCAL_RANK", pc.rank))
             resolved = torch.device("cuda", local_rank % torch.cuda.device_count())
-        device = str(resolved)
-        parallel = init_distributed(pc, resolved, args.distributed_timeout,
-                                    getattr(args, "dist_init_addr", None),
+        config = dataclasses.replace(config, device=str(resolved))
+        parallel = init_distributed(pc, resolved, args.distributed_timeout, args.dist_init_addr,
                                     f"{advertised_host(args)}:{args.port}")
-    return ModelRunner(model=args.model, dtype=args.dtype, device=device,
-                       block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                       kv_cache_dtype=args.kv_cache_dtype,
-                       gpu_memory_utilization=args.gpu_memory_utilization,
-                       max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-                       parallel=parallel, enforce_eager=args.enforce_eager,
-                       batch_invariant=args.batch_invariant,
-                       quantization=getattr(args, "quantization", None),
-                       runner=getattr(args, "runner", "generate"),
-                       pooler_config=getattr(args, "pooler_config", None),
-                       speculative=SpeculativeConfig.parse(getattr(args, "speculative_config",
-                                                                   None)),
-                       lora=lora_config(args))
+    return ModelRunner(config, parallel)
 
 
 def lora_config(args) -> LoRAConfig | None:
-    """The LoRA limits of ``--enable-lora`` and its flags, or None without it. Raises
-    ValueError (naming the flags) when --max-cpu-loras is below --max-loras."""
-    if not getattr(args, "enable_lora", False):
-        return None
-    return LoRAConfig(args.max_loras, args.max_lora_rank, args.max_cpu_loras)
+    """The LoRA limits of ``--enable-lora`` and its flags, or None without it
+    (``WorkerConfig.lora``). Raises ValueError (naming the flags) when --max-cpu-loras is
+    below --max-loras."""
+    return WorkerConfig.from_args(args).lora
 
 
 def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:

@@ -444,11 +444,12 @@ def test_greedy_batch_with_cpu_backend_equals_transformers_generate(tiny_llama):
     native kernels: exactly transformers' greedy tokens at float32."""
     from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from tests.worker.test_model import NEW_TOKENS, drive_greedy, hf_greedy
 
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, attention_backend="cpu")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="cpu"))
     assert runner.attention_backend_name == "cpu"
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 9, 40, 300)]

@@ -169,6 +169,7 @@ def test_bf16_greedy_tokens_are_the_same_in_either_layout(tiny_llama, monkeypatc
     and the runner reports the layout it took."""
     from kernels.cpu_attention import cpu_isa
     from services.worker import attention
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from tests.worker.test_model import NEW_TOKENS, drive_greedy
 
@@ -180,9 +181,9 @@ def test_bf16_greedy_tokens_are_the_same_in_either_layout(tiny_llama, monkeypatc
     outputs = {}
     for layout in ("rows", "pairs"):
         monkeypatch.setattr(attention, "CPU_KV_LAYOUT", layout)
-        runner = ModelRunner(str(tiny_llama), dtype="bfloat16", device="cpu",
-                             kv_cache_memory=4 << 20, attention_backend="cpu",
-                             enforce_eager=True, kv_cache_dtype=kv_cache_dtype)
+        runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="bfloat16", device="cpu",
+                                          kv_cache_memory=4 << 20, attention_backend="cpu",
+                                          enforce_eager=True, kv_cache_dtype=kv_cache_dtype))
         assert runner.kv_layout == layout
         outputs[layout] = drive_greedy(runner, prompts, NEW_TOKENS, token_budget=64,
                                        arrivals=[0, 2, 0], preempt=(6, 1))

@@ -97,9 +97,11 @@ def reference_greedy(model: str | None, prompts: list[list[int]],
     """Greedy tokens of one single-rank float32 ``ModelRunner``, all prompts in one batch."""
     from services.common.sampling_params import EngineSamplingParams
     from services.common.step import CachedRequest, NewRequest, StepInput
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
 
-    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=16 << 20)
+    runner = ModelRunner(WorkerConfig(model=model, dtype="float32", device="cpu",
+                                      kv_cache_memory=16 << 20))
     bs, per_request = runner.block_size, 8
     greedy = EngineSamplingParams(temperature=0.0)
     new = [NewRequest(str(i), p, greedy, list(range(i * per_request, (i + 1) * per_request)), 0,

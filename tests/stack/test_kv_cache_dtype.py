@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from services.worker.attention import resolve_kv_cache_dtype
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from tests.stack.conftest import _leak_check
 from tests.stack.test_equivalence import MAX_NEW, _generate_all, kv_bytes_per_block
@@ -101,9 +102,9 @@ def test_a_request_is_bitwise_the_same_in_any_step_shape(tiny_model_dir, kv_cach
     """bf16 on the native kernels over a quantized cache: the tokens and logprobs of a request
     alone, chunked, after a prefix-cache hit, beside others and resumed after preemption are
     bitwise equal (the KV write and read are per row)."""
-    runner = ModelRunner(tiny_model_dir, dtype="bfloat16", kv_cache_memory=16 << 20,
-                         attention_backend="cpu", enforce_eager=True,
-                         kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(WorkerConfig(model=tiny_model_dir, dtype="bfloat16",
+                                      kv_cache_memory=16 << 20, attention_backend="cpu",
+                                      enforce_eager=True, kv_cache_dtype=kv_cache_dtype))
     assert runner.kv_caches[0][0].dtype == resolve_kv_cache_dtype(kv_cache_dtype,
                                                                   torch.bfloat16, "cpu")
     prompt = [random.Random(3).randrange(3, 500) for _ in range(70)]
@@ -116,9 +117,9 @@ def test_native_and_torch_backends_read_an_int8_cache_alike(tiny_model_dir, prom
     """Greedy tokens of the in-process runner, eager, float32: the same on both backends."""
     outs = []
     for backend in ("cpu", "torch"):
-        runner = ModelRunner(tiny_model_dir, dtype="float32", kv_cache_memory=32 << 20,
-                             attention_backend=backend, enforce_eager=True,
-                             kv_cache_dtype="int8")
+        runner = ModelRunner(WorkerConfig(model=tiny_model_dir, dtype="float32",
+                                          kv_cache_memory=32 << 20, attention_backend=backend,
+                                          enforce_eager=True, kv_cache_dtype="int8"))
         assert runner.kv_caches[0][0].dtype == torch.int8
         outs.append([generate(runner, p, MAX_NEW)[0] for p in prompts])
     assert outs[0] == outs[1]

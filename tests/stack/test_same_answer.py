@@ -105,6 +105,7 @@ def test_first_step_logprobs_are_float32_values(stack):
     from transformers import AutoModelForCausalLM
 
     from services.common.model_files import resolve_model
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from tests.worker.invariance_driver import generate
 
@@ -116,7 +117,8 @@ def test_first_step_logprobs_are_float32_values(stack):
     hf_bf16 = hf_first_logprobs(hf.to(torch.bfloat16), prompts)
     del hf
     ours = our_first_logprobs(stack.address, prompts)
-    eager = ModelRunner(None, dtype="bfloat16", enforce_eager=True, kv_cache_memory=64 << 20)
+    eager = ModelRunner(WorkerConfig(model=None, dtype="bfloat16", enforce_eager=True,
+                                     kv_cache_memory=64 << 20))
     ours_eager = [[(t, lp) for t, lp in zip(*generate(eager, p, 1)[1][0][1:], strict=True)]
                   for p in prompts]
     del eager

@@ -107,6 +107,7 @@ def tp_rank(rank: int, port: int, model: str, prompt: list[int], a_tokens: list[
     import json
     import os
 
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from services.worker.parallel.distributed import (
         ParallelConfig,
@@ -116,8 +117,8 @@ def tp_rank(rank: int, port: int, model: str, prompt: list[int], a_tokens: list[
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ps = init_distributed(ParallelConfig(2, 1, rank), torch.device("cpu"), timeout_s=60)
-    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                         attention_backend="torch", parallel=ps)
+    runner = ModelRunner(WorkerConfig(model=model, dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="torch"), ps)
     steps, tokens = run_fork(runner, prompt, a_tokens, b_tokens, blocks)
     in_block = len(prompt) - runner.block_size  # the prompt's tokens in the shared block
     copied = all(torch.equal(t[blocks[2], :in_block], t[blocks[1], :in_block])

@@ -97,6 +97,7 @@ def tp_rank(rank: int, port: int, model: str, prompts: list[list[int]], grammars
 
     import torch
 
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from services.worker.parallel.distributed import (
         ParallelConfig,
@@ -106,8 +107,8 @@ def tp_rank(rank: int, port: int, model: str, prompts: list[list[int]], grammars
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ps = init_distributed(ParallelConfig(2, 1, rank), torch.device("cpu"), timeout_s=60)
-    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
-                         attention_backend="torch", parallel=ps)
+    runner = ModelRunner(WorkerConfig(model=model, dtype="float32", device="cpu",
+                                      kv_cache_memory=16 << 20, attention_backend="torch"), ps)
     params = [EngineSamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_output=g)
               for i, g in enumerate(grammars)]
     outputs = generate(runner, prompts, params)

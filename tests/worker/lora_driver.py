@@ -118,6 +118,7 @@ def tp_rank(rank: int, port: int, model: str, prompts, loras, max_new_tokens: in
     puts its tokens and its failed requests (id -> error) in ``results``. Rank 1 cannot load
     the adapter named ``unreadable`` (as if its files were unreadable on its host). (``run_batch``
     sends no new token ids, which a pipeline stage before the last would need.)"""
+    from services.worker.config import WorkerConfig
     from services.worker.lora import LoRAConfig, LoRALoadError, manager
     from services.worker.model_runner import ModelRunner
     from services.worker.parallel.distributed import (
@@ -139,9 +140,10 @@ def tp_rank(rank: int, port: int, model: str, prompts, loras, max_new_tokens: in
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ps = init_distributed(ParallelConfig(2, 1, rank), torch.device("cpu"), timeout_s=60)
-    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                         max_num_seqs=8, max_num_batched_tokens=256, parallel=ps,
-                         lora=LoRAConfig(max_loras=2, max_lora_rank=16))
+    runner = ModelRunner(WorkerConfig(model=model, dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, max_num_seqs=8,
+                                      max_num_batched_tokens=256,
+                                      lora=LoRAConfig(max_loras=2, max_lora_rank=16)), ps)
     failed: dict[str, str] = {}
     out = run_batch(runner, prompts, loras, max_new_tokens, failed=failed)
     if ps.config.is_driver:

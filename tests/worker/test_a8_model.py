@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from kernels.cpu_linear import A8_ENV
+from services.worker.config import WorkerConfig
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.quantized_linear import GroupQuantLinear
@@ -96,7 +97,8 @@ def test_a8_compiles_to_one_graph_close_to_eager(q4_gguf, cache_dir, monkeypatch
     from tests.worker.test_compiled import _steps
 
     monkeypatch.setenv(A8_ENV, "1")
-    runner = ModelRunner(q4_gguf, dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    runner = ModelRunner(WorkerConfig(model=q4_gguf, dtype="float32", device="cpu",
+                                      kv_cache_memory=8 << 20))
     assert isinstance(runner.forward, CompiledForward)
     assert runner.model.layers[0].mlp.down_proj.a8
     batch = runner.input_batch

@@ -15,6 +15,7 @@ import random
 
 import pytest
 
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from tests.worker.invariance_driver import Shape, generate
 
@@ -34,8 +35,9 @@ def tiny_wide(tmp_path_factory) -> str:
 
 
 def _runner(path: str, dtype: str, eager: bool, batch_invariant: bool) -> ModelRunner:
-    return ModelRunner(path, dtype=dtype, kv_cache_memory=64 << 20, enforce_eager=eager,
-                       max_num_seqs=64, batch_invariant=batch_invariant)
+    return ModelRunner(WorkerConfig(model=path, dtype=dtype, kv_cache_memory=64 << 20,
+                                    enforce_eager=eager, max_num_seqs=64,
+                                    batch_invariant=batch_invariant))
 
 
 def _check(runner: ModelRunner, shapes: dict[str, Shape]) -> None:
@@ -92,5 +94,5 @@ def test_which_linear_layers_run_on_the_native_kernel(tiny_wide, dtype, batch_in
 
 def test_batch_invariant_needs_the_native_cpu_backend(tiny_wide):
     with pytest.raises(ValueError, match="--batch-invariant needs the native CPU attention"):
-        ModelRunner(tiny_wide, dtype="float32", attention_backend="torch",
-                    batch_invariant=True)
+        ModelRunner(WorkerConfig(model=tiny_wide, dtype="float32", attention_backend="torch",
+                                 batch_invariant=True))

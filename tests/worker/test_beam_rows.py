@@ -21,6 +21,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, NewRequest, StepInput
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from tests.worker.beam_driver import run_fork, run_unshared, token_lists
 
@@ -29,8 +30,9 @@ A_TOKENS, B_TOKENS = [7, 300], [11, 42]  # each beam's next tokens, as the sched
 
 
 def make_runner(model, backend: str = "torch") -> ModelRunner:
-    return ModelRunner(str(model), dtype="float32", device="cpu", kv_cache_memory=1 << 20,
-                       attention_backend=backend, enforce_eager=True)
+    return ModelRunner(WorkerConfig(model=str(model), dtype="float32", device="cpu",
+                                    kv_cache_memory=1 << 20, attention_backend=backend,
+                                    enforce_eager=True))
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import torch
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.compiled import CompiledForward, why_eager
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 
 GREEDY = EngineSamplingParams(temperature=0.0)
@@ -54,8 +55,8 @@ def test_compiled_forward_equals_eager_with_one_graph_for_every_step(tiny_llama)
     """After the warm-up compile, no step recompiles (torch raises if one would), and each
     step's hidden states equal the eager model's at float32 (same ops, fused: only the
     float rounding of reordered reductions may differ)."""
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, attention_backend="cpu")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="cpu"))
     assert isinstance(runner.forward, CompiledForward) and runner.eager_reason is None
     assert runner.forward.compile_seconds is not None  # compiled at start, by the warm-up
     batch = runner.input_batch
@@ -78,8 +79,8 @@ def test_several_kv_cache_groups_compile_to_one_graph_equal_to_eager(tiny_llama,
     from services.worker.models.llama import LlamaConfig
 
     monkeypatch.setattr(LlamaConfig, "sliding_windows", property(lambda self: [4096, 0, 4096]))
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, attention_backend="cpu")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="cpu"))
     assert isinstance(runner.forward, CompiledForward) and runner.eager_reason is None
     assert len(runner.kv_cache_groups) == 3 and runner.num_kv_pairs == 1
     assert runner.kv_caches[0] is runner.kv_caches[1] is runner.kv_caches[2]
@@ -97,8 +98,9 @@ def test_several_kv_cache_groups_compile_to_one_graph_equal_to_eager(tiny_llama,
 
 
 def test_enforce_eager_runs_the_plain_module(tiny_llama):
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=1 << 20, attention_backend="cpu", enforce_eager=True)
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=1 << 20, attention_backend="cpu",
+                                      enforce_eager=True))
     assert runner.forward is runner.model and runner.eager_reason == "--enforce-eager"
 
 
@@ -123,9 +125,10 @@ def test_explicit_cpu_backend_compiles_in_a_fresh_process(tiny_llama):
     import subprocess
     import sys
 
-    code = ("from services.worker.model_runner import ModelRunner\n"
-            f"r = ModelRunner({str(tiny_llama)!r}, dtype='float32', device='cpu', "
-            "kv_cache_memory=1 << 20, attention_backend='cpu')\n"
+    code = ("from services.worker.config import WorkerConfig\n"
+            "from services.worker.model_runner import ModelRunner\n"
+            f"r = ModelRunner(WorkerConfig(model={str(tiny_llama)!r}, dtype='float32', "
+            "device='cpu', kv_cache_memory=1 << 20, attention_backend='cpu'))\n"
             "assert r.eager_reason is None and r.forward.compile_seconds is not None\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=600)
@@ -134,9 +137,10 @@ def test_explicit_cpu_backend_compiles_in_a_fresh_process(tiny_llama):
 
 _RESTART = """
 import sys, torch
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
-r = ModelRunner(sys.argv[1], dtype='float32', device='cpu', kv_cache_memory=4 << 20,
-                attention_backend='cpu')
+r = ModelRunner(WorkerConfig(model=sys.argv[1], dtype='float32', device='cpu',
+                             kv_cache_memory=4 << 20, attention_backend='cpu'))
 print(r.forward.source)
 batch = r.input_batch
 from tests.worker.test_compiled import _steps
@@ -174,22 +178,23 @@ def test_a_restart_loads_the_saved_artifact_and_a_bad_one_is_recompiled(
     artifact.write_bytes(b"not a compiled function")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(compiled, "_LOADED", {})  # as a new process would be
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=1 << 20, attention_backend="cpu")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=1 << 20, attention_backend="cpu"))
     assert runner.eager_reason is None, runner.eager_reason
     assert runner.forward.source == "compiled" and "could not load" in caplog.text
     assert artifact.stat().st_size > 1000
     monkeypatch.setattr(compiled, "_LOADED", {})
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=1 << 20, attention_backend="cpu")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=1 << 20, attention_backend="cpu"))
     assert runner.forward.source == "loaded"
 
 
 def test_the_artifact_key_changes_with_what_the_graph_depends_on(tiny_llama):
     from services.worker.compiled import artifact_key
 
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=1 << 20, attention_backend="cpu", enforce_eager=True)
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=1 << 20, attention_backend="cpu",
+                                      enforce_eager=True))
     model = runner.model
     key = artifact_key(model, "cpu", 16)
     assert key == artifact_key(model, "cpu", 16)
@@ -220,6 +225,6 @@ def test_models_of_one_class_with_other_constants_both_compile_ahead_of_time(tmp
     first = make_tiny_llama(tmp_path / "a", rms_norm_eps=1e-6, head_dim=32)
     second = make_tiny_llama(tmp_path / "b", rms_norm_eps=1e-5)
     for path in (first, second):
-        runner = ModelRunner(str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 20,
-                             attention_backend="cpu")
+        runner = ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu",
+                                          kv_cache_memory=1 << 20, attention_backend="cpu"))
         assert runner.forward.source == "compiled", path

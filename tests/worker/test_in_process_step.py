@@ -15,6 +15,7 @@ from transformers import LlamaForCausalLM
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.request import EngineSamplingParams, Request
 from services.scheduler.scheduler import Scheduler
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 
 NEW_TOKENS = 8
@@ -32,8 +33,8 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_schedulers_step_runs_on_the_runner_as_is(tiny_llama, one_torch_thread,
                                                      async_scheduling):
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, attention_backend="torch")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="torch"))
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
                              block_size=runner.block_size, async_scheduling=async_scheduling)
     assert config.max_steps_in_flight == (2 if async_scheduling else 1)

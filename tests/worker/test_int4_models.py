@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
+from services.worker.config import WorkerConfig
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.quantized_linear import GroupQuantLinear
@@ -123,7 +124,8 @@ def test_int4_checkpoint_logits_and_greedy_equal_the_dequantized_reference(
     prompt = _prompts()[2]
     torch.testing.assert_close(run_ours(ours, prompt), run_ours(reference, prompt),
                                atol=1e-4, rtol=1e-4)
-    runner = ModelRunner(str(path), dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    runner = ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu",
+                                      kv_cache_memory=8 << 20))
     prompts = _prompts()
     outputs = drive_greedy(runner, prompts, NEW_TOKENS, token_budget=64,
                            arrivals=[3, 0, 0, 0], preempt=(8, 2))

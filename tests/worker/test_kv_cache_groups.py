@@ -10,6 +10,7 @@ import torch
 
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, NewRequest, StepInput
+from services.worker.config import WorkerConfig
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaConfig
@@ -131,9 +132,9 @@ def _run(runner: ModelRunner, steps: list[StepInput]) -> tuple[list, list[torch.
 def test_a_runner_with_sliding_groups_shares_pairs_and_matches_the_one_group_run(
         tiny_llama4, monkeypatch, backend):
     def make():
-        return ModelRunner(str(tiny_llama4), dtype="float32", device="cpu",
-                           kv_cache_memory=1 << 20, attention_backend=backend,
-                           enforce_eager=True)
+        return ModelRunner(WorkerConfig(model=str(tiny_llama4), dtype="float32", device="cpu",
+                                        kv_cache_memory=1 << 20, attention_backend=backend,
+                                        enforce_eager=True))
 
     plain = make()
     assert as_pairs(plain.kv_cache_groups) == [(0, [0, 1, 2, 3])]
@@ -167,8 +168,8 @@ def test_a_runner_with_sliding_groups_shares_pairs_and_matches_the_one_group_run
 def test_the_model_config_must_give_one_window_per_layer(tiny_llama4, monkeypatch):
     monkeypatch.setattr(LlamaConfig, "sliding_windows", property(lambda self: [0] * 5))
     with pytest.raises(ValueError, match="5 sliding windows for 4 layers"):
-        ModelRunner(str(tiny_llama4), dtype="float32", device="cpu", kv_cache_memory=1 << 20,
-                    attention_backend="torch")
+        ModelRunner(WorkerConfig(model=str(tiny_llama4), dtype="float32", device="cpu",
+                                 kv_cache_memory=1 << 20, attention_backend="torch"))
 
 
 def test_a_pipeline_stage_plans_the_pairs_of_its_own_layers():

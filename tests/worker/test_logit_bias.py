@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.common.sampling_params import EngineSamplingParams
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.sample.penalties import PenaltyTensors, TokenCounts
 from services.worker.sample.sampler import Sampler, SamplingTensors
@@ -23,8 +24,8 @@ def seeded(n: int, seed: int = 0) -> dict[int, torch.Generator]:
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama):
-    return ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                       attention_backend="torch")
+    return ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                    kv_cache_memory=4 << 20, attention_backend="torch"))
 
 
 def test_bias_steers_greedy_and_leaves_other_requests_alone(runner):

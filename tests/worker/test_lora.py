@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from services.common.lora import LoRARequest
 from services.common.step import CachedRequest, NewRequest, StepInput
+from services.worker.config import WorkerConfig
 from services.worker.lora import LoRAConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.server import worker_info
@@ -59,9 +60,9 @@ def expected(tiny_llama, adapters, prompts):
 
 
 def _runner(model, lora: LoRAConfig, eager: bool = True) -> ModelRunner:
-    return ModelRunner(str(model), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                       max_num_seqs=16, max_num_batched_tokens=256, enforce_eager=eager,
-                       lora=lora)
+    return ModelRunner(WorkerConfig(model=str(model), dtype="float32", device="cpu",
+                                    kv_cache_memory=4 << 20, max_num_seqs=16,
+                                    max_num_batched_tokens=256, enforce_eager=eager, lora=lora))
 
 
 def _check_mixed(runner, adapters, prompts, expected) -> None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.common.lora import LoRARequest
+from services.worker.config import WorkerConfig
 from services.worker.lora import LoRAConfig
 from services.worker.lora.layers import LoRALinear, wrap_lora_layers
 from services.worker.model_runner import ModelRunner
@@ -104,9 +105,10 @@ def test_bf16_runner_adapter_rows_mixed_equal_alone(tiny_llama, tmp_path_factory
                                                       lora_alpha=8)),
                 LoRARequest(2, "eight", make_peft_lora(tiny_llama, root / "eight", 8, 2,
                                                        lora_alpha=16, use_rslora=True))]
-    runner = ModelRunner(str(tiny_llama), dtype="bfloat16", device="cpu",
-                         kv_cache_memory=4 << 20, max_num_seqs=16, max_num_batched_tokens=256,
-                         enforce_eager=eager, lora=LoRAConfig(max_loras=2, max_lora_rank=8))
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="bfloat16", device="cpu",
+                                      kv_cache_memory=4 << 20, max_num_seqs=16,
+                                      max_num_batched_tokens=256, enforce_eager=eager,
+                                      lora=LoRAConfig(max_loras=2, max_lora_rank=8)))
     qkv = runner.model.layers[0].attn.qkv_proj
     assert qkv.fused and isinstance(qkv.base, PackedLinear)
     prompts = [[5, 17, 300, 2, 9], [44, 3, 8, 120, 7, 7, 61, 2, 90, 11, 4]]

@@ -18,6 +18,7 @@ from benchmarks.probes import run_ours
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, NewRequest, StepInput
 from services.worker.attention import select_backend
+from services.worker.config import WorkerConfig
 from services.worker.device import resolve_dtype
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
@@ -188,8 +189,8 @@ def hf_greedy(model: HFLlamaForCausalLM, prompt: list[int], max_new_tokens: int)
 
 
 def test_greedy_batch_equals_transformers_generate(tiny_llama):
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, attention_backend="torch")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="torch"))
     assert (runner.dtype_name, runner.vocab_size, runner.max_model_len) == ("float32", 512, 1024)
     assert (runner.attention_backend_name, runner.device.type) == ("torch", "cpu")
     gen = torch.Generator().manual_seed(7)
@@ -204,7 +205,8 @@ def test_greedy_batch_equals_transformers_generate(tiny_llama):
 
 
 def test_runner_rejects_inconsistent_steps(tiny_llama):
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=1 << 20))
     greedy = EngineSamplingParams(temperature=0.0)
     with pytest.raises(KeyError, match="nope"):
         runner.execute_step(StepInput(0, [], [CachedRequest("nope", [1], [], False, 0, 1)], []))
@@ -222,9 +224,10 @@ def test_runner_rejects_inconsistent_steps(tiny_llama):
 
 def test_runner_kv_cache_sizing(tiny_llama):
     with pytest.raises(ValueError, match="KV cache"):
-        ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=100)
-    runner = ModelRunner(str(tiny_llama), dtype="bfloat16", device="cpu", block_size=32,
-                         kv_cache_memory=1 << 20)
+        ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                 kv_cache_memory=100))
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="bfloat16", device="cpu",
+                                      block_size=32, kv_cache_memory=1 << 20))
     # K and V x 3 layers x 32 tokens x 2 kv heads x 16 dims x 2 bytes
     assert runner.bytes_per_block == 2 * 3 * 32 * 2 * 16 * 2
     assert runner.num_kv_blocks == (1 << 20) // runner.bytes_per_block
@@ -254,7 +257,8 @@ def test_smollm2_gguf_greedy_equals_transformers_generate():
     prompts = [tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"]
                for chat in SMOLLM2_CHATS]
-    runner = ModelRunner(None, dtype="float32", device="cpu", kv_cache_memory=64 << 20)
+    runner = ModelRunner(WorkerConfig(model=None, dtype="float32", device="cpu",
+                                      kv_cache_memory=64 << 20))
     assert runner.eos_token_ids == [2] and runner.model_name == "SmolLM2-135M-Instruct.Q4_1"
     outputs = drive_greedy(runner, prompts, NEW_TOKENS, token_budget=32)
     del runner
@@ -266,7 +270,8 @@ def test_smollm2_gguf_greedy_equals_transformers_generate():
 
 def test_cuda_profiling_step_logic_on_cpu(tiny_llama, monkeypatch):
     """The CUDA sizing arithmetic and its dummy prefill + decode steps, with torch.cuda faked."""
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=1 << 20)
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=1 << 20))
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a: None)
@@ -283,10 +288,12 @@ def test_cuda_profiling_step_logic_on_cpu(tiny_llama, monkeypatch):
 
 _TRITON_SCRIPT = """
 import json, sys, torch
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from tests.worker.test_model import drive_greedy
-runner = ModelRunner(sys.argv[1], dtype="float32", device="cpu", kv_cache_memory=1 << 20,
-                     attention_backend="triton", kv_cache_dtype=sys.argv[3])
+runner = ModelRunner(WorkerConfig(model=sys.argv[1], dtype="float32", device="cpu",
+                                  kv_cache_memory=1 << 20, attention_backend="triton",
+                                  kv_cache_dtype=sys.argv[3]))
 assert runner.model.layers[0].attn.backend.name == "triton"
 print(json.dumps(drive_greedy(runner, json.loads(sys.argv[2]), 4, token_budget=24)))
 """
@@ -317,6 +324,7 @@ def test_triton_backend_greedy_interpreted(tiny_llama, kv_cache_dtype):
         ref = HFLlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
         assert outputs == [hf_greedy(ref, p, 4) for p in prompts]
     else:
-        native = ModelRunner(str(tiny_llama), dtype="float32", kv_cache_memory=1 << 20,
-                             attention_backend="cpu", kv_cache_dtype=kv_cache_dtype)
+        native = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32",
+                                          kv_cache_memory=1 << 20, attention_backend="cpu",
+                                          kv_cache_dtype=kv_cache_dtype))
         assert outputs == drive_greedy(native, prompts, 4, token_budget=24)

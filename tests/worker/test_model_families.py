@@ -17,6 +17,7 @@ import torch
 from kernels.cpu_attention import cpu_isa
 from kernels.cpu_linear import pack_linear_weight
 from services.worker.attention import AttentionMetadata, select_backend
+from services.worker.config import WorkerConfig
 from services.worker.loader import SUPPORTED_MODEL_TYPES, load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel.distributed import ParallelConfig
@@ -117,8 +118,8 @@ def test_logits_match_transformers(family, n):
 
 def test_greedy_batch_equals_transformers_generate(family):
     _, path = family
-    runner = ModelRunner(str(path), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                         attention_backend="torch")
+    runner = ModelRunner(WorkerConfig(model=str(path), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="torch"))
     prompts = _prompts()
     # token budget 64: the 300-token prompt prefills in 5 chunks next to the others' decodes;
     # the 5-token prompt joins late; the 40-token one is preempted and recomputed.

@@ -28,6 +28,7 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
 from kernels.int8_linear import dequantize, quantize_symmetric
 from services.common.model_files import resolve_model
+from services.worker.config import WorkerConfig
 from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.quantized_linear import (
@@ -66,8 +67,9 @@ def _prompts() -> list[list[int]]:
 
 def test_int8_greedy_equals_transformers_with_the_dequantized_weights(tiny_llama,
                                                                       one_torch_thread):
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, enforce_eager=True, quantization="int8")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, enforce_eager=True,
+                                      quantization="int8"))
     layer = runner.model.layers[0]
     assert isinstance(layer.attn.qkv_proj, Int8Linear)
     assert isinstance(layer.mlp.down_proj, Int8Linear)
@@ -96,8 +98,9 @@ def test_w8a8_equals_transformers_with_quantized_weights_and_activations(tiny_ll
     with torch.inference_mode():
         expected = ref(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(run_ours(ours, prompt), expected, atol=1e-4, rtol=1e-4)
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, enforce_eager=True, quantization="w8a8")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, enforce_eager=True,
+                                      quantization="w8a8"))
     prompts = _prompts()[:3]
     outputs = drive_greedy(runner, prompts, NEW_TOKENS, token_budget=64)
     assert outputs == [hf_greedy(ref, p, NEW_TOKENS) for p in prompts]
@@ -111,8 +114,8 @@ def test_w8a8_compiles_to_one_graph_close_to_eager(tiny_llama):
     from services.worker.compiled import CompiledForward
     from tests.worker.test_compiled import _steps
 
-    runner = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, quantization="w8a8")
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, quantization="w8a8"))
     assert isinstance(runner.forward, CompiledForward)
     batch = runner.input_batch
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
@@ -206,8 +209,8 @@ def test_bad_combinations_fail_at_start_naming_the_flag(tiny_llama, monkeypatch)
         raise RuntimeError("no g++")
     monkeypatch.setattr(cpu_build, "load", no_compiler)
     with pytest.raises(ValueError, match=r"--quantization int8 needs the native CPU .*no g\+\+"):
-        ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=1 << 20,
-                    enforce_eager=True, quantization="int8")
+        ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                 kv_cache_memory=1 << 20, enforce_eager=True, quantization="int8"))
 
 
 def test_the_flag_is_a_worker_flag_that_serve_forwards(capsys):
@@ -282,7 +285,8 @@ def test_gguf_as_stored_greedy_equals_transformers_reading_the_gguf(tiny_256, tm
     from transformers import AutoModelForCausalLM
 
     path = _gguf(tmp_path, tiny_256, "Q4_K")
-    runner = ModelRunner(path, dtype="float32", device="cpu", kv_cache_memory=8 << 20)
+    runner = ModelRunner(WorkerConfig(model=path, dtype="float32", device="cpu",
+                                      kv_cache_memory=8 << 20))
     assert isinstance(runner.model.layers[0].mlp.down_proj, GroupQuantLinear)
     prompts = _prompts()
     outputs = drive_greedy(runner, prompts, NEW_TOKENS, token_budget=64,

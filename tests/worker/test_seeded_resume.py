@@ -8,6 +8,7 @@ import pytest
 
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import CachedRequest, NewRequest, StepInput
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7]
@@ -21,8 +22,9 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama) -> ModelRunner:
-    return ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                       attention_backend="torch", max_num_seqs=8)
+    return ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                    kv_cache_memory=4 << 20, attention_backend="torch",
+                                    max_num_seqs=8))
 
 
 def decode(runner, rid, tokens, step_id):

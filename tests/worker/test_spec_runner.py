@@ -23,6 +23,7 @@ import torch
 from services.common.sampling_params import EngineSamplingParams
 from services.common.spec_decode_config import SpeculativeConfig
 from services.common.step import CachedRequest, NewRequest, StepInput, StepOutput
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.spec_decode.ngram_proposer import NgramProposer
 
@@ -38,8 +39,9 @@ def _one_thread(one_torch_thread):
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama) -> ModelRunner:
-    return ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                       attention_backend="torch", max_num_seqs=64)
+    return ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                    kv_cache_memory=4 << 20, attention_backend="torch",
+                                    max_num_seqs=64))
 
 
 def prompts(n: int, length: int = 9, seed: int = 0) -> list[list[int]]:
@@ -234,8 +236,9 @@ def test_drafts_a_request_cannot_verify_or_scheduled_wrong_are_refused(runner):
 def test_the_driver_proposes_for_eligible_rows_after_appending(tiny_llama):
     spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3, '
                                    '"prompt_lookup_min": 1, "prompt_lookup_max": 3}')
-    r = ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                    attention_backend="torch", speculative=spec)
+    r = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                 kv_cache_memory=4 << 20, attention_backend="torch",
+                                 speculative=spec))
     assert r.ngram is not None and r.draft is None
     loop = list(range(512))  # whatever token is sampled, it occurred earlier: lookup finds it
     samplings = [GREEDY, EngineSamplingParams(temperature=0.0, repetition_penalty=1.3),
@@ -277,8 +280,9 @@ class _FakeTP:
 
 
 def test_a_tp_peer_appends_what_the_driver_kept(tiny_llama, runner):
-    peer = ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                       attention_backend="torch", max_num_seqs=64)
+    peer = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                    kv_cache_memory=4 << 20, attention_backend="torch",
+                                    max_num_seqs=64))
     wire: list[torch.Tensor] = []
     runner.parallel, peer.parallel = _FakeTP(True, wire), _FakeTP(False, wire)
     try:
@@ -319,7 +323,7 @@ def test_the_runner_refuses_speculation_with_pipeline_parallelism():
     parallel = ParallelState(ParallelConfig(1, 2, 1), None, "g", torch.device("cpu"))
     with pytest.raises(ValueError, match="--speculative-config does not work with "
                                          "--pipeline-parallel-size 2"):
-        ModelRunner("unused", device="cpu", parallel=parallel, speculative=spec)
+        ModelRunner(WorkerConfig(model="unused", device="cpu", speculative=spec), parallel)
 
 
 def test_temperature_one_is_lossless_with_a_fixed_draft(runner):
@@ -412,8 +416,8 @@ def test_spec_steps_reuse_the_compiled_forward_of_the_warm_up(tiny_llama):
 
     from services.worker.compiled import CompiledForward
 
-    r = ModelRunner(str(tiny_llama), dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                    attention_backend="cpu")
+    r = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                 kv_cache_memory=4 << 20, attention_backend="cpu"))
     if not isinstance(r.forward, CompiledForward):
         pytest.skip(f"the forward runs eagerly here: {r.eager_reason}")
     ps = prompts(2, seed=9)

@@ -46,6 +46,7 @@ def tp_rank(rank: int, port: int, model: str, steps: list[StepInput], out_path: 
     token lists as JSON to ``out_path``."""
     import os
 
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from services.worker.parallel.distributed import (
         ParallelConfig,
@@ -56,8 +57,8 @@ def tp_rank(rank: int, port: int, model: str, steps: list[StepInput], out_path: 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ps = init_distributed(ParallelConfig(2, 1, rank), torch.device("cpu"), timeout_s=60)
-    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=4 << 20,
-                         attention_backend="torch", parallel=ps)
+    runner = ModelRunner(WorkerConfig(model=model, dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="torch"), ps)
     outputs = [runner.execute_step(s) for s in steps]
     ib = runner.input_batch
     tokens = {rid: ib.token_ids[s.row, :ib.num_tokens[s.row]].tolist()
@@ -73,14 +74,15 @@ def test_tp2_peer_appends_what_the_driver_verified(tiny_llama, tmp_path):
     import multiprocessing as mp
 
     from services.common.ports import free_port_range
+    from services.worker.config import WorkerConfig
     from services.worker.model_runner import ModelRunner
     from tests.worker.test_spec_runner import reference
 
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (7, 20)]
-    single = ModelRunner(str(tiny_llama), dtype="float32", device="cpu",
-                         kv_cache_memory=4 << 20, attention_backend="torch")
+    single = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="torch"))
     refs = reference(single, prompts, [GREEDY] * 2, new_tokens=20)
     steps, expected = plan(prompts, refs, new_tokens=12)
     ctx = mp.get_context("spawn")

@@ -15,6 +15,7 @@ import torch
 
 from services.common.sampling_params import EngineSamplingParams
 from services.common.tokenizer_loading import load_tokenizer
+from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.step_checks import check_sampling
 from services.worker.sample.structured_output_masks import RequestGrammar, StructuredOutputs
@@ -44,8 +45,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runner(model):
-    runner = ModelRunner(model, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
-                         attention_backend="torch")
+    runner = ModelRunner(WorkerConfig(model=model, dtype="float32", device="cpu",
+                                      kv_cache_memory=16 << 20, attention_backend="torch"))
     assert list(runner.eos_token_ids) == [EOS]
     return runner
 
