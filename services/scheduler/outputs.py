@@ -19,7 +19,7 @@ from services.scheduler.request import FinishReason, Request
 class ScheduledStep(StepInput):
     """One engine step as the scheduler keeps it until ``update_from_output``: the
     ``StepInput`` every rank gets (its view: ``for_rank``), plus bookkeeping that is never
-    sent. (Not vLLM's ``ScheduledStep``, which is what the workers receive: the StepInput.)
+    sent. (vLLM's ``SchedulerOutput`` is what the workers receive: our StepInput.)
     The drafts a step verifies are its CachedRequests' ``spec_token_ids``, nowhere else."""
 
     # request_id -> its epoch when scheduled, in schedule order: a result from before a

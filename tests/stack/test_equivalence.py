@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 
 import pytest
 
+from services.scheduler.server import scheduler_config
+from services.worker.config import WorkerConfig
+from services.worker.model_runner import ModelRunner
 from tests.stack.conftest import _leak_check, generate_at_once, hf_greedy
 from tests.stack_harness import InProcessStack
+from tests.worker.test_in_process_step import run_in_process
 
 MAX_NEW = 24
 LENGTHS = [5, 9, 40, 300]
@@ -38,6 +43,27 @@ def _generate_all(address: str, prompts: list[list[int]]) -> list[list[int]]:
     for r in results:
         assert r.finish_reason == "length" and r.usage.completion_tokens == MAX_NEW
     return [r.token_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def stack_runner(tiny_stack):
+    """A ModelRunner in this process with the tiny stack's own worker flags."""
+    return ModelRunner(WorkerConfig.from_args(tiny_stack.worker_args))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_in_process_equals_the_stack(tiny, stack_runner, prompts_and_expected,
+                                                async_scheduling):
+    """The stack's scheduler and worker configs, built from its own flags, run in this process
+    (``Scheduler.schedule`` -> ``for_rank`` -> ``ModelRunner.execute_step``, no protobuf):
+    the same tokens as the stack, with async scheduling off and on (the stack runs it on)."""
+    prompts, _ = prompts_and_expected
+    config = dataclasses.replace(
+        scheduler_config(tiny.scheduler_args, max_model_len=stack_runner.max_model_len),
+        async_scheduling=async_scheduling)
+    assert config.max_steps_in_flight == (2 if async_scheduling else 1)
+    assert run_in_process(stack_runner, config, prompts, MAX_NEW) == _generate_all(
+        tiny.address, prompts)
 
 
 @pytest.mark.parametrize("order", ["together", "alone", "reversed", "shuffled"])

@@ -30,20 +30,17 @@ def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_the_schedulers_step_runs_on_the_runner_as_is(tiny_llama, one_torch_thread,
-                                                     async_scheduling):
-    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
-                                      kv_cache_memory=4 << 20, attention_backend="torch"))
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
-                             block_size=runner.block_size, async_scheduling=async_scheduling)
-    assert config.max_steps_in_flight == (2 if async_scheduling else 1)
+def run_in_process(runner: ModelRunner, config: SchedulerConfig, prompts: list[list[int]],
+                   max_tokens: int) -> list[list[int]]:
+    """Greedy outputs of ``prompts`` (ignore_eos, ``max_tokens`` each) through ``Scheduler``
+    and ``runner`` in this process, as the engine loop runs them: the scheduler's step, through
+    ``for_rank``, straight to ``execute_step`` and its ``StepOutput`` straight back, with
+    ``config.max_steps_in_flight`` steps in flight. Checks that nothing was recomputed and
+    that the runner holds no request afterwards."""
     scheduler = Scheduler(config, runner.num_kv_blocks, runner.eos_token_ids)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 9, 40)]
-    for i, p in enumerate(prompts):  # (40 tokens: a prefill chunked over two steps)
+    for i, p in enumerate(prompts):
         scheduler.add_request(Request(f"r{i}", p, EngineSamplingParams(
-            temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)))
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)))
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     pending: deque = deque()  # (step, its StepOutput): executed in order, applied later
     while scheduler.has_unfinished_requests() or pending:
@@ -63,6 +60,20 @@ def test_the_schedulers_step_runs_on_the_runner_as_is(tiny_llama, one_torch_thre
     assert scheduler.num_preemptions_total == 0
     runner.execute_step(scheduler.schedule().for_rank(samples=True))  # (drop the finished)
     assert not runner.input_batch.requests
+    return [outputs[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_schedulers_step_runs_on_the_runner_as_is(tiny_llama, one_torch_thread,
+                                                     async_scheduling):
+    runner = ModelRunner(WorkerConfig(model=str(tiny_llama), dtype="float32", device="cpu",
+                                      kv_cache_memory=4 << 20, attention_backend="torch"))
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                             block_size=runner.block_size, async_scheduling=async_scheduling)
+    assert config.max_steps_in_flight == (2 if async_scheduling else 1)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 9, 40)]
+    # (40 tokens: a prefill chunked over two steps)
+    got = run_in_process(runner, config, prompts, NEW_TOKENS)
     ref = LlamaForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
-    assert [outputs[f"r{i}"] for i in range(len(prompts))] == [
-        _hf_greedy(ref, p, NEW_TOKENS) for p in prompts]
+    assert got == [_hf_greedy(ref, p, NEW_TOKENS) for p in prompts]
