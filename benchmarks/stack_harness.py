@@ -63,6 +63,17 @@ class _BackgroundStack:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self.address = ""
         self.http_url = ""  # the OpenAI-compatible API's base URL, e.g. http://127.0.0.1:PORT
+        self._stop: asyncio.Event | None = None  # set: every service's serve() returns
+        self._tasks: list = []  # the services' serve() tasks
+
+    def _stop_services(self) -> None:
+        """Set the stop event and wait (60 s at most) until every service task has ended."""
+        async def stop():
+            if self._stop is None:
+                return
+            self._stop.set()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._run(stop(), timeout=60)
 
     def _run(self, coro, timeout: float = 600):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -155,8 +166,6 @@ class InProcessStack(_BackgroundStack):
         self.router_args = _args(router_server, ["--port", "0", "--http-port", "0", *model_flag,
                                                  *router_argv])
         super().__init__()
-        self._stop: asyncio.Event | None = None
-        self._tasks: list = []
         self.scheduler_address = ""
         # the scheduler's own --ssl-* flags (if any) also serve for the introspection calls
         self.scheduler_credentials = client_credentials(tls_from_args(self.scheduler_args))
@@ -175,12 +184,7 @@ class InProcessStack(_BackgroundStack):
         self._router_started(self.router_args)
 
     def stop(self) -> None:
-        async def _stop():
-            if self._stop is None:
-                return
-            self._stop.set()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._run(_stop(), timeout=60)
+        self._stop_services()
         self._close_loop()
 
     # ---- introspection for tests --------------------------------------------------------

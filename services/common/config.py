@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
+from collections.abc import Collection
 from typing import Any
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -137,3 +139,22 @@ def field_default(cls: type, name: str) -> Any:
                 return f.default_factory()
             raise KeyError(f"{cls.__name__}.{name} has no default")
     raise KeyError(f"{cls.__name__} has no field {name!r}")
+
+
+def json_flag_object(text: str, flag: str, fields: Collection[str], example: str) -> dict:
+    """The JSON object a flag such as ``--speculative-config`` takes, its keys among ``fields``.
+
+    Raises:
+        ValueError: not valid JSON, not an object (the message shows ``example``), or a key
+            not in ``fields``; each message starts with ``flag``.
+    """
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. {example}")
+    unknown = sorted(set(obj) - set(fields))
+    if unknown:
+        raise ValueError(f"{flag}: unknown field {unknown[0]!r} (fields: {', '.join(fields)})")
+    return obj

@@ -22,6 +22,8 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
+from services.common.config import json_flag_object
+
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8  # see docs/benchmarks.md "Issue 21"
@@ -74,17 +76,8 @@ class SpeculativeConfig:
         """
         if text is None or not text.strip():
             return None
-        try:
-            raw = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--speculative-config is not JSON: {e}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("--speculative-config must be a JSON object, e.g. "
-                             '{"method": "ngram", "num_speculative_tokens": 4}')
-        unknown = sorted(set(raw) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"--speculative-config: unknown field(s) {unknown}; "
-                             f"known: {list(_FIELDS)}")
+        raw = json_flag_object(text, "--speculative-config", _FIELDS,
+                               '{"method": "ngram", "num_speculative_tokens": 4}')
         model = raw.get("model") or ""
         if not isinstance(model, str):
             raise ValueError("--speculative-config: model must be a path (string)")

@@ -38,9 +38,10 @@ class CachedRequest:
     """A request the worker already holds: what changed since the previous step."""
 
     request_id: str
-    # since last sent, appended to the token list ([] mid-prefill and with async scheduling;
-    # a rank that samples gets them only for a beam: ``StepInput.for_rank``); when resumed, the
-    # whole token list (replaces the worker's)
+    # since last sent, appended to the token list: sent only under pipeline parallelism, for
+    # the stages that do not sample (a rank that samples gets them only for a beam:
+    # ``StepInput.for_rank``), and for a beam; when resumed, the whole token list (replaces
+    # the worker's)
     new_token_ids: list[int]
     new_block_ids: list[int]  # appended to the block tables (k per KV cache group, group by
     # group), or the whole tables if resumed; -1 = no block

@@ -362,7 +362,11 @@ class Scheduler:
         requests = self.state.requests
         epochs: dict[str, int] = {}
         sampled: set[str] = set()
-        send_tokens = not self.config.async_scheduling  # (with it, the new tokens are unknown)
+        # NOTE: new tokens are sent only where a pipeline stage that does not sample needs
+        # them (async scheduling is off then); a single stage appends its own samples, so its
+        # step is every rank's as is (``StepInput.for_rank`` returns it unchanged)
+        send_tokens = self.config.pipeline_parallel_size > 1
+        look_ahead = self.config.async_scheduling  # (the new tokens are not known yet)
         for request_id, num_new in plan.num_scheduled.items():
             request = requests[request_id]
             num_prompt = len(request.prompt_token_ids)
@@ -381,7 +385,7 @@ class Scheduler:
             if request.num_computed_tokens == (num_tokens + request.num_output_placeholders
                                                + len(drafts)):
                 sampled.add(request_id)
-                if not send_tokens and request.beam_group is None and not self.pooling:
+                if look_ahead and request.beam_group is None and not self.pooling:
                     request.num_output_placeholders += 1  # NOTE: a beam waits for its pick
 
         self._step_id += 1
@@ -396,8 +400,8 @@ class Scheduler:
     def _cached_request(request: Request, num_new: int, plan: StepPlan, send_tokens: bool,
                         drafts: list[int]) -> CachedRequest:
         """The diff of a request the workers hold: whole when resumed (or a forked beam, whose
-        KV is new), else its new tokens (all of them here: ``StepInput.for_rank`` is what a
-        sampling rank gets) and blocks, verifying ``drafts``."""
+        KV is new), else its new tokens (``send_tokens``: for the stages that do not sample;
+        ``StepInput.for_rank`` is what a sampling rank gets) and blocks, verifying ``drafts``."""
         request_id = request.request_id
         if request_id in plan.resumed or request.resend:
             request.resend = False

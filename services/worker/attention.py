@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -106,30 +106,19 @@ class KernelTable:
 
 
 def _torch_kernels() -> KernelTable:
-    from kernels.torch_attention import torch_paged_attention, torch_reshape_and_cache
-    from kernels.torch_ops import (
-        torch_fused_add_rms_norm,
-        torch_rms_norm,
-        torch_rope_cos_sin,
-        torch_rotary_embedding,
-    )
-    return KernelTable(reshape_and_cache=torch_reshape_and_cache,
-                       paged_attention=torch_paged_attention, rms_norm=torch_rms_norm,
-                       fused_add_rms_norm=torch_fused_add_rms_norm,
-                       rotary_embedding=torch_rotary_embedding, rope_cos_sin=torch_rope_cos_sin)
+    from kernels import torch_attention as attn
+    from kernels import torch_ops as ops
+    return KernelTable(attn.torch_reshape_and_cache, attn.torch_paged_attention,
+                       ops.torch_rms_norm, ops.torch_fused_add_rms_norm,
+                       ops.torch_rotary_embedding, ops.torch_rope_cos_sin)
 
 
 def _triton_kernels() -> KernelTable:
-    from kernels.triton_attention import triton_paged_attention, triton_reshape_and_cache
-    from kernels.triton_norm_rope import (
-        triton_fused_add_rms_norm,
-        triton_rms_norm,
-        triton_rotary_embedding,
-    )
-    return KernelTable(reshape_and_cache=triton_reshape_and_cache,
-                       paged_attention=triton_paged_attention, rms_norm=triton_rms_norm,
-                       fused_add_rms_norm=triton_fused_add_rms_norm,
-                       rotary_embedding=triton_rotary_embedding, rope_cos_sin=None)
+    from kernels import triton_attention as attn
+    from kernels import triton_norm_rope as ops
+    return KernelTable(attn.triton_reshape_and_cache, attn.triton_paged_attention,
+                       ops.triton_rms_norm, ops.triton_fused_add_rms_norm,
+                       ops.triton_rotary_embedding, None)  # (its rope computes cos/sin)
 
 
 def _cpu_kernels() -> KernelTable:
@@ -138,11 +127,10 @@ def _cpu_kernels() -> KernelTable:
         cpu_reshape_and_cache,
         cpu_rotary_embedding,
     )
-    from kernels.torch_ops import torch_fused_add_rms_norm, torch_rms_norm, torch_rope_cos_sin
-    return KernelTable(reshape_and_cache=cpu_reshape_and_cache,
-                       paged_attention=cpu_paged_attention, rms_norm=torch_rms_norm,
-                       fused_add_rms_norm=torch_fused_add_rms_norm,
-                       rotary_embedding=cpu_rotary_embedding, rope_cos_sin=torch_rope_cos_sin)
+    # (the norms and the cos/sin table are torch's)
+    return replace(_torch_kernels(), reshape_and_cache=cpu_reshape_and_cache,
+                   paged_attention=cpu_paged_attention,
+                   rotary_embedding=cpu_rotary_embedding)
 
 
 # backend name -> its kernel table's maker; each imports its kernel modules when called, so

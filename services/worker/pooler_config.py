@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.config import json_flag_object
+
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # sentence-transformers' 1_Pooling/config.json switches -> our pooling type (first set wins)
@@ -37,17 +39,8 @@ class PoolerConfig:
         base = default or cls()
         if not text:
             return base
-        try:
-            obj = json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"--pooler-config is not valid JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise ValueError("--pooler-config must be a JSON object, e.g. "
-                             '{"pooling_type": "LAST", "normalize": true}')
-        unknown = sorted(set(obj) - {"pooling_type", "normalize"})
-        if unknown:
-            raise ValueError(f"--pooler-config: unknown field {unknown[0]!r} (fields: "
-                             "pooling_type, normalize)")
+        obj = json_flag_object(text, "--pooler-config", ("pooling_type", "normalize"),
+                               '{"pooling_type": "LAST", "normalize": true}')
         kind = obj.get("pooling_type", base.pooling_type)
         if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
             raise ValueError(f"--pooler-config: pooling_type must be one of "

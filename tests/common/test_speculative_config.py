@@ -23,7 +23,7 @@ def test_vllm_forms_parse_and_round_trip():
 
 
 @pytest.mark.parametrize("text, field", [
-    ("[4]", "JSON object"), ("{", "not JSON"), ('{"method": "ngram"}', "num_speculative_tokens"),
+    ("[4]", "JSON object"), ("{", "not valid JSON"), ('{"method": "ngram"}', "num_speculative_tokens"),
     ('{"num_speculative_tokens": 0}', "1..16"), ('{"num_speculative_tokens": 17}', "1..16"),
     ('{"num_speculative_tokens": true}', "num_speculative_tokens"),
     ('{"method": "eagle", "num_speculative_tokens": 2}', "method"),

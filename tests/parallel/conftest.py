@@ -58,8 +58,6 @@ class ParallelStack(_BackgroundStack):
                                                  *model_flag, *_no_metrics(router_server),
                                                  *router_argv])
         super().__init__()
-        self._stop: asyncio.Event | None = None
-        self._tasks: list = []
         self.scheduler_address = ""
 
     async def _start(self):
@@ -80,13 +78,8 @@ class ParallelStack(_BackgroundStack):
         self._router_started(self.router_args)
 
     def stop(self) -> None:
-        async def _stop():
-            if self._stop is None:
-                return
-            self._stop.set()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
         try:
-            self._run(_stop(), timeout=60)
+            self._stop_services()
         finally:
             self.supervisor.stop()  # in any case: no rank process outlives the test
             self._close_loop()

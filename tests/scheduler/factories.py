@@ -188,6 +188,7 @@ class FakeWorker:
         for rid, request in sched.requests.items():  # (preempted ones included)
             assert request.num_tokens_sent == 0 or rid in self.states, f"{rid}: sent, not held"
         look_ahead = sched.config.async_scheduling
+        stages = sched.config.pipeline_parallel_size > 1  # (a stage that does not sample)
         for cached in out.cached_requests:
             state = self.states[cached.request_id]
             if cached.resumed_from_preemption:
@@ -203,6 +204,8 @@ class FakeWorker:
                 continue
             if look_ahead:
                 assert cached.new_token_ids == []  # not known when scheduled
+            elif not stages:  # a single stage appends its own samples: none are sent
+                assert cached.new_token_ids == [] or cached.beam
             else:
                 state.stage_token_ids += cached.new_token_ids
             assert cached.num_computed_tokens == state.num_computed_tokens
@@ -223,7 +226,7 @@ class FakeWorker:
             num_known = request.num_tokens
             assert state.token_ids[:num_known] == request.all_token_ids
             assert len(state.token_ids) <= num_known + request.num_output_placeholders
-            if not look_ahead:  # an earlier stage holds every token it computes
+            if stages:  # an earlier stage holds every token it computes
                 assert state.stage_token_ids == state.token_ids
             start, end = state.num_computed_tokens, state.num_computed_tokens + n
             tables = state.block_ids

@@ -61,6 +61,22 @@ def test_add_request_validation():
 # --- the scheduling rule --------------------------------------------------------------------
 
 
+def test_a_stage_that_does_not_sample_is_sent_the_new_tokens():
+    """Under pipeline parallelism the step carries each request's new tokens (the earlier
+    stages need them); the last stage's view (``for_rank``) drops them."""
+    s = make_scheduler(block_size=4, pipeline_parallel_size=2)
+    s.add_request(make_request(0, 10, max_tokens=3))
+    w = FakeWorker(s)
+    out = s.schedule()
+    s.update_from_output(out, step_output(out, w.execute(out)))
+    out = s.schedule()
+    (cached,) = out.cached_requests
+    assert cached.new_token_ids == [fake_token("req-0", 10)]
+    assert out.for_rank(samples=False) is out
+    assert out.for_rank(samples=True).cached_requests[0].new_token_ids == []
+    assert cached.new_token_ids == [fake_token("req-0", 10)]  # (the step itself unchanged)
+
+
 def test_single_request_prefill_then_decode_with_diffs():
     s = make_scheduler(block_size=4)
     r = make_request(0, 10, max_tokens=3)
@@ -82,7 +98,8 @@ def test_single_request_prefill_then_decode_with_diffs():
     out = s.schedule()
     assert out.num_scheduled_tokens == {"req-0": 1} and out.new_requests == []
     (cached,) = out.cached_requests
-    assert cached.new_token_ids == [t0] and cached.new_block_ids == []  # slot 10: block 2
+    # (one stage: the worker appended t0 itself, so the step does not carry it)
+    assert cached.new_token_ids == [] and cached.new_block_ids == []  # slot 10: block 2
     assert cached.num_computed_tokens == 10 and not cached.resumed_from_preemption
     s.update_from_output(out, step_output(out, w.execute(out)))
 
