@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.step import StepOutput  # noqa: E402
-from services.common.step_wire import step_to_pb  # noqa: E402
 from services.scheduler.config import SchedulerConfig  # noqa: E402
 from services.scheduler.request import EngineSamplingParams, Request  # noqa: E402
 from services.scheduler.scheduler import Scheduler  # noqa: E402
+from services.scheduler.worker_client import step_requests  # noqa: E402
 
 
 def _sampled(out, token: int) -> StepOutput:
@@ -36,7 +36,8 @@ def _sampled(out, token: int) -> StepOutput:
 
 def measure(num_requests: int, prompt_len: int, steps: int, block_size: int,
             prefix_caching: bool) -> dict:
-    """Seconds per step (schedule + build_step_request) over ``steps`` decode steps."""
+    """Seconds per step (schedule + ``step_requests``, the encoding ``WorkerGroup.send`` does)
+    over ``steps`` decode steps."""
     max_model_len = prompt_len + steps + 72
     blocks_per_request = -(-max_model_len // block_size)
     config = SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=8192,
@@ -57,7 +58,7 @@ def measure(num_requests: int, prompt_len: int, steps: int, block_size: int,
     for step in range(steps):
         t0 = time.perf_counter()
         out = scheduler.schedule()
-        step_to_pb(out.for_rank(samples=True))  # (what WorkerGroup.send encodes)
+        step_requests(out, [True])  # (what WorkerGroup.send encodes for one stage)
         times.append(time.perf_counter() - t0)
         assert len(out.num_scheduled_tokens) == num_requests
         scheduler.update_from_output(out, _sampled(out, 7 + step % 1000))

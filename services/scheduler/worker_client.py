@@ -23,17 +23,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 import grpc
 
 from services.common.grpc_utils import CHANNEL_OPTIONS
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
-from services.common.step import StepOutput
+from services.common.step import StepInput, StepOutput
 from services.common.step_wire import step_output_from_pb, step_to_pb
 from services.common.tls import aio_channel
 from services.scheduler.outputs import ScheduledStep
 
 log = logging.getLogger(__name__)
+
+
+def step_requests(step: StepInput, samples: Iterable[bool]
+                  ) -> dict[bool, worker_pb2.StepRequest]:
+    """The StepRequest of each kind of rank in ``samples`` (True: a rank of the last pipeline
+    stage, which samples; False: an earlier stage, which cannot know the sampled tokens): the
+    encoding of its view of ``step`` (``StepInput.for_rank``), one per kind."""
+    return {kind: step_to_pb(step.for_rank(kind)) for kind in set(samples)}
 
 
 class WorkerError(RuntimeError):
@@ -188,8 +197,7 @@ class WorkerGroup:
         """
         if not self._calls:
             raise WorkerError("no worker connection")
-        # NOTE: the earlier pipeline stages cannot know the sampled tokens: theirs carries them
-        views = {samples: step_to_pb(out.for_rank(samples)) for samples in set(self._samples)}
+        views = step_requests(out, self._samples)
         try:
             await asyncio.gather(*(call.write(views[samples])
                                    for call, samples in zip(self._calls, self._samples,
