@@ -294,7 +294,7 @@ def vllm_model_folder(model: str | None) -> str:
 
     A folder ``--model`` is used as it is. For a GGUF file (the packaged default), pagedserve's
     own conversions are reused (made first if missing): the worker's float32 safetensors
-    folder (``services.worker.loader.convert_gguf``) and the router's tokenizer folder
+    folder (``services.worker.checkpoint.convert_gguf``) and the router's tokenizer folder
     (``services.router.tokenizer.load_tokenizer``), linked into one folder beside them,
     ``ModelSource.cache_dir("vllm-model")``. A fixed path, so vLLM's compile cache (keyed by
     it) is hit on later runs: its start-up compile takes minutes on 2 cores.
@@ -305,7 +305,7 @@ def vllm_model_folder(model: str | None) -> str:
     if not source.is_gguf:
         return source.path
     from services.router.tokenizer import install_atomically, load_tokenizer
-    from services.worker.loader import convert_gguf
+    from services.worker.checkpoint import convert_gguf
 
     weights = convert_gguf(source)
     load_tokenizer(model)  # fills source.cache_dir("tokenizer")

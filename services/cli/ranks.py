@@ -96,7 +96,7 @@ def convert_once(model: str | None) -> None:
     from services.common.model_files import resolve_model
     source = resolve_model(model)
     if source.is_gguf:
-        from services.worker.loader import convert_gguf
+        from services.worker.checkpoint import convert_gguf
         convert_gguf(source)
 
 

@@ -5,7 +5,7 @@
 Q5_K, Q6_K) into codes, scales and mins that give back the file's dequantized values bit for
 bit; this module names the tensors, fuses a decoder layer's parts into our modules and undoes
 llama.cpp's Q/K row permutation, so that ``quantized_linear.GroupQuantLinear`` serves them
-instead of the float32 copy the GGUF conversion writes (``loader.convert_gguf``, which still
+instead of the float32 copy the GGUF conversion writes (``checkpoint.convert_gguf``, which still
 provides the config, the norms and every tensor of another type).
 
 Names: a decoder layer's fused module takes its GGUF tensors in row order (``qkv_proj`` =

@@ -51,13 +51,14 @@ from services.worker.attention import (
     resolve_kv_cache_dtype,
     select_backend,
 )
+from services.worker.checkpoint import Model
 from services.worker.compiled import CompiledForward, why_eager
 from services.worker.config import WorkerConfig
 from services.worker.device import resolve_device, resolve_dtype
 from services.worker.huge_pages import zeros_on_huge_pages
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
-from services.worker.loader import Model, load_model
+from services.worker.loader import load_model
 from services.worker.lora.manager import make_lora_manager
 from services.worker.models.llama import DecoderLayer, lm_head_logits
 from services.worker.parallel.distributed import ParallelState

@@ -39,7 +39,7 @@ PROMPTS = [
 def gemma():
     """(stack, prompt token ids, transformers' greedy ids)."""
     from services.router.tokenizer import load_tokenizer
-    from services.worker.loader import convert_gguf
+    from services.worker.checkpoint import convert_gguf
 
     source = resolve_model("gemma3-270m")
     with ThreadPoolExecutor(2) as pool:  # the two one-off conversions (tokenizer in a child)
@@ -49,7 +49,8 @@ def gemma():
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     assert len(prompts[-1]) > 512 and prompts[0][0] == tokenizer.bos_token_id
     # NOTE: the reference reads the worker's one-off conversion (transformers' own GGUF reader
-    # and save_pretrained, services/worker/loader.py), so the 253 MB file is dequantised once.
+    # and save_pretrained, services/worker/checkpoint.py), so the 253 MB file is dequantised
+    # once.
     expected = hf_greedy(str(folder), prompts, MAX_NEW)
     stack = InProcessStack(source.path, worker_argv=[
         "--dtype", "float32", "--kv-cache-memory", "256MiB", "--enforce-eager"],

@@ -40,7 +40,7 @@ def _config(model_dir: str) -> dict:
 
 def _windows(model_dir: str) -> list[int]:
     """Per layer the sliding window (0 = full), read from the model's own config class."""
-    from services.worker.loader import family_of
+    from services.worker.checkpoint import family_of
 
     cfg = _config(model_dir)
     return family_of(cfg, model_dir).config.from_hf(cfg).sliding_windows

@@ -68,7 +68,7 @@ def smollm2_lora_reference(adapter_dir: Path, prompts: list[list[int]], new_toke
 
     from services.common.lora import LORA_MODULES
     from services.common.model_files import resolve_model
-    from services.worker.loader import convert_gguf
+    from services.worker.checkpoint import convert_gguf
 
     model = AutoModelForCausalLM.from_pretrained(convert_gguf(resolve_model(None)),
                                                  dtype=torch.float32).eval()

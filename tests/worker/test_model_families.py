@@ -18,7 +18,8 @@ from kernels.cpu_attention import cpu_isa
 from kernels.cpu_linear import pack_linear_weight
 from services.worker.attention import AttentionMetadata, select_backend
 from services.worker.config import WorkerConfig
-from services.worker.loader import SUPPORTED_MODEL_TYPES, load_model
+from services.worker.checkpoint import SUPPORTED_MODEL_TYPES
+from services.worker.loader import load_model
 from services.worker.model_runner import ModelRunner
 from services.worker.parallel.distributed import ParallelConfig
 from services.worker.parallel.sharding import ShardPlan

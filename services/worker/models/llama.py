@@ -18,7 +18,7 @@ Attention goes through an ``AttentionBackend`` (``services/worker/attention.py``
 this step's K/V into the paged cache and attends over it (over the last ``W`` positions only on
 a sliding-window layer).
 
-Weights are named like ours (``layers.N.attn.qkv_proj.weight``); ``services/worker/loader.py``
+Weights are named like ours (``layers.N.attn.qkv_proj.weight``); ``services/worker/checkpoint.py``
 maps transformers' checkpoint names onto them (q/k/v and gate/up are fused into one matmul each).
 
 Shape letters: T tokens, E hidden size, H query heads, K kv heads, D head dim, I intermediate,
