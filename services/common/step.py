@@ -60,6 +60,17 @@ class CachedRequest:
     beam: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class KVTransfer:
+    """One block moved between the KV cache and the KV tier on disk: block ``block_id`` of KV
+    cache group ``group`` and the tier's file of prefix key ``key`` (16 bytes,
+    ``scheduler/prefix_keys.py``)."""
+
+    block_id: int
+    group: int
+    key: bytes
+
+
 @dataclass(slots=True)
 class StepInput:
     """One engine step for every rank. Requests are computed in the order new_requests, then
@@ -74,6 +85,11 @@ class StepInput:
     # speculative decoding: draft tokens the driver proposes after this step per request that
     # got a token (StepOutput.draft_token_ids); 0 = none
     num_speculative_tokens: int = 0
+    # KV tier on disk: blocks every rank writes to the tier after this step's forward (except
+    # those of requests it left out), and blocks it starts reading from the tier (reported in
+    # a later StepOutput's kv_loads_done / kv_loads_failed)
+    kv_stores: list[KVTransfer] = field(default_factory=list)
+    kv_loads: list[KVTransfer] = field(default_factory=list)
 
     def for_rank(self, samples: bool) -> StepInput:
         """The step as a rank sees it: a rank that ``samples`` (the last pipeline stage) has
@@ -180,3 +196,8 @@ class StepOutput:
     # the scheduler ends them with that error; the worker ignores them until they finish
     failed_request_ids: list[str] = field(default_factory=list)
     failed_messages: list[str] = field(default_factory=list)
+    # KV tier: block ids of the loads finished (data in the cache before this step's forward)
+    # and failed (contents undefined). From one rank over the wire; ``WorkerGroup.receive``
+    # reports a block once every rank has (failed if any rank failed).
+    kv_loads_done: list[int] = field(default_factory=list)
+    kv_loads_failed: list[int] = field(default_factory=list)

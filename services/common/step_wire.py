@@ -16,6 +16,7 @@ from services.common.pb.pagedserve.v1 import engine_pb2, worker_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import (
     CachedRequest,
+    KVTransfer,
     Logprobs,
     NewRequest,
     SampledLogprobs,
@@ -87,7 +88,26 @@ def step_to_pb(step: StepInput) -> worker_pb2.StepRequest:
         finished_request_ids=sorted(step.finished_request_ids),
         copy_src_block_ids=[src for src, _ in step.blocks_to_copy],
         copy_dst_block_ids=[dst for _, dst in step.blocks_to_copy],
-        num_speculative_tokens=step.num_speculative_tokens)
+        num_speculative_tokens=step.num_speculative_tokens,
+        kv_store_block_ids=[t.block_id for t in step.kv_stores],
+        kv_store_groups=[t.group for t in step.kv_stores],
+        kv_store_keys=[t.key for t in step.kv_stores],
+        kv_load_block_ids=[t.block_id for t in step.kv_loads],
+        kv_load_groups=[t.group for t in step.kv_loads],
+        kv_load_keys=[t.key for t in step.kv_loads])
+
+
+def _kv_transfers(msg: worker_pb2.StepRequest, kind: str) -> list[KVTransfer]:
+    """The aligned ``kv_{kind}_*`` columns of ``msg`` as KVTransfers.
+
+    Raises:
+        ValueError: columns of different lengths.
+    """
+    ids, groups, keys = (getattr(msg, f"kv_{kind}_{c}") for c in ("block_ids", "groups", "keys"))
+    if not len(ids) == len(groups) == len(keys):
+        raise ValueError(f"malformed StepRequest: {len(ids)} kv_{kind}_block_ids, "
+                         f"{len(groups)} kv_{kind}_groups, {len(keys)} kv_{kind}_keys")
+    return [KVTransfer(*t) for t in zip(ids, groups, keys, strict=True)]
 
 
 def cached_requests_from_pb(c: worker_pb2.CachedRequests) -> list[CachedRequest]:
@@ -120,7 +140,8 @@ def step_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
     """Decode a StepRequest.
 
     Raises:
-        ValueError: CachedRequests columns that disagree, or copy columns of two lengths.
+        ValueError: CachedRequests columns that disagree, or copy or KV tier columns of
+            different lengths.
     """
     src, dst = msg.copy_src_block_ids, msg.copy_dst_block_ids
     if len(src) != len(dst):
@@ -136,7 +157,8 @@ def step_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
         cached_requests=cached_requests_from_pb(msg.cached_requests),
         finished_request_ids=list(msg.finished_request_ids),
         blocks_to_copy=list(zip(src, dst, strict=True)),
-        num_speculative_tokens=msg.num_speculative_tokens)
+        num_speculative_tokens=msg.num_speculative_tokens,
+        kv_stores=_kv_transfers(msg, "store"), kv_loads=_kv_transfers(msg, "load"))
 
 
 def step_output_to_pb(out: StepOutput) -> worker_pb2.StepResult:
@@ -157,6 +179,8 @@ def step_output_to_pb(out: StepOutput) -> worker_pb2.StepResult:
     if out.embeddings is not None:
         result.embeddings.extend(chain.from_iterable(out.embeddings))
     result.failed_request_ids.extend(out.failed_request_ids)
+    result.kv_loads_done.extend(out.kv_loads_done)
+    result.kv_loads_failed.extend(out.kv_loads_failed)
     result.failed_messages.extend(out.failed_messages)
     for pl in out.prompt_logprobs:
         result.prompt_request_ids.append(pl.request_id)
@@ -176,6 +200,13 @@ def step_output_from_pb(r: worker_pb2.StepResult) -> StepOutput:
         ValueError: columns that disagree in length (sampled tokens and their counts, drafts,
             logprobs, prompt logprobs, embeddings, failed requests), naming which.
     """
+    out = _step_output_from_pb(r)
+    out.kv_loads_done, out.kv_loads_failed = list(r.kv_loads_done), list(r.kv_loads_failed)
+    return out
+
+
+def _step_output_from_pb(r: worker_pb2.StepResult) -> StepOutput:
+    """``step_output_from_pb`` but the KV tier's columns."""
     n = len(r.request_ids)
     if len(r.failed_request_ids) != len(r.failed_messages):
         raise ValueError(f"step {r.step_id}: malformed failed request columns: "

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from services.common.step import Logprobs
+from services.scheduler.beam_blocks import can_allocate_all, copy_on_write, fork
 from services.scheduler.beam_search import BeamGroup, num_candidates
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.outputs import RequestUpdate
@@ -100,13 +101,13 @@ class BeamScheduler:
         total = sum(n for _, n in writers)
         if not writers or total > plan.budget:
             return i + len(members)  # (waiting for the step in flight, or next step)
-        while not bm.can_allocate_all(writers):
+        while not can_allocate_all(bm, writers):
             victim = preempt_tail()
             if victim.beam_group is group:
                 return i
         bs = self.config.block_size
         for request, n in writers:
-            copies = bm.copy_on_write(request, n)
+            copies = copy_on_write(bm, request, n)
             appended = bm.allocate(request, n)
             rid = request.request_id
             if copies:
@@ -210,7 +211,7 @@ class BeamScheduler:
     def _fork(self, child: Request, parent: Request, token_id: int) -> None:
         """``child`` becomes ``parent`` + ``token_id``: its tables a fork of the parent's,
         its tokens the parent's plus the one (sent whole to the workers next step)."""
-        self.state.block_manager.fork(child, parent)
+        fork(self.state.block_manager, child, parent)
         child.output_token_ids = [*parent.output_token_ids, token_id]
         child.num_computed_tokens = parent.num_computed_tokens
         child.resend = True

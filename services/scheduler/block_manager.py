@@ -69,8 +69,11 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.scheduler.kv_tier import TIER, KVTier, TierLoad
 from services.scheduler.prefix_keys import BlockHash, CacheKey, block_hashes
 from services.scheduler.request import Request
+
+MISS = -1  # a prefix lookup's "not cached" (and a table's "no block": a window has left it)
 
 
 @dataclass(slots=True)
@@ -108,6 +111,7 @@ class BlockManager:
         enable_prefix_caching: share full blocks of identical prefixes (default on).
         sliding_windows: per KV cache group, its sliding window in tokens (0 = full attention);
             default one full-attention group.
+        tier: the KV tier on disk, whose blocks extend prefix hits (``kv_tier.py``); None.
 
     Raises:
         ValueError: if ``num_blocks`` or ``block_size`` is < 1, no group, or a window < 0.
@@ -115,7 +119,7 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16,
                  enable_prefix_caching: bool = True,
-                 sliding_windows: Sequence[int] = (0,)) -> None:
+                 sliding_windows: Sequence[int] = (0,), tier: KVTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -132,6 +136,7 @@ class BlockManager:
         # free list in O(1). Left = least recently freed = allocated (evicted) first.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[CacheKey, Block] = {}  # (group, prefix key) -> block holding it
+        self.tier = tier
 
     @property
     def num_free_blocks(self) -> int:
@@ -195,9 +200,10 @@ class BlockManager:
         (``_first_needed_block``; the entries before are -1). At least one token is always left
         to compute (the step that computes it samples the next token), so
         n <= (num_tokens - 1) // block_size. Each hit re-checks the block's stored tokens and
-        parent key. Nothing is reserved: pass the tables to ``allocate`` in the same scheduling
-        pass (the scheduler counts the lookup: ``prefix_cache_queries_total`` /
-        ``prefix_cache_hits_total``).
+        parent key. With a KV tier, a block the RAM cache lacks but the tier holds is a hit too:
+        its entry is ``TIER`` (``allocate`` gives it a block and a load). Nothing is reserved:
+        pass the tables to ``allocate`` in the same scheduling pass (the scheduler counts the
+        lookup: ``prefix_cache_queries_total`` / ``prefix_cache_hits_total``).
 
         Cost: O(n) lookups per group (a sliding group's search goes right to left, as vLLM's).
 
@@ -208,7 +214,8 @@ class BlockManager:
             return [], 0
         bs = self.block_size
         n = (request.num_tokens - 1) // bs
-        if n <= 0 or not self.cached_blocks:
+        tier = self.tier
+        if n <= 0 or not (self.cached_blocks or tier):
             return [], 0
         hashes = block_hashes(request, n, bs, self.enable_prefix_caching)
         found: dict[tuple[int, int], int] = {}  # (group, j) -> hit block id, or -1
@@ -218,19 +225,22 @@ class BlockManager:
                 block = self.cached_blocks.get((group, hashes[j]))
                 ok = block is not None and block.parent_hash == (hashes[j - 1] if j else b"") and (
                     block.token_ids == tuple(request.token_ids_slice(j * bs, (j + 1) * bs)))
-                found[group, j] = block.block_id if ok and block is not None else -1
+                found[group, j] = (block.block_id if ok and block is not None else
+                                   MISS if tier is None else self._tier_hit(group, j, hashes,
+                                                                            request))
             return found[group, j]
 
         windows = self.sliding_windows
         for g in (g for g, w in enumerate(windows) if not w):  # a prefix of every full group
-            n = next((j for j in range(n) if hit(g, j) < 0), n)
+            n = next((j for j in range(n) if hit(g, j) == MISS), n)
         # NOTE: a sliding group missing block j < n rules out every hit in j+1 .. n (they all
         # need block j), so the next candidate is j; n only shrinks.
         sliding = [g for g, w in enumerate(windows) if w]
         while n > 0:
             for g in sliding:
                 first = self._first_needed_block(g, n * bs)
-                miss = next((j for j in range(n - 1, first - 1, -1) if hit(g, j) < 0), None)
+                miss = next((j for j in range(n - 1, first - 1, -1) if hit(g, j) == MISS),
+                            None)
                 if miss is not None:
                     n = miss
                     break
@@ -240,6 +250,18 @@ class BlockManager:
             return [], 0
         return [[hit(g, j) if j >= self._first_needed_block(g, n * bs) else -1 for j in range(n)]
                 for g in range(self.num_groups)], n * bs
+
+    def _tier_hit(self, group: int, j: int, hashes: list[BlockHash], request: Request) -> int:
+        """Block ``j`` of ``request`` in ``group``, which the RAM cache lacks: the KV block a
+        load of it is filling (the hit waits for that load), ``TIER`` when the tier holds it,
+        else ``MISS``."""
+        assert self.tier is not None
+        bs = self.block_size
+        loading = self.tier.loading_block(group, hashes[j], hashes[j - 1] if j else b"",
+                                          tuple(request.token_ids_slice(j * bs, (j + 1) * bs)))
+        if loading is not None:
+            return loading
+        return TIER if self.tier.holds(group, hashes[j]) else MISS
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register every full block among the first ``num_tokens`` tokens not yet registered,
@@ -266,6 +288,8 @@ class BlockManager:
                         block.token_ids = tuple(tokens[off:off + bs])
                         block.parent_hash = hashes[j - 1] if j else b""
                         self.cached_blocks[key] = block
+                        if self.tier is not None:
+                            self.tier.registered(block.block_id, g, hashes[j])
         request.num_cached_blocks = num_full
 
     def _evict(self, block: Block) -> None:
@@ -274,9 +298,19 @@ class BlockManager:
                 del self.cached_blocks[block.block_hash]
             block.block_hash = block.token_ids = block.parent_hash = None
 
+    def forget(self, request: Request) -> None:
+        """Take every block ``request``'s tables list out of the prefix cache (K/V the workers
+        never wrote: a request they left out)."""
+        for block_id in (b for table in request.block_ids for b in table if b >= 0):
+            self._evict(self.blocks[block_id])
+
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (e.g. the workers restarted with empty KV caches).
-        Blocks that requests still hold stay theirs."""
+        """Forget every cached prefix (e.g. the workers restarted with empty KV caches) and
+        the KV tier's loads in flight (their references go). Blocks that requests still hold
+        stay theirs."""
+        if self.tier is not None:
+            for block_id in self.tier.abandon():
+                self._release(self.blocks[block_id])
         for block in self.cached_blocks.values():
             block.block_hash = block.token_ids = block.parent_hash = None
         self.cached_blocks.clear()
@@ -318,7 +352,7 @@ class BlockManager:
         needed = self.num_blocks_needed(num_hit * self.block_size + num_new_tokens)
         num_new = max(0, needed - num_hit)
         num_free_hits = sum(1 for t in computed_block_ids for b in t
-                            if b >= 0 and blocks[b].ref_count == 0)
+                            if b == TIER or (b >= 0 and blocks[b].ref_count == 0))
         return num_new, num_new * self.num_groups + num_free_hits, []
 
     def _room(self, skipped: list[tuple[list[int], int]]) -> int:
@@ -336,16 +370,6 @@ class BlockManager:
             ValueError: as ``allocate``.
         """
         _, num_take, skipped = self._plan(request, num_new_tokens, computed_block_ids)
-        return num_take <= self._room(skipped)
-
-    def can_allocate_all(self, writers: Sequence[tuple[Request, int]]) -> bool:
-        """Whether ``copy_on_write`` then ``allocate`` for each (request, num_new_tokens) of
-        ``writers`` in turn (requests that hold blocks: a beam group's step) would succeed."""
-        num_take, skipped = self.num_copies_needed(writers), []
-        for request, num_new in writers:
-            _, take, skip = self._plan(request, num_new, ())
-            num_take += take
-            skipped += skip
         return num_take <= self._room(skipped)
 
     def allocate(self, request: Request, num_new_tokens: int,
@@ -389,12 +413,7 @@ class BlockManager:
         new_block_ids = []
         for table in request.block_ids:
             for _ in range(num_new):
-                block_id, _ = self.free_block_ids.popitem(last=False)
-                block = blocks[block_id]
-                assert block.ref_count == 0, f"free block {block_id} has refs"
-                if block.block_hash is not None:
-                    self._evict(block)
-                block.ref_count = 1
+                block_id = self._take_free().block_id
                 table.append(block_id)
                 new_block_ids.append(block_id)
         num_tokens = min(num_computed + num_new_tokens, request.num_tokens)
@@ -406,90 +425,57 @@ class BlockManager:
 
     def _take_hit(self, request: Request, hit: Sequence[Sequence[int]]) -> int:
         """Make the prefix hit ``hit`` (one table per group) ``request``'s tables, a reference
-        more on each block; returns the tokens they hold."""
+        more on each block (a block still loading: the request waits for it, ``KVTier.join``);
+        a ``TIER`` entry gets a free block, held by the table and by its load
+        (``KVTier.start_load``). Returns the tokens they hold."""
+        tier = self.tier
         for block_id in (b for table in hit for b in table if b >= 0):
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_block_ids[block_id]
             block.ref_count += 1
-        request.block_ids = [list(t) for t in hit]
+            if tier is not None and block_id in tier.in_flight:
+                tier.join(block_id, request)  # (a block still loading: it waits too)
+        request.block_ids = tables = [list(t) for t in hit]
+        for g, table in enumerate(tables):
+            for j in (j for j, b in enumerate(table) if b == TIER):
+                assert self.tier is not None, "a TIER entry without a tier"
+                block = self._take_free()
+                block.ref_count = 2  # (the table's and the load's)
+                table[j] = block.block_id
+                bs, hashes = self.block_size, request.block_hashes
+                self.tier.start_load(block.block_id, g, hashes[j], request,
+                                     tuple(request.token_ids_slice(j * bs, (j + 1) * bs)),
+                                     hashes[j - 1] if j else b"")
         request.num_cached_blocks = len(hit[0])
         return request.num_cached_blocks * self.block_size
 
-    # ---- beams: forks and copy-on-write ------------------------------------------------
-    def fork(self, dst: Request, src: Request) -> None:
-        """Give ``dst`` a copy of ``src``'s block tables (beam search: a child beam takes its
-        parent's KV): every listed block gains a reference, ``dst``'s own blocks lose theirs,
-        and ``dst`` takes ``src``'s prefix-cache bookmark (its tokens must extend ``src``'s).
-        A partial last block is then shared until one of them writes into it
-        (``copy_on_write``).
+    def _take_free(self) -> Block:
+        """The least recently freed block, evicted from the prefix cache, ref_count 1."""
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        assert block.ref_count == 0, f"free block {block_id} has refs"
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_count = 1
+        return block
 
-        Cost: O(blocks of ``src`` + blocks of ``dst``).
-        """
-        blocks = self.blocks
-        tables = [list(t) for t in src.block_ids]
-        for table in tables:
-            for block_id in table:
-                if block_id >= 0:
-                    blocks[block_id].ref_count += 1  # (listed by src: never on the free list)
-        self.free(dst)
-        dst.block_ids = tables
-        dst.num_cached_blocks = src.num_cached_blocks
-        dst.block_hashes = list(src.block_hashes)
-
-    def _shared_writes(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:
-        """The (group, j) table entries a step writing tokens ``num_computed_tokens ..
-        + num_new_tokens - 1`` writes into while another table lists the same block."""
-        bs, c = self.block_size, request.num_computed_tokens
-        if not request.block_ids or num_new_tokens <= 0:
-            return []
-        end = min(len(request.block_ids[0]), self.num_blocks_needed(c + num_new_tokens))
-        blocks = self.blocks
-        return [(g, j) for g, table in enumerate(request.block_ids) for j in range(c // bs, end)
-                if table[j] >= 0 and blocks[table[j]].ref_count > 1]
-
-    def num_copies_needed(self, writers: Sequence[tuple[Request, int]]) -> int:
-        """Blocks ``copy_on_write`` takes when each (request, num_new_tokens) of ``writers`` is
-        scheduled in turn: a shared block written by m of them costs m copies if some other
-        table also lists it, else m - 1 (the last writer finds it its own)."""
-        written: dict[int, int] = {}
-        for request, num_new in writers:
-            for g, j in self._shared_writes(request, num_new):
-                block_id = request.block_ids[g][j]
-                written[block_id] = written.get(block_id, 0) + 1
-        blocks = self.blocks
-        return sum(m if blocks[b].ref_count > m else m - 1 for b, m in written.items())
-
-    def copy_on_write(self, request: Request, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Before ``request`` writes its next ``num_new_tokens`` tokens: give it a private
-        copy of every block in that range that another table still lists (a beam's partial
-        last block after a fork). The new block replaces the entry; the shared one loses a
-        reference. The workers must copy the K/V (the returned pairs) before the step's
-        forward.
-
-        Returns:
-            (src, dst) block id pairs, in table order; [] when nothing is shared.
-
-        Raises:
-            RuntimeError: no free block for a copy (check ``num_copies_needed``); the copies
-                made before it stay made.
-        """
-        pairs = []
-        blocks = self.blocks
-        for g, j in self._shared_writes(request, num_new_tokens):
-            if not self.free_block_ids:
-                raise RuntimeError(f"request {request.request_id} needs a block to copy "
-                                   "but none is free")
-            block_id, _ = self.free_block_ids.popitem(last=False)
-            block = blocks[block_id]
-            if block.block_hash is not None:
-                self._evict(block)
-            block.ref_count = 1
-            table = request.block_ids[g]
-            pairs.append((table[j], block_id))
-            self._release(blocks[table[j]])
-            table[j] = block_id
-        return pairs
+    def finish_load(self, block_id: int, ok: bool) -> TierLoad | None:
+        """The KV tier's load into ``block_id`` is back from every rank (``ok``: it holds the
+        file's K/V): the block joins the prefix cache under its key (unless another block got
+        there first) and the load's reference goes. Returns the load (None: no load into that
+        block, a stale report); its request's counters are the caller's."""
+        load = self.tier.finished(block_id, ok) if self.tier is not None else None
+        if load is None:
+            return None
+        block = self.blocks[block_id]
+        key = (load.group, load.key)
+        if ok and block.block_hash is None and key not in self.cached_blocks:
+            block.block_hash, block.token_ids, block.parent_hash = (
+                key, load.token_ids, load.parent_hash)
+            self.cached_blocks[key] = block
+        self._release(block)
+        return load
 
     @property
     def num_shared_blocks(self) -> int:
@@ -526,7 +512,9 @@ class BlockManager:
                     self._release(self.blocks[block_id])
         # NOTE: a new list, not .clear(): messages already sent may hold the old list object.
         request.block_ids = []
-        request.num_cached_blocks = 0
+        request.num_cached_blocks = request.kv_loads_pending = 0
+        request.kv_load_failed = False  # (its loads' blocks stay held by the loads)
+        request.kv_loaded_blocks = []
 
     def trim(self, request: Request, num_slots: int) -> int:
         """Release the trailing blocks of every table of ``request`` past the first
@@ -592,6 +580,8 @@ class BlockManager:
                         f"request {rid}: group {g} has no block where its window reads")
                 for block_id in ids:
                     refs[block_id] += 1
+            for block_id in self.tier.in_flight if self.tier is not None else ():
+                refs[block_id] += 1  # (a load's reference)
             for block in self.blocks:
                 assert refs[block.block_id] == block.ref_count, (
                     f"block {block.block_id}: ref_count {block.ref_count} but "

@@ -45,10 +45,14 @@ class SchedulerConfig:
     # steps the oldest waiting request may be passed over because its adapter has no slot;
     # then nothing behind it is admitted until it is (lora_admission.py)
     max_lora_skips: int = 32
+    # bytes the KV tier on disk may hold, every rank's files (when the workers run one:
+    # their --kv-offload-dir); least recently used blocks are evicted beyond it
+    kv_offload_size: int = 4 * 2**30
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "pipeline_parallel_size", "max_loras", "max_lora_skips"):
+                     "pipeline_parallel_size", "max_loras", "max_lora_skips",
+                     "kv_offload_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_prefill_token_threshold", "max_num_waiting_requests",

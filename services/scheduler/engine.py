@@ -184,8 +184,9 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        """No request is queued, running, or waiting for its final output."""
-        return not self._sinks and not self.scheduler.has_unfinished_requests()
+        """No request is queued, running, or waiting for its final output, and no KV tier load
+        is owed a report."""
+        return not self._sinks and not self.scheduler.has_work()
 
     def fail_all(self, code: grpc.StatusCode, message: str) -> None:
         """End every request now with an error output ``code``/``message`` on its router's
@@ -234,16 +235,20 @@ class Engine:
         limit = self.scheduler.config.max_steps_in_flight
         while True:
             try:
-                while len(pending) < limit and self.scheduler.has_unfinished_requests():
+                while len(pending) < limit and self.scheduler.has_work():
                     out = self.scheduler.schedule()
-                    if out.total_num_scheduled_tokens == 0 and not out.finished_request_ids:
+                    if not (out.total_num_scheduled_tokens or out.finished_request_ids
+                            or out.kv_stores or out.kv_loads or (
+                                not pending and self.scheduler.num_kv_loads_in_flight)):
                         break  # everything runnable is in flight (or nothing fits)
+                    # NOTE: with KV tier loads in flight and nothing else to send, an empty
+                    # step polls for them (the worker waits a little for one: kv_tier.py)
                     if self.metrics is not None and out.total_num_scheduled_tokens:
                         self.metrics.observe_scheduled(out, time.monotonic())
                     await self.workers.send(out)
                     pending.append(out)
                 if not pending:
-                    if self.scheduler.has_unfinished_requests():
+                    if self.scheduler.has_work():
                         await asyncio.sleep(0.001)  # nothing fits this step; should not happen
                     else:
                         await self._idle()
@@ -266,9 +271,9 @@ class Engine:
         would otherwise recompute a request that got no token.
 
         NOTE: every other request of a failed adapter ends too, and the adapter gets a new
-        engine-wide id for the requests that come later (a retry loads it again): blocks were
-        registered in the prefix cache under the old id for K/V the workers never wrote, and
-        only a request of that id could hit them.
+        engine-wide id for the requests that come later (a retry loads it again); the blocks
+        they registered in the prefix cache hold K/V the workers never wrote: forgotten
+        (``BlockManager.forget``; the workers did not write them to the KV tier either).
         """
         for request_id, message in zip(request_ids, messages, strict=True):
             request = self.scheduler.get_request(request_id)
@@ -280,6 +285,8 @@ class Engine:
                 self._loras = {k: v for k, v in self._loras.items() if v.lora_id != bad}
                 doomed += [r for r in self.scheduler.requests.values()
                            if r is not request and r.lora is not None and r.lora.lora_id == bad]
+            for r in doomed:
+                self.scheduler.block_manager.forget(r)
             for rid in dict.fromkeys(r.beam_group.root.request_id if r.beam_group is not None
                                      else r.request_id for r in doomed):  # (a group is one)
                 log.warning("request failed: %s", message, extra={"request_id": rid})

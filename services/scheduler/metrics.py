@@ -8,7 +8,14 @@ Read at scrape time from the core ``Scheduler`` (no bookkeeping of their own):
   ``num_gpu_blocks`` is the KV cache's block count on a CPU too), and ours,
   ``model_config_info{dtype, quantization}`` = 1 (how the weights are stored);
 - counters ``num_preemptions_total``, ``prefix_cache_queries_total`` and
-  ``prefix_cache_hits_total`` (tokens looked up / found at admission);
+  ``prefix_cache_hits_total{tier}`` (tokens looked up / found at admission; ``tier`` ``ram``:
+  in the KV cache, ``disk``: in the KV tier on disk, loaded; their sum is vLLM's count);
+- the KV tier on disk (with the workers' ``--kv-offload-dir``): gauges ``kv_offload_blocks``,
+  ``kv_offload_bytes`` and ``kv_offload_max_bytes`` (the index: every rank's files),
+  counters ``kv_offload_evictions_total``, ``kv_offload_stores_total`` (blocks sent to be
+  written), ``kv_offload_loads_total`` and ``kv_offload_loads_failed_total`` (the worker's
+  metrics say why), and the histogram ``kv_offload_load_wait_seconds`` (a load scheduled ->
+  back from every rank: what a request waits for its prefix);
 - speculative decoding (with ``--speculative-config``), vLLM's counters
   ``spec_decode_num_drafts_total`` (request steps that verified drafts),
   ``spec_decode_num_draft_tokens_total``, ``spec_decode_num_accepted_tokens_total`` and
@@ -82,6 +89,26 @@ class _CoreCollector:
         g.add_metric([names(s.running), names(s.waiting), str(s.config.max_loras)], time.time())
         return g
 
+    def _kv_tier(self):
+        tier = self.scheduler.block_manager.tier
+        if tier is None:
+            return
+        index = tier.index
+        yield self._gauge("kv_offload_blocks", "Blocks the KV tier on disk holds (the index).",
+                          index.num_blocks)
+        yield self._gauge("kv_offload_bytes", "Bytes the KV tier's blocks take, every rank's "
+                          "files.", index.num_bytes)
+        yield self._gauge("kv_offload_max_bytes", "The KV tier's size (--kv-offload-size).",
+                          index.max_blocks * index.bytes_per_block)
+        yield self._counter("kv_offload_evictions", "KV tier blocks evicted (files deleted).",
+                            index.num_evictions_total)
+        yield self._counter("kv_offload_stores", "Blocks sent to the workers to be written to "
+                            "the KV tier.", tier.num_stores_total)
+        yield self._counter("kv_offload_loads", "Blocks the workers were asked to read from "
+                            "the KV tier.", tier.num_loads_total)
+        yield self._counter("kv_offload_loads_failed", "KV tier loads that failed on a rank "
+                            "(the block was computed instead).", tier.num_load_failures_total)
+
     def collect(self):
         s = self.scheduler
         yield self._gauge("num_requests_running", "Requests in the running set.", s.num_running)
@@ -93,8 +120,15 @@ class _CoreCollector:
                             s.num_preemptions_total)
         yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                             s.prefix_cache_queries_total)
-        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                            s.prefix_cache_hits_total)
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache, by tier (ram: the "
+                                   "KV cache, disk: the KV tier on disk).",
+                                   labels=[*self.labels, "tier"])
+        tier_hits = s.prefix_cache_tier_hits_total
+        hits.add_metric([*self.labels.values(), "ram"], s.prefix_cache_hits_total - tier_hits)
+        hits.add_metric([*self.labels.values(), "disk"], tier_hits)
+        yield hits
+        yield from self._kv_tier()
         yield self._gauge("kv_cache_shared_blocks",
                           "KV blocks listed by more than one block table (prefix cache hits, "
                           "n > 1 choices, beams).", s.block_manager.num_shared_blocks)
@@ -182,6 +216,10 @@ class SchedulerMetrics:
                                     REQUEST_BUCKETS).labels(model_name)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed per step.",
                                           TOKEN_BUCKETS).labels(model_name)
+        self.kv_offload_load_wait = histogram(
+            "kv_offload_load_wait_seconds", "A KV tier load scheduled to back from every "
+            "rank (s).", ITL_BUCKETS).labels(model_name)
+        self._scheduler = scheduler
         self._model_name = model_name
         self._timings: dict[str, _Timing] = {}
         self._queued: set[str] = set()  # arrived, not yet scheduled
@@ -204,7 +242,13 @@ class SchedulerMetrics:
                 self.queue_time.observe(now - self._timings[new.request_id].arrival)
 
     def observe_updates(self, updates: list[RequestUpdate], now: float) -> None:
-        """Tokens and finishes published at ``now`` (after a step, or an abort)."""
+        """Tokens and finishes published at ``now`` (after a step, or an abort), and the KV
+        tier loads back since the last call."""
+        tier = self._scheduler.block_manager.tier
+        if tier is not None and tier.load_wait_seconds:
+            for seconds in tier.load_wait_seconds:
+                self.kv_offload_load_wait.observe(seconds)
+            tier.load_wait_seconds.clear()
         for u in updates:
             t = self._timings.get(u.request_id)
             if t is None:

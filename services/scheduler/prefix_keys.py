@@ -6,8 +6,8 @@ token ids and everything before it. Block ``j`` of a request gets the chained ke
     hash_j = blake2b(hash_{j-1} || token ids of block j || extra keys)       (hash_{-1} = b"")
 
 where the extra keys are what else the K/V depends on (``Request.extra_keys``; the LoRA
-adapter's engine-wide id when it runs with one, so two adapters, or an adapter and the base
-model, never share K/V of the same text) and, with prefix caching off, the request's
+adapter's name and folder when it runs with one, so two adapters, or an adapter and the base
+model, never share K/V of the same text: ``lora_key``) and, with prefix caching off, the request's
 ``parent_request_id`` (so only the n choices of one request match).
 The block manager caches a block under (KV cache group, key): ``CacheKey``.
 """
@@ -43,6 +43,19 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = 
     return h.digest()
 
 
+def lora_key(request: Request) -> bytes:
+    """The extra key of a request that runs with a LoRA adapter: its name and folder, not its
+    engine-wide id, so the key is the same in another process (the KV tier on disk outlives
+    this one and is shared by replicas).
+
+    NOTE: an adapter whose files change in place under the same name and folder keeps its
+    keys; the engine forgets the blocks of an adapter that failed to load
+    (``Engine._fail_requests``).
+    """
+    assert request.lora is not None
+    return b"\x00lora:" + request.lora.name.encode() + b"\x00" + request.lora.path.encode()
+
+
 def block_hashes(request: Request, num_full_blocks: int, block_size: int,
                  enable_prefix_caching: bool) -> list[BlockHash]:
     """``request.block_hashes`` extended to at least ``num_full_blocks`` keys (each block
@@ -61,7 +74,7 @@ def block_hashes(request: Request, num_full_blocks: int, block_size: int,
         parent = hashes[-1] if hashes else b""
         extra = request.extra_keys
         if request.lora is not None:  # (its K/V differ from the base model's)
-            extra += b"\x00lora:" + str(request.lora.lora_id).encode()
+            extra += lora_key(request)
         if not enable_prefix_caching:  # only the choices of one parent may match
             extra += b"\x00parent:" + request.parent_request_id.encode()
         for j in range(num_full_blocks - len(hashes)):

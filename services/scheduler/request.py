@@ -94,6 +94,11 @@ class Request:
     lora: LoRARequest | None = None  # the LoRA adapter it runs with (lora_id engine-wide, see
     # engine.py); None: the base model. Part of every block key (prefix_keys.py).
     num_lora_skips: int = 0  # steps admission passed it over: its adapter had no slot
+    kv_loads_pending: int = 0  # KV tier loads its prefix hit waits for (kv_tier.py): it runs
+    # only when none is left
+    kv_load_failed: bool = False  # one of them failed: it looks its prefix up again
+    num_tier_hit_tokens: int = 0  # of its prefix hit, tokens the KV tier supplies
+    kv_loaded_blocks: list[int] = field(default_factory=list)  # its hit's blocks loaded so far
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -17,17 +17,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from itertools import chain
 
-from services.common.step import CachedRequest, Logprobs, NewRequest, StepOutput
+from services.common.step import CachedRequest, NewRequest, StepOutput
 from services.scheduler.beam_search_groups import BeamScheduler
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.config import SchedulerConfig
+from services.scheduler.kv_tier import KVTier, tier_tokens
+from services.scheduler.kv_tier_loads import finish_loads, look_up_again
 from services.scheduler.lora_admission import LoRAAdmission
 from services.scheduler.outputs import RequestUpdate, ScheduledStep, request_update
 from services.scheduler.request import FinishReason, Request, RequestStatus
 from services.scheduler.spec_decode import SpecDecodeStats, num_drafts_to_verify
 from services.scheduler.state import SchedulerState
-from services.scheduler.step_plan import StepPlan
-from services.scheduler.step_results import RequestResult, first_tokens, results_by_request
+from services.scheduler.step_plan import StepPlan, cached_request
+from services.scheduler.step_results import (
+    RequestResult,
+    first_tokens,
+    new_prompt_logprobs,
+    results_by_request,
+)
+from services.scheduler.stop_checks import append_run
 from services.scheduler.waiting_queue import WaitingQueue
 
 
@@ -66,6 +74,9 @@ class Scheduler:
             forward only (up to ``max_model_len`` tokens, never a prefix-cache hit: MEAN and
             CLS pooling need every prompt token's hidden state), finished (STOP, with its
             vector) by the step that computes its last prompt token, which frees its blocks.
+        kv_tier: the KV tier on disk (``kv_tier.py``): prefix hits extend into it (a request
+            whose hit has tier blocks waits for their loads, ``kv_loads_pending``) and the
+            blocks the steps compute are written to it; None.
 
     Raises:
         ValueError: if one request of ``max_model_len`` tokens cannot fit in the KV cache.
@@ -73,9 +84,10 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, num_kv_blocks: int, eos_token_ids: list[int],
                  sliding_windows: Sequence[int] = (0,), vocab_size: int | None = None,
-                 pooling: bool = False):
+                 pooling: bool = False, kv_tier: KVTier | None = None):
         bs, max_len = config.block_size, config.max_model_len
-        bm = BlockManager(num_kv_blocks, bs, config.enable_prefix_caching, sliding_windows)
+        bm = BlockManager(num_kv_blocks, bs, config.enable_prefix_caching, sliding_windows,
+                          kv_tier)
         max_chunk = min(config.long_prefill_token_threshold or max_len,
                         config.max_num_batched_tokens)
         needed = bm.blocks_for_one_request(max_len, max_chunk)
@@ -95,7 +107,8 @@ class Scheduler:
         self.loras = LoRAAdmission(config.max_loras, config.max_lora_skips)
         self.num_rejected_total = 0  # requests refused by load shedding
         self.prefix_cache_queries_total = 0  # tokens looked up at admission
-        self.prefix_cache_hits_total = 0  # of those, tokens found
+        self.prefix_cache_hits_total = 0  # of those, tokens found (in RAM or the KV tier)
+        self.prefix_cache_tier_hits_total = 0  # of those, tokens found in the KV tier
         self._num_arrivals = 0
         self._step_id = 0
         self.num_blocks_copied_total = 0  # copy-on-write copies (beam search)
@@ -133,6 +146,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.state.requests)
+
+    def has_work(self) -> bool:
+        """Unfinished requests, or KV tier loads the workers still owe a report (an aborted
+        request's: their blocks come back only then), so steps must go on."""
+        return bool(self.state.requests) or self.num_kv_loads_in_flight > 0
 
     def add_request(self, request: Request) -> None:
         """Queue ``request``; it can run from the next step.
@@ -252,6 +270,8 @@ class Scheduler:
                     break  # NOTE: it preempted itself: everything after it is gone too.
                 continue
             i += 1
+            if request.kv_loads_pending:
+                continue  # its prefix is still being read from the KV tier
             num_computed = request.num_computed_tokens
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             num_new = num_tokens + request.num_output_placeholders - num_computed
@@ -328,29 +348,41 @@ class Scheduler:
             # NOTE: prompt logprobs need every prompt position computed: no cache hit then.
             hit_blocks, num_hit = (([], 0) if request.needs_prompt_logprobs or self.pooling
                                    else bm.get_computed_blocks(request))
+            num_tier = tier_tokens(hit_blocks, config.block_size,
+                                   bm.tier.in_flight if bm.tier is not None else ())
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
                 num_new = threshold
             if num_new > plan.budget:
                 num_new = plan.budget
             slots = min(num_new + plan.lookahead, config.max_model_len - num_hit)
+            if num_tier:  # NOTE: it computes nothing before its loads are back: blocks for its
+                slots = 0  # chunk then (none registered before it is computed)
             if not bm.can_allocate(request, slots, hit_blocks):
                 break  # NOTE: never let a later (smaller) request skip ahead of the head.
             waiting.pop()
             self.prefix_cache_queries_total += request.num_tokens
-            self.prefix_cache_hits_total += num_hit
+            if not num_tier:  # (with loads: counted when they are back, ``_finish_loads``)
+                self.prefix_cache_hits_total += num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
-            if request.status is RequestStatus.PREEMPTED:
-                plan.resumed.add(request.request_id)
+            resumed = request.status is RequestStatus.PREEMPTED
             request.status = RequestStatus.RUNNING
-            plan.new_blocks[request.request_id] = bm.allocate(request, slots, hit_blocks)
+            new_blocks = bm.allocate(request, slots, hit_blocks)
             request.spec_token_ids = []
             request.num_computed_tokens = num_hit
             state.add_running(request)
+            loras.admitted(request)
+            request.num_tier_hit_tokens = num_tier
+            if request.kv_loads_pending:  # it runs once its KV tier loads are back
+                # (``_schedule_running``; whole, as a resume, if the workers hold it)
+                request.resend |= resumed and request.num_tokens_sent > 0
+                continue
+            if resumed:
+                plan.resumed.add(request.request_id)
+            plan.new_blocks[request.request_id] = new_blocks
             plan.num_scheduled[request.request_id] = num_new
             plan.budget -= num_new
-            loras.admitted(request)
         loras.end(waiting)
 
     def _step_output(self, plan: StepPlan) -> ScheduledStep:
@@ -377,7 +409,7 @@ class Scheduler:
                     list(chain.from_iterable(request.block_ids)), request.num_computed_tokens,
                     num_new, request.lora))
             else:
-                cached_reqs.append(self._cached_request(request, num_new, plan, send_tokens,
+                cached_reqs.append(cached_request(request, num_new, plan, send_tokens,
                                                         drafts))
             request.num_tokens_sent = num_tokens = num_prompt + len(request.output_token_ids)
             request.num_computed_tokens += num_new
@@ -393,31 +425,10 @@ class Scheduler:
         self.num_blocks_copied_total += len(plan.blocks_to_copy)
         spec = self.config.speculative
         k = spec.num_speculative_tokens if plan.speculating and spec else 0
+        tier = self.block_manager.tier
+        stores, loads = tier.take_transfers() if tier is not None else ([], [])
         return ScheduledStep(self._step_id, new_reqs, cached_reqs, finished,
-                             plan.blocks_to_copy, k, epochs, sampled)
-
-    @staticmethod
-    def _cached_request(request: Request, num_new: int, plan: StepPlan, send_tokens: bool,
-                        drafts: list[int]) -> CachedRequest:
-        """The diff of a request the workers hold: whole when resumed (or a forked beam, whose
-        KV is new), else its new tokens (``send_tokens``: for the stages that do not sample;
-        ``StepInput.for_rank`` is what a sampling rank gets) and blocks, verifying ``drafts``."""
-        request_id = request.request_id
-        if request_id in plan.resumed or request.resend:
-            request.resend = False
-            return CachedRequest(request_id, request.all_token_ids,
-                                 list(chain.from_iterable(request.block_ids)), True,
-                                 request.num_computed_tokens, num_new)
-        beam = request.beam_group is not None  # (the scheduler picks its tokens)
-        first = plan.first_new_block.get(request_id, -1)
-        if request.trimmed_to >= 0:  # (blocks freed after rejected drafts)
-            first, request.trimmed_to = request.trimmed_to, -1
-        sent, num_prompt = request.num_tokens_sent, len(request.prompt_token_ids)
-        new_tokens = ([] if not (send_tokens or beam) else
-                      request.output_token_ids[sent - num_prompt:] if sent >= num_prompt
-                      else request.token_ids_from(sent))
-        return CachedRequest(request_id, new_tokens, plan.new_blocks[request_id], False,
-                             request.num_computed_tokens, num_new, first, drafts, beam)
+                             plan.blocks_to_copy, k, stores, loads, epochs, sampled)
 
     def update_from_output(self, step: ScheduledStep, output: StepOutput
                            ) -> list[RequestUpdate]:
@@ -443,6 +454,8 @@ class Scheduler:
         if step.applied:
             raise ValueError(f"update_from_output(): step {step.step_id} was applied before")
         step.applied = True
+        if output.kv_loads_done or output.kv_loads_failed:
+            self._finish_loads(output.kv_loads_done, output.kv_loads_failed)
         results = results_by_request(output)
         prompt = {p.request_id: p for p in output.prompt_logprobs}
         drafts = {c.request_id: c.spec_token_ids for c in step.cached_requests}
@@ -460,7 +473,7 @@ class Scheduler:
                     update = self.beams.proposed(request, result.logprobs if result else None)
                     updates += [update] if update is not None else []
                 continue
-            prompt_chunk = self._new_prompt_logprobs(request, prompt.get(request_id))
+            prompt_chunk = new_prompt_logprobs(request, prompt.get(request_id))
             if prompt_chunk is not None and (not reached_end or not (result and
                                                                      result.token_ids)):
                 updates.append(request_update(request, [], None, prompt_logprobs=prompt_chunk))
@@ -477,6 +490,24 @@ class Scheduler:
         if any(u.finish_reason is not None for u in updates):
             state.running[:] = [r for r in state.running if r.status is RequestStatus.RUNNING]
         return updates
+
+    def _finish_loads(self, done: list[int], failed: list[int]) -> None:
+        """KV tier loads back from every rank (``kv_tier_loads.finish_loads``): a request whose
+        last load is back runs from its whole hit, counted as prefix-cache hits now, or, when
+        one failed, looks its prefix up again in place (``kv_tier_loads.look_up_again``)."""
+        bm = self.block_manager
+        for request in finish_loads(bm, done, failed):
+            if request.kv_load_failed:
+                look_up_again(bm, request)
+            if not request.kv_loads_pending:
+                self.prefix_cache_hits_total += request.num_computed_tokens
+                self.prefix_cache_tier_hits_total += request.num_tier_hit_tokens
+
+    @property
+    def num_kv_loads_in_flight(self) -> int:
+        """KV tier loads the workers have not answered yet (the engine polls while any)."""
+        tier = self.block_manager.tier
+        return len(tier.in_flight) if tier is not None else 0
 
     def _apply_tokens(self, request: Request, result: RequestResult | None,
                       drafts: list[int]) -> RequestUpdate | None:
@@ -502,7 +533,8 @@ class Scheduler:
             self.spec_stats.observe(len(drafts), len(accepted))
             request.num_computed_tokens -= len(drafts) - len(accepted)
         start = request.num_tokens
-        new_tokens, reason = self._append_run(request, result.token_ids)
+        new_tokens, reason = append_run(request, result.token_ids, self.eos_token_ids,
+                                        self.config.max_model_len)
         if reason is not None:
             del state.requests[request.request_id]
             state.finish(request, reason)
@@ -527,17 +559,6 @@ class Scheduler:
         update.embedding = embedding
         return [update]
 
-    def _append_run(self, request: Request, token_ids: list[int]
-                    ) -> tuple[list[int], FinishReason | None]:
-        """Append ``token_ids`` one by one, checking for a stop after each; returns the ones
-        appended (up to and with the one that finished the request) and the finish reason."""
-        for n, token_id in enumerate(token_ids, 1):
-            request.output_token_ids.append(token_id)
-            reason = self._check_stop(request, token_id)
-            if reason is not None:
-                return token_ids[:n], reason
-        return token_ids, None
-
     def _free_rejected(self, request: Request) -> None:
         """Release the blocks only rejected drafts used (past the request's computed tokens
         and a draft model's lookahead slots, where its own K/V for the next drafts lives)."""
@@ -549,36 +570,9 @@ class Scheduler:
             # copy-on-write does), before it appends any new block
             request.trimmed_to = len(request.block_ids[0])
 
-    @staticmethod
-    def _new_prompt_logprobs(request: Request, chunk: Logprobs | None) -> Logprobs | None:
-        """The part of ``chunk`` the router does not have yet; advances the bookmark."""
-        if chunk is None or request.sampling_params.prompt_logprobs is None:
-            return None
-        chunk = chunk.from_position(request.prompt_logprobs_next)
-        if chunk is None or chunk.start != request.prompt_logprobs_next:
-            return None  # NOTE: a gap cannot happen (no cache hit while unsent); be safe.
-        request.prompt_logprobs_next += len(chunk.logprobs)
-        return chunk
-
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the workers' KV caches were lost, e.g. a restart)."""
         self.block_manager.reset_prefix_cache()
-
-    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
-        # NOTE: STOP wins over LENGTH when both hold (the model did end the text, OpenAI's
-        # "stop"); vLLM V1 checks length first. The eos/stop token stays in output_token_ids.
-        # min_tokens: a stop token at output index < min_tokens (the worker masks them; this is
-        # defence in depth) does not finish: num_output_tokens counts it, hence ``>``.
-        params = request.sampling_params
-        if ((not params.ignore_eos and token_id in self.eos_token_ids)
-                or token_id in params.stop_token_ids) and (
-                request.num_output_tokens > params.min_tokens):
-            return FinishReason.STOP
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _preempt_tail(self) -> Request:
         """Preempt the running tail (recompute); a beam of a group of several beams takes its

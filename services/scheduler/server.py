@@ -15,7 +15,7 @@ import logging
 
 import grpc
 
-from services.common.config import PORT, add_flag, field_default, float_in, int_in
+from services.common.config import PORT, add_flag, field_default, float_in, int_in, parse_bytes
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
 from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
@@ -25,6 +25,7 @@ from services.common.spec_decode_config import speculative_config_arg
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.scheduler.config import SCHEDULING_POLICIES, SchedulerConfig
 from services.scheduler.engine import Engine
+from services.scheduler.kv_tier import build_kv_tier
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_client import WorkerGroup, describe_kv_cache_groups
@@ -93,7 +94,10 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
             num_steps_total=engine.num_steps_total, num_cached_blocks=bm.num_cached_blocks,
             prefix_cache_queries_total=s.prefix_cache_queries_total,
             prefix_cache_hits_total=s.prefix_cache_hits_total,
-            num_rejected_total=s.num_rejected_total)
+            num_rejected_total=s.num_rejected_total,
+            prefix_cache_tier_hits_total=s.prefix_cache_tier_hits_total,
+            kv_offload_blocks=bm.tier.index.num_blocks if bm.tier else 0,
+            kv_offload_loads_failed_total=bm.tier.num_load_failures_total if bm.tier else 0)
 
 
 def _default(name: str):
@@ -157,6 +161,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="most distinct LoRA adapters among the requests of one step (vLLM's flag; "
                   "the workers' active adapter slots: serve passes one value to both); a "
                   "request whose adapter would be one more waits, without being starved")
+    add_flag(p, "--kv-offload-size", type=parse_bytes, default=_default("kv_offload_size"),
+             help="most bytes the KV tier on disk holds over every worker rank's files, e.g. "
+                  "20GiB (when the workers run one: --kv-offload-dir); least recently used "
+                  "blocks are evicted beyond it")
     add_tls_flags(p)
     add_shutdown_flags(p)
     add_log_flags(p)
@@ -185,7 +193,7 @@ def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
             max_num_waiting_tokens=args.max_num_waiting_tokens,
             pipeline_parallel_size=pipeline_parallel_size,
             async_scheduling=args.async_scheduling, speculative=args.speculative_config,
-            max_loras=args.max_loras)
+            max_loras=args.max_loras, kv_offload_size=args.kv_offload_size)
     except ValueError as e:  # name the flag, not the field
         if str(e).startswith("--"):
             raise
@@ -225,6 +233,20 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     workers = WorkerGroup([a.strip() for a in args.workers.split(",") if a.strip()],
                           credentials=client_credentials(tls_from_args(args)), limits=limits)
     infos = await workers.connect(timeout=args.worker_connect_timeout)
+    try:
+        return _engine_over(args, workers, infos)
+    except BaseException:  # (a refusal: let the workers go now, not at their drain timeout)
+        await workers.close()
+        raise
+
+
+def _engine_over(args, workers: WorkerGroup, infos: list[worker_pb2.GetWorkerInfoResponse]
+                 ) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
+    """``build_engine`` once the workers answered: check they agree, build the Engine.
+
+    Raises:
+        ValueError: as ``build_engine``.
+    """
     first = infos[0]
     for addr, info in zip(workers.addresses, infos, strict=True):
         if (info.model, info.dtype) != (first.model, first.dtype):
@@ -252,7 +274,8 @@ async def build_engine(args) -> tuple[Engine, engine_pb2.GetEngineInfoResponse]:
     scheduler = Scheduler(config, num_kv_blocks=num_blocks, eos_token_ids=list(first.eos_token_ids),
                           sliding_windows=workers.sliding_windows,
                           vocab_size=first.vocab_size or None,
-                          pooling=first.runner == "pooling")
+                          pooling=first.runner == "pooling",
+                          kv_tier=build_kv_tier(*workers.kv_tier_folders(), config))
     info = engine_pb2.GetEngineInfoResponse(
         model=first.model, max_model_len=max_model_len, block_size=args.block_size,
         num_kv_blocks=num_blocks, vocab_size=first.vocab_size,

@@ -5,6 +5,10 @@ the step's ``ScheduledStep``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
+
+from services.common.step import CachedRequest
+from services.scheduler.request import Request
 
 
 @dataclass(slots=True)
@@ -32,3 +36,26 @@ class StepPlan:
     first_new_block: dict[str, int] = field(default_factory=dict)
     resumed: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+
+def cached_request(request: Request, num_new: int, plan: StepPlan, send_tokens: bool,
+                    drafts: list[int]) -> CachedRequest:
+    """The diff of a request the workers hold: whole when resumed (or a forked beam, whose
+    KV is new), else its new tokens (``send_tokens``: for the stages that do not sample;
+    ``StepInput.for_rank`` is what a sampling rank gets) and blocks, verifying ``drafts``."""
+    request_id = request.request_id
+    if request_id in plan.resumed or request.resend:
+        request.resend = False
+        return CachedRequest(request_id, request.all_token_ids,
+                             list(chain.from_iterable(request.block_ids)), True,
+                             request.num_computed_tokens, num_new)
+    beam = request.beam_group is not None  # (the scheduler picks its tokens)
+    first = plan.first_new_block.get(request_id, -1)
+    if request.trimmed_to >= 0:  # (blocks freed after rejected drafts)
+        first, request.trimmed_to = request.trimmed_to, -1
+    sent, num_prompt = request.num_tokens_sent, len(request.prompt_token_ids)
+    new_tokens = ([] if not (send_tokens or beam) else
+                  request.output_token_ids[sent - num_prompt:] if sent >= num_prompt
+                  else request.token_ids_from(sent))
+    return CachedRequest(request_id, new_tokens, plan.new_blocks[request_id], False,
+                         request.num_computed_tokens, num_new, first, drafts, beam)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.step import Logprobs, StepOutput
+from services.scheduler.request import Request
 
 
 @dataclass(slots=True)
@@ -63,3 +64,14 @@ def first_tokens(logprobs: Logprobs | None, n: int, start: int) -> Logprobs | No
     k = logprobs.k
     return Logprobs(logprobs.request_id, start, logprobs.logprobs[:n],
                     logprobs.top_token_ids[:n * k], logprobs.top_logprobs[:n * k])
+
+
+def new_prompt_logprobs(request: Request, chunk: Logprobs | None) -> Logprobs | None:
+    """The part of ``chunk`` the router does not have yet; advances the bookmark."""
+    if chunk is None or request.sampling_params.prompt_logprobs is None:
+        return None
+    chunk = chunk.from_position(request.prompt_logprobs_next)
+    if chunk is None or chunk.start != request.prompt_logprobs_next:
+        return None  # NOTE: a gap cannot happen (no cache hit while unsent); be safe.
+    request.prompt_logprobs_next += len(chunk.logprobs)
+    return chunk

@@ -32,6 +32,7 @@ from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from services.common.step import StepInput, StepOutput
 from services.common.step_wire import step_output_from_pb, step_to_pb
 from services.common.tls import aio_channel
+from services.scheduler.kv_tier import RankLoadReports
 from services.scheduler.outputs import ScheduledStep
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class WorkerGroup:
         self.kv_cache_groups: list[KVGroup] = []
         self._samples: list[bool] = []  # per rank: in the last pipeline stage (keeps tokens)
         self.broken: asyncio.Event | None = None  # set when any rank's Execute stream ends
+        self._load_reports = RankLoadReports(1)  # (KV tier loads, per connect)
 
     async def connect(self, timeout: float) -> list[worker_pb2.GetWorkerInfoResponse]:
         """Wait (up to ``timeout`` seconds) until every rank answers GetWorkerInfo, then open the
@@ -145,7 +147,25 @@ class WorkerGroup:
             call.add_done_callback(lambda _call: broken.set())
         self.broken = broken
         self.infos = infos
+        self._load_reports = RankLoadReports(len(infos))
         return infos
+
+    def kv_tier_folders(self) -> tuple[list[str], int]:
+        """The KV tier on disk the ranks report: every rank's folder in rank order and the
+        bytes of one block file (([], 0): no tier).
+
+        Raises:
+            WorkerError: some ranks run a tier and others not, or with other block sizes.
+        """
+        infos = sorted(self.infos, key=lambda i: i.rank)
+        paths = [i.kv_offload_path for i in infos]
+        sizes = {i.kv_offload_block_bytes for i in infos}
+        if not any(paths):
+            return [], 0
+        if not all(paths) or len(sizes) != 1:
+            raise WorkerError(f"worker ranks disagree on the KV tier (--kv-offload-dir): "
+                              f"folders {paths}, block file sizes {sorted(sizes)}")
+        return paths, sizes.pop()
 
     @property
     def sliding_windows(self) -> list[int]:
@@ -208,7 +228,8 @@ class WorkerGroup:
             raise WorkerError(f"worker stream failed: {e}") from e
 
     async def receive(self, out: ScheduledStep) -> StepOutput:
-        """Every rank's answer to ``out`` (the oldest step sent); return the driver's.
+        """Every rank's answer to ``out`` (the oldest step sent); return the driver's, with the
+        KV tier loads every rank has now reported (``RankLoadReports``).
 
         Raises:
             WorkerError: a rank's stream broke or answered a different step, or the driver's
@@ -226,9 +247,14 @@ class WorkerGroup:
             if res is grpc.aio.EOF or res.step_id != out.step_id:
                 raise WorkerError(f"worker {addr} closed its stream or answered out of order")
         try:
-            return step_output_from_pb(results[self.driver])
+            output = step_output_from_pb(results[self.driver])
         except ValueError as e:
             raise WorkerError(f"worker {self.addresses[self.driver]} sent {e}") from e
+        if len(results) > 1:  # (one rank: its reports are the group's)
+            for res in results:
+                self._load_reports.add(list(res.kv_loads_done), list(res.kv_loads_failed))
+            output.kv_loads_done, output.kv_loads_failed = self._load_reports.take()
+        return output
 
     async def close(self) -> None:
         """Cancel the streams and close the channels."""

@@ -52,11 +52,15 @@ class WorkerConfig:
         tensor_parallel_size / pipeline_parallel_size: the rank group's shape.
         world_size: ``--world-size``, a check of tensor x pipeline parallel size; None = none.
         pipeline_layer_partition: layers per pipeline stage, e.g. ``"10,20"``; None = even.
+        kv_offload_dir: the KV tier's folder on disk (``--kv-offload-dir``,
+            ``services/worker/kv_tier.py``); "" = no tier.
 
     Raises:
         ValueError: ``speculative`` with ``pipeline_parallel_size`` > 1, a ``world_size``
             other than tensor x pipeline parallel size, or a ``pipeline_layer_partition`` of
-            another number of stages (or unparsable); each message names both flags.
+            another number of stages (or unparsable), or ``kv_offload_dir`` with
+            ``pipeline_parallel_size`` > 1 or the pooling runner; each message names both
+            flags.
     """
 
     model: str | None = None
@@ -81,6 +85,7 @@ class WorkerConfig:
     pipeline_parallel_size: int = 1
     world_size: int | None = None
     pipeline_layer_partition: str | None = None
+    kv_offload_dir: str = ""
 
     def __post_init__(self) -> None:
         check_spec_decode_parallelism(self.speculative, self.pipeline_parallel_size)
@@ -92,6 +97,12 @@ class WorkerConfig:
         if partition is not None and len(partition) != pp:
             raise ValueError(f"--pipeline-layer-partition {self.pipeline_layer_partition} has "
                              f"{len(partition)} stages but --pipeline-parallel-size is {pp}")
+        if self.kv_offload_dir and pp > 1:
+            raise ValueError(f"--kv-offload-dir is not supported with --pipeline-parallel-size "
+                             f"{pp} (a stage holds only its layers' blocks)")
+        if self.kv_offload_dir and self.runner == "pooling":
+            raise ValueError("--kv-offload-dir is not supported with --runner pooling (no "
+                             "prefix caching of embeddings)")
 
     @property
     def num_ranks(self) -> int:

@@ -8,12 +8,13 @@
   ``pagedserve:worker_peak_activation_bytes{rank}``: what the rank's memory goes to, set once
   at start (``services/worker/memory_report.py``);
 - ``pagedserve:worker_cpu_threads{rank}``: the OpenMP threads the forward uses now
-  (``services/worker/cpu_threads.py``, ``cpu_governor.py``).
+  (``services/worker/cpu_threads.py``, ``cpu_governor.py``);
+- with ``--kv-offload-dir``, the KV tier's (``KVTierMetrics``, ``WorkerMetrics.kv_tier``).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.metrics import TOKEN_BUCKETS
 
@@ -50,6 +51,15 @@ class WorkerMetrics:
                            ("kv_cache_bytes", "Bytes of this rank's KV cache."),
                            ("peak_activation_bytes", "Peak bytes of the activations of this "
                                                      "rank's largest (dummy) step."))}
+        self._kv_tier: KVTierMetrics | None = None
+
+    @property
+    def kv_tier(self) -> KVTierMetrics:
+        """The KV tier's metrics, registered at first use (a worker without the tier
+        exports none)."""
+        if self._kv_tier is None:
+            self._kv_tier = KVTierMetrics(self.registry, self.rank)
+        return self._kv_tier
 
     def set_cpu_threads(self, threads: int) -> None:
         """The OpenMP threads the forward uses now (``cpu_threads.CpuPlan.threads``, lowered by
@@ -71,3 +81,64 @@ class WorkerMetrics:
         self.step_seconds.observe(seconds)
         self.batch_tokens.observe(num_tokens)
         self.batch_requests.observe(num_requests)
+
+
+STORE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5)
+
+
+class KVTierMetrics:
+    """The KV tier's metrics (``services/worker/kv_tier.py``), in a rank's registry:
+
+    - ``pagedserve:kv_offload_store_seconds{rank}`` / ``..._load_seconds{rank}``: time to write
+      / read and check one block file, seconds;
+    - ``pagedserve:kv_offload_store_failures_total{rank,reason}``: errors that turned writing
+      off (reason: the errno's name, e.g. ENOSPC);
+    - ``pagedserve:kv_offload_load_failures_total{rank,reason}``: loads failed (missing,
+      truncated, corrupt, foreign, error);
+    - ``pagedserve:kv_offload_stores_dropped_total{rank}``: blocks not stored because the
+      writer's queue was full;
+    - ``pagedserve:kv_offload_writes_enabled{rank}``: 1 while the tier writes, 0 once off.
+    """
+
+    def __init__(self, registry: CollectorRegistry, rank: str):
+        labels = ["rank"]
+        self.rank = rank
+        self.store_seconds = Histogram(
+            "pagedserve:kv_offload_store_seconds", "Time to write one KV block file (s).",
+            labels, buckets=STORE_BUCKETS, registry=registry).labels(rank)
+        self.load_seconds = Histogram(
+            "pagedserve:kv_offload_load_seconds", "Time to read and check one KV block file "
+            "(s).", labels, buckets=STORE_BUCKETS, registry=registry).labels(rank)
+        self.store_failures = Counter(
+            "pagedserve:kv_offload_store_failures_total", "Errors that turned writing KV block "
+            "files off, by errno name.", [*labels, "reason"], registry=registry)
+        self.load_failures = Counter(
+            "pagedserve:kv_offload_load_failures_total", "KV block files that failed to load, "
+            "by reason (missing, truncated, corrupt, foreign, error).", [*labels, "reason"],
+            registry=registry)
+        self.dropped = Counter(
+            "pagedserve:kv_offload_stores_dropped_total", "KV blocks not stored: the writer's "
+            "queue was full.", labels, registry=registry).labels(rank)
+        self.writes_enabled = Gauge(
+            "pagedserve:kv_offload_writes_enabled", "1 while the KV tier writes block files, 0 "
+            "once an error turned writing off.", labels, registry=registry).labels(rank)
+        self.writes_enabled.set(1)
+
+    def observe_store(self, seconds: float) -> None:
+        self.store_seconds.observe(seconds)
+
+    def observe_load(self, seconds: float) -> None:
+        self.load_seconds.observe(seconds)
+
+    def store_failed(self, reason: str) -> None:
+        self.store_failures.labels(self.rank, reason).inc()
+
+    def load_failed(self, reason: str) -> None:
+        self.load_failures.labels(self.rank, reason).inc()
+
+    def stores_dropped(self, n: int) -> None:
+        self.dropped.inc(n)
+
+    def set_writes_enabled(self, enabled: bool) -> None:
+        self.writes_enabled.set(1 if enabled else 0)

@@ -58,6 +58,7 @@ from services.worker.device import resolve_device, resolve_dtype
 from services.worker.huge_pages import zeros_on_huge_pages
 from services.worker.input_batch import InputBatch
 from services.worker.kv_cache_groups import KVGroup, kv_cache_groups, local_kv_layout
+from services.worker.kv_tier_step import build_kv_tier, run_with_kv_tier
 from services.worker.loader import load_model
 from services.worker.lora.manager import make_lora_manager
 from services.worker.models.llama import DecoderLayer, lm_head_logits
@@ -118,6 +119,7 @@ class ModelRunner:
               (``services/worker/pooler.py``); ``"auto"``: from the checkpoint.
             - ``lora``: ``services/worker/lora/`` (``NewRequest.lora`` loaded at first use, its
               rows updated in the batched forward).
+            - ``kv_offload_dir``: the KV tier on disk (``kv_tier``, ``kv_tier_step.py``).
         parallel: this rank's place in a tensor/pipeline-parallel group (``init_distributed``);
             None = a single rank. Every rank runs every step; only the driver (tp rank 0 of the
             last stage) returns sampled tokens, the others an empty ``StepOutput``.
@@ -131,7 +133,9 @@ class ModelRunner:
             with (another vocabulary; a target without full-attention layers), or
             ``batch_invariant`` off a CPU or without the native kernels, or a ``quantization``
             that is unknown or cannot run here (its message names ``--quantization``), or a
-            bad ``runner`` / ``pooler_config`` (naming the field).
+            bad ``runner`` / ``pooler_config`` (naming the field), or ``kv_offload_dir`` with a
+            pooling model.
+        OSError: the KV tier's folder cannot be made.
     """
 
     def __init__(self, config: WorkerConfig, parallel: ParallelState | None = None) -> None:
@@ -169,6 +173,7 @@ class ModelRunner:
         else:
             kv_bytes = config.kv_cache_memory
         self._allocate_kv_blocks(kv_bytes)
+        self.kv_tier = build_kv_tier(self, config.kv_offload_dir)
         world = parallel.config.world_size if parallel else 1
         self.eager_reason = why_eager(config.enforce_eager, self.device, backend.name, world)
         if self.eager_reason is None:
@@ -441,12 +446,16 @@ class ModelRunner:
         A request whose LoRA adapter cannot be loaded is left out, on every rank alike, and
         reported in ``StepOutput.failed_request_ids`` (``LoRAManager.execute``).
 
+        With the KV tier, its loads and stores go around the step (``run_with_kv_tier``).
+
         Safe to call from any (one at a time) thread. Raises KeyError / ValueError on an
         inconsistent step (unknown request, tokens or blocks missing, bad block id).
         """
-        if self.lora is None:
-            return self._execute_step(step)
-        return self.lora.execute(step, self._execute_step)
+        run = (self._execute_step if self.lora is None
+               else partial(self.lora.execute, run=self._execute_step))
+        if self.kv_tier is None:
+            return run(step)
+        return run_with_kv_tier(self.kv_tier, step, run, self.lora)
 
     def _execute_step(self, step: StepInput) -> StepOutput:
         """``execute_step`` once the step's adapters are loaded."""

@@ -337,6 +337,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="use fewer OpenMP threads while other processes take the worker's cores, "
                   "all again once they leave (services/worker/cpu_governor.py; off with "
                   "--batch-invariant)")
+    add_flag(p, "--kv-offload-dir", metavar="PATH", default=_default("kv_offload_dir"),
+             help="a KV tier on disk: KV blocks the scheduler picks are written to and read "
+                  "back from files under PATH/<namespace>/tp<rank>of<size> (the scheduler "
+                  "needs prefix caching; not with --pipeline-parallel-size > 1 or --runner "
+                  "pooling; services/worker/kv_tier.py)")
     add_tls_flags(p)
     add_shutdown_flags(p)
     add_log_flags(p)
@@ -453,7 +458,7 @@ def worker_info(runner) -> worker_pb2.GetWorkerInfoResponse:
         pipeline_parallel_size=pp, group_id=ps.group_id if ps else "",
         max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
         kv_cache_dtype=runner.kv_cache_dtype_name, quantization=runner.weights_quantization,
-        **_pooling_info(runner), **_lora_info(runner),
+        **_pooling_info(runner), **_lora_info(runner), **_kv_tier_info(runner),
         kv_cache_groups=[worker_pb2.KVCacheGroup(sliding_window=g.sliding_window,
                                                  layer_ids=g.layer_ids)
                          for g in runner.kv_cache_groups])
@@ -467,6 +472,14 @@ def _lora_info(runner) -> dict:
     cfg = manager.config
     return {"max_loras": cfg.max_loras, "max_lora_rank": cfg.max_lora_rank,
             "max_cpu_loras": cfg.cpu_capacity}
+
+
+def _kv_tier_info(runner) -> dict:
+    """The runner's GetWorkerInfoResponse fields about the KV tier (none without it)."""
+    tier = getattr(runner, "kv_tier", None)
+    if tier is None:
+        return {}
+    return {"kv_offload_path": tier.rank_dir, "kv_offload_block_bytes": tier.block_bytes}
 
 
 def _pooling_info(runner) -> dict:
@@ -515,6 +528,10 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         metrics.set_cpu_threads(plan.threads)
     if governor is not None:
         governor.on_change = metrics.set_cpu_threads
+    tier = getattr(runner, "kv_tier", None)
+    if tier is not None:
+        tier.metrics = metrics.kv_tier
+        metrics.kv_tier.set_writes_enabled(tier.writes_enabled)
     servicer = WorkerServicer(runner, info, fatal, metrics, forward, governor)
     worker_pb2_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     await server.start()
@@ -543,6 +560,8 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
         await server.stop(grace=1.0)
         if metrics_server is not None:
             metrics_server.close()
+        if tier is not None:  # (after the last step: the queued writes finish first)
+            tier.close()
     if fatal is not None:  # a rank of a group: exit now, whether stopped or failed
         if fatal.is_set():
             log.error("rank %d: a step failed; exiting so the rank group can restart",

@@ -14,6 +14,7 @@ from services.common.pb.pagedserve.v1 import worker_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step import (
     CachedRequest,
+    KVTransfer,
     NewRequest,
     Logprobs,
     SampledLogprobs,
@@ -66,8 +67,10 @@ def test_cached_request_is_one_row_of_the_columns():
 
 
 def test_the_step_is_the_step_request_field_for_field():
-    names = set(_names(StepInput)) - {"blocks_to_copy"} | {"copy_src_block_ids",
-                                                             "copy_dst_block_ids"}
+    names = set(_names(StepInput)) - {"blocks_to_copy", "kv_stores", "kv_loads"} | {
+        "copy_src_block_ids", "copy_dst_block_ids"} | {
+        f"kv_{kind}_{column}" for kind in ("store", "load")
+        for column in ("block_ids", "groups", "keys")}
     assert names == _proto_fields(worker_pb2.StepRequest)
 
 
@@ -95,11 +98,14 @@ new_requests = st.builds(NewRequest, st.text(max_size=4), ids, params, ids,
 cached_requests = st.builds(CachedRequest, st.text(max_size=4), ids, ids, st.booleans(),
                             st.integers(0, 99), st.integers(0, 99), st.integers(-1, 9), ids,
                             st.booleans())
+transfers = st.builds(KVTransfer, st.integers(0, 2**31 - 1), st.integers(0, 5),
+                      st.binary(min_size=16, max_size=16))
 steps = st.builds(StepInput, st.integers(0, 2**62), st.lists(new_requests, max_size=3),
                   st.lists(cached_requests, max_size=4),
                   st.lists(st.text(max_size=4), unique=True, max_size=3),
                   st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), max_size=3),
-                  st.integers(0, 5))
+                  st.integers(0, 5), st.lists(transfers, max_size=3),
+                  st.lists(transfers, max_size=3))
 
 
 @settings(max_examples=200, deadline=None)
@@ -139,7 +145,8 @@ def outputs(draw) -> StepOutput:
                       prompt, counts if any(c != 1 for c in counts) else None,
                       drafts if drafts and any(drafts) else None,
                       failed_request_ids=failed,
-                      failed_messages=[f"LoRA adapter {rid!r}: gone" for rid in failed])
+                      failed_messages=[f"LoRA adapter {rid!r}: gone" for rid in failed],
+                      kv_loads_done=draw(ids), kv_loads_failed=draw(ids))
 
 
 @settings(max_examples=200, deadline=None)
@@ -174,3 +181,10 @@ def test_malformed_sampled_and_draft_columns_are_refused():
                                       num_draft_token_ids=[3], draft_token_ids=[1])):
         with pytest.raises(ValueError, match="malformed"):
             step_output_from_pb(bad)
+
+
+def test_kv_tier_columns_of_two_lengths_are_refused():
+    bad = step_to_pb(StepInput(1, [], [], [], kv_loads=[KVTransfer(3, 0, bytes(16))]))
+    bad.kv_load_groups.append(1)
+    with pytest.raises(ValueError, match="kv_load"):
+        step_from_pb(bad)

@@ -146,3 +146,41 @@ def test_monitoring_scrapes_the_metrics_ports_and_the_dashboard_loads():
                  "router_requests_total"):
         assert f"pagedserve:{name}" in exprs
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def _parsed(service: str, env: dict[str, str], monkeypatch):
+    """``pagedserve SERVICE``'s flags as the container's environment sets them."""
+    from services.cli.flags import _service_parser
+
+    for name, value in env.items():
+        if name.startswith("PAGEDSERVE_"):
+            monkeypatch.setenv(name, value)
+    return _service_parser(service).parse_args([])
+
+
+def test_kv_tier_volume_is_mounted_at_one_path_in_worker_and_scheduler(monkeypatch):
+    """The scheduler lists, stats and deletes the block files at the path the worker reports:
+    both mount the kv-tier volume at the same target. Off unless KV_OFFLOAD_DIR is set."""
+    import os
+
+    tier = "/var/lib/pagedserve/kv-tier"
+    for files in ((COMPOSE,), (COMPOSE, CUDA)):
+        services = _config(files=files)["services"]
+        worker, scheduler = services["worker"], services["scheduler"]
+        mounts = {name: [v for v in services[name]["volumes"] if v["target"] == tier]
+                  for name in ("worker", "scheduler")}
+        for name, found in mounts.items():
+            assert len(found) == 1, (name, services[name]["volumes"])
+            assert (found[0]["type"], found[0]["source"]) == ("volume", "kv-tier"), found
+            assert not found[0].get("read_only"), f"{name} writes or deletes block files"
+        assert worker["environment"]["PAGEDSERVE_KV_OFFLOAD_DIR"] == ""
+        assert scheduler["environment"]["PAGEDSERVE_KV_OFFLOAD_SIZE"] == "4GiB"
+        with monkeypatch.context() as m:  # "" is the worker's "no tier", not a path
+            assert _parsed("worker", worker["environment"], m).kv_offload_dir == ""
+    assert "kv-tier" in _config()["volumes"]
+    env = {**os.environ, "KV_OFFLOAD_DIR": tier, "KV_OFFLOAD_SIZE": "20GiB"}
+    services = _config(files=(COMPOSE, CUDA), env=env)["services"]
+    assert services["worker"]["environment"]["PAGEDSERVE_KV_OFFLOAD_DIR"] == tier
+    assert _parsed("worker", services["worker"]["environment"], monkeypatch).kv_offload_dir == tier
+    assert _parsed("scheduler", services["scheduler"]["environment"],
+                   monkeypatch).kv_offload_size == 20 * 2**30

@@ -28,16 +28,19 @@ For the engine loop: ``FakeRanks`` (a WorkerGroup stand-in over a ``FakeWorker``
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
+from services.common.kv_tier_files import block_path
 from services.common.step import StepOutput
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.outputs import RequestUpdate, ScheduledStep
 from services.scheduler.request import EngineSamplingParams, FinishReason, Request
 from services.scheduler.scheduler import Scheduler
 
+TIER_BLOCK_BYTES = 100  # the size of a fake KV tier block file
 EOS = 0  # the fake model never samples it (fake tokens are 10..59) unless a test forces it
 
 
@@ -58,6 +61,7 @@ def make_scheduler(
     vocab_size: int | None = None,
     pooling: bool = False,
     async_scheduling: bool = False,
+    kv_tier=None,
     **config_kwargs,
 ) -> Scheduler:
     """A Scheduler over ``num_kv_blocks`` small blocks; async scheduling off unless asked
@@ -71,7 +75,7 @@ def make_scheduler(
         **config_kwargs,
     )
     return Scheduler(config, num_kv_blocks, list(eos_token_ids), sliding_windows, vocab_size,
-                     pooling=pooling)
+                     pooling=pooling, kv_tier=kv_tier)
 
 
 def make_request(
@@ -155,12 +159,55 @@ class FakeWorker:
     kv: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     outputs: list[ScheduledStep] = field(default_factory=list)
     sliding_windows: list[int] | None = None  # the group layout; None = the scheduler's
+    # the KV tier on disk: the rank's folder (a store creates the block's file there, which is
+    # what the scheduler's index looks at; a load fails when the file is gone) and the fake
+    # disk, (group, key) -> the block's slot contents; None = no tier
+    tier_dir: str | None = None
+    disk: dict = field(default_factory=dict)
+    loading: list = field(default_factory=list)  # loads received, applied at the next step
+    kv_reports: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.sliding_windows is None:
             self.sliding_windows = list(self.scheduler.block_manager.sliding_windows)
 
     def execute(self, out: ScheduledStep) -> dict[str, int]:
+        done, failed = self._apply_loads()
+        self.loading = list(out.kv_loads)
+        sampled = self._execute(out)
+        self._store(out)
+        self.kv_reports[out.step_id] = (done, failed)
+        return sampled
+
+    def output(self, out: ScheduledStep, sampled: dict[str, int]) -> StepOutput:
+        """``step_output`` with the step's KV tier load reports."""
+        done, failed = self.kv_reports.pop(out.step_id, ([], []))
+        return step_output(out, sampled, kv_loads_done=done, kv_loads_failed=failed)
+
+    def _apply_loads(self) -> tuple[list[int], list[int]]:
+        """The loads received by the last step, read into their blocks before this step's
+        forward (a real worker reads them on a thread meanwhile)."""
+        done, failed, bs = [], [], self.scheduler.config.block_size
+        for t in self.loading:
+            if not os.path.exists(block_path(self.tier_dir, t.group, t.key)):
+                failed.append(t.block_id)
+                continue
+            for i, content in enumerate(self.disk[(t.group, t.key)]):
+                self.kv[t.block_id * bs + i] = content
+            done.append(t.block_id)
+        return done, failed
+
+    def _store(self, out: ScheduledStep) -> None:
+        """Write the step's stores after its forward."""
+        bs = self.scheduler.config.block_size
+        for t in out.kv_stores:
+            self.disk[(t.group, t.key)] = [self.kv.get(t.block_id * bs + i) for i in range(bs)]
+            path = block_path(self.tier_dir, t.group, t.key)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(b"x" * TIER_BLOCK_BYTES)
+
+    def _execute(self, out: ScheduledStep) -> dict[str, int]:
         sched, bs = self.scheduler, self.scheduler.config.block_size
         windows = self.sliding_windows
         num_groups = len(windows)
@@ -260,7 +307,7 @@ class FakeWorker:
 
     def step(self) -> list[RequestUpdate]:
         out = self.scheduler.schedule()
-        return self.scheduler.update_from_output(out, step_output(out, self.execute(out)))
+        return self.scheduler.update_from_output(out, self.output(out, self.execute(out)))
 
 
 def run_to_completion(
@@ -277,17 +324,19 @@ def run_to_completion(
     limit = scheduler.config.max_steps_in_flight
     updates: list[RequestUpdate] = []
     for _ in range(max_steps):
-        while len(pending) < limit and scheduler.has_unfinished_requests():
+        while len(pending) < limit and scheduler.has_work():
             out = scheduler.schedule()
-            if out.total_num_scheduled_tokens == 0 and not out.finished_request_ids:
-                break
+            if not (out.total_num_scheduled_tokens or out.finished_request_ids
+                    or out.kv_stores or out.kv_loads
+                    or (not pending and scheduler.num_kv_loads_in_flight)):
+                break  # (the engine's rule: KV tier loads in flight are polled)
             pending.append((out, worker.execute(out)))
         if not pending:
-            if scheduler.has_unfinished_requests():
+            if scheduler.has_work():
                 continue  # a step that only preempted: the next one resumes (the engine's retry)
             return updates
         out, sampled = pending.popleft()
-        updates += scheduler.update_from_output(out, step_output(out, sampled))
+        updates += scheduler.update_from_output(out, worker.output(out, sampled))
         scheduler.block_manager.check_invariants(scheduler.requests.values())
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
 

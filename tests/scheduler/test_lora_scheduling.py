@@ -128,7 +128,10 @@ def test_the_prefix_cache_never_shares_blocks_between_adapters():
     assert run(2, None) == 0  # the base model's too
     assert run(3, A) == 8  # the same adapter: both full blocks but the last (recomputed)
     assert run(4, None) == 8
-    assert run(5, LoRARequest(1, "a-again", "/elsewhere")) == 8  # the key is the id
+    # the key is the adapter's name and folder, not its engine-wide id (the KV tier on disk
+    # outlives the process and is shared by replicas, whose ids differ)
+    assert run(5, LoRARequest(A.lora_id + 7, A.name, A.path)) == 8
+    assert run(6, LoRARequest(A.lora_id, "a-again", "/elsewhere")) == 0
 
 
 def test_lora_metrics_name_the_running_and_waiting_adapters():

@@ -9,6 +9,11 @@ scheduling (look-ahead: a request is scheduled again for the position of its tok
 Steps are sent (the fake worker runs them at once, in order) and their results applied by
 separate rules, so aborts, preemptions and arrivals fall between a step and its result.
 
+With prefix caching on, a KV tier on disk of a few blocks is drawn too (the fake worker stores
+and loads blocks through files; some loads fail: a rule deletes files), so prefix hits are
+extended by loads, requests wait for them, and aborts and preemptions fall between a load and
+its report.
+
 Properties: no block is leaked or freed twice and no ref count goes below zero (exact
 accounting, ref count == number of block tables listing the block, after every operation); no
 step exceeds max_num_batched_tokens or max_num_seqs; running stays in policy order (so the
@@ -17,6 +22,9 @@ FakeWorker's check); and every request finishes with exactly the tokens the fake
 without any scheduling, however often it was preempted or hit the cache.
 """
 
+import os
+import shutil
+import tempfile
 from collections import deque
 
 from hypothesis import HealthCheck, event, settings
@@ -29,9 +37,12 @@ from hypothesis.stateful import (
 )
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.kv_tier import KVTier
+from services.scheduler.kv_tier_index import KVTierIndex
 from services.scheduler.request import FinishReason, RequestStatus
 from services.scheduler.scheduler import QueueFullError
 from tests.scheduler.factories import (
+    TIER_BLOCK_BYTES,
     FakeWorker,
     expected_output,
     make_request,
@@ -70,6 +81,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_model_len, min(threshold or max_model_len, max_num_batched_tokens))
         num_blocks = data.draw(st.integers(max(8, min_blocks), max(8, min_blocks) + 8), "blocks")
         self.eos = tuple(eos)
+        self.tier_dir = None
+        tier = None
+        if prefix_caching and data.draw(st.booleans(), "kv_tier"):
+            self.tier_dir = tempfile.mkdtemp(prefix="kv-tier-")
+            size = data.draw(st.integers(1, 24), "kv_tier_blocks") * TIER_BLOCK_BYTES
+            tier = KVTier(KVTierIndex([self.tier_dir], TIER_BLOCK_BYTES, size))
+            event("kv tier")
         self.scheduler = make_scheduler(
             num_blocks,
             block_size=block_size,
@@ -84,10 +102,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             pipeline_parallel_size=2 if mode == "pipelined" else 1,  # (async: 2 in flight)
             async_scheduling=mode == "async",
             sliding_windows=windows,
+            kv_tier=tier,
         )
         event(f"mode: {mode}")
         self.pending: deque = deque()  # (ScheduledStep, sampled) sent, oldest first
-        self.worker = FakeWorker(self.scheduler)
+        self.worker = FakeWorker(self.scheduler, tier_dir=self.tier_dir)
         self.requests = []
         self.num_added = 0
 
@@ -149,7 +168,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Apply the oldest step in flight."""
         if self.pending:
             out, sampled = self.pending.popleft()
-            self.scheduler.update_from_output(out, step_output(out, sampled))
+            self.scheduler.update_from_output(out, self.worker.output(out, sampled))
+
+    @rule(data=st.data())
+    def lose_a_tier_file(self, data):
+        """A KV tier file disappears (another replica evicted it, a disk was cleaned): a load
+        of it fails and the request computes the block instead."""
+        if self.tier_dir is None:
+            return
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(self.tier_dir) for f in fs)
+        if files:
+            os.unlink(data.draw(st.sampled_from(files), "lost"))
 
     @rule()
     def preempt(self):
@@ -188,6 +217,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         if s is None:
             return
         run_to_completion(s, self.worker, pending=self.pending)
+        if self.tier_dir is not None:
+            tier = s.block_manager.tier
+            assert not tier.in_flight
+            event(f"kv tier loads: {'0' if not tier.num_loads_total else '1+'}, failed: "
+                  f"{'0' if not tier.num_load_failures_total else '1+'}")
+            shutil.rmtree(self.tier_dir)
         self.worker.execute(s.schedule())  # deliver the last finished ids
         assert self.worker.states == {}
         assert s.block_manager.num_free_blocks == s.block_manager.num_blocks

@@ -4,7 +4,7 @@ test imports: the TP test's spawned ranks run it too).
 ``generate`` runs requests to completion through ``runner.execute_step`` the way the scheduler
 would: each step every running request gets all its remaining tokens, new ones in full once,
 then diffs; a request finishes on an EOS id (unless ignore_eos; an EOS at output index <
-min_tokens does not finish, as the scheduler's ``_check_stop``) or at max_tokens;
+min_tokens does not finish, as the scheduler's ``stop_checks.check_stop``) or at max_tokens;
 ``preempt = (step, i)`` frees request i's blocks at that step and resumes it with its whole
 token list (``resumed_from_preemption``) less its last output token, as after a step whose
 result the scheduler dropped (the worker had appended it). The tokens are read back from the

@@ -95,6 +95,10 @@ pod's, each pod's ranks on worker.port + i. */}}
       value: {{ $.ctx.Values.engine.scheduler.schedulingPolicy | quote }}
     - name: PAGEDSERVE_MAX_NUM_WAITING_REQUESTS
       value: {{ $.ctx.Values.engine.scheduler.maxNumWaitingRequests | quote }}
+    {{- if $.ctx.Values.kvOffload.enabled }}
+    - name: PAGEDSERVE_KV_OFFLOAD_SIZE
+      value: {{ $.ctx.Values.kvOffload.size | quote }}
+    {{- end }}
     - name: PAGEDSERVE_LOG_LEVEL
       value: {{ $.ctx.Values.logLevel | quote }}
     - name: PAGEDSERVE_SHUTDOWN_TIMEOUT
@@ -137,6 +141,7 @@ pod's, each pod's ranks on worker.port + i. */}}
   volumeMounts:
     - name: tmp
       mountPath: /tmp
+    {{- include "pagedserve.kvTierVolumeMount" $.ctx | nindent 4 }}
 {{- end }}
 
 {{- define "pagedserve.workerContainer" -}}
@@ -172,6 +177,10 @@ pod's, each pod's ranks on worker.port + i. */}}
       value: {{ $.ctx.Values.engine.scheduler.maxNumSeqs | quote }}
     - name: PAGEDSERVE_MAX_NUM_BATCHED_TOKENS
       value: {{ $.ctx.Values.engine.scheduler.maxNumBatchedTokens | quote }}
+    {{- if $.ctx.Values.kvOffload.enabled }}
+    - name: PAGEDSERVE_KV_OFFLOAD_DIR
+      value: {{ $.ctx.Values.kvOffload.mountPath | quote }}
+    {{- end }}
     - name: PAGEDSERVE_LOG_LEVEL
       value: {{ $.ctx.Values.logLevel | quote }}
     - name: PAGEDSERVE_SHUTDOWN_TIMEOUT
@@ -228,6 +237,7 @@ pod's, each pod's ranks on worker.port + i. */}}
     - name: tmp
       mountPath: /tmp
     {{- include "pagedserve.modelVolumeMount" $.ctx | nindent 4 }}
+    {{- include "pagedserve.kvTierVolumeMount" $.ctx | nindent 4 }}
 {{- end }}
 
 {{/* The engine pods' volumes. */}}
@@ -242,6 +252,49 @@ pod's, each pod's ranks on worker.port + i. */}}
 - name: tmp
   emptyDir: {}
 {{- include "pagedserve.modelVolume" . }}
+{{- include "pagedserve.kvTierVolume" . }}
+{{- end }}
+
+{{/* The KV tier on disk (values kvOffload): the worker writes and reads block files under
+mountPath, the scheduler lists, stats and deletes them at the path the worker reports, so both
+containers mount the volume at the same path. */}}
+{{- define "pagedserve.kvTierVolumeMount" -}}
+{{- if .Values.kvOffload.enabled }}
+- name: kv-tier
+  mountPath: {{ .Values.kvOffload.mountPath }}
+{{- end }}
+{{- end }}
+
+{{/* The chart-made claim's name (kvOffload.persistence.create). */}}
+{{- define "pagedserve.kvTierClaim" -}}
+{{- printf "%s-kv-tier" (include "pagedserve.fullname" .) }}
+{{- end }}
+
+{{/* The KV tier's volume: kvOffload.existingClaim, else the chart's claim (shared by every
+replica), else an emptyDir (per pod). Refuses the settings the services would refuse. */}}
+{{- define "pagedserve.kvTierVolume" -}}
+{{- $k := .Values.kvOffload }}
+{{- if $k.enabled }}
+{{- if not .Values.engine.scheduler.enablePrefixCaching }}
+{{- fail "kvOffload.enabled needs engine.scheduler.enablePrefixCaching (the KV tier extends prefix-cache hits)" }}
+{{- end }}
+{{- if gt (int .Values.engine.pipelineParallelSize) 1 }}
+{{- fail (printf "kvOffload.enabled does not work with engine.pipelineParallelSize %v (the worker refuses --kv-offload-dir with pipeline stages)" .Values.engine.pipelineParallelSize) }}
+{{- end }}
+{{- if and $k.existingClaim $k.persistence.create }}
+{{- fail "kvOffload: set kvOffload.existingClaim or kvOffload.persistence.create, not both" }}
+{{- end }}
+- name: kv-tier
+  {{- if $k.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ $k.existingClaim }}
+  {{- else if $k.persistence.create }}
+  persistentVolumeClaim:
+    claimName: {{ include "pagedserve.kvTierClaim" . }}
+  {{- else }}
+  emptyDir: {}
+  {{- end }}
+{{- end }}
 {{- end }}
 
 {{/* A multi-host engine pod's spec: the leader's (scheduler + worker) or a worker pod's. */}}
