@@ -146,12 +146,17 @@ def expected(tiny_model_dir):
     return hf_greedy(tiny_model_dir, PROMPTS, MAX_NEW)
 
 
-@pytest.fixture(scope="module")
-def f32_tier(tiny_model_dir, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("tier-f32"))
+def _stack_on_a_new_folder(tiny_model_dir, tmp_path_factory, name: str):
+    """(stack, its tier folder) for a module-scoped fixture: a fresh folder per module."""
+    folder = str(tmp_path_factory.mktemp(name))
     stack = tiny_tier_stack(tiny_model_dir, folder)
     yield stack, folder
     stack.stop()
+
+
+@pytest.fixture(scope="module")
+def f32_tier(tiny_model_dir, tmp_path_factory):
+    yield from _stack_on_a_new_folder(tiny_model_dir, tmp_path_factory, "tier-f32")
 
 
 def test_float32_tier_hits_equal_transformers(f32_tier, expected):
@@ -647,10 +652,7 @@ DAMAGE = {"corrupt": (_each(_corrupt), "corrupt"), "truncated": (_each(_truncate
 
 @pytest.fixture(scope="module")
 def fault_stack(tiny_model_dir, tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("tier-faults"))
-    stack = tiny_tier_stack(tiny_model_dir, folder)
-    yield stack, folder
-    stack.stop()
+    yield from _stack_on_a_new_folder(tiny_model_dir, tmp_path_factory, "tier-faults")
 
 
 def _damage_then_serve(stack, folder: str, prompts: list[list[int]], want: list[list[int]],
