@@ -348,8 +348,8 @@ class Scheduler:
             # NOTE: prompt logprobs need every prompt position computed: no cache hit then.
             hit_blocks, num_hit = (([], 0) if request.needs_prompt_logprobs or self.pooling
                                    else bm.get_computed_blocks(request))
-            num_tier = tier_tokens(hit_blocks, config.block_size,
-                                   bm.tier.in_flight if bm.tier is not None else ())
+            num_tier = (tier_tokens(hit_blocks, config.block_size, bm.tier.in_flight)
+                        if bm.tier is not None and hit_blocks else 0)
             num_new = request.num_tokens - num_hit
             if 0 < threshold < num_new:
                 num_new = threshold
