@@ -1,46 +1,19 @@
-"""The prefix-cache key of a full KV block (automatic prefix caching: ``block_manager.py``).
-
-The K/V of a token depends only on the tokens up to it, so a FULL block is identified by its
-token ids and everything before it. Block ``j`` of a request gets the chained key
-
-    hash_j = blake2b(hash_{j-1} || token ids of block j || extra keys)       (hash_{-1} = b"")
-
-where the extra keys are what else the K/V depends on (``Request.extra_keys``; the LoRA
-adapter's name and folder when it runs with one, so two adapters, or an adapter and the base
-model, never share K/V of the same text: ``lora_key``) and, with prefix caching off, the request's
+"""The prefix-cache keys of a request's full KV blocks (automatic prefix caching:
+``block_manager.py``), chained as ``common/block_hash.py`` says. A request's extra keys are
+``Request.extra_keys``, the LoRA adapter it runs with (``lora_key``, so two adapters, or an
+adapter and the base model, never share K/V of the same text) and, with prefix caching off, its
 ``parent_request_id`` (so only the n choices of one request match).
 The block manager caches a block under (KV cache group, key): ``CacheKey``.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections.abc import Sequence
-
+from services.common.block_hash import BlockHash, hash_block, lora_extra_key
 from services.scheduler.request import Request
 
-BlockHash = bytes
 CacheKey = tuple[int, BlockHash]  # (KV cache group, block hash)
 
-
-def hash_block(parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
-    """The chained key of one full block: blake2b-128 of (parent key, token ids, extra keys).
-
-    Args:
-        parent: the previous block's key (``b""`` for the first block).
-        token_ids: the block's ``block_size`` token ids (each < 2**31).
-        extra_keys: anything else the K/V depends on (e.g. a cache salt); ``b""`` for none.
-
-    Returns:
-        16 bytes. A cryptographic hash, so prompts cannot be crafted to collide (a hit also
-        re-checks the tokens).
-    """
-    h = hashlib.blake2b(parent, digest_size=16)
-    h.update(array("i", token_ids).tobytes())
-    if extra_keys:
-        h.update(extra_keys)
-    return h.digest()
+__all__ = ["BlockHash", "CacheKey", "block_hashes", "lora_key"]
 
 
 def lora_key(request: Request) -> bytes:
@@ -53,7 +26,7 @@ def lora_key(request: Request) -> bytes:
     (``Engine._fail_requests``).
     """
     assert request.lora is not None
-    return b"\x00lora:" + request.lora.name.encode() + b"\x00" + request.lora.path.encode()
+    return lora_extra_key(request.lora.name, request.lora.path)
 
 
 def block_hashes(request: Request, num_full_blocks: int, block_size: int,

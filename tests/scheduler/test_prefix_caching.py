@@ -6,8 +6,8 @@ to it): a hit on a block with different content, or on an evicted block, fails i
 
 import pytest
 
+from services.common.block_hash import hash_block
 from services.scheduler.block_manager import BlockManager
-from services.scheduler.prefix_keys import hash_block
 from services.scheduler.request import Request
 from tests.scheduler.factories import (
     FakeWorker,
