@@ -94,13 +94,16 @@ def probe(model, dtype, prompt: list[int], max_len: int) -> tuple[float, int, st
     return cached / len(prompt), math.ceil(PROBE_MEMORY / info.num_kv_blocks), info.dtype
 
 
-async def drive(address: str, a, systems, users) -> dict:
-    """Run every conversation turn by turn, round-robin, ``a.concurrency`` requests in flight.
-    Returns per-request records (in submission order) and the wall time."""
+async def drive(address: str, a, systems, users, order: list[tuple[int, int]] | None = None
+                ) -> dict:
+    """Run every conversation turn by turn, ``a.concurrency`` requests in flight, in ``order``
+    ((turn, conversation) pairs; default: each turn's conversations in turn). Returns
+    per-request records (in submission order) and the wall time."""
     from pagedserve_client import AsyncClient
 
     transcripts = [systems[c % len(systems)] + users[c][0] for c in range(len(users))]
-    order = [(t, c) for t in range(a.turns) for c in range(len(users))]
+    if order is None:
+        order = [(t, c) for t in range(a.turns) for c in range(len(users))]
     done = {}  # (conversation, turn) -> asyncio.Event: its answer is in the transcript
     records = {}
     async with AsyncClient(address) as client:

@@ -41,6 +41,8 @@ from services.cli.flags import serve_parser
     (["--lora-modules", "sql"], "argument --lora-modules: expected name=path or a JSON object"),
     (["--cpu-threads", "0"], "argument --cpu-threads: must be >= 1, got 0"),
     (["--cpu-bind", "0-1|3-2"], "argument --cpu-bind: '3-2' is not a CPU range N-M"),
+    (["--kv-events-config", '{"buffer_steps": -1}'],
+     "argument --kv-events-config: buffer_steps must be an integer >= 1, got -1"),
 ])
 def test_serve_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -266,3 +268,16 @@ def test_serve_forwards_the_lora_flags(monkeypatch):
     assert router[router.index("--max-lora-rank") + 1] == "32"
     scheduler = forwarded_argv("scheduler", ns)
     assert scheduler[scheduler.index("--max-loras") + 1] == "3"
+
+
+def test_serve_passes_the_kv_events_config_to_the_scheduler_only():
+    from services.cli.flags import forwarded_argv
+    from services.scheduler.kv_events_config import KVEventsConfig
+
+    text = '{"enable_kv_cache_events": true, "publisher": "null", "buffer_steps": 7}'
+    ns = serve_parser().parse_args(["--kv-events-config", text])
+    scheduler = forwarded_argv("scheduler", ns)
+    value = scheduler[scheduler.index("--kv-events-config") + 1]
+    assert KVEventsConfig.parse(value) == KVEventsConfig.parse(text)
+    for name in ("worker", "router"):
+        assert "--kv-events-config" not in forwarded_argv(name, ns)

@@ -39,8 +39,16 @@ def run_one_service(name: str, argv: list[str]) -> None:
     if name == "worker" and args.rank is None and (
             args.tensor_parallel_size * args.pipeline_parallel_size > 1):
         run_service(name, _serve_ranks(args))
-    else:
+        return
+    from services.common import tracing
+    try:
+        tracing.setup(args.otlp_traces_endpoint, f"pagedserve-{name}")
+    except ValueError as e:  # e.g. an OTLP protocol other than grpc
+        raise SystemExit(f"pagedserve {name}: {e}") from None
+    try:
         run_service(name, module.serve(args))
+    finally:
+        tracing.shutdown()  # (the spans still queued are exported first)
 
 
 async def _serve_ranks(args: argparse.Namespace) -> None:

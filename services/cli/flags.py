@@ -16,7 +16,8 @@ SERVICES = ("worker", "scheduler", "router")  # start order
 # Flags `serve` sets itself for each service (addresses and ports); all others are forwarded.
 _WIRING = {"host", "port", "workers", "scheduler", "schedulers", "metrics_port", "help"}
 # Router flags about choosing among several scheduler replicas: `serve` runs exactly one.
-_REPLICA_ROUTING = {"scheduler_dns_refresh", "routing_policy", "prefix_affinity_blocks"}
+_REPLICA_ROUTING = {"scheduler_dns_refresh", "routing_policy", "prefix_affinity_blocks",
+                    "cache_threshold", "balance_abs_threshold", "balance_rel_threshold"}
 # Flags `serve` hands to a service in its environment (PAGEDSERVE_*), not on its command line,
 # which any local user can read (ps).
 _SECRETS = {"api_key"}

@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 DISABLED = -1  # --metrics-port -1: no metrics server
 SCHEDULER_PORT, ROUTER_PORT, WORKER_PORT = 9090, 9091, 9092
+# --metrics-names choices (scheduler and router; the first is the default): our names, vLLM's,
+# or both (docs/fleet.md)
+METRICS_NAMES = ("pagedserve", "vllm", "both")
 
 # Latency buckets in seconds, as vLLM's (TTFT/ITL/e2e span 1 ms .. minutes).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -90,6 +90,10 @@ class StepInput:
     # a later StepOutput's kv_loads_done / kv_loads_failed)
     kv_stores: list[KVTransfer] = field(default_factory=list)
     kv_loads: list[KVTransfer] = field(default_factory=list)
+    # tracing: request id -> W3C traceparent (the scheduler's span of its prefill chunk in this
+    # step), for the traced requests with a prefill chunk here: each rank records their
+    # forward as a span, child of it (services/worker/tracing.py); {} = none
+    traceparents: dict[str, str] = field(default_factory=dict)
 
     def for_rank(self, samples: bool) -> StepInput:
         """The step as a rank sees it: a rank that ``samples`` (the last pipeline stage) has

@@ -94,7 +94,8 @@ def step_to_pb(step: StepInput) -> worker_pb2.StepRequest:
         kv_store_keys=[t.key for t in step.kv_stores],
         kv_load_block_ids=[t.block_id for t in step.kv_loads],
         kv_load_groups=[t.group for t in step.kv_loads],
-        kv_load_keys=[t.key for t in step.kv_loads])
+        kv_load_keys=[t.key for t in step.kv_loads],
+        traced_request_ids=list(step.traceparents), traceparents=step.traceparents.values())
 
 
 def _kv_transfers(msg: worker_pb2.StepRequest, kind: str) -> list[KVTransfer]:
@@ -140,13 +141,16 @@ def step_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
     """Decode a StepRequest.
 
     Raises:
-        ValueError: CachedRequests columns that disagree, or copy or KV tier columns of
-            different lengths.
+        ValueError: CachedRequests columns that disagree, or copy, KV tier or tracing
+            columns of different lengths.
     """
     src, dst = msg.copy_src_block_ids, msg.copy_dst_block_ids
     if len(src) != len(dst):
         raise ValueError(f"malformed StepRequest: {len(src)} copy_src_block_ids but "
                          f"{len(dst)} copy_dst_block_ids")
+    if len(msg.traced_request_ids) != len(msg.traceparents):
+        raise ValueError(f"malformed StepRequest: {len(msg.traced_request_ids)} "
+                         f"traced_request_ids but {len(msg.traceparents)} traceparents")
     return StepInput(
         step_id=msg.step_id,
         new_requests=[NewRequest(
@@ -158,7 +162,8 @@ def step_from_pb(msg: worker_pb2.StepRequest) -> StepInput:
         finished_request_ids=list(msg.finished_request_ids),
         blocks_to_copy=list(zip(src, dst, strict=True)),
         num_speculative_tokens=msg.num_speculative_tokens,
-        kv_stores=_kv_transfers(msg, "store"), kv_loads=_kv_transfers(msg, "load"))
+        kv_stores=_kv_transfers(msg, "store"), kv_loads=_kv_transfers(msg, "load"),
+        traceparents=dict(zip(msg.traced_request_ids, msg.traceparents, strict=True)))
 
 
 def step_output_to_pb(out: StepOutput) -> worker_pb2.StepResult:

@@ -3,8 +3,8 @@
 ``--api-key KEY[,KEY2,...]`` (env ``PAGEDSERVE_API_KEY``) turns the check on. Every public call
 must then carry ``authorization: Bearer <key>`` (gRPC metadata, or the HTTP ``Authorization``
 header) with one of the keys; a missing or wrong key is gRPC UNAUTHENTICATED / HTTP 401. gRPC
-health checking, reflection and HTTP ``GET /health`` stay open, so probes and grpcurl need no
-key.
+health checking, reflection and HTTP ``GET /health`` and ``GET /metrics`` stay open, so probes,
+scrapers and grpcurl need no key.
 
 A presented key is compared with every configured key by ``hmac.compare_digest`` and without
 stopping at the first match, so the time taken does not tell how much of a key was right or
@@ -24,7 +24,7 @@ from services.common.config import add_flag
 # Methods that need no key: health checking and server reflection (both versions).
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                         "/grpc.reflection.v1.ServerReflection/")
-OPEN_HTTP_PATHS = frozenset({"/health"})
+OPEN_HTTP_PATHS = frozenset({"/health", "/metrics"})  # (probes and scrapers)
 METADATA_KEY = "authorization"  # gRPC metadata keys are lower case
 MISSING = "missing API key: send the header 'authorization: Bearer <key>'"
 INVALID = "invalid API key"
@@ -147,7 +147,8 @@ def _refusing(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler
 
 def http_middleware(keys: ApiKeys):
     """An aiohttp middleware answering 401 (OpenAI's error body, ``WWW-Authenticate: Bearer``)
-    to a request without an accepted ``Authorization: Bearer <key>``; ``/health`` is open."""
+    to a request without an accepted ``Authorization: Bearer <key>``; ``/health`` and
+    ``/metrics`` are open."""
     @web.middleware
     async def check_api_key(request: web.Request, handler):
         if request.path not in OPEN_HTTP_PATHS:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -26,6 +27,7 @@ from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2, engine_pb2_grp
 from services.common.sampling_params import EngineSamplingParams
 from services.common.step_wire import lora_to_pb
 from services.common.tls import aio_channel
+from services.common.tracing import current_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ class EngineClient:
         self.serving = asyncio.Event()
         # RouterMetrics (set by the ReplicaSet): counts each request's final output
         self.metrics = None
+        # callback(RequestOutput) on each request's final output (cache_aware's predictions)
+        self.on_end: Callable[[engine_pb2.RequestOutput], None] | None = None
 
     async def start(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
         """Connect in the background and wait up to ``timeout`` s until the replica can serve.
@@ -87,6 +91,12 @@ class EngineClient:
         A second call does nothing."""
         if self._task is None:
             self._task = asyncio.create_task(self._run())
+
+    @property
+    def stub(self) -> engine_pb2_grpc.EngineServiceStub:
+        """The EngineService stub on this replica's channel, for other RPCs on the same
+        connection (the router's KV event subscription)."""
+        return self._stub
 
     @property
     def num_pending(self) -> int:
@@ -111,6 +121,10 @@ class EngineClient:
             parent_request_id: for a choice of an n > 1 request, that request's id (its
                 choices share prompt KV blocks even with prefix caching off).
             lora: the LoRA adapter it runs with (sent in full), or None.
+
+        Traced: the current span (the caller's task: the router's ingress span, see
+        ``router/tracing.py``) is the parent of the scheduler's, in
+        ``SubmitRequest.traceparent``.
         """
         queue = asyncio.Queue() if queue is None else queue
         if not self.connected.is_set():
@@ -122,7 +136,8 @@ class EngineClient:
         self._outgoing.put_nowait(engine_pb2.EngineRequest(submit=engine_pb2.SubmitRequest(
             request_id=request_id, prompt_token_ids=prompt_token_ids,
             sampling_params=params.to_pb(),
-            priority=priority, parent_request_id=parent_request_id, lora=lora_to_pb(lora))))
+            priority=priority, parent_request_id=parent_request_id, lora=lora_to_pb(lora),
+            traceparent=current_traceparent())))
         return queue
 
     def is_running(self, request_id: str) -> bool:
@@ -208,6 +223,8 @@ class EngineClient:
         queue.put_nowait(out)
         if self.metrics is not None:
             self.metrics.replica_request_done(self.address, out.error_code)
+        if self.on_end is not None:
+            self.on_end(out)
 
     async def _set_serving(self, serving: bool) -> None:
         """Record whether the replica can serve; call ``on_serving`` when that changed."""

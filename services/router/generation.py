@@ -42,6 +42,7 @@ from services.router.choices import Choice, child_params, child_request_id
 from services.router.replicas import ReplicaSet
 from services.router.structured_output_grammar import compile_structured_outputs
 from services.router.tokenizer import encode_chat, encode_prompt
+from services.router.tracing import traced_prepare
 from services.router.validation import (
     MAX_LOGPROBS,
     RequestError,
@@ -87,6 +88,7 @@ class PreparedRequest:
     lora: LoRARequest | None = None
 
 
+@traced_prepare
 def prepare(request: api_pb2.GenerateRequest, tokenizer,
             info: engine_pb2.GetEngineInfoResponse, *,
             max_logprobs: int = MAX_LOGPROBS, lora: LoRARequest | None = None
@@ -102,6 +104,8 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
     Raises:
         RequestError: INVALID_ARGUMENT naming the field and its limit, or that the server
             runs the pooling runner (embeddings only: nothing can be generated).
+
+    Traced (``router.tracing.traced_prepare``): the span ``router.validate_and_tokenize``.
     """
     if info.runner == "pooling":
         raise invalid("The model does not support Completions API or Chat Completions API: "
@@ -148,6 +152,7 @@ class RequestLog:
         prompt_tokens: the tokenized prompt's length (0 until ``accepted``).
         error: gRPC code name of an error that ended a stream after its status was sent.
         started: ``time.monotonic()`` at arrival.
+        finish_reasons: choice index -> its finish reason (api.proto's ``FinishReason``).
     """
 
     route: str
@@ -155,6 +160,7 @@ class RequestLog:
     prompt_tokens: int = 0
     error: str = ""
     started: float = field(default_factory=time.monotonic)
+    finish_reasons: dict[int, int] = field(default_factory=dict)
     _tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
 
     def accepted(self, req: PreparedRequest) -> None:
@@ -170,6 +176,7 @@ class RequestLog:
         """Count a response's tokens (a choice's final message carries its usage)."""
         if response.finish_reason:
             self._tokens[response.index] = response.usage.completion_tokens
+            self.finish_reasons[response.index] = response.finish_reason
         else:
             self._tokens[response.index] = (self._tokens.get(response.index, 0)
                                             + len(response.token_ids))

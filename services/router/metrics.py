@@ -10,6 +10,11 @@ replica, and per status code.
   replica or the router's stream to it reported, e.g. ``UNAVAILABLE``). One n > 1 request is n
   engine requests.
 - ``pagedserve:router_replicas_available``: scheduler replicas taking requests now.
+- ``pagedserve:router_predicted_cached_tokens_total{replica}`` and
+  ``pagedserve:router_cached_tokens_total{replica}``: under ``--routing-policy cache_aware``, for
+  each request routed with a synced KV index that finished normally, the prompt tokens the
+  router predicted the replica would find in its prefix cache, and the ``num_cached_tokens`` the
+  replica reported (``cache_aware.py``): their ratio is the prediction's accuracy.
 """
 
 from __future__ import annotations
@@ -58,6 +63,12 @@ class RouterMetrics:
         self._replica = Counter("pagedserve:router_replica_requests",
                                 "Engine requests per scheduler replica by final status.",
                                 ["replica", "code"], registry=self.registry)
+        self._predicted = Counter("pagedserve:router_predicted_cached_tokens",
+                                  "Prompt tokens cache_aware predicted a replica had cached.",
+                                  ["replica"], registry=self.registry)
+        self._cached = Counter("pagedserve:router_cached_tokens",
+                               "Cached prompt tokens the replicas reported for the requests "
+                               "cache_aware predicted.", ["replica"], registry=self.registry)
 
     def request_done(self, method: str, code: grpc.StatusCode | int | str) -> None:
         """A public call ended (``code``: gRPC status, or HTTP status as int/str)."""
@@ -66,3 +77,9 @@ class RouterMetrics:
     def replica_request_done(self, replica: str, error_code: int) -> None:
         """An engine request on ``replica`` got its final output (``error_code`` 0 = OK)."""
         self._replica.labels(replica, code_name(error_code)).inc()
+
+    def cache_prediction(self, replica: str, predicted: int, reported: int) -> None:
+        """A cache_aware request on ``replica`` finished: ``predicted`` cached prompt tokens,
+        ``reported`` the replica's ``num_cached_tokens``."""
+        self._predicted.labels(replica).inc(predicted)
+        self._cached.labels(replica).inc(reported)

@@ -16,6 +16,16 @@ them. It picks a replica per request at ``submit`` time:
   removing a replica moves only the keys of that replica. If the chosen replica's load exceeds
   the least-loaded one's by more than ``AFFINITY_MARGIN`` requests, or the prompt has no full
   block, the request goes least_loaded instead.
+- ``cache_aware``: the replica whose prefix cache holds the longest prefix of the prompt, known
+  exactly from every replica's KV events (``SubscribeKvEvents``: ``kv_event_subscriber.py``
+  keeps a ``kv_index.KvIndex`` per replica, resyncing by replay or snapshot after a broken
+  stream or a restarted scheduler), when it covers at least ``--cache-threshold`` of the
+  prompt; SGLang's guard first (busiest load > idlest + ``--balance-abs-threshold`` and >
+  ``--balance-rel-threshold`` x idlest: least_loaded); a cold prompt goes where its first
+  blocks are in flight, else to the least loaded; with no synced index (events off) it is
+  prefix_affinity (``cache_aware.py``). The router counts its
+  predicted hit tokens against the replicas' reported ``num_cached_tokens``
+  (``RouterMetrics.cache_prediction``).
 
 NOTE: prefix_affinity is the default because prefix caching is on by default: round_robin
 would split every shared prefix (system prompt, few-shot examples, a conversation's history)
@@ -56,11 +66,12 @@ from collections.abc import Sequence
 from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import engine_pb2
 from services.common.sampling_params import EngineSamplingParams
+from services.router.cache_aware import CacheAware, CacheAwareConfig, Choice
 from services.router.engine_client import EngineClient, _unavailable
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
+POLICIES = ("round_robin", "least_loaded", "prefix_affinity", "cache_aware")
 DNS_PREFIX = "dns:///"
 # prefix_affinity falls back to least_loaded when the chosen replica's load (requests running +
 # waiting) exceeds the least-loaded replica's by more than this.
@@ -135,6 +146,9 @@ class ReplicaSet:
         client_factory: builds one replica's client from ``(address, on_serving)``
             (default ``EngineClient``; tests pass fakes).
         metrics: ``RouterMetrics`` counting each replica's engine requests (or None).
+        cache_aware: cache_aware's thresholds (default ``CacheAwareConfig()``).
+        kv_subscriber_factory: builds a replica's ``KvEventSubscriber`` from its client under
+            cache_aware (default: on the client's channel; tests pass fakes).
 
     Raises:
         ValueError: an unknown policy, or neither addresses nor a DNS target.
@@ -143,7 +157,8 @@ class ReplicaSet:
     def __init__(self, addresses: Sequence[str] = (), *, policy: str = "prefix_affinity",
                  dns_target: str | None = None, dns_refresh: float = 30.0,
                  affinity_blocks: int = 2, on_serving=None, client_factory=EngineClient,
-                 metrics=None):
+                 metrics=None, cache_aware: CacheAwareConfig | None = None,
+                 kv_subscriber_factory=None):
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
         if not addresses and not dns_target:
@@ -166,6 +181,11 @@ class ReplicaSet:
         self._parents_pruned_at = 0
         self._refresh_task: asyncio.Task | None = None
         self.serving = asyncio.Event()  # at least one replica is available
+        self.cache_aware: CacheAware | None = None
+        if policy == "cache_aware":
+            self.cache_aware = CacheAware(cache_aware or CacheAwareConfig(),
+                                          kv_subscriber_factory, metrics, affinity_blocks,
+                                          AFFINITY_MARGIN)
 
     # ---- the EngineClient interface -----------------------------------------------------
     @property
@@ -212,8 +232,9 @@ class ReplicaSet:
             entry = self._parents.get(parent_request_id)
             if entry is not None and self._available(entry[0]):
                 client = entry[0]
+        choice = None
         if client is None:
-            client = self.pick(prompt_token_ids)
+            client, choice = self._pick(prompt_token_ids, lora, params)
         if client is None:
             queue.put_nowait(_unavailable(request_id, self.unavailable_reason()))
             return queue
@@ -222,6 +243,8 @@ class ReplicaSet:
             if entry is None or entry[0] is not client:
                 entry = self._parents[parent_request_id] = (client, [])
             entry[1].append(request_id)
+        elif self.cache_aware is not None and choice is not None:
+            self.cache_aware.expect(request_id, client.address, choice)
         return client.submit(request_id, prompt_token_ids, params, priority=priority,
                              queue=queue, parent_request_id=parent_request_id, lora=lora)
 
@@ -240,6 +263,8 @@ class ReplicaSet:
         owner = self._owner(request_id)
         if owner is not None:
             owner.release(request_id)
+        if self.cache_aware is not None:
+            self.cache_aware.drop(request_id)
         self._maybe_close_drained()
 
     def fail_all(self, why: str) -> None:
@@ -251,6 +276,8 @@ class ReplicaSet:
         """Stop the DNS refresh and close every replica's stream."""
         if self._refresh_task is not None:
             self._refresh_task.cancel()
+        if self.cache_aware is not None:
+            await self.cache_aware.close()
         for client in [*self.replicas.values(), *self._draining.values()]:
             await client.close()
         self.replicas.clear()
@@ -268,19 +295,38 @@ class ReplicaSet:
         """The replicas that take new requests: able to serve, engine info agreeing."""
         return [c for c in self.replicas.values() if self._available(c)]
 
-    def pick(self, prompt_token_ids) -> EngineClient | None:
-        """The replica the policy picks for a prompt; None when none is available."""
+    def pick(self, prompt_token_ids, lora: LoRARequest | None = None,
+             params: EngineSamplingParams | None = None) -> EngineClient | None:
+        """The replica the policy picks for a prompt (run with ``lora``, and ``params``: both
+        only matter to cache_aware); None when none is available."""
+        return self._pick(prompt_token_ids, lora, params)[0]
+
+    def _pick(self, prompt_token_ids, lora: LoRARequest | None,
+              params: EngineSamplingParams | None
+              ) -> tuple[EngineClient | None, Choice | None]:
+        """``pick``, and under cache_aware its ``Choice`` (predictions, prefix key)."""
         candidates = self.available()
         if not candidates:
-            return None
-        if len(candidates) == 1:
-            return candidates[0]
+            return None, None
         if self.policy == "round_robin":
-            return candidates[next(self._turn) % len(candidates)]
+            return candidates[next(self._turn) % len(candidates)], None
         least = self._least_loaded(candidates)
-        if self.policy == "least_loaded":
-            return least
+        if self.policy == "least_loaded" or (len(candidates) == 1 and self.cache_aware is None):
+            return least, None
         assert self._reference is not None  # an available replica was checked against it
+        if self.cache_aware is not None:
+            choice = self.cache_aware.choose(candidates, prompt_token_ids, lora,
+                                             self._reference, least, load, params)
+            if choice.client is not None:
+                return choice.client, choice
+            return self._affinity(candidates, prompt_token_ids, least), choice
+        return self._affinity(candidates, prompt_token_ids, least), None
+
+    def _affinity(self, candidates: list[EngineClient], prompt_token_ids,
+                  least: EngineClient) -> EngineClient:
+        """prefix_affinity's choice: the rendezvous replica of the prompt's first blocks,
+        unless it is more than ``AFFINITY_MARGIN`` busier than ``least``."""
+        assert self._reference is not None
         key = prefix_key(prompt_token_ids, self._reference.block_size, self.affinity_blocks)
         if key is None:
             return least
@@ -323,6 +369,8 @@ class ReplicaSet:
         client.metrics = self.metrics
         self.replicas[address] = client
         client.connect_in_background()
+        if self.cache_aware is not None:
+            self.cache_aware.watch(client)
 
     def _watch(self, address: str):
         async def on_serving(up: bool) -> None:
@@ -407,6 +455,8 @@ class ReplicaSet:
             if client.num_pending == 0:
                 del self._draining[address]
                 self._refused.discard(address)
+                if self.cache_aware is not None:
+                    await self.cache_aware.forget(address)
                 await client.close()
 
     async def _refresh_loop(self) -> None:

@@ -18,14 +18,22 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import PORT, add_flag, float_in, int_in, parse_bytes
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags, request_id_var
-from services.common.metrics import ROUTER_PORT, add_metrics_flags, start_metrics_server
+from services.common.metrics import (
+    METRICS_NAMES,
+    ROUTER_PORT,
+    add_metrics_flags,
+    start_metrics_server,
+)
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
 from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, InFlight, add_shutdown_flags, drain
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
+from services.common.tracing import add_tracing_flags
 from services.router import text_api
 from services.router.auth import ApiKeyInterceptor, add_api_key_flag
+from services.router.cache_aware import CacheAwareConfig
 from services.router.embedding import embed_response, prepare_embed, run_embed
 from services.router.engine_client import EngineClient
+from services.router.gateway_metrics import GatewayGauges
 from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
     INLINE_PREPARE_BYTES,
@@ -45,6 +53,7 @@ from services.router.openai.tools import TOOL_PARSERS
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.served_model import ServedModel
 from services.router.tokenizer import load_tokenizer
+from services.router.tracing import grpc_ingress
 from services.router.validation import MAX_LOGPROBS, RequestError
 
 log = logging.getLogger(__name__)
@@ -71,7 +80,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
 
     async def Generate(self, request, context):
         entry = RequestLog(f"/{SERVICE}/Generate")
-        with self._counted("Generate", context, entry), self.inflight.track():
+        with (self._counted("Generate", context, entry), self.inflight.track(),
+              grpc_ingress("Generate", context, entry)):
             await self._admit(context)
             async with contextlib.aclosing(self._generate(request, context, entry)) as responses:
                 async for response in responses:
@@ -79,7 +89,8 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
 
     async def Chat(self, request, context):
         entry = RequestLog(f"/{SERVICE}/Chat")
-        with self._counted("Chat", context, entry), self.inflight.track():
+        with (self._counted("Chat", context, entry), self.inflight.track(),
+              grpc_ingress("Chat", context, entry)):
             await self._admit(context)
             try:
                 generate = text_api.chat_to_generate(request)
@@ -272,7 +283,9 @@ def replica_set(args, on_serving=None, metrics: RouterMetrics | None = None) -> 
                       client_factory=factory,
                       dns_refresh=args.scheduler_dns_refresh,
                       affinity_blocks=args.prefix_affinity_blocks, on_serving=on_serving,
-                      metrics=metrics)
+                      metrics=metrics, cache_aware=CacheAwareConfig(
+                          args.cache_threshold, args.balance_abs_threshold,
+                          args.balance_rel_threshold))
 
 
 def _request_bytes(value: str) -> int:
@@ -302,6 +315,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="how a request picks a scheduler replica")
     add_flag(p, "--prefix-affinity-blocks", type=int_in(1, 1024), default=2,
              help="full KV blocks of the prompt that prefix_affinity hashes")
+    add_flag(p, "--cache-threshold", type=float_in(0, 1), default=0.5,
+             help="cache_aware: least share of the prompt the best replica's cached prefix must "
+                  "cover for the cache to pick the replica (else prefix_affinity's choice)")
+    add_flag(p, "--balance-abs-threshold", type=int_in(0), default=32,
+             help="cache_aware: requests by which the busiest replica must exceed the idlest "
+                  "(and --balance-rel-threshold times it) for the least loaded to be picked")
+    add_flag(p, "--balance-rel-threshold", type=float_in(1), default=1.5,
+             help="cache_aware: how many times the idlest replica's load the busiest one must "
+                  "exceed (with --balance-abs-threshold) for the least loaded to be picked")
     add_flag(p, "--model", default=None,
              help="transformers folder or .gguf file whose tokenizer to use "
                   "(default: packaged SmolLM2-135M-Instruct)")
@@ -359,10 +381,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_flag(p, "--allow-runtime-lora-updating", action="store_true", default=False,
              help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind --api-key)")
+    add_flag(p, "--metrics-names", choices=METRICS_NAMES, default=METRICS_NAMES[0],
+             help="vllm or both: also export the replicas' queue and KV cache gauges under "
+                  "vLLM's names (vllm:num_requests_waiting, ...), summed over the replicas, on "
+                  "/metrics of the metrics port and of the HTTP port, for gateways that route "
+                  "to this router (docs/fleet.md)")
     add_shutdown_flags(p)
     add_tls_flags(p)
     add_api_key_flag(p)
     add_log_flags(p)
+    add_tracing_flags(p)
     add_metrics_flags(p, ROUTER_PORT)
 
 
@@ -438,6 +466,9 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     loras = registry_from_args(args, lambda: (*(args.served_model_name or ()), *(
         (engine.info.model,) if engine.info is not None else ())))
     served = ServedModel(args.served_model_name or (), loras)
+    if args.metrics_names != "pagedserve":
+        metrics.registry.register(GatewayGauges(
+            engine.available, lambda: served.info(engine.info).model if engine.info else ""))
     servicer = GenerationServicer(engine, tokenizer, metrics, args.max_stream_buffer,
                                   served=served, max_logprobs=args.max_logprobs)
     inflight = servicer.inflight  # gRPC calls and HTTP requests: one count, one drain

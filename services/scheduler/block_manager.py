@@ -69,6 +69,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from services.scheduler.kv_events import KVEventLog
 from services.scheduler.kv_tier import TIER, KVTier, TierLoad
 from services.scheduler.prefix_keys import BlockHash, CacheKey, block_hashes
 from services.scheduler.request import Request
@@ -112,6 +113,8 @@ class BlockManager:
         sliding_windows: per KV cache group, its sliding window in tokens (0 = full attention);
             default one full-attention group.
         tier: the KV tier on disk, whose blocks extend prefix hits (``kv_tier.py``); None.
+        events: the log every change of ``cached_blocks`` is reported to (``kv_events.py``);
+            None: KV events off.
 
     Raises:
         ValueError: if ``num_blocks`` or ``block_size`` is < 1, no group, or a window < 0.
@@ -119,7 +122,8 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16,
                  enable_prefix_caching: bool = True,
-                 sliding_windows: Sequence[int] = (0,), tier: KVTier | None = None) -> None:
+                 sliding_windows: Sequence[int] = (0,), tier: KVTier | None = None,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -137,6 +141,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached_blocks: dict[CacheKey, Block] = {}  # (group, prefix key) -> block holding it
         self.tier = tier
+        self.events = events
 
     @property
     def num_free_blocks(self) -> int:
@@ -288,6 +293,9 @@ class BlockManager:
                         block.token_ids = tuple(tokens[off:off + bs])
                         block.parent_hash = hashes[j - 1] if j else b""
                         self.cached_blocks[key] = block
+                        if self.events is not None:
+                            self.events.stored(key, block.parent_hash, block.token_ids,
+                                               request.lora)
                         if self.tier is not None:
                             self.tier.registered(block.block_id, g, hashes[j])
         request.num_cached_blocks = num_full
@@ -296,6 +304,8 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = block.token_ids = block.parent_hash = None
 
     def forget(self, request: Request) -> None:
@@ -314,6 +324,8 @@ class BlockManager:
         for block in self.cached_blocks.values():
             block.block_hash = block.token_ids = block.parent_hash = None
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     # ---- allocation -----------------------------------------------------------------------
     def _skipped_blocks(self, request: Request) -> list[tuple[list[int], int]]:
@@ -474,6 +486,9 @@ class BlockManager:
             block.block_hash, block.token_ids, block.parent_hash = (
                 key, load.token_ids, load.parent_hash)
             self.cached_blocks[key] = block
+            if self.events is not None:  # (every waiter runs the same adapter: it is in the key)
+                self.events.stored(key, load.parent_hash, load.token_ids,
+                                   load.waiters[0][0].lora if load.waiters else None)
         self._release(block)
         return load
 

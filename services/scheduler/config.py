@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.spec_decode_config import SpeculativeConfig, check_spec_decode_parallelism
+from services.scheduler.kv_events_config import KVEventsConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 
@@ -25,7 +26,8 @@ class SchedulerConfig:
     Raises:
         ValueError: a limit is < 1 (the ``0 = off`` ones < 0), an unknown policy, async
             scheduling asked for (True) with pipeline parallelism or speculative decoding, or
-            speculative decoding with pipeline parallelism (each naming both flags).
+            speculative decoding with pipeline parallelism (each naming both flags), or KV
+            events without prefix caching.
     """
 
     max_num_seqs: int = 256  # running requests at most (= rows of a decode batch)
@@ -48,6 +50,8 @@ class SchedulerConfig:
     # bytes the KV tier on disk may hold, every rank's files (when the workers run one:
     # their --kv-offload-dir); least recently used blocks are evicted beyond it
     kv_offload_size: int = 4 * 2**30
+    # KV events (vLLM's --kv-events-config: kv_events.py); None = off
+    kv_events: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
@@ -63,6 +67,10 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                              f"got {self.scheduling_policy!r}")
         check_spec_decode_parallelism(self.speculative, self.pipeline_parallel_size)
+        if self.kv_events is not None and self.kv_events.enable_kv_cache_events and not (
+                self.enable_prefix_caching):
+            raise ValueError("--kv-events-config: KV events describe the prefix cache, which "
+                             "--no-enable-prefix-caching turns off; drop one of them")
         can_async = self.pipeline_parallel_size == 1 and self.speculative is None
         if self.async_scheduling and not can_async:
             other = ("--speculative-config" if self.speculative is not None else

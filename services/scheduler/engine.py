@@ -38,6 +38,7 @@ from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.outputs import RequestUpdate
 from services.scheduler.request import FinishReason, Request
 from services.scheduler.scheduler import QueueFullError, Scheduler
+from services.scheduler.tracing import request_tracer
 from services.scheduler.worker_client import WorkerError, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class Engine:
         self._loras: dict[tuple[RouterSink, int], LoRARequest] = {}
         self._num_loras = 0
         self.lora_slots = 0  # the workers' max_loras: 0 = they run no adapter (refused here)
+        self.tracer = request_tracer()  # None while tracing is off (services/common/tracing.py)
 
     # ---- requests from routers -------------------------------------------------------------
     def submit(self, sink: RouterSink, msg: engine_pb2.SubmitRequest) -> None:
@@ -118,6 +120,8 @@ class Engine:
             return
         self._sinks[rid] = sink
         sink.request_ids.add(rid)
+        if msg.traceparent and self.tracer is not None:
+            self.tracer.submitted(req, msg.traceparent)
         if self.metrics is not None:
             self.metrics.observe_arrival(rid, req.arrival_time,
                                          req.lora.name if req.lora is not None else None)
@@ -202,6 +206,8 @@ class Engine:
         update = self.scheduler.abort_request(request_id)
         if update is not None and self.metrics is not None:
             self.metrics.observe_updates([update], time.monotonic())
+        if update is not None and self.tracer is not None and self.tracer.active:
+            self.tracer.observe_updates([update])
 
     # ---- the loop --------------------------------------------------------------------------
     async def run(self) -> None:
@@ -245,12 +251,15 @@ class Engine:
                     # step polls for them (the worker waits a little for one: kv_tier.py)
                     if self.metrics is not None and out.total_num_scheduled_tokens:
                         self.metrics.observe_scheduled(out, time.monotonic())
+                    if self.tracer is not None and self.tracer.active:
+                        self.tracer.scheduled(out)  # (before it is sent: its traceparents)
                     await self.workers.send(out)
                     pending.append(out)
                 if not pending:
                     if self.scheduler.has_work():
                         await asyncio.sleep(0.001)  # nothing fits this step; should not happen
                     else:
+                        self._flush_kv_events()  # (nothing may linger while idle)
                         await self._idle()
                     continue
                 out = pending.popleft()
@@ -260,8 +269,18 @@ class Engine:
                 await self._fail_and_reconnect(f"worker failed: {e}")
                 continue
             self.num_steps_total += 1
+            if out.traceparents and self.tracer is not None:
+                self.tracer.step_done(out)
             self._fail_requests(result.failed_request_ids, result.failed_messages)
             self._publish(self.scheduler.update_from_output(out, result))
+            self._flush_kv_events()
+
+    def _flush_kv_events(self) -> None:
+        """The prefix cache's changes since the last call as one KV event batch (none without
+        changes, or with KV events off: ``kv_events.py``)."""
+        events = self.scheduler.block_manager.events
+        if events is not None:
+            events.flush()
 
     def _fail_requests(self, request_ids: list[str], messages: list[str]) -> None:
         """End the requests a step left out because they cannot run (``StepOutput.
@@ -321,6 +340,7 @@ class Engine:
         # NOTE: the step that failed may not have written blocks it registered, and a restarted
         # worker has an empty KV cache: no cached prefix can be trusted any more.
         self.scheduler.reset_prefix_cache()
+        self._flush_kv_events()
         while True:
             try:
                 await self.workers.connect(timeout=self._reconnect_timeout)
@@ -354,6 +374,8 @@ class Engine:
     def _publish(self, updates: list[RequestUpdate]) -> None:
         if self.metrics is not None:
             self.metrics.observe_updates(updates, time.monotonic())
+        if self.tracer is not None and self.tracer.active:
+            self.tracer.observe_updates(updates)
         by_sink: dict[int, tuple[RouterSink, list]] = {}
         for u in updates:
             sink = self._sinks.get(u.request_id)

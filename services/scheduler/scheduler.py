@@ -428,7 +428,8 @@ class Scheduler:
         tier = self.block_manager.tier
         stores, loads = tier.take_transfers() if tier is not None else ([], [])
         return ScheduledStep(self._step_id, new_reqs, cached_reqs, finished,
-                             plan.blocks_to_copy, k, stores, loads, epochs, sampled)
+                             plan.blocks_to_copy, k, stores, loads, epochs=epochs,
+                             sampled_req_ids=sampled)
 
     def update_from_output(self, step: ScheduledStep, output: StepOutput
                            ) -> list[RequestUpdate]:

@@ -18,15 +18,24 @@ import grpc
 from services.common.config import PORT, add_flag, field_default, float_in, int_in, parse_bytes
 from services.common.grpc_utils import new_server, set_serving, stop_event_on_signals
 from services.common.logs import add_log_flags
-from services.common.metrics import SCHEDULER_PORT, add_metrics_flags, start_metrics_server
+from services.common.metrics import (
+    METRICS_NAMES,
+    SCHEDULER_PORT,
+    add_metrics_flags,
+    start_metrics_server,
+)
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2
 from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain, wait_until
 from services.common.spec_decode_config import speculative_config_arg
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
+from services.common.tracing import add_tracing_flags
 from services.scheduler.config import SCHEDULING_POLICIES, SchedulerConfig
 from services.scheduler.engine import Engine
+from services.scheduler.kv_events import build_kv_event_log
+from services.scheduler.kv_events_config import kv_events_config_arg
 from services.scheduler.kv_tier import build_kv_tier
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.metrics_names import exposed_registry
 from services.scheduler.scheduler import Scheduler
 from services.scheduler.worker_client import WorkerGroup, describe_kv_cache_groups
 
@@ -78,6 +87,30 @@ class EngineServicer(engine_pb2_grpc.EngineServiceServicer):
         finally:
             reader.cancel()
             engine.detach(sink)
+
+    async def SubscribeKvEvents(self, request, context):
+        engine = await self._require_engine(context)
+        bm = engine.scheduler.block_manager
+        if bm.events is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "KV events are off: start "
+                                "the scheduler with --kv-events-config "
+                                "'{\"enable_kv_cache_events\": true}'")
+        events = bm.events
+        assert events is not None  # context.abort raises
+        start = (request.start_sequence_number if request.HasField("start_sequence_number")
+                 else None)
+        sub, initial = events.subscribe(start, request.publisher_id, bm.cached_blocks)
+        try:
+            for first in initial:
+                yield first
+            while (batch := await sub.queue.get()) is not None:
+                yield batch
+        finally:
+            events.unsubscribe(sub)
+        if sub.cut_off:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this KV event subscriber "
+                                f"fell {events.max_queue_size} batches behind (--kv-events-"
+                                "config max_queue_size); reconnect with start_sequence_number")
 
     async def GetEngineInfo(self, request, context):
         await self._require_engine(context)
@@ -165,10 +198,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
              help="most bytes the KV tier on disk holds over every worker rank's files, e.g. "
                   "20GiB (when the workers run one: --kv-offload-dir); least recently used "
                   "blocks are evicted beyond it")
+    add_flag(p, "--kv-events-config", type=kv_events_config_arg, default=_default("kv_events"),
+             help="KV events (vLLM's JSON): the prefix cache's changes per step on a gRPC "
+                  "stream (SubscribeKvEvents) and ZMQ, e.g. '{\"enable_kv_cache_events\": "
+                  "true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                  "\"replay_endpoint\": \"tcp://*:5558\"}' (also buffer_steps, hwm, "
+                  "max_queue_size, topic; publisher \"null\": gRPC only); needs prefix caching")
     add_tls_flags(p)
     add_shutdown_flags(p)
     add_log_flags(p)
+    add_tracing_flags(p)
     add_metrics_flags(p, SCHEDULER_PORT)
+    add_flag(p, "--metrics-names", choices=METRICS_NAMES, default=METRICS_NAMES[0],
+             help="names of the /metrics series: pagedserve (pagedserve:NAME), vllm (vLLM's "
+                  "vllm:NAME, labels and semantics, for gateways and autoscalers that read "
+                  "vLLM's; docs/fleet.md) or both")
 
 
 def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
@@ -193,7 +237,8 @@ def scheduler_config(args, max_model_len: int, pipeline_parallel_size: int = 1
             max_num_waiting_tokens=args.max_num_waiting_tokens,
             pipeline_parallel_size=pipeline_parallel_size,
             async_scheduling=args.async_scheduling, speculative=args.speculative_config,
-            max_loras=args.max_loras, kv_offload_size=args.kv_offload_size)
+            max_loras=args.max_loras, kv_offload_size=args.kv_offload_size,
+            kv_events=args.kv_events_config)
     except ValueError as e:  # name the flag, not the field
         if str(e).startswith("--"):
             raise
@@ -286,6 +331,8 @@ def _engine_over(args, workers: WorkerGroup, infos: list[worker_pb2.GetWorkerInf
         quantization=first.quantization, runner=first.runner or "generate",
         embedding_size=first.embedding_size,
         matryoshka_dimensions=first.matryoshka_dimensions, is_matryoshka=first.is_matryoshka)
+    scheduler.block_manager.events = build_kv_event_log(config.kv_events, args.block_size,
+                                                        first.device)
     engine = Engine(scheduler, workers)
     engine.lora_slots = lora_slots
     return engine, info
@@ -316,7 +363,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
                           "num_gpu_blocks": str(info.num_kv_blocks),
                           "cache_dtype": info.kv_cache_dtype},
             model_config={"dtype": info.dtype, "quantization": info.quantization or "none"})
-        metrics_server = start_metrics_server(engine.metrics.registry,
+        metrics_server = start_metrics_server(exposed_registry(engine.metrics.registry,
+                                                               args.metrics_names),
                                               args.metrics_host or args.host, args.metrics_port)
         args.metrics_port = metrics_server.port if metrics_server else args.metrics_port
         servicer.engine, servicer.info = engine, info
@@ -347,5 +395,7 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
             await engine.workers.close()
         if metrics_server is not None:
             metrics_server.close()
+        if engine and engine.scheduler.block_manager.events is not None:
+            engine.scheduler.block_manager.events.close()  # (ends the KV event streams)
         await server.stop(grace=1.0)
 

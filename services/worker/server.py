@@ -38,6 +38,7 @@ from services.common.spec_decode_config import SpeculativeConfig
 from services.common.step import StepInput
 from services.common.step_wire import step_from_pb, step_output_to_pb
 from services.common.tls import add_tls_flags, tls_from_args
+from services.common.tracing import add_tracing_flags
 from services.worker.config import WorkerConfig
 from services.worker.cpu_governor import ThreadGovernor, governor_for
 from services.worker.cpu_threads import cpu_bind_flag, pin_threads, plan_from_args, set_threads
@@ -45,6 +46,7 @@ from services.worker.lora import LoRAConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.pooler_config import RUNNERS, PoolerConfig
 from services.worker.step_checks import check_block_copies, check_sampling
+from services.worker.tracing import record_step
 
 log = logging.getLogger(__name__)
 SERVICE = "pagedserve.v1.WorkerService"
@@ -177,7 +179,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     log.debug("step %d: new request, %d tokens, %d blocks", msg.step_id,
                               len(r.prompt_token_ids), len(r.block_ids),
                               extra={"request_id": r.request_id})
-            t0 = time.perf_counter()
+            t0, start_ns = time.perf_counter(), time.time_ns() if step.traceparents else 0
             try:
                 out = await loop.run_in_executor(self._executor, self._run_step, step)
             except Exception as e:  # a bug or OOM in the forward: fail the stream loudly
@@ -186,6 +188,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServiceServicer):
                     self.fatal.set()
                 await context.abort(grpc.StatusCode.INTERNAL, f"step {msg.step_id} failed: {e}")
             seconds = time.perf_counter() - t0
+            if step.traceparents:
+                record_step(step, start_ns, start_ns + int(seconds * 1e9), self.info.rank)
             if self.metrics is not None:
                 self.metrics.observe_step(seconds, step.total_num_scheduled_tokens,
                                           len(step.new_requests) + len(step.cached_requests))
@@ -345,6 +349,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_tls_flags(p)
     add_shutdown_flags(p)
     add_log_flags(p)
+    add_tracing_flags(p)
     add_metrics_flags(p, WORKER_PORT)
 
 

@@ -68,7 +68,7 @@ def test_cached_request_is_one_row_of_the_columns():
 
 def test_the_step_is_the_step_request_field_for_field():
     names = set(_names(StepInput)) - {"blocks_to_copy", "kv_stores", "kv_loads"} | {
-        "copy_src_block_ids", "copy_dst_block_ids"} | {
+        "copy_src_block_ids", "copy_dst_block_ids", "traced_request_ids"} | {
         f"kv_{kind}_{column}" for kind in ("store", "load")
         for column in ("block_ids", "groups", "keys")}
     assert names == _proto_fields(worker_pb2.StepRequest)
@@ -105,7 +105,8 @@ steps = st.builds(StepInput, st.integers(0, 2**62), st.lists(new_requests, max_s
                   st.lists(st.text(max_size=4), unique=True, max_size=3),
                   st.lists(st.tuples(st.integers(0, 99), st.integers(0, 99)), max_size=3),
                   st.integers(0, 5), st.lists(transfers, max_size=3),
-                  st.lists(transfers, max_size=3))
+                  st.lists(transfers, max_size=3),
+                  st.dictionaries(st.text(max_size=4), st.text(max_size=55), max_size=2))
 
 
 @settings(max_examples=200, deadline=None)
@@ -181,6 +182,15 @@ def test_malformed_sampled_and_draft_columns_are_refused():
                                       num_draft_token_ids=[3], draft_token_ids=[1])):
         with pytest.raises(ValueError, match="malformed"):
             step_output_from_pb(bad)
+
+
+def test_tracing_columns_of_two_lengths_are_refused():
+    step = StepInput(1, [], [], [], traceparents={"a": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
+    assert step_from_pb(step_to_pb(step)).traceparents == step.traceparents
+    bad = step_to_pb(step)
+    bad.traceparents.append("x")
+    with pytest.raises(ValueError, match="traced_request_ids"):
+        step_from_pb(bad)
 
 
 def test_kv_tier_columns_of_two_lengths_are_refused():

@@ -16,6 +16,7 @@ from tests.deploy.conftest import CHART, output, run, tool, unknown_env
 
 CI_VALUES = CHART / "ci" / "values-cuda-tp4.yaml"
 LWS_VALUES = CHART / "ci" / "values-lws-pp2.yaml"
+KEDA_VALUES = CHART / "ci" / "values-keda-scale-to-zero.yaml"
 HELM = [sys.executable, "-m", "tests.deploy.helm_cli"]
 # Everything optional switched on, on top of the defaults.
 ALL_ON = {"autoscaling": {"enabled": True}, "podDisruptionBudget": {"enabled": True},
@@ -24,7 +25,8 @@ ALL_ON = {"autoscaling": {"enabled": True}, "podDisruptionBudget": {"enabled": T
 # the wheel, offline) and says "Couldn't find schema" for these; they are checked structurally
 # below instead (test_service_monitor_selects_the_metrics_ports).
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"),
-             ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet")}
+             ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"),
+             ("keda.sh/v1alpha1", "ScaledObject")}  # (test_helm_keda.py)
 MIN_KUBE = "1.27.0"  # Chart.yaml kubeVersion (native gRPC probes)
 
 
@@ -50,7 +52,8 @@ def _objects(files: list[Path]) -> list[dict]:
     return [doc for f in files for doc in yaml.safe_load_all(f.read_text()) if doc]
 
 
-VALUE_SETS = {"default": [], "cuda-tp4": [CI_VALUES], "lws-pp2": [LWS_VALUES]}
+VALUE_SETS = {"default": [], "cuda-tp4": [CI_VALUES], "lws-pp2": [LWS_VALUES],
+              "keda": [KEDA_VALUES]}
 
 
 @pytest.mark.parametrize("case", VALUE_SETS)
@@ -277,7 +280,7 @@ def test_readme_documents_every_value():
     missing = [k for k in leaves(values) if f"| `{k}` |" not in readme]
     assert not missing, f"values missing from helm/pagedserve/README.md's table: {missing}"
     for name in ("values.schema.json", "templates/NOTES.txt", "ci/values-cuda-tp4.yaml",
-                 "ci/values-lws-pp2.yaml"):
+                 "ci/values-lws-pp2.yaml", "ci/values-keda-scale-to-zero.yaml"):
         assert (CHART / name).is_file()
 
 

@@ -96,6 +96,8 @@ def test_http_needs_the_bearer_header(keyed_stack):
                      timeout=30)
     assert r.status_code == 200
     assert requests.get(f"{url}/health", timeout=30).status_code == 200  # probes stay open
+    r = requests.get(f"{url}/metrics", timeout=30)  # and scrapers (a gateway's)
+    assert r.status_code == 200 and "pagedserve:router_requests_total" in r.text
 
 
 def test_openai_client_with_the_key(keyed_stack):

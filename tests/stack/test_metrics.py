@@ -13,6 +13,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.logs import record_request_id
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+from tests.stack_harness import InProcessStack
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(tiny_model_dir):
+    """conftest's tiny stack, its scheduler and router started with ``--metrics-names both``:
+    the ``pagedserve:`` series as by default, and the ``vllm:`` ones gateways read."""
+    stack = InProcessStack(tiny_model_dir,
+                           worker_argv=["--dtype", "float32", "--kv-cache-memory", "64MiB"],
+                           scheduler_argv=["--max-num-batched-tokens", "256",
+                                           "--metrics-names", "both"],
+                           router_argv=["--metrics-names", "both"]).start()
+    yield stack
+    stack.stop()
 
 
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
@@ -55,6 +69,28 @@ def test_router_counts_requests_per_method_replica_and_code(tiny):
     assert get(after, "pagedserve:router_replicas_available") == 1
 
 
+def test_router_serves_the_replicas_gauges_under_vllm_names_on_its_http_port(tiny):
+    """A gateway (GIE's endpoint picker, production-stack) scrapes the endpoint it routes to:
+    the router's HTTP port, where ``--metrics-names both`` adds the scheduler's queue and KV
+    cache gauges under vLLM's names (router/gateway_metrics.py)."""
+    def http_scrape():
+        text = requests.get(f"{tiny.http_url}/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for f in text_string_to_metric_families(text) for s in f.samples}
+
+    with Client(tiny.address) as c:
+        model = c.list_models()[0].id
+        c.generate(prompt_token_ids=[5, 6, 7], max_tokens=2, temperature=0)
+    got = http_scrape()
+    assert got[("pagedserve:router_replicas_available", ())] == 1
+    gauges = {name: v for (name, labels), v in got.items() if name.startswith("vllm:")}
+    assert set(gauges) == {"vllm:num_requests_waiting", "vllm:num_requests_running",
+                           "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"}
+    assert gauges["vllm:num_requests_waiting"] == gauges["vllm:num_requests_running"] == 0
+    labels = {dict(lb)["model_name"] for (name, lb), _ in got.items() if name.startswith("vllm:")}
+    assert labels == {model}
+
+
 def test_scheduler_and_worker_metrics_follow_the_requests(tiny):
     sched_port, worker_port = tiny.scheduler_args.metrics_port, tiny.worker_args.metrics_port
     before, wbefore = scrape(sched_port), scrape(worker_port)
@@ -90,6 +126,16 @@ def test_scheduler_and_worker_metrics_follow_the_requests(tiny):
     assert get(after, "pagedserve:num_requests_running", **m) == 0
     assert get(after, "pagedserve:num_requests_waiting", **m) == 0
     assert get(after, "pagedserve:kv_cache_usage_perc", **m) == 0
+    # --metrics-names both: the same under vLLM's names and labels (docs/fleet.md)
+    v = {**m, "engine": "0"}
+    assert get(after, "vllm:request_success_total", **v, finished_reason="length") == get(
+        after, "pagedserve:request_success_total", **m, finished_reason="length") >= 4
+    assert get(after, "vllm:time_to_first_token_seconds_count", **v) == get(
+        after, "pagedserve:time_to_first_token_seconds_count", **m) >= 4
+    assert get(after, "vllm:cache_config_info", block_size=str(info.block_size),
+               num_gpu_blocks=str(info.num_kv_blocks), cache_dtype="auto", engine="0") == 1
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert (f"vllm:{gauge}", tuple(sorted(v.items()))) in after, gauge
     # the worker ran exactly the steps the scheduler scheduled, with the same tokens
     rank = {"rank": "0"}
     assert get(wafter, "pagedserve:worker_step_seconds_count", **rank) - get(

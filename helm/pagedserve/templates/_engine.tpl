@@ -95,9 +95,19 @@ pod's, each pod's ranks on worker.port + i. */}}
       value: {{ $.ctx.Values.engine.scheduler.schedulingPolicy | quote }}
     - name: PAGEDSERVE_MAX_NUM_WAITING_REQUESTS
       value: {{ $.ctx.Values.engine.scheduler.maxNumWaitingRequests | quote }}
+    - name: PAGEDSERVE_METRICS_NAMES
+      value: {{ $.ctx.Values.engine.scheduler.metricsNames | quote }}
+    {{- with (include "pagedserve.kvEventsConfig" $.ctx) }}
+    - name: PAGEDSERVE_KV_EVENTS_CONFIG
+      value: {{ . | quote }}
+    {{- end }}
     {{- if $.ctx.Values.kvOffload.enabled }}
     - name: PAGEDSERVE_KV_OFFLOAD_SIZE
       value: {{ $.ctx.Values.kvOffload.size | quote }}
+    {{- end }}
+    {{- with $.ctx.Values.tracing.otlpTracesEndpoint }}
+    - name: PAGEDSERVE_OTLP_TRACES_ENDPOINT
+      value: {{ . | quote }}
     {{- end }}
     - name: PAGEDSERVE_LOG_LEVEL
       value: {{ $.ctx.Values.logLevel | quote }}
@@ -180,6 +190,10 @@ pod's, each pod's ranks on worker.port + i. */}}
     {{- if $.ctx.Values.kvOffload.enabled }}
     - name: PAGEDSERVE_KV_OFFLOAD_DIR
       value: {{ $.ctx.Values.kvOffload.mountPath | quote }}
+    {{- end }}
+    {{- with $.ctx.Values.tracing.otlpTracesEndpoint }}
+    - name: PAGEDSERVE_OTLP_TRACES_ENDPOINT
+      value: {{ . | quote }}
     {{- end }}
     - name: PAGEDSERVE_LOG_LEVEL
       value: {{ $.ctx.Values.logLevel | quote }}

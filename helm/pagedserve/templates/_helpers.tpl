@@ -92,3 +92,25 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- .seconds }}
 {{- end }}
+
+{{/* "true" when an autoscaler (the HPA, or KEDA's) owns the engine replica count. */}}
+{{- define "pagedserve.engineAutoscaled" -}}
+{{- if or .Values.autoscaling.enabled .Values.autoscaling.keda.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The prefix of the scheduler's /metrics names (engine.scheduler.metricsNames: both serves
+both; the pagedserve: ones are used). */}}
+{{- define "pagedserve.metricsPrefix" -}}
+{{- ternary "vllm" "pagedserve" (eq .Values.engine.scheduler.metricsNames "vllm") }}
+{{- end }}
+
+{{/* The scheduler's --kv-events-config: engine.scheduler.kvEventsConfig when set; else, under
+router.routingPolicy cache_aware, events on the gRPC stream only (the routers subscribe to it);
+else "" (events off). */}}
+{{- define "pagedserve.kvEventsConfig" -}}
+{{- if .Values.engine.scheduler.kvEventsConfig -}}
+{{- .Values.engine.scheduler.kvEventsConfig -}}
+{{- else if eq .Values.router.routingPolicy "cache_aware" -}}
+{"enable_kv_cache_events": true, "publisher": "null"}
+{{- end -}}
+{{- end }}

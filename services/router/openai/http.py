@@ -34,6 +34,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from services.common import tracing
 from services.common.logs import request_id_var
 from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import engine_pb2
@@ -77,6 +78,7 @@ from services.router.openai.responses_store import ResponseStore
 from services.router.openai.structured_output_format import error_param
 from services.router.replicas import ReplicaSet
 from services.router.served_model import ServedModel
+from services.router.tracing import http_middleware
 from services.router.validation import MAX_LOGPROBS, RequestError
 
 log = logging.getLogger(__name__)
@@ -181,8 +183,11 @@ class OpenAIServer:
                              web.post("/tokenize", self.tokenize),
                              web.post("/detokenize", self.detokenize),
                              web.get("/version", self.version),
-                             web.get("/health", self.health)])
+                             web.get("/health", self.health),
+                             web.get("/metrics", self.prometheus)])
         self._runner: web.AppRunner | None = None
+        if tracing.tracer() is not None:  # (inside the error middleware: sees our errors)
+            self.app.middlewares.append(http_middleware(lambda request: request.get(_LOG)))
 
     @web.middleware
     async def _count(self, request: web.Request, handler):
@@ -244,6 +249,15 @@ class OpenAIServer:
         """Readiness: 200 while at least one scheduler replica can serve (connected, and its
         engine has its workers; gRPC health SERVING), else 503 (and 503 while draining)."""
         return web.Response(status=200 if self.engine.serving.is_set() else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        """The router's metrics on the serving port too (as a vLLM server serves them), where
+        gateways that route to this endpoint scrape them (``gateway_metrics.py``); open without
+        an API key, like ``/health``."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        body = generate_latest(self.metrics.registry) if self.metrics is not None else b""
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         """The served model, as OpenAI's model list (``id``: the first served name, ``root``:
