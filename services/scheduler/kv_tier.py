@@ -52,6 +52,9 @@ class TierLoad:
     token_ids: tuple[int, ...]
     parent_hash: bytes
     started: float  # time.monotonic() when scheduled
+    # the block was registered in RAM and stored while this load was in flight: its file is
+    # being written again, so a failure of this load must not drop it from the index
+    rewritten: bool = False
 
 
 class KVTier:
@@ -109,9 +112,14 @@ class KVTier:
 
     def registered(self, block_id: int, group: int, key: bytes) -> None:
         """KV block ``block_id`` joined the RAM prefix cache under (``group``, ``key``) and is
-        computed by the step being scheduled: write it, unless the index has it."""
-        if (group, key) in self.index:
+        computed by the step being scheduled: write it, unless the index has it and no load of
+        it is in flight (that load may yet fail: a request that gave up waiting for it
+        computed the block again, and its file must be written again)."""
+        loading = self.loading.get((group, key))
+        if loading is None and (group, key) in self.index:
             return
+        if loading is not None:
+            self.in_flight[loading].rewritten = True
         self.index.add(group, key)
         self.stores.append(KVTransfer(block_id, group, key))
         self.num_stores_total += 1
@@ -135,7 +143,8 @@ class KVTier:
             del self.loading[(load.group, load.key)]
         if not ok:
             self.num_load_failures_total += 1
-            self.index.discard(load.group, load.key)
+            if not load.rewritten:
+                self.index.discard(load.group, load.key)
         self.load_wait_seconds.append(self.clock() - load.started)
         return load
 

@@ -293,11 +293,11 @@ class KVTier:
         while (transfers := self._reads.get()) is not None:
             for tr in transfers:
                 t0 = time.perf_counter()
-                payload, reason = self._read_block(tr)
+                payload, reason, read = self._read_block(tr)
                 # (counted, and a bad file deleted, before the outcome is reported: the
                 # scheduler may store the block again at once)
                 if payload is None:
-                    self._load_failed(tr, reason)
+                    self._load_failed(tr, reason, read)
                 elif self.metrics is not None:
                     self.metrics.observe_load(time.perf_counter() - t0)
                 with self._ready:
@@ -308,38 +308,45 @@ class KVTier:
                         self._failed.append(tr.block_id)
                     self._ready.notify_all()
 
-    def _read_block(self, tr: KVTransfer) -> tuple[np.ndarray | None, str]:
-        """Read and check one block's file: ``(payload, "")``, or ``(None, reason)``, the
-        reason one of ``LOAD_FAILURES``."""
+    def _read_block(self, tr: KVTransfer
+                    ) -> tuple[np.ndarray | None, str, tuple[int, int] | None]:
+        """Read and check one block's file: ``(payload, "", file)``, or ``(None, reason,
+        file)``, the reason one of ``LOAD_FAILURES``; ``file`` is the (device, inode) of the
+        file read (None: none opened)."""
         path = block_path(self.rank_dir, tr.group, tr.key)
+        read = None
         try:
             with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                read = (st.st_dev, st.st_ino)
                 head = f.read(HEADER.size)
                 if len(head) < HEADER.size:
-                    return None, "truncated"
+                    return None, "truncated", read
                 magic, version, _, namespace, key, group, length, crc = HEADER.unpack(head)
                 if magic != MAGIC:
-                    return None, "corrupt"
+                    return None, "corrupt", read
                 if (version != FORMAT_VERSION or namespace != self.namespace or key != tr.key
                         or group != tr.group or length != self.payload_bytes):
-                    return None, "foreign"
+                    return None, "foreign", read
                 payload = np.empty(length, dtype=np.uint8)
                 n = f.readinto(payload.data)
                 if n < length:
-                    return None, "truncated"
+                    return None, "truncated", read
                 if f.read(1):
-                    return None, "corrupt"
+                    return None, "corrupt", read
         except FileNotFoundError:
-            return None, "missing"
+            return None, "missing", read
         except OSError as e:
             log.debug("KV tier: reading %s: %s", path, e)
-            return None, "error"
+            return None, "error", read
         if zlib.crc32(payload.data) != crc:
-            return None, "corrupt"
-        return payload, ""
+            return None, "corrupt", read
+        return payload, "", read
 
-    def _load_failed(self, tr: KVTransfer, reason: str) -> None:
-        """Count a failed load, log its reason once, and delete a bad file (best effort)."""
+    def _load_failed(self, tr: KVTransfer, reason: str, read: tuple[int, int] | None) -> None:
+        """Count a failed load, log its reason once, and delete the bad file read (``read``:
+        its device and inode; best effort), not one renamed into its place since (the
+        scheduler may store the block again while its load is in flight)."""
         path = block_path(self.rank_dir, tr.group, tr.key)
         if self.metrics is not None:
             self.metrics.load_failed(reason)
@@ -350,7 +357,9 @@ class KVTier:
                         reason, path, reason)
         if reason in ("truncated", "corrupt", "foreign"):
             try:
-                os.remove(path)
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino) == read:
+                    os.remove(path)
             except OSError:
                 pass
 

@@ -247,6 +247,29 @@ def test_a_block_whose_load_failed_is_not_taken_from_the_disk_again_until_stored
     assert index.holds(0, key)
 
 
+def test_a_block_stored_again_while_its_load_is_in_flight_stays_in_the_index(tmp_path):
+    """A request whose first load failed computes its prefix again while the loads of the
+    blocks after it are still in flight: those blocks are written again, and their loads
+    failing afterwards (the files were as bad) must not drop the new files from the index."""
+    index = KVTierIndex([str(tmp_path)], BLOCK_BYTES, 10 * BLOCK_BYTES)
+    tier = KVTier(index)
+    key = bytes(range(16))
+    index.add(0, key)
+    waiter = make_request(1, 8)
+    tier.start_load(3, 0, key, waiter, (1, 2, 3, 4), b"")
+    tier.registered(5, 0, key)  # recomputed in RAM meanwhile
+    assert [(t.block_id, t.key) for t in tier.take_transfers()[0]] == [(5, key)]
+    assert tier.finished(3, ok=False) is not None
+    assert (0, key) in index  # the file being written again is still the tier's
+    # without a load in flight, a block the index has is not written twice
+    tier.registered(6, 0, key)
+    assert tier.take_transfers()[0] == []
+    # and a load that fails with no new store still drops the block
+    tier.start_load(7, 0, key, waiter, (1, 2, 3, 4), b"")
+    tier.finished(7, ok=False)
+    assert (0, key) not in index
+
+
 def test_requests_that_hit_a_prefix_being_loaded_wait_for_that_load(tmp_path):
     """n choices, or two requests admitted together, read the tier's blocks once."""
     scheduler, worker, shared = evicted_prefix(tmp_path)

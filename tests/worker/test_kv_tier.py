@@ -192,6 +192,33 @@ def test_a_damaged_file_fails_and_is_deleted_and_logged_once(tmp_path, tiers, ca
     assert all(torch.equal(a, b) for a, b in zip(src, before, strict=True))  # no wrong data
 
 
+def test_a_bad_file_replaced_while_it_was_read_is_not_deleted(tmp_path, tiers, monkeypatch):
+    """The scheduler may store a block again while a load of its damaged file is in flight:
+    the new file, renamed into place after the reader opened the old one, stays."""
+    src = make_tensors(seed=1)
+    tier = tiers(tmp_path / "r", src)
+    stored(tier, [KVTransfer(1, 0, key(1))])
+    path = block_path(str(tmp_path / "r"), 0, key(1))
+    with open(path, "rb") as f:
+        good = f.read()
+    _damage(path, "flip")
+    real = tier._read_block
+
+    def read_then_replace(tr):
+        out = real(tr)  # (the damaged file, read)
+        with open(path + ".new", "wb") as f:
+            f.write(good)
+        os.replace(path + ".new", path)  # a writer's rename, before the reader deletes
+        return out
+
+    monkeypatch.setattr(tier, "_read_block", read_then_replace)
+    assert load(tier, [KVTransfer(5, 0, key(1))]) == ([], [5])
+    with open(path, "rb") as f:
+        assert f.read() == good  # the new file stays
+    monkeypatch.setattr(tier, "_read_block", real)
+    assert load(tier, [KVTransfer(6, 0, key(1))]) == ([6], [])
+
+
 def test_a_missing_file_fails_is_counted_and_logged_once(tmp_path, tiers, caplog):
     tier = tiers(tmp_path / "r")
     with caplog.at_level(logging.WARNING, logger="services.worker.kv_tier"):
