@@ -189,14 +189,6 @@ class CacheAware:
                 return Choice(there, predicted, prefix)
         return Choice(least, predicted, prefix)
 
-    def predict(self, candidates: list[EngineClient], prompt: Sequence[int],
-                lora: LoRARequest | None, info: engine_pb2.GetEngineInfoResponse,
-                params=None) -> dict[str, int]:
-        """The cached tokens each candidate with a synced index would report for the prompt
-        (see the module docstring); {} when none has one."""
-        return self.choose(candidates, prompt, lora, info, candidates[0], lambda c: 0,
-                           params).predicted
-
     @staticmethod
     def _hashes(prompt: Sequence[int], lora: LoRARequest | None,
                 info: engine_pb2.GetEngineInfoResponse) -> list[int]:

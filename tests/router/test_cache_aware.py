@@ -219,14 +219,20 @@ async def test_the_prediction_follows_the_scheduler_rules():
     for s in h.subs.values():
         s.hold(exact)
     candidates = h.rs.available()
-    assert set(ca.predict(candidates, exact, None, info).values()) == {3 * BLOCK}
-    assert set(ca.predict(candidates, [*exact, 5], None, info).values()) == {4 * BLOCK}
+
+    def predict(prompt, lora, info, params=None) -> dict[str, int]:
+        """The cached tokens each candidate would report (what ``choose`` predicts)."""
+        return ca.choose(candidates, prompt, lora, info, candidates[0], lambda c: 0,
+                         params).predicted
+
+    assert set(predict(exact, None, info).values()) == {3 * BLOCK}
+    assert set(predict([*exact, 5], None, info).values()) == {4 * BLOCK}
     logprobs = EngineSamplingParams(prompt_logprobs=1)
-    assert set(ca.predict(candidates, [*exact, 5], None, info, logprobs).values()) == {0}
+    assert set(predict([*exact, 5], None, info, logprobs).values()) == {0}
     lora = LoRARequest(1, "x", "/adapters/x")
-    assert set(ca.predict(candidates, [*exact, 5], lora, info).values()) == {0}
+    assert set(predict([*exact, 5], lora, info).values()) == {0}
     h.subs["a:1"].hold(exact, lora_extra_key("x", "/adapters/x"))
-    assert ca.predict(candidates, [*exact, 5], lora, info) == {
+    assert predict([*exact, 5], lora, info) == {
         "a:1": 4 * BLOCK, "b:1": 0, "c:1": 0}
     assert h.pick([*exact, 5], lora=lora) == "a:1"
     await h.rs.close()
