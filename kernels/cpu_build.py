@@ -24,6 +24,8 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -45,6 +47,17 @@ LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: Path | None = None
+
+
+def _no_progress(_what: str) -> AbstractContextManager[object]:
+    return nullcontext()
+
+
+# Wraps the compile (not a load from the cache), given what it does ("building the CPU
+# kernels ..."): the worker sets its start-up progress reporter here
+# (services/common/progress.py; this package imports nothing from services/), ``main`` a
+# printer of its own.
+progress: Callable[[str], AbstractContextManager[object]] = _no_progress
 
 
 def cache_root() -> Path:
@@ -94,9 +107,11 @@ def build(verbose: bool = False) -> Path:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    built = cpp_extension.load(
-        name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-        build_directory=str(build_dir), is_python_module=False, verbose=verbose)
+    with progress("building the CPU kernels"):
+        built = cpp_extension.load(
+            name=NAME, sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS, build_directory=str(build_dir), is_python_module=False,
+            verbose=verbose)
     global _loaded
     _loaded = Path(built)
     tmp = final.with_suffix(f".tmp{os.getpid()}")
@@ -127,7 +142,29 @@ def is_loaded() -> bool:
     return _loaded is not None
 
 
+@contextmanager
+def _print_progress(what: str, every: float = 10.0) -> Iterator[None]:
+    """``progress`` for ``main``: says ``what`` on stdout, then every ``every`` seconds how long
+    it has been running (``make install`` shows it)."""
+    start, done = time.monotonic(), threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every):
+            print(f"  still building: {time.monotonic() - start:.0f} s", flush=True)
+
+    print(f"{what} ...", flush=True)
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+
+
 def main() -> None:
+    global progress
+    progress = _print_progress
     start = time.perf_counter()
     cached = library_path().exists()
     load()

@@ -20,7 +20,7 @@ _REPLICA_ROUTING = {"scheduler_dns_refresh", "routing_policy", "prefix_affinity_
                     "cache_threshold", "balance_abs_threshold", "balance_rel_threshold"}
 # Flags `serve` hands to a service in its environment (PAGEDSERVE_*), not on its command line,
 # which any local user can read (ps).
-_SECRETS = {"api_key"}
+_SECRETS = {"api_key", "usage_db"}  # (a database URL may hold a password)
 
 
 def service_module(name: str):

@@ -31,8 +31,10 @@ from dataclasses import dataclass
 
 from services.cli.flags import SERVICES
 from services.cli.ranks import convert_once, rank_group
+from services.cli.startup_echo import echo_startup, print_own_steps
 from services.cli.supervision import ProcessGroup, ServeMetrics, Supervisor, spawn_cli
 from services.common.metrics import start_metrics_server
+from services.common.progress import progress_interval
 from services.common.tls import client_credentials, tls_from_args
 
 
@@ -173,6 +175,14 @@ def _spawner(ns, layout: StackLayout, service_argv: dict[str, list[str]],
     return spawn
 
 
+def _signal_unit(supervisor: Supervisor, name: str, sig: int) -> None:
+    """Send ``sig`` to the running processes of unit ``name`` (none yet: nothing)."""
+    group = supervisor.procs.get(name)
+    for p in group.procs if group is not None else ():
+        if p.poll() is None:
+            p.send_signal(sig)
+
+
 def _on_healthy(ns, host: str, credentials) -> None:
     """Once the stack serves: the demo (``--demo``), and how to talk to it."""
     if ns.demo:
@@ -212,6 +222,7 @@ def run_stack(ns, service_argv: dict[str, list[str]],
         _check_flags(ns)
         layout = stack_layout(ns)
         _check_ports_free(layout)
+        progress_interval()  # (a bad $PAGEDSERVE_STARTUP_PROGRESS_INTERVAL: refused here)
         serve_metrics, metrics_server = _start_serve_metrics(ns, layout)
     except (ValueError, OSError) as e:  # (FileNotFoundError: a TLS file)
         print(f"pagedserve serve: {e}", file=sys.stderr)
@@ -226,11 +237,16 @@ def run_stack(ns, service_argv: dict[str, list[str]],
                             ns.max_restarts, ns.restart_window, metrics=serve_metrics,
                             credentials=credentials)
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    print_own_steps()
+    if ns.api_keys_file:  # SIGHUP to serve: the router reloads its keys file
+        signal.signal(signal.SIGHUP, lambda *_: _signal_unit(supervisor, "router",
+                                                             signal.SIGHUP))
     try:
-        if layout.world > 1:
-            convert_once(ns.model)  # a GGUF model: here, once, not in every rank at once
-        supervisor.start()
-        error = asyncio.run(supervisor.wait_healthy(ns.startup_timeout))
+        with echo_startup(service_log):  # --demo: the start-up steps on this terminal too
+            if layout.world > 1:
+                convert_once(ns.model)  # a GGUF model: here, once, not in every rank at once
+            supervisor.start()
+            error = asyncio.run(supervisor.wait_healthy(ns.startup_timeout))
         if error:
             print(f"pagedserve serve: {error}", file=sys.stderr)
             return 1

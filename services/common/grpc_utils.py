@@ -35,6 +35,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # NOTE: gRPC's default lets the reconnect backoff grow to 120 s, so a scheduler that waited
+    # through a worker's first start (two minutes) noticed the serving worker up to a minute
+    # late; a retry every 2 s at most costs nothing on these links.
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 # The health service name that reports liveness (see the module note); "" reports readiness.
 LIVENESS = "liveness"

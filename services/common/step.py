@@ -200,6 +200,11 @@ class StepOutput:
     # the scheduler ends them with that error; the worker ignores them until they finish
     failed_request_ids: list[str] = field(default_factory=list)
     failed_messages: list[str] = field(default_factory=list)
+    # constrained requests whose grammar broke this step (the driver's, once each), and why
+    # (aligned, naming the constraint kind and llguidance's error): still in request_ids with
+    # the token that broke it, which the scheduler does not output; it ends them with INTERNAL
+    broken_request_ids: list[str] = field(default_factory=list)
+    broken_messages: list[str] = field(default_factory=list)
     # KV tier: block ids of the loads finished (data in the cache before this step's forward)
     # and failed (contents undefined). From one rank over the wire; ``WorkerGroup.receive``
     # reports a block once every rank has (failed if any rank failed).

@@ -187,6 +187,8 @@ def step_output_to_pb(out: StepOutput) -> worker_pb2.StepResult:
     result.kv_loads_done.extend(out.kv_loads_done)
     result.kv_loads_failed.extend(out.kv_loads_failed)
     result.failed_messages.extend(out.failed_messages)
+    result.broken_request_ids.extend(out.broken_request_ids)
+    result.broken_messages.extend(out.broken_messages)
     for pl in out.prompt_logprobs:
         result.prompt_request_ids.append(pl.request_id)
         result.prompt_first_positions.append(pl.start)
@@ -203,10 +205,15 @@ def step_output_from_pb(r: worker_pb2.StepResult) -> StepOutput:
 
     Raises:
         ValueError: columns that disagree in length (sampled tokens and their counts, drafts,
-            logprobs, prompt logprobs, embeddings, failed requests), naming which.
+            logprobs, prompt logprobs, embeddings, failed or broken requests), naming which.
     """
+    if len(r.broken_request_ids) != len(r.broken_messages):
+        raise ValueError(f"step {r.step_id}: malformed broken request columns: "
+                         f"{len(r.broken_request_ids)} ids, {len(r.broken_messages)} messages")
     out = _step_output_from_pb(r)
     out.kv_loads_done, out.kv_loads_failed = list(r.kv_loads_done), list(r.kv_loads_failed)
+    out.broken_request_ids, out.broken_messages = (list(r.broken_request_ids),
+                                                   list(r.broken_messages))
     return out
 
 

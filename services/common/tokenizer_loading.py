@@ -33,6 +33,7 @@ from services.common.model_files import (
     resolve_model,
     tokenizer_files,
 )
+from services.common.progress import startup_step
 
 _CONVERT_TIMEOUT_S = 600
 _NO_TOKENIZER_EXIT = 3  # the child's exit code for a GGUF file without a tokenizer
@@ -70,7 +71,8 @@ def load_tokenizer(model: str | None, chat_template: str | None = None,
     if source.is_gguf:
         cache = source.cache_dir("tokenizer")
         if not cache.is_dir():
-            install_atomically(cache, lambda tmp: _convert_gguf(source, tmp))
+            with startup_step(f"converting the tokenizer of {source.name}", detail="once"):
+                install_atomically(cache, lambda tmp: _convert_gguf(source, tmp))
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(cache))
     else:
         check_tokenizer_files(source.path)

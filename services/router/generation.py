@@ -30,6 +30,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import grpc
 
@@ -38,7 +39,9 @@ from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import api_pb2, engine_pb2
 from services.common.sampling_params import EngineSamplingParams
 from services.router.beam_search_choices import BeamSearch
+from services.router.callers import Caller, caller_var
 from services.router.choices import Choice, child_params, child_request_id
+from services.router.quotas import charge_tokens, clamp_priority
 from services.router.replicas import ReplicaSet
 from services.router.structured_output_grammar import compile_structured_outputs
 from services.router.tokenizer import encode_chat, encode_prompt
@@ -116,6 +119,7 @@ def prepare(request: api_pb2.GenerateRequest, tokenizer,
                                      max_logprobs=max_logprobs)
     n = validate_n(request.sampling_params)
     priority = validate_priority(request.priority, scheduling_policy=info.scheduling_policy)
+    priority = clamp_priority(priority, info.scheduling_policy)  # the key's max_priority
     kind = request.WhichOneof("input")
     if kind == "prompt":
         if not request.prompt:
@@ -153,6 +157,10 @@ class RequestLog:
         error: gRPC code name of an error that ended a stream after its status was sent.
         started: ``time.monotonic()`` at arrival.
         finish_reasons: choice index -> its finish reason (api.proto's ``FinishReason``).
+        lora: the LoRA adapter's name, "" for none (once ``accepted``).
+        started_at: ``time.time()`` at arrival (the usage row's ``started``).
+        usage: the router's ``usage.recorder.UsageRecorder`` (None: no usage accounting).
+        caller: the request's ``callers.Caller`` when it was accepted (None: read at ``done``).
     """
 
     route: str
@@ -162,33 +170,54 @@ class RequestLog:
     started: float = field(default_factory=time.monotonic)
     finish_reasons: dict[int, int] = field(default_factory=dict)
     _tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
+    lora: str = ""
+    started_at: float = field(default_factory=time.time)
+    usage: Any = None
+    caller: Caller | None = None
+    _cached: dict[int, int] = field(default_factory=dict)  # choice index -> cached tokens
+    _n: int = 1  # choices per prompt (a completion batch's choice i of prompt p: p * n + i)
 
     def accepted(self, req: PreparedRequest) -> None:
         """The request passed validation: record its id and prompt length, log it (sizes
         only, never text)."""
         self.request_id, self.prompt_tokens = req.request_id, len(req.prompt_token_ids)
+        charge_tokens(len(req.prompt_token_ids))  # (the key's tokens_per_minute)
+        self.lora, self._n = (req.lora.name if req.lora else ""), req.n
+        self.caller = caller_var.get()  # (inside the handler: the key the edge checked)
         log.info("request accepted: %d prompt tokens, n=%d, max_tokens=%s",
                  self.prompt_tokens, req.n,
                  "auto" if req.params.max_tokens is None else req.params.max_tokens,
                  extra={"request_id": req.request_id})
 
     def observe(self, response: api_pb2.GenerateResponse) -> None:
-        """Count a response's tokens (a choice's final message carries its usage)."""
+        """Count a response's tokens (a choice's final message carries its usage), and charge
+        the new ones to the key's tokens_per_minute."""
+        before = self._tokens.get(response.index, 0)
         if response.finish_reason:
+            self._cached[response.index] = response.usage.num_cached_tokens
             self._tokens[response.index] = response.usage.completion_tokens
             self.finish_reasons[response.index] = response.finish_reason
         else:
             self._tokens[response.index] = (self._tokens.get(response.index, 0)
                                             + len(response.token_ids))
+        charge_tokens(self._tokens[response.index] - before)
 
     @property
     def completion_tokens(self) -> int:
         """Tokens generated so far, all choices together."""
         return sum(self._tokens.values())
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, as the response's usage counts them:
+        those of each prompt's first choice (the others share its blocks)."""
+        return sum(c for i, c in self._cached.items() if i % self._n == 0)
+
     def done(self, status: int | str) -> None:
         """Write the access log line with the request's final ``status`` (HTTP status, or
-        gRPC code name)."""
+        gRPC code name), and hand the request to ``usage``."""
+        if self.usage is not None:
+            self.usage.finished(self, status, time.time())
         log_access(self.route, status, request_id=self.request_id,
                    prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
                    duration_s=time.monotonic() - self.started, error=self.error)

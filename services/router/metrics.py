@@ -15,6 +15,10 @@ replica, and per status code.
   each request routed with a synced KV index that finished normally, the prompt tokens the
   router predicted the replica would find in its prefix cache, and the ``num_cached_tokens`` the
   replica reported (``cache_aware.py``): their ratio is the prediction's accuracy.
+- ``pagedserve:router_tokens_total{key_id, kind}``: tokens of every finished public request
+  (generation and embeddings) by the caller's key id, ``kind`` prompt, cached (prompt tokens
+  served from the prefix cache) or completion, as the responses' ``usage`` counts them
+  (``usage.recorder``; docs/usage.md).
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ class RouterMetrics:
         self._cached = Counter("pagedserve:router_cached_tokens",
                                "Cached prompt tokens the replicas reported for the requests "
                                "cache_aware predicted.", ["replica"], registry=self.registry)
+        self._tokens = Counter("pagedserve:router_tokens", "Tokens of finished requests by "
+                               "key id and kind (prompt, cached, completion).",
+                               ["key_id", "kind"], registry=self.registry)
 
     def request_done(self, method: str, code: grpc.StatusCode | int | str) -> None:
         """A public call ended (``code``: gRPC status, or HTTP status as int/str)."""
@@ -83,3 +90,8 @@ class RouterMetrics:
         ``reported`` the replica's ``num_cached_tokens``."""
         self._predicted.labels(replica).inc(predicted)
         self._cached.labels(replica).inc(reported)
+
+    def tokens_done(self, key_id: str, prompt: int, cached: int, completion: int) -> None:
+        """A request of ``key_id`` finished with these token counts."""
+        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion)):
+            self._tokens.labels(key_id, kind).inc(n)

@@ -25,10 +25,18 @@ from services.common.metrics import (
     start_metrics_server,
 )
 from services.common.pb.pagedserve.v1 import api_pb2, api_pb2_grpc
+from services.common.progress import waiting_step
 from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, InFlight, add_shutdown_flags, drain
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
 from services.common.tracing import add_tracing_flags
 from services.router import text_api
+from services.router.api_keys_file import (
+    KeyRing,
+    add_api_keys_file_flag,
+    key_ring,
+    reload_on_sighup,
+    stop_reloading,
+)
 from services.router.auth import ApiKeyInterceptor, add_api_key_flag
 from services.router.cache_aware import CacheAwareConfig
 from services.router.embedding import embed_response, prepare_embed, run_embed
@@ -50,10 +58,13 @@ from services.router.openai.lora_routes import LoRARoutes
 from services.router.openai.reasoning import PARSERS as REASONING_PARSERS
 from services.router.openai.responses_store import DEFAULT_STORE_SIZE, ResponseStore
 from services.router.openai.tools import TOOL_PARSERS
+from services.router.quotas import charge_tokens
 from services.router.replicas import POLICIES, ReplicaSet, parse_targets
 from services.router.served_model import ServedModel
 from services.router.tokenizer import load_tokenizer
 from services.router.tracing import grpc_ingress
+from services.router.usage.recorder import UsageRecorder
+from services.router.usage.service import add_usage_flag, usage_from_args
 from services.router.validation import MAX_LOGPROBS, RequestError
 
 log = logging.getLogger(__name__)
@@ -77,9 +88,11 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
         self.max_logprobs = max_logprobs  # --max-logprobs
         self.inflight = InFlight()  # Generate/Chat calls running; draining: refuse new ones
         self.max_stream_buffer = max_stream_buffer  # see generation.OutputQueue
+        # --usage-db: the usage.recorder.UsageRecorder every call's entry reports to
+        self.usage: UsageRecorder | None = None
 
     async def Generate(self, request, context):
-        entry = RequestLog(f"/{SERVICE}/Generate")
+        entry = RequestLog(f"/{SERVICE}/Generate", usage=self.usage)
         with (self._counted("Generate", context, entry), self.inflight.track(),
               grpc_ingress("Generate", context, entry)):
             await self._admit(context)
@@ -88,7 +101,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
                     yield response
 
     async def Chat(self, request, context):
-        entry = RequestLog(f"/{SERVICE}/Chat")
+        entry = RequestLog(f"/{SERVICE}/Chat", usage=self.usage)
         with (self._counted("Chat", context, entry), self.inflight.track(),
               grpc_ingress("Chat", context, entry)):
             await self._admit(context)
@@ -110,7 +123,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
                                     self.tokenizer)
 
     async def Embed(self, request, context):
-        entry = RequestLog(f"/{SERVICE}/Embed")
+        entry = RequestLog(f"/{SERVICE}/Embed", usage=self.usage)
         with self._counted("Embed", context, entry), self.inflight.track():
             await self._admit(context)
             if not request.request_id:  # the caller's x-request-id metadata names the request
@@ -121,6 +134,7 @@ class GenerationServicer(api_pb2_grpc.GenerationServiceServicer):
                                         self.tokenizer)
             entry.request_id, entry.prompt_tokens = (prepared.request_id,
                                                      sum(map(len, prepared.prompts)))
+            charge_tokens(entry.prompt_tokens)  # (the key's tokens_per_minute)
             request_id_var.set(prepared.request_id)
             try:
                 vectors = await run_embed(self.engine, prepared)
@@ -389,6 +403,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_shutdown_flags(p)
     add_tls_flags(p)
     add_api_key_flag(p)
+    add_api_keys_file_flag(p)
+    add_usage_flag(p)
     add_log_flags(p)
     add_tracing_flags(p)
     add_metrics_flags(p, ROUTER_PORT)
@@ -409,30 +425,30 @@ def _openai_server(args, engine: ReplicaSet, tokenizer, metrics: RouterMetrics,
         http.responses_store = ResponseStore(args.responses_api_store_size)
     http.reasoning_parser = args.reasoning_parser
     if served.loras is not None and args.allow_runtime_lora_updating:
-        LoRARoutes(served.loras).add_to(http.app)
+        LoRARoutes(served.loras).add_to(http)
     http.app.middlewares.append(_http_gate(inflight))
     return http
 
 
-async def _start_http(http: OpenAIServer, args, tls) -> None:
+async def _start_http(http: OpenAIServer, args, tls, keys: KeyRing | None) -> None:
     """Start ``http`` on ``--http-host`` (default ``--host``) and ``--http-port`` (HTTPS with
-    the router's certificate, behind ``--api-key`` when set); sets ``args.http_port`` to the
-    port bound."""
-    if args.api_key:
-        http.require_api_keys(args.api_key)
+    the router's certificate, behind ``keys`` when set: ``--api-key``, ``--api-keys-file``);
+    sets ``args.http_port`` to the port bound."""
+    if keys:
+        http.require_api_keys(keys)
     ssl_context = tls.http_ssl_context() if tls is not None and tls.certfile is not None else None
     args.http_port = await http.start(args.http_host or args.host, args.http_port, ssl_context)
     log.info("router OpenAI-compatible %s on %s:%d", "HTTPS" if ssl_context else "HTTP",
              args.http_host or args.host, args.http_port)
 
 
-async def _grpc_server(args, tls):
+async def _grpc_server(args, tls, keys: KeyRing | None):
     """The public gRPC server, not started: ``(server, port, health)`` (``new_server``), behind
-    ``--api-key`` when set, refusing requests over ``--max-request-bytes``; sets ``args.port``
-    to the port bound."""
+    ``keys`` when set (``--api-key``, ``--api-keys-file``), refusing requests over
+    ``--max-request-bytes``; sets ``args.port`` to the port bound."""
     server, port, health = await new_server(
         args.host, args.port, tls=tls,
-        interceptors=[ApiKeyInterceptor(args.api_key)] if args.api_key else [],
+        interceptors=[ApiKeyInterceptor(keys)] if keys else [],
         max_receive_bytes=args.max_request_bytes)
     args.port = port
     return server, port, health
@@ -444,14 +460,17 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     Raises:
         ValueError: --enable-auto-tool-choice without --tool-call-parser, an empty or
             repeated --served-model-name, LoRA flags without --enable-lora, a bad
-            --lora-modules adapter.
+            --lora-modules adapter, a bad --api-keys-file (``KeysFileError``).
     """
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser "
                          f"({', '.join(TOOL_PARSERS)})")
+    keys = key_ring(args)  # one for gRPC and HTTP: the keys' limits count both
+    if keys is not None:
+        reload_on_sighup(keys)  # (the main thread's loop only: not in in-process tests)
     tokenizer = await asyncio.to_thread(load_tokenizer, args.model, args.chat_template)
     tls = tls_from_args(args)
-    server, port, health = await _grpc_server(args, tls)
+    server, port, health = await _grpc_server(args, tls, keys)
     # NOTE: the router is SERVING (readiness: "" and SERVICE; GET /health 200) exactly while at
     # least one scheduler replica can serve: its stream is up, its engine has a complete worker
     # group, and its engine agrees with the others. Liveness (grpc_utils.LIVENESS) stays
@@ -466,26 +485,34 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     loras = registry_from_args(args, lambda: (*(args.served_model_name or ()), *(
         (engine.info.model,) if engine.info is not None else ())))
     served = ServedModel(args.served_model_name or (), loras)
+    if keys is not None:
+        metrics.registry.register(keys.quotas)  # pagedserve:router_quota_rejections_total
     if args.metrics_names != "pagedserve":
         metrics.registry.register(GatewayGauges(
             engine.available, lambda: served.info(engine.info).model if engine.info else ""))
     servicer = GenerationServicer(engine, tokenizer, metrics, args.max_stream_buffer,
                                   served=served, max_logprobs=args.max_logprobs)
     inflight = servicer.inflight  # gRPC calls and HTTP requests: one count, one drain
+    usage = usage_from_args(args, lambda: served.info(engine.info).model if engine.info else "",
+                            metrics.tokens_done).start(metrics.registry)
+    servicer.usage = usage.recorder
     api_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
     reflection.enable_server_reflection(
         [SERVICE, "grpc.health.v1.Health", reflection.SERVICE_NAME], server)
     http = _openai_server(args, engine, tokenizer, metrics, served, inflight)
+    if http is not None:
+        http.usage = usage
     await server.start()
     metrics_server = start_metrics_server(metrics.registry, args.metrics_host or args.host,
                                           args.metrics_port)
     args.metrics_port = metrics_server.port if metrics_server else args.metrics_port
     try:
         if http is not None:  # before the engine is up: /health answers 503 meanwhile
-            await _start_http(http, args, tls)
+            await _start_http(http, args, tls, keys)
         log.info("router waiting for scheduler %s (routing %s)",
                  args.schedulers or args.scheduler, args.routing_policy)
-        info = await engine.start(timeout=args.scheduler_connect_timeout)
+        with waiting_step("the scheduler"):
+            info = await engine.start(timeout=args.scheduler_connect_timeout)
         log.info("router serving on %s:%d (model %s, max_model_len %d)", args.host, port,
                  info.model, info.max_model_len)
         if ready:
@@ -494,10 +521,13 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
         await drain("router", health, [SERVICE], args.shutdown_timeout, inflight.begin_drain,
                     inflight.wait_idle, on_timeout=lambda: _end_in_flight(engine, inflight))
     finally:
+        if keys is not None:
+            stop_reloading()
         await set_serving(health, False, [SERVICE])
         if http is not None:
             await http.stop()
         await server.stop(grace=2.0)
         await engine.close()
+        await usage.close()  # (after the servers: every request's row is queued)
         if metrics_server is not None:
             metrics_server.close()

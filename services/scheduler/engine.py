@@ -272,6 +272,7 @@ class Engine:
             if out.traceparents and self.tracer is not None:
                 self.tracer.step_done(out)
             self._fail_requests(result.failed_request_ids, result.failed_messages)
+            self._break_requests(result.broken_request_ids, result.broken_messages)
             self._publish(self.scheduler.update_from_output(out, result))
             self._flush_kv_events()
 
@@ -308,13 +309,32 @@ class Engine:
                 self.scheduler.block_manager.forget(r)
             for rid in dict.fromkeys(r.beam_group.root.request_id if r.beam_group is not None
                                      else r.request_id for r in doomed):  # (a group is one)
-                log.warning("request failed: %s", message, extra={"request_id": rid})
-                self._abort_unpublished(rid)
-                sink = self._sinks.pop(rid, None)
-                if sink is not None:
-                    sink.request_ids.discard(rid)
-                    sink.queue.put_nowait(self._batch([error_output(
-                        rid, grpc.StatusCode.INVALID_ARGUMENT, message)]))
+                self._end_with_error(rid, grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    def _break_requests(self, request_ids: list[str], messages: list[str]) -> None:
+        """End the constrained requests whose grammar broke this step (``StepOutput.
+        broken_request_ids``) with INTERNAL and the worker's message (the constraint kind and
+        llguidance's error), freeing their blocks: never a normal "stop". Before
+        ``update_from_output``, so the token that broke the grammar is not output (an ended
+        request's results are skipped); its K/V was written by steps that stand, so the blocks
+        stay in the prefix cache."""
+        for request_id, message in zip(request_ids, messages, strict=True):
+            request = self.scheduler.get_request(request_id)
+            if request is None:
+                continue  # (ended already: aborted, or finished meanwhile)
+            group = request.beam_group
+            self._end_with_error(group.root.request_id if group is not None else request_id,
+                                 grpc.StatusCode.INTERNAL, message)
+
+    def _end_with_error(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        """Abort ``request_id`` in the scheduler (its blocks freed) and send its router the
+        error output ``code`` / ``message`` in place of a finish."""
+        log.warning("request failed: %s", message, extra={"request_id": request_id})
+        self._abort_unpublished(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink.request_ids.discard(request_id)
+            sink.queue.put_nowait(self._batch([error_output(request_id, code, message)]))
 
     async def _idle(self) -> None:
         """Sleep until a request arrives; raise WorkerError if a rank's stream ends meanwhile

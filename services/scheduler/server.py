@@ -25,6 +25,7 @@ from services.common.metrics import (
     start_metrics_server,
 )
 from services.common.pb.pagedserve.v1 import engine_pb2, engine_pb2_grpc, worker_pb2
+from services.common.progress import waiting_step
 from services.common.shutdown import SHUTTING_DOWN, TIMED_OUT, add_shutdown_flags, drain, wait_until
 from services.common.spec_decode_config import speculative_config_arg
 from services.common.tls import add_tls_flags, client_credentials, tls_from_args
@@ -355,7 +356,8 @@ async def serve(args, ready: asyncio.Event | None = None, stop: asyncio.Event | 
     engine, loop_task, metrics_server = None, None, None
     try:
         log.info("scheduler waiting for workers %s", args.workers)
-        engine, info = await build_engine(args)
+        with waiting_step("the workers"):
+            engine, info = await build_engine(args)
         engine.on_health = lambda ok: set_serving(health, ok and not engine.draining, [SERVICE])
         engine.metrics = SchedulerMetrics(
             engine.scheduler, model_name=info.model,

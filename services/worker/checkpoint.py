@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 
 from services.common.model_files import ModelSource
+from services.common.progress import startup_step
 from services.worker.as_stored import open_safetensors
 from services.worker.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from services.worker.models.llama import LlamaConfig, LlamaForCausalLM
@@ -86,10 +86,16 @@ def convert_gguf(source: ModelSource) -> Path:
     target = source.cache_dir("weights")
     if (target / "config.json").is_file():
         return target
+    log.info("converting %s to safetensors (once) into %s", source.path, target)
+    with startup_step(f"converting {source.name} to safetensors", detail="once"):
+        _convert(source, target)
+    return target
+
+
+def _convert(source: ModelSource, target: Path) -> None:
+    """``convert_gguf``'s work: the dequantised model saved into ``target``, atomically."""
     from transformers import AutoModelForCausalLM  # slow import; only for the conversion
 
-    start = time.perf_counter()
-    log.info("converting %s to safetensors (once) into %s", source.path, target)
     hf = AutoModelForCausalLM.from_pretrained(source.folder, gguf_file=source.gguf_file,
                                               dtype=torch.float32)
     # NOTE: the weights are already dequantised; without this transformers refuses to save a
@@ -109,8 +115,6 @@ def convert_gguf(source: ModelSource) -> Path:
         log.info("another process converted %s first; using its copy", source.name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("converted %s in %.1f s", source.name, time.perf_counter() - start)
-    return target
 
 
 def read_state_dict(folder: Path, cfg: ModelConfig, family: Family, dtype: torch.dtype,

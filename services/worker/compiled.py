@@ -61,12 +61,14 @@ import logging
 import os
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from services.common.model_files import cache_root
+from services.common.progress import startup_step
 
 log = logging.getLogger(__name__)
 
@@ -160,10 +162,19 @@ class CompiledForward:
         args = (self.model, input_ids, positions, kv_caches, meta, hidden_states)
         if self._fn is None:
             t0 = time.perf_counter()
-            self._fn, self.source = self._obtain(args)
+            with self._progress():
+                self._fn, self.source = self._obtain(args)
             self.compile_seconds = time.perf_counter() - t0
             log.info("forward %s in %.1f s (%s)", self.source, self.compile_seconds, self.path)
         return self._fn(*args)[:num_tokens]
+
+    def _progress(self) -> AbstractContextManager[object]:
+        """The start-up step ``_obtain`` is about to take (none when this process has it)."""
+        if self.key in _LOADED:
+            return nullcontext()
+        if self.path.exists():
+            return startup_step("loading the compiled forward")
+        return startup_step("compiling the forward", detail="once; saved for later starts")
 
     def _obtain(self, args: tuple) -> tuple[Any, str]:
         """The compiled function for ``args``: from this process, from disk, or compiled now

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from services.common.model_files import ModelSource, resolve_model
+from services.common.progress import startup_step
 from services.worker.as_stored import (
     GGUF_MODES,
     INT4_MODES,
@@ -154,13 +155,16 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     start = time.perf_counter()
     device = torch.device(device)
     check_quantization(quantization, device)
-    ckpt = _open_checkpoint(resolve_model(model), quantization, runner)
-    net, plan = _build_on_meta(ckpt, attn_backend or select_backend("auto", device), parallel)
-    stored, skip_shapes = _stored_weights(ckpt, device, plan, quantization)
-    _load_weights(net, ckpt, dtype, device, plan, stored, skip_shapes,
-                  int8_modes=quantization in QUANTIZATIONS)
-    net = _finish_weights(net, ckpt, stored, dtype, device, plan, quantization, lora,
-                          batch_invariant)
+    source = resolve_model(model)
+    with startup_step(f"loading {source.name} on {device}"):
+        ckpt = _open_checkpoint(source, quantization, runner)
+        net, plan = _build_on_meta(ckpt, attn_backend or select_backend("auto", device),
+                                   parallel)
+        stored, skip_shapes = _stored_weights(ckpt, device, plan, quantization)
+        _load_weights(net, ckpt, dtype, device, plan, stored, skip_shapes,
+                      int8_modes=quantization in QUANTIZATIONS)
+        net = _finish_weights(net, ckpt, stored, dtype, device, plan, quantization, lora,
+                              batch_invariant)
     log.info("weights: %s", describe_weights(net, dtype, quantization,
                                              ckpt.index.type_counts() if ckpt.index else None,
                                              stored.types))

@@ -34,6 +34,7 @@ import torch
 
 from kernels.copy_blocks import copy_blocks
 from kernels.kv_quant import cache_row_size
+from services.common.progress import startup_step
 from services.common.sampling_params import EngineSamplingParams
 from services.common.spec_decode_config import SpeculativeConfig, check_spec_decode_parallelism
 from services.common.step import (
@@ -172,7 +173,8 @@ class ModelRunner:
                                           config.gpu_memory_utilization, *cuda_baseline)
         else:
             kv_bytes = config.kv_cache_memory
-        self._allocate_kv_blocks(kv_bytes)
+        with startup_step(f"allocating the KV cache ({kv_bytes / 2**30:.2f} GiB)"):
+            self._allocate_kv_blocks(kv_bytes)
         self.kv_tier = build_kv_tier(self, config.kv_offload_dir)
         world = parallel.config.world_size if parallel else 1
         self.eager_reason = why_eager(config.enforce_eager, self.device, backend.name, world)
@@ -427,7 +429,8 @@ class ModelRunner:
             return
         n = max(2, min(128, self.max_model_len - 2, room * self.block_size))
         t0 = time.perf_counter()
-        self._dummy_steps([n, n])
+        with startup_step("warming up the forward"):
+            self._dummy_steps([n, n])
         log.info("warm-up (compile included) took %.1f s", time.perf_counter() - t0)
 
     @torch.inference_mode()
@@ -444,7 +447,9 @@ class ModelRunner:
         request's new tokens (``StepOutput.draft_token_ids``).
 
         A request whose LoRA adapter cannot be loaded is left out, on every rank alike, and
-        reported in ``StepOutput.failed_request_ids`` (``LoRAManager.execute``).
+        reported in ``StepOutput.failed_request_ids`` (``LoRAManager.execute``). A constrained
+        request whose grammar broke is reported by the driver in ``StepOutput.
+        broken_request_ids`` (``GrammarStep.broken``).
 
         With the KV tier, its loads and stores go around the step (``run_with_kv_tier``).
 
@@ -511,8 +516,11 @@ class ModelRunner:
                 grammar_step.consume([sampled[i] for i in batch.grammar_rows.tolist()])
         drafts = (self._propose(batch, step.num_speculative_tokens)
                   if step.num_speculative_tokens > 0 else None)
-        return StepOutput(step.step_id, batch.sampled_request_ids, sampled, logprobs,
-                          prompt_logprobs, num_sampled, drafts)
+        out = StepOutput(step.step_id, batch.sampled_request_ids, sampled, logprobs,
+                         prompt_logprobs, num_sampled, drafts)
+        if grammar_step is not None:  # grammars that broke: the scheduler ends them (INTERNAL)
+            out.broken_request_ids, out.broken_messages = grammar_step.broken()
+        return out
 
     def _verify(self, batch: PreparedStep, logits: torch.Tensor, token_ids: torch.Tensor
                 ) -> tuple[list[int], list[int] | None, SampledLogprobs | None]:

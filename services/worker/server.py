@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ from services.common.grpc_utils import new_server, set_serving, stop_event_on_si
 from services.common.logs import add_log_flags
 from services.common.metrics import WORKER_PORT, add_metrics_flags, start_metrics_server
 from services.common.pb.pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from services.common.progress import startup_step
 from services.common.shutdown import InFlight, add_shutdown_flags, drain
 from services.common.spec_decode_config import SpeculativeConfig
 from services.common.step import StepInput
@@ -497,6 +499,12 @@ def _pooling_info(runner) -> dict:
             "is_matryoshka": info.is_matryoshka}
 
 
+def _report_kernel_builds() -> None:
+    """A first start builds the CPU kernels: a start-up step, which says so while it lasts."""
+    from kernels import cpu_build
+    cpu_build.progress = functools.partial(startup_step, detail="once for this source")
+
+
 async def serve(args, runner=None, ready: asyncio.Event | None = None,
                 stop: asyncio.Event | None = None):
     """Load the model (unless ``runner`` is given) and serve until stopped.
@@ -513,6 +521,7 @@ async def serve(args, runner=None, ready: asyncio.Event | None = None,
     forward = forward_thread()
     report = governor = None
     if runner is None:
+        _report_kernel_builds()
         loop = asyncio.get_running_loop()
         plan = plan_from_args(args)  # (a ValueError names the flag)
         await loop.run_in_executor(forward, set_threads, plan)

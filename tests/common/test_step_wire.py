@@ -15,8 +15,8 @@ from services.common.sampling_params import EngineSamplingParams
 from services.common.step import (
     CachedRequest,
     KVTransfer,
-    NewRequest,
     Logprobs,
+    NewRequest,
     SampledLogprobs,
     StepInput,
     StepOutput,
@@ -142,12 +142,17 @@ def outputs(draw) -> StepOutput:
     drafts = draw(st.none() | st.lists(ids.map(lambda t: [abs(x) for x in t]), min_size=n,
                                        max_size=n))
     failed = draw(st.lists(st.text(max_size=4), max_size=2))
+    broken = draw(st.lists(st.sampled_from([f"r{i}" for i in range(n)]), max_size=2,
+                           unique=True)) if n else []
     return StepOutput(draw(st.integers(0, 99)), [f"r{i}" for i in range(n)], tokens, logprobs,
                       prompt, counts if any(c != 1 for c in counts) else None,
                       drafts if drafts and any(drafts) else None,
                       failed_request_ids=failed,
                       failed_messages=[f"LoRA adapter {rid!r}: gone" for rid in failed],
-                      kv_loads_done=draw(ids), kv_loads_failed=draw(ids))
+                      kv_loads_done=draw(ids), kv_loads_failed=draw(ids),
+                      broken_request_ids=broken,
+                      broken_messages=[f"structured output (regex) cannot be honoured: {rid}"
+                                       for rid in broken])
 
 
 @settings(max_examples=200, deadline=None)
@@ -173,6 +178,14 @@ def test_failed_requests_round_trip_beside_embeddings_and_are_checked():
     bad.failed_messages.append("an error without its request")
     with pytest.raises(ValueError, match="malformed failed request columns: 1 ids, 2 messages"):
         step_output_from_pb(bad)
+
+
+def test_broken_request_columns_are_checked():
+    out = step_output_to_pb(StepOutput(4, ["a"], [7], broken_request_ids=["a"],
+                                       broken_messages=["structured output (json_schema) ..."]))
+    out.broken_request_ids.append("b")
+    with pytest.raises(ValueError, match="malformed broken request columns: 2 ids, 1 messages"):
+        step_output_from_pb(out)
 
 
 def test_malformed_sampled_and_draft_columns_are_refused():

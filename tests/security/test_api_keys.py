@@ -112,6 +112,27 @@ def test_openai_client_with_the_key(keyed_stack):
         client.models.list()
 
 
+def test_anthropic_client_sends_the_key_as_x_api_key(keyed_stack):
+    import anthropic
+    import requests
+    turns = [{"role": "user", "content": "Hi"}]
+    with anthropic.Anthropic(base_url=keyed_stack.http_url, api_key="sk-first-key",
+                             max_retries=0, timeout=60) as client:
+        assert client.messages.count_tokens(model="", messages=turns).input_tokens > 0
+    with anthropic.Anthropic(base_url=keyed_stack.http_url, auth_token="sk-second-key",
+                             max_retries=0, timeout=60) as client:  # Authorization: Bearer
+        assert client.messages.count_tokens(model="", messages=turns).input_tokens > 0
+    with anthropic.Anthropic(base_url=keyed_stack.http_url, api_key="sk-wrong",
+                             max_retries=0, timeout=60) as client, \
+            pytest.raises(anthropic.AuthenticationError) as e:
+        client.messages.create(model="", messages=turns, max_tokens=2)
+    assert e.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                       "message": INVALID}}
+    r = requests.get(f"{keyed_stack.http_url}/v1/models", timeout=30,  # any route takes it
+                     headers={"x-api-key": "sk-second-key"})
+    assert r.status_code == 200
+
+
 # ---- the key parsing and its redaction -------------------------------------------------
 def test_api_keys_parse_compare_and_redact():
     keys = ApiKeys(" a-key , b-key ,")
@@ -131,6 +152,7 @@ def test_key_stays_out_of_help_logs_and_child_argv(monkeypatch, caplog, capsys):
     from services.cli.flags import forwarded_argv, forwarded_env, serve_parser
     from services.router import server as router_server
     monkeypatch.setenv("PAGEDSERVE_API_KEY", "sk-from-env")
+    monkeypatch.delenv("PAGEDSERVE_USAGE_DB", raising=False)  # (tests/conftest.py sets it)
     p = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     router_server.add_args(p)
     assert "sk-from-env" not in p.format_help()

@@ -95,5 +95,5 @@ def test_a_text_part_without_text_is_named(oai, model):
         oai.responses.create(model=model, max_output_tokens=1,
                              input=[{"role": "user", "content": [{"type": "input_text"}]}])
     assert e.value.body["param"] == "input"
-    assert e.value.body["message"].startswith("input[0].content[0].text must be a string")
+    assert e.value.body["message"].startswith("input[0].content[0].text is required")
     _still_serving(oai, model)

@@ -8,7 +8,9 @@ min_tokens does not finish, as the scheduler's ``stop_checks.check_stop``) or at
 ``preempt = (step, i)`` frees request i's blocks at that step and resumes it with its whole
 token list (``resumed_from_preemption``) less its last output token, as after a step whose
 result the scheduler dropped (the worker had appended it). The tokens are read back from the
-runner's own token lists, so a tp rank that returns no tokens drives the same steps.
+runner's own token lists, so a tp rank that returns no tokens drives the same steps. A request
+the step reports broken (``StepOutput.broken_request_ids``: only the driver's) ends there, as
+the scheduler ends it, without that step's token.
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ class _Req:
 
 
 def generate(runner, prompts: list[list[int]], params: list[EngineSamplingParams],
-             preempt: tuple[int, int] | None = None, max_steps: int = 500) -> list[list[int]]:
-    """The output token ids of each prompt (EOS included when it ended the request)."""
+             preempt: tuple[int, int] | None = None, max_steps: int = 500,
+             broken: dict[str, str] | None = None) -> list[list[int]]:
+    """The output token ids of each prompt (EOS included when it ended the request);
+    ``broken`` (if given) gets the message of each request whose grammar broke, by request id
+    (``req-<i>``)."""
     eos = set(runner.eos_token_ids)
     free = list(range(runner.num_kv_blocks))[::-1]
     bs = runner.block_size
@@ -67,10 +72,18 @@ def generate(runner, prompts: list[list[int]], params: list[EngineSamplingParams
             r.seen, r.resumed = True, False
             r.computed += n
             running.append(r)
-        runner.execute_step(StepInput(step_id, new, cached, finished))
+        out = runner.execute_step(StepInput(step_id, new, cached, finished))
         finished = []
         batch = runner.input_batch
+        gone = dict(zip(out.broken_request_ids, out.broken_messages, strict=True))
         for r in running:
+            if r.request_id in gone:
+                if broken is not None:
+                    broken[r.request_id] = gone[r.request_id]
+                r.done = True
+                free.extend(r.blocks)
+                finished.append(r.request_id)
+                continue
             row = batch.requests[r.request_id].row
             token = int(batch.token_ids[row, batch.num_tokens[row] - 1])
             r.tokens.append(token)

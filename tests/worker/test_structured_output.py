@@ -13,12 +13,18 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.structured_output_schemas import wide
 from services.common.sampling_params import EngineSamplingParams
 from services.common.tokenizer_loading import load_tokenizer
+from services.router.structured_output_grammar import build_grammar
 from services.worker.config import WorkerConfig
 from services.worker.model_runner import ModelRunner
+from services.worker.sample.structured_output_masks import (
+    RequestGrammar,
+    StructuredOutputs,
+    grammar_kind,
+)
 from services.worker.step_checks import check_sampling
-from services.worker.sample.structured_output_masks import RequestGrammar, StructuredOutputs
 from tests.helpers import make_servable_tiny_llama
 from tests.worker.grammar_driver import generate
 
@@ -139,15 +145,67 @@ def test_finished_grammar_allows_only_eos_despite_min_tokens_or_ignore_eos(runne
         assert tok.decode(out[:end]) in ("yes", "no")
 
 
-def test_broken_grammar_ends_the_request_with_a_warning(runner, caplog):
+def test_broken_grammar_is_reported_with_a_warning(runner, caplog):
     """A grammar the matcher refuses (here an invalid regex the router would have caught): the
-    request can only end (EOS), and the worker says why, naming the request."""
-    broken = llguidance.grammar_from("regex", "(unclosed")
-    check_sampling(sampled(broken, 0), runner.vocab_size)  # (grammar JSON: not refused)
+    first step reports the request broken (``StepOutput.broken_request_ids``, once, naming the
+    kind and llguidance's error; the driver ends it there without its token), and the worker
+    warns, naming the request."""
+    bad = llguidance.grammar_from("regex", "(unclosed")
+    check_sampling(sampled(bad, 0), runner.vocab_size)  # (grammar JSON: not refused)
+    broken: dict[str, str] = {}
     with caplog.at_level(logging.WARNING, "services.worker.sample.structured_output_masks"):
-        assert generate(runner, [[1, 2, 3]], [sampled(broken, 0)]) == [[EOS]]
-    (record,) = [r for r in caplog.records if "grammar failed" in r.getMessage()]
+        assert generate(runner, [[1, 2, 3]], [sampled(bad, 0)], broken=broken) == [[]]
+    assert list(broken) == ["req-0"]
+    assert broken["req-0"].startswith("structured output (regex) cannot be honoured: the "
+                                      "grammar failed:") and "unclosed" in broken["req-0"]
+    (record,) = [r for r in caplog.records if "structured output broke" in r.getMessage()]
     assert record.request_id == "req-0" and "unclosed" in record.getMessage()
+
+
+def test_a_wide_schema_breaks_after_accepting_its_first_lexeme(runner, tok):
+    """Issue 56: a schema of 1000 optional properties compiles, masks, and then llguidance's
+    parser refuses the row after ``{`` (over max_items_in_row). That request is reported
+    broken without the token that broke it (no EOS, no ``{``), next to a constrained request
+    and an unconstrained one in the same batch that finish as usual."""
+    wide_grammar = build_grammar("json", json.dumps(wide(1000)))
+    digits = llguidance.grammar_from("regex", r"[0-9]{4}")
+    prompt = tok.encode("Answer:")
+    broken: dict[str, str] = {}
+    outputs = generate(runner, [prompt] * 3,
+                       [sampled(wide_grammar, 0), sampled(digits, 1),
+                        EngineSamplingParams(temperature=0.0, max_tokens=6)], broken=broken)
+    assert list(broken) == ["req-0"], broken
+    message = broken["req-0"]
+    assert message.startswith("structured output (json_schema) cannot be honoured: the "
+                              "matcher refused token"), message
+    assert "max is 2000" in message and "\n" not in message and len(message) < 400
+    assert EOS not in outputs[0] and "{" not in tok.decode(outputs[0])
+    assert re.fullmatch(r"[0-9]{4}", text(tok, outputs[1]))
+    assert len(outputs[2]) == 6
+
+
+def test_broken_rows_are_reported_once_and_a_resume_starts_over(tok):
+    """``GrammarStep.broken`` hands a broken grammar over once; ``reset`` (a resume) clears it,
+    so a grammar that breaks again is reported again."""
+    so = StructuredOutputs(lambda: tok, len(tok), (EOS,))
+    g = RequestGrammar("r", build_grammar("json", json.dumps(wide(1000))))
+    brace = tok.encode("{")[0]
+    for _ in range(2):
+        step = so.start(np.array([0]), [g])
+        assert step.mask(torch.device("cpu")).disallowed[0, brace].item() is False
+        step.consume([brace])
+        ids, messages = step.broken()
+        assert ids == ["r"] and "max is 2000" in messages[0]
+        assert step.broken() == ([], [])
+        g.reset([])
+    so.close()
+
+
+def test_grammar_kind_names_the_constraint():
+    assert grammar_kind(build_grammar("json", "{}")) == "json_schema"
+    assert grammar_kind(build_grammar("regex", "a+")) == "regex"
+    assert grammar_kind(build_grammar("grammar", 'start: "a"')) == "grammar"
+    assert grammar_kind("not json") == "grammar"
 
 
 def test_check_sampling_refuses_what_is_not_grammar_json():
@@ -159,8 +217,8 @@ def test_check_sampling_refuses_what_is_not_grammar_json():
 
 
 def test_masks_of_a_vocabulary_larger_than_the_tokenizer_and_without_a_tokenizer(tok, caplog):
-    """Model rows past the tokenizer's vocabulary are never allowed; a worker without a
-    tokenizer lets constrained requests only end, with a warning."""
+    """Model rows past the tokenizer's vocabulary are never allowed; on a worker without a
+    tokenizer a constrained request's row is EOS-only and reported broken, with a warning."""
     vocab = len(tok) + 40
     so = StructuredOutputs(lambda: tok, vocab, (EOS,))
     grammar = llguidance.grammar_from("regex", "[a-z ]+")
@@ -178,10 +236,12 @@ def test_masks_of_a_vocabulary_larger_than_the_tokenizer_and_without_a_tokenizer
 
     so = StructuredOutputs(no_tokenizer, vocab, (EOS,))
     with caplog.at_level(logging.WARNING, "services.worker.sample.structured_output_masks"):
-        mask = so.start(np.array([3]), [RequestGrammar("c", grammar)]).mask(
-            torch.device("cpu"))
+        step = so.start(np.array([3]), [RequestGrammar("c", grammar)])
+        mask = step.mask(torch.device("cpu"))
     assert mask.rows.tolist() == [3] and mask.disallowed.numpy().sum() == vocab - 1
     assert (mask.eos_rows.tolist(), mask.eos_ids.tolist()) == ([0], [EOS])
+    (ids, (message,)) = step.broken()
+    assert ids == ["c"] and "no tokenizer here" in message
     assert any("no tokenizer here" in r.getMessage() for r in caplog.records)
     so.close()
 

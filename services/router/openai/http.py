@@ -3,7 +3,10 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (whole JSON, or
 server-sent events with ``stream: true``), GET /v1/responses/{id} (a stored answer),
 POST /v1/embeddings (a pooling server's, ``openai.embeddings``), GET /v1/models, vLLM's
-POST /tokenize and POST /detokenize (``openai.tokenization``) and GET /version, GET /health.
+POST /tokenize and POST /detokenize (``openai.tokenization``) and GET /version, GET /health,
+GET /metrics and GET /openapi.json (the OpenAPI 3.1 document of every route served, built from
+the ``openai.schemas`` models that each handler checks its body with and writes its answers
+through: ``openai.routes``, ``openai.schema_check``; ``add_route`` serves more).
 A request goes the same way as a gRPC Generate call: ``openai.requests`` maps the JSON onto a
 GenerateRequest, then
 ``generation.prepare`` (validation, tokenization) and ``generation.stream_responses`` (engine,
@@ -38,6 +41,7 @@ from services.common import tracing
 from services.common.logs import request_id_var
 from services.common.lora import LoRARequest
 from services.common.pb.pagedserve.v1 import engine_pb2
+from services.router.anthropic.handler import MessagesRoutes
 from services.router.embedding import prepare_embed, run_embed
 from services.router.generation import (
     DEFAULT_MAX_STREAM_BUFFER,
@@ -49,7 +53,7 @@ from services.router.generation import (
     stream_responses,
 )
 from services.router.metrics import RouterMetrics
-from services.router.openai import tokenization
+from services.router.openai import routes, tokenization
 from services.router.openai.completions import CompletionCall
 from services.router.openai.embeddings import (
     embedding_error,
@@ -75,11 +79,21 @@ from services.router.openai.responses import ResponseBuilder
 from services.router.openai.responses_api import ResponseEvents, new_response_id
 from services.router.openai.responses_input import ParsedResponses, parse_responses, rename
 from services.router.openai.responses_store import ResponseStore
+from services.router.openai.schema_check import check_body, json_response, sse, sse_event
+from services.router.openai.schemas import completions as cs
+from services.router.openai.schemas import embeddings as es
+from services.router.openai.schemas import misc as ms
+from services.router.openai.schemas import responses as rs
+from services.router.openai.schemas.common import ErrorResponse
 from services.router.openai.structured_output_format import error_param
+from services.router.openapi import Route, document
+from services.router.quotas import charge_tokens
 from services.router.replicas import ReplicaSet
 from services.router.served_model import ServedModel
 from services.router.tracing import http_middleware
-from services.router.validation import MAX_LOGPROBS, RequestError
+from services.router.usage.routes import USAGE_ROUTE, usage_report
+from services.router.usage.service import Usage
+from services.router.validation import MAX_LOGPROBS, MAX_REQUEST_ID_CHARS, RequestError
 
 log = logging.getLogger(__name__)
 # NOTE: the largest request the public APIs read (HTTP body; gRPC message, router
@@ -90,11 +104,12 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 DISABLED = -1  # --http-port value that turns the HTTP server off
 # Routes whose requests get an access log line at INFO (others, e.g. probes, at DEBUG).
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
-                     "/v1/embeddings")
+                     "/v1/embeddings", "/v1/messages")
 # HTTP header naming the request (as gRPC's x-request-id metadata), echoed in the response.
 REQUEST_ID_HEADER = "X-Request-Id"
 # The access-log status of a request whose client went away before its response (nginx's).
 CLIENT_CLOSED = 499
+NO_RETRY_HEADER = "x-should-retry"  # (read by OpenAI's and Anthropic's Python SDKs)
 _LOG = web.RequestKey("request_log", RequestLog)  # the request's access log entry
 _LORA = web.RequestKey("lora", LoRARequest)  # the LoRA adapter its model names (absent: none)
 # NOTE: aiohttp's limits on a request's head (its defaults, named here so the docs can state
@@ -107,19 +122,15 @@ MAX_HEADERS = 128
 
 
 def _error(e: OpenAIError) -> web.Response:
-    return web.json_response(e.body(), status=e.status)
-
-
-def _sse(body: dict | str) -> bytes:
-    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False,
-                                                         separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    # NOTE: the engine's INTERNAL (a constraint that broke, a kernel error) comes again on a
+    # retry with the same request; OpenAI's SDKs retry a 500 twice unless told not to.
+    headers = {NO_RETRY_HEADER: "false"} if e.code == "internal" else None
+    return json_response(ErrorResponse, e.body(), status=e.status, headers=headers)
 
 
 def _event(body: dict) -> bytes:
     """A Responses stream event: ``event: <type>`` then its data."""
-    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {body['type']}\ndata: {data}\n\n".encode()
+    return sse_event(body, rs.ResponseStreamEvent)
 
 
 @web.middleware
@@ -136,7 +147,10 @@ async def _openai_errors(request: web.Request, handler):
         message = (f"Invalid URL ({request.method} {request.path})" if e.status in (404, 405)
                    else e.text or e.reason if e.status == 413  # names the limit and the size
                    else e.reason)
-        return _error(OpenAIError(e.status, message, code=e.reason.lower().replace(" ", "_")))
+        answer = _error(OpenAIError(e.status, message, code=e.reason.lower().replace(" ", "_")))
+        if "Allow" in e.headers:  # a 405 names the methods the route has (RFC 9110)
+            answer.headers["Allow"] = e.headers["Allow"]
+        return answer
     except ConnectionError:  # the client went away: nobody to answer
         raise
     except Exception:
@@ -170,21 +184,30 @@ class OpenAIServer:
         # router --enable-responses-api-store: the stored Responses answers, or None
         self.responses_store: ResponseStore | None = None
         self.reasoning_parser: str | None = None  # router --reasoning-parser
+        self.usage: Usage | None = None  # router --usage-db: rows, GET /v1/usage (usage/)
         self._think_ids: tuple[int, int] | None = None  # reasoning.tag_ids of the tokenizer
         self._think_ids_known = False  # (looked up at the first request that needs them)
         self.app = web.Application(middlewares=[self._count, _openai_errors],
                                    client_max_size=max_body_bytes)
-        self.app.add_routes([web.post("/v1/completions", self.completions),
-                             web.post("/v1/chat/completions", self.chat_completions),
-                             web.post("/v1/responses", self.responses),
-                             web.get("/v1/responses/{response_id}", self.stored_response),
-                             web.post("/v1/embeddings", self.embeddings),
-                             web.get("/v1/models", self.models),
-                             web.post("/tokenize", self.tokenize),
-                             web.post("/detokenize", self.detokenize),
-                             web.get("/version", self.version),
-                             web.get("/health", self.health),
-                             web.get("/metrics", self.prometheus)])
+        self.routes: list[Route] = []  # every route served, as /openapi.json lists them
+        self._document: tuple[int, dict] | None = None  # (len(routes), the document)
+        for route, handler in ((routes.COMPLETIONS, self.completions),
+                               (routes.CHAT, self.chat_completions),
+                               (routes.RESPONSES, self.responses),
+                               (routes.STORED_RESPONSE, self.stored_response),
+                               (routes.EMBEDDINGS, self.embeddings),
+                               (routes.MODELS, self.models),
+                               (routes.TOKENIZE, self.tokenize),
+                               (routes.DETOKENIZE, self.detokenize),
+                               (routes.VERSION, self.version),
+                               (USAGE_ROUTE, self.usage_report),
+                               (routes.HEALTH, self.health),
+                               (routes.METRICS, self.prometheus),
+                               (routes.OPENAPI, self.openapi)):
+            self.add_route(route, handler)
+        # Anthropic's Messages API on the chat path (services.router.anthropic)
+        for messages_route, messages_handler in MessagesRoutes(self, _LOG).handlers():
+            self.add_route(messages_route, messages_handler)
         self._runner: web.AppRunner | None = None
         if tracing.tracer() is not None:  # (inside the error middleware: sees our errors)
             self.app.middlewares.append(http_middleware(lambda request: request.get(_LOG)))
@@ -194,7 +217,11 @@ class OpenAIServer:
         """Count each request by route and final HTTP status (``cancelled``: the client left),
         and write a completion request's access log line."""
         status: int | str = "cancelled"
-        entry = request[_LOG] = RequestLog(request.path)
+        entry = request[_LOG] = RequestLog(
+            request.path, usage=self.usage.recorder if self.usage is not None else None)
+        client_id = request.headers.get(REQUEST_ID_HEADER, "")
+        if len(client_id) <= MAX_REQUEST_ID_CHARS:  # (a body refused before prepare: named too)
+            entry.request_id = client_id or None
         try:
             response = await handler(request)
             status = response.status
@@ -209,6 +236,19 @@ class OpenAIServer:
                 self.metrics.request_done(path, str(status))
             if request.path in GENERATION_ROUTES:
                 entry.done(CLIENT_CLOSED if status == "cancelled" else status)
+
+    def add_route(self, route: Route, handler) -> None:
+        """Serve ``handler`` (an aiohttp handler) at ``route.method`` ``route.path`` and list
+        it in ``GET /openapi.json``; call before ``start``.
+
+        Raises:
+            RuntimeError: (aiohttp's) the server has started (its router is frozen).
+        """
+        if route.method == "GET":  # (HEAD too, as aiohttp's web.get)
+            self.app.router.add_get(route.path, handler)
+        else:
+            self.app.router.add_route(route.method, route.path, handler)
+        self.routes.append(route)
 
     def require_api_keys(self, keys) -> None:
         """Answer 401 to every request but ``GET /health`` without an accepted
@@ -250,6 +290,14 @@ class OpenAIServer:
         engine has its workers; gRPC health SERVING), else 503 (and 503 while draining)."""
         return web.Response(status=200 if self.engine.serving.is_set() else 503)
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        """GET /openapi.json: the OpenAPI 3.1 document of every route served (``routes``),
+        built from the models the handlers check and write (open without an API key)."""
+        if self._document is None or self._document[0] != len(self.routes):
+            version = importlib.metadata.version("pagedserve")
+            self._document = (len(self.routes), document(self.routes, "pagedserve", version))
+        return web.json_response(self._document[1])
+
     async def prometheus(self, request: web.Request) -> web.Response:
         """The router's metrics on the serving port too (as a vLLM server serves them), where
         gateways that route to this endpoint scrape them (``gateway_metrics.py``); open without
@@ -267,34 +315,42 @@ class OpenAIServer:
         base = {"id": info.model, "object": "model", "created": 0, "owned_by": "pagedserve",
                 "root": self.engine.info.model if self.engine.info else info.model,
                 "parent": None, "max_model_len": info.max_model_len}
-        return web.json_response({"object": "list", "data": [base, *(
+        return json_response(ms.ModelList, {"object": "list", "data": [base, *(
             {**base, "id": lora.name, "root": lora.path, "parent": parent}
             for lora, parent in self.served.adapters(info))]})
 
     async def version(self, request: web.Request) -> web.Response:
         """pagedserve's version (its package metadata), as vLLM's ``GET /version``."""
-        return web.json_response({"version": importlib.metadata.version("pagedserve")})
+        return json_response(ms.Version, {"version": importlib.metadata.version("pagedserve")})
+
+    async def usage_report(self, request: web.Request) -> web.Response:
+        """GET /v1/usage: tokens per key and day (``usage.routes``; admin key only)."""
+        return await usage_report(request, self.usage)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize (vLLM's): the ids a completion or chat request would send."""
-        return await self._text(request, tokenization.tokenize)
+        return await self._text(request, tokenization.tokenize, ms.TokenizeRequest,
+                                ms.TokenizeResponse)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """POST /detokenize (vLLM's): the text of token ids."""
-        return await self._text(request, tokenization.detokenize)
+        return await self._text(request, tokenization.detokenize, ms.DetokenizeRequest,
+                                ms.DetokenizeResponse)
 
-    async def _text(self, request: web.Request, fn) -> web.Response:
+    async def _text(self, request: web.Request, fn, model, answer_model) -> web.Response:
         body, info = await self._body(request)
+        check_body(model, body)
         if len(await request.read()) > INLINE_PREPARE_BYTES:  # keep the loop free
             answer = await asyncio.to_thread(fn, body, self.tokenizer, info)
         else:
             answer = fn(body, self.tokenizer, info)
-        return web.json_response(answer, dumps=lambda o: json.dumps(o, ensure_ascii=False))
+        return json_response(answer_model, answer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: one prompt or a batch, echo, best_of
         (``openai.completions``)."""
         body, info = await self._body(request)
+        check_body(cs.CompletionRequest, body)
         parsed = parse_completion(body)
         structured_param = error_param(body)
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
@@ -330,13 +386,13 @@ class OpenAIServer:
                     call.add(r)
             except EngineError as e:  # e.g. an invalid grammar (before any message)
                 raise from_error(e, "prompt", structured_param) from None
-            return web.json_response(call.response(), headers=headers,
-                                     dumps=lambda o: json.dumps(o, ensure_ascii=False))
+            return json_response(cs.CompletionResponse, call.response(), headers=headers)
 
     async def embeddings(self, request: web.Request) -> web.Response:
         """POST /v1/embeddings: one vector per input (``openai.embeddings``, then the same
         ``prepare_embed`` / ``run_embed`` as gRPC Embed)."""
         body, info = await self._body(request)
+        check_body(es.EmbeddingRequest, body)
         if request.get(_LORA) is not None:
             raise bad_request(f"model: LoRA adapter {body['model']!r} does not embed (adapters "
                               "run on generation only)", "model")
@@ -355,11 +411,13 @@ class OpenAIServer:
         entry.request_id = prepared.request_id
         request_id_var.set(prepared.request_id)
         entry.prompt_tokens = sum(map(len, prepared.prompts))
+        charge_tokens(entry.prompt_tokens)  # (the key's tokens_per_minute)
         try:
             vectors = await run_embed(self.engine, prepared)
         except EngineError as e:
             raise from_error(e, "input") from None
-        return web.json_response(
+        return json_response(
+            es.EmbeddingResponse,
             embedding_response(prepared, vectors, encoding_format, info.model),
             headers={REQUEST_ID_HEADER: prepared.request_id})
 
@@ -412,6 +470,7 @@ class OpenAIServer:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         """A chat completion."""
         body, info = await self._body(request)
+        check_body(cs.ChatCompletionRequest, body)
         parsed = parse_chat(body, self.tool_parser, max_logprobs=(
             self.max_logprobs if self.max_logprobs >= 0 else info.vocab_size))
         client_id = request.headers.get(REQUEST_ID_HEADER, "")
@@ -440,8 +499,7 @@ class OpenAIServer:
             except EngineError as e:  # e.g. an invalid grammar (before any message)
                 raise from_error(e, parsed.prompt_param,
                                   parsed.structured_param) from None
-            return web.json_response(builder.response(), headers=headers,
-                                     dumps=lambda o: json.dumps(o, ensure_ascii=False))
+            return json_response(cs.ChatCompletionResponse, builder.response(), headers=headers)
 
     async def _prepare(self, request: web.Request, parsed: ParsedRequest,
                        info: engine_pb2.GetEngineInfoResponse, default_id: str,
@@ -478,6 +536,7 @@ class OpenAIServer:
         """POST /v1/responses: the Responses API on the chat path (``openai.responses_input``
         maps the request, ``openai.responses_api`` shapes the answer)."""
         body, info = await self._body(request)
+        check_body(rs.ResponsesRequest, body)
         parsed = parse_responses(body, self.tool_parser, self.responses_store)
         chat = parsed.chat
         response_id = new_response_id()
@@ -501,8 +560,7 @@ class OpenAIServer:
                         events.feed(r)
                         r = await anext(responses, None)
                     self._keep(parsed, events)
-                    return web.json_response(events.response(), headers=headers,
-                                             dumps=lambda o: json.dumps(o, ensure_ascii=False))
+                    return json_response(rs.ResponseObject, events.response(), headers=headers)
             except EngineError as e:  # e.g. an invalid grammar (before any message)
                 raise rename(from_error(e, "input", chat.structured_param)) from None
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
@@ -537,8 +595,7 @@ class OpenAIServer:
         if entry is None:
             raise OpenAIError(404, f"No response with id {response_id!r} is stored by this "
                               "router", param="response_id", code="not_found")
-        return web.json_response(entry.response,
-                                 dumps=lambda o: json.dumps(o, ensure_ascii=False))
+        return json_response(rs.ResponseObject, entry.response)
 
     def _reasoning(self, chat_template_kwargs: dict, include: bool,
                    prepared: PreparedRequest) -> ReasoningOptions | None:
@@ -570,25 +627,27 @@ class OpenAIServer:
         except EngineError as e:
             raise from_error(e, prompt_param, structured_param) from None
         entry: RequestLog = request[_LOG]
+        model = cs.ChatStreamEvent if isinstance(builder, ResponseBuilder) else \
+            cs.CompletionStreamEvent
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache", **headers})
         await resp.prepare(request)
         for role_chunk in builder.role_chunks(usage):
-            await resp.write(_sse(role_chunk))
+            await resp.write(sse(role_chunk, model))
         try:
             r = first
             while r is not None:
                 entry.observe(r)
                 chunk = builder.chunk(r, usage)
                 if chunk is not None:
-                    await resp.write(_sse(chunk))
+                    await resp.write(sse(chunk, model))
                 r = await anext(responses, None)
             if usage:
-                await resp.write(_sse(builder.usage_chunk()))
+                await resp.write(sse(builder.usage_chunk(), model))
         except EngineError as e:
             entry.error = e.code.name
-            await resp.write(_sse(from_error(e, prompt_param,
-                                              structured_param).body()))
-        await resp.write(_sse("[DONE]"))
+            await resp.write(sse(from_error(e, prompt_param,
+                                            structured_param).body(), model))
+        await resp.write(sse("[DONE]"))
         await resp.write_eof()
         return resp

@@ -23,14 +23,16 @@ from aiohttp import web
 
 from services.common.lora import AdapterError
 from services.router.lora_registry import LoRAExistsError, LoRARegistry
+from services.router.openai import routes
 from services.router.openai.errors import OpenAIError, bad_request
+from services.router.openai.schema_check import check_body
 
 log = logging.getLogger(__name__)
 
 
-async def _fields(request: web.Request, names: tuple[str, ...]) -> dict[str, str]:
+async def _fields(request: web.Request, names: tuple[str, ...], model) -> dict[str, str]:
     """The body's string fields ``names`` (other fields are ignored, as vLLM's
-    ``load_inplace``).
+    ``load_inplace``), the body checked against ``model`` (``openai.schemas.misc``) first.
 
     Raises:
         OpenAIError: 400 a body that is not a JSON object, or a field missing or not a
@@ -42,6 +44,11 @@ async def _fields(request: web.Request, names: tuple[str, ...]) -> dict[str, str
         raise bad_request("the request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    try:
+        check_body(model, body)
+    except OpenAIError as e:  # (vLLM's words first)
+        raise bad_request(f"{' and '.join(repr(n) for n in names)} must be provided (non-empty "
+                          f"strings): {e.message}", e.param) from None
     for name in names:
         if not (isinstance(body.get(name), str) and body[name]):
             raise bad_request(f"{' and '.join(repr(n) for n in names)} must be provided "
@@ -59,14 +66,15 @@ class LoRARoutes:
     def __init__(self, loras: LoRARegistry) -> None:
         self.loras = loras
 
-    def add_to(self, app: web.Application) -> None:
-        """Register both routes on ``app`` (before it starts)."""
-        app.add_routes([web.post("/v1/load_lora_adapter", self.load),
-                        web.post("/v1/unload_lora_adapter", self.unload)])
+    def add_to(self, server) -> None:
+        """Register both routes on ``server`` (``openai.http.OpenAIServer.add_route``, before
+        it starts)."""
+        server.add_route(routes.LOAD_LORA, self.load)
+        server.add_route(routes.UNLOAD_LORA, self.unload)
 
     async def load(self, request: web.Request) -> web.Response:
         """POST /v1/load_lora_adapter."""
-        body = await _fields(request, ("lora_name", "lora_path"))
+        body = await _fields(request, ("lora_name", "lora_path"), routes.LOAD_LORA.request)
         name, path = body["lora_name"], body["lora_path"]
         try:  # (file reads: on a thread, so the loop keeps streaming)
             lora = await asyncio.to_thread(self.loras.add, name, path)
@@ -79,7 +87,7 @@ class LoRARoutes:
 
     async def unload(self, request: web.Request) -> web.Response:
         """POST /v1/unload_lora_adapter."""
-        name = (await _fields(request, ("lora_name",)))["lora_name"]
+        name = (await _fields(request, ("lora_name",), routes.UNLOAD_LORA.request))["lora_name"]
         try:
             self.loras.remove(name)
         except KeyError:

@@ -164,7 +164,9 @@ def parse_responses(body: dict, tool_parser: str | None = None,
     if parsed.structured_param == "response_format":
         parsed.structured_param = "text"
     parsed.prompt_param = "input"
-    echo = {"instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
+    limit = body.get("max_output_tokens")  # (an integer: parse_chat checked it; 5.0 -> 5)
+    echo = {"instructions": instructions,
+            "max_output_tokens": int(limit) if limit is not None else None,
             "metadata": metadata, "parallel_tool_calls": body.get("parallel_tool_calls", True),
             "previous_response_id": body.get("previous_response_id"),
             "store": store is not None and keep is not False,

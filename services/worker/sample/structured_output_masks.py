@@ -31,11 +31,21 @@ the first E (none while E is not among them: it is still reasoning)::
     outputs   r r r E j j j EOS        r: reasoning, free   E: </think>, free
     matcher         ^ starts here      j: constrained by the grammar
 
-A row is EOS-only when its matcher is stopped (the grammar is complete), in error (a token it
-refused: warned once, naming the request), could not be built (no tokenizer), or its mask
-allows nothing but EOS ids. Its EOS logits are set to 0 after everything else, so min_tokens
-(which masks EOS) cannot leave a row of -inf: the grammar wins, and the request ends "stop"
-through the ordinary EOS path (with ignore_eos it keeps sampling EOS until max_tokens).
+A row is EOS-only when its matcher is stopped (the grammar is complete), broken (below), or
+its mask allows nothing but EOS ids. Its EOS logits are set to 0 after everything else, so
+min_tokens (which masks EOS) cannot leave a row of -inf: the grammar wins, and a complete
+grammar ends the request "stop" through the ordinary EOS path (with ignore_eos it keeps
+sampling EOS until max_tokens).
+
+A broken grammar is never a normal stop (issue 56): a matcher that could not be built (no
+tokenizer, a grammar llguidance refuses), went into error computing its mask, or refused the
+token sampled for its row (llguidance fails *after* accepting a lexeme when the next parser
+row is over ``max_items_in_row``, e.g. the ``{`` of a schema with a thousand optional
+properties) marks its request broken, once (``RequestGrammar.error``, a warning naming the
+request). ``GrammarStep.broken`` hands the step's new ones to the runner, which reports them
+in ``StepOutput.broken_request_ids`` / ``broken_messages``; the scheduler ends each with
+INTERNAL and does not output the step's token for it. Until the scheduler's finish arrives the
+row stays EOS-only.
 
 Bit ``j % 32`` of word ``j // 32`` of a bitmask row allows token ``j`` (llguidance's layout);
 the tokenizer is built for the model's vocabulary ``V`` (``n_vocab``), so tokens the tokenizer
@@ -44,6 +54,7 @@ lacks (a padded embedding) are never allowed.
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import time
@@ -75,7 +86,10 @@ class RequestGrammar:
             when it cannot be built (no tokenizer).
         replay: output tokens the matcher consumes when it is built (a resumed request's).
         built: the mask job tried to build the matcher (since the request came or resumed).
-        failed: its matcher could not be built or entered an error state (warned once).
+        failed: the grammar broke: its matcher could not be built or entered an error state
+            (warned once).
+        error: why it broke (``fail``), "" while it has not.
+        reported: the break was handed to the runner (``GrammarStep.broken``).
         reasoning_end: the token id E after which the grammar applies (the reasoning's end),
             or None: it applies from the first output token.
         reasoning: E has not been sampled yet: the row is unconstrained and its matcher
@@ -89,6 +103,8 @@ class RequestGrammar:
     built: bool = False
     failed: bool = False
     reasoning_end: int | None = None
+    error: str = ""
+    reported: bool = False
     reasoning: bool = False
 
     def __post_init__(self) -> None:
@@ -100,6 +116,7 @@ class RequestGrammar:
         ``reasoning_end``, only the outputs after its first occurrence (none, and still
         reasoning, without one)."""
         self.matcher, self.built, self.failed = None, False, False
+        self.error, self.reported = "", False
         outputs = list(output_token_ids)
         if self.reasoning_end is not None:
             self.reasoning = self.reasoning_end not in outputs
@@ -108,16 +125,55 @@ class RequestGrammar:
 
     def advance(self, token: int) -> None:
         """Consume the row's sampled ``token``: a reasoning row only watches for E; a
-        constrained one advances its matcher (a refused token: warned once, EOS-only)."""
+        constrained one advances its matcher (a refused token: the grammar broke, ``fail``)."""
         if self.reasoning:
             self.reasoning = token != self.reasoning_end
             return
         m = self.matcher
         if m is not None and not m.consume_token(token) and not self.failed:
-            self.failed = True
-            log.warning("structured output: token %d broke the grammar (%s); the request "
-                        "can only end now (EOS)", token, m.get_error()[:500],
-                        extra={"request_id": self.request_id})
+            self.fail(f"the matcher refused token {token}: {m.get_error()}")
+
+    def fail(self, reason: str) -> None:
+        """Mark the grammar broken for ``reason`` (its first line, at most ``MAX_REASON``
+        characters, is kept in ``error``) and warn, naming the request; a second call does
+        nothing (the first reason stands)."""
+        if self.failed:
+            return
+        self.failed = True
+        self.error = _first_line(reason)
+        log.warning("structured output broke: %s; the request ends with an error",
+                    self.error, extra={"request_id": self.request_id})
+
+    def message(self) -> str:
+        """The error the request ends with: the constraint kind and ``error``."""
+        return f"structured output ({grammar_kind(self.grammar)}) cannot be honoured: {self.error}"
+
+
+MAX_REASON = 300  # characters of llguidance's error kept in a broken request's message
+
+
+def _first_line(text: str) -> str:
+    """``text``'s first non-empty line, cut to ``MAX_REASON`` characters (llguidance appends
+    its parser state, many lines, to an error)."""
+    line = next((x.strip() for x in text.splitlines() if x.strip()), "unknown error")
+    return line if len(line) <= MAX_REASON else line[:MAX_REASON - 3] + "..."
+
+
+def grammar_kind(grammar: str) -> str:
+    """The constraint kind of an llguidance grammar (TopLevelGrammar JSON): its first
+    grammar's ``name`` (``json_schema``, ``regex``: a regex or a choice, as the router builds
+    them), else ``json_schema`` or ``grammar`` (Lark) by which field it sets; ``grammar`` for
+    text that is not that JSON."""
+    try:
+        first = json.loads(grammar)["grammars"][0]
+    except (ValueError, TypeError, KeyError, IndexError):
+        return "grammar"
+    if not isinstance(first, dict):
+        return "grammar"
+    name = first.get("name")
+    if isinstance(name, str) and name:
+        return name
+    return "json_schema" if first.get("json_schema") is not None else "grammar"
 
 
 @dataclass(slots=True)
@@ -193,6 +249,18 @@ class GrammarStep:
         for g, token in zip(self.grammars, token_ids, strict=True):
             g.advance(token)
 
+    def broken(self) -> tuple[list[str], list[str]]:
+        """The request ids whose grammar broke and is not yet reported, and their messages
+        (``RequestGrammar.message``), aligned; each is reported once. After ``consume`` (or
+        ``mask``, when the step keeps no token)."""
+        ids, messages = [], []
+        for g in self.grammars:
+            if g.failed and not g.reported:
+                g.reported = True
+                ids.append(g.request_id)
+                messages.append(g.message())
+        return ids, messages
+
 
 class StructuredOutputs:
     """The sampling rank's llguidance state: tokenizer, template cache, per-step masks.
@@ -265,6 +333,9 @@ class StructuredOutputs:
                 if g.matcher is not None and not g.matcher.is_stopped()]
         if live:
             fill_next_token_bitmask_par(self._executor, live, bitmask)
+            for m, i in live:
+                if m.is_error():  # e.g. a parser limit computing the mask
+                    masked[i].fail(f"computing the mask failed: {m.get_error()}")
         bits = bitmask.view(np.uint32)
         # EOS-only: stopped, errored or missing matchers (rows left 0) and masks of EOS alone
         eos_only = np.flatnonzero(~np.any(bits & ~self._eos_bits, axis=1))  # [E']
@@ -278,10 +349,7 @@ class StructuredOutputs:
         g.built = True
         self._ready.result()
         if self._tokenizer is None:
-            g.failed = True
-            log.warning("structured output refused: this worker has no tokenizer for "
-                        "grammars (%s); the request can only end now (EOS)", self._unavailable,
-                        extra={"request_id": g.request_id})
+            g.fail(f"this worker has no tokenizer for grammars ({self._unavailable})")
             return
         template = self._templates.get(g.grammar)
         if template is None:
@@ -296,6 +364,4 @@ class StructuredOutputs:
             m.consume_tokens(g.replay)
             g.replay = []
         if m.is_error():
-            g.failed = True
-            log.warning("structured output: the grammar failed (%s); the request can only "
-                        "end now (EOS)", m.get_error()[:500], extra={"request_id": g.request_id})
+            g.fail(f"the grammar failed: {m.get_error()}")
