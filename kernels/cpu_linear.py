@@ -174,6 +174,9 @@ def pack_group_scale(scale: torch.Tensor) -> torch.Tensor:
 
 
 VNNI_ENV = "PAGEDSERVE_CPU_VNNI"  # "0": w8a8_linear's VNNI bodies off (tests of the others)
+# "1" / "0": w8a8_linear's items of 16+ rows on ATen's cpublas::brgemm (oneDNN's ukernel:
+# AMX-INT8 tiles on an AMX CPU, the default there) on / off, on an AVX512-VNNI CPU
+BRGEMM_ENV = "PAGEDSERVE_CPU_W8A8_BRGEMM"
 
 
 def pack_w8a8_weight(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,7 +204,8 @@ def cpu_w8a8_linear(x: torch.Tensor, packed: torch.Tensor, compensation: torch.T
 
     Each row of ``x`` is quantized per token in the op (``kernels.int8_linear.
     quantize_symmetric``'s rule), the products summed in int32 (vpdpbusd on AVX512-VNNI /
-    AVX-VNNI, vpmaddubsw on AVX2, loops otherwise; exact, so every body agrees), and
+    AVX-VNNI, vpmaddubsw on AVX2, loops otherwise; on an AMX CPU items of 16 rows or more as
+    one ``cpublas::brgemm`` call, AMX-INT8 tiles; exact, so every body agrees), and
     ``(float(acc) * s_x) * s_w + bias`` rounded once: ``kernels.int8_linear.w8a8_linear``'s
     result bit for bit (without ``silu_mul``).
 
@@ -214,8 +218,9 @@ def cpu_w8a8_linear(x: torch.Tensor, packed: torch.Tensor, compensation: torch.T
 
 
 def w8a8_linear_body() -> str:
-    """The body ``cpu_w8a8_linear`` runs now: ``vnni512``, ``avxvnni``, ``avx2`` or ``scalar``
-    (the best this CPU has under ``PAGEDSERVE_CPU_ISA`` and ``PAGEDSERVE_CPU_VNNI``)."""
+    """The body ``cpu_w8a8_linear`` runs now: ``brgemm`` (``vnni512`` below 16 rows),
+    ``vnni512``, ``avxvnni``, ``avx2`` or ``scalar`` (the best this CPU has under
+    ``PAGEDSERVE_CPU_ISA``, ``PAGEDSERVE_CPU_VNNI`` and ``PAGEDSERVE_CPU_W8A8_BRGEMM``)."""
     return str(_ops().w8a8_linear_body())
 
 

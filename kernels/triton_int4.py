@@ -3,10 +3,15 @@ optional float32 min per group of G consecutive k, the codes converted in regist
 matmul (never a dequantized copy of W in memory).
 
 STATUS: written for the CUDA backend; tested only in the Triton interpreter on CPU
-(``TRITON_INTERPRET=1``, small shapes, ``tests/kernels/test_triton_int4.py``); never run on a
-GPU (none available while it was written), so neither its compilation by the CUDA backend nor
-its speed has been checked. Not yet wired into the model: the CPU worker serves 4-bit weights
-with the native kernel (``kernels.cpu_linear``, ``services/worker/quantized_linear.py``).
+(``TRITON_INTERPRET=1``, small shapes: ``tests/kernels/test_triton_int4.py``, and the model
+through ``tests/worker/test_triton_int4_models.py``); never run on a GPU (none available while
+it was written or wired), so neither its compilation by the CUDA backend nor its speed has been
+checked. Wired into the model on the triton attention backend (CUDA, or a CPU under the
+interpreter): ``services/worker/triton_int4_linear.TritonInt4Linear`` serves an AWQ / GPTQ
+checkpoint's 4-bit layers and, under ``--quantization gguf``, a GGUF's Q4_0 / Q4_1 / Q4_K
+modules with it (the GGUF's other types, embedding and LM head dequantized at load there).
+The CPU worker on its own backends serves 4-bit weights with the native kernel
+(``kernels.cpu_linear``, ``services/worker/quantized_linear.py``).
 
 The weight is the CPU path's representation (GGUF Q4_0 / Q4_1 / Q4_K, AWQ / GPTQ unpacked to
 codes)::

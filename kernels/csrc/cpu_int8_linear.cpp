@@ -34,6 +34,9 @@
 //            4 rows x 16 columns; no int16 saturation, |pair sum| <= 2 * 127 * 127 < 2^15
 //            (this is why q = -128 is refused: its sign cannot be flipped in int8)
 //   scalar   int32 loops (any CPU)
+//   brgemm   items of 16 rows or more as one call of ATen's cpublas::brgemm (oneDNN's ukernel:
+//            AMX-INT8 tiles on an AMX CPU, where it is the default; PAGEDSERVE_CPU_W8A8_BRGEMM
+//            forces it on or off), fewer rows on the vnni512 tiles; integer, so exact
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -65,6 +68,24 @@ namespace {
 constexpr int64_t kChunkRows = 256;  // rows per work item
 constexpr int64_t kQuad = 4;         // k per int32 lane (VNNI-4)
 constexpr int64_t kQuadBytes = kBlockN * kQuad;  // one k quad of a packed block
+// From this many rows an item's block is one brgemm call (when brgemm is on, below).
+constexpr int64_t kBrgemmRows = 16;
+
+// Whether items of kBrgemmRows rows or more take oneDNN's ukernel through ATen's
+// cpublas::brgemm (u8 x s8 -> s32 on the VNNI-4 blocks as packed, K whole, x fed as xq + 128
+// as on vnni512): AMX-INT8 tiles on an AMX CPU, oneDNN's own AVX512-VNNI code elsewhere.
+// The sums are integers, so it gives the tiles' y bit for bit. On by default where the active
+// ISA is amx (PAGEDSERVE_CPU_ISA caps it); off elsewhere: on AVX512-VNNI without AMX it ran
+// at 0.87-1.01x the vnni512 tiles (docs/benchmarks.md). PAGEDSERVE_CPU_W8A8_BRGEMM=1 / 0
+// forces it on / off, so that it is tested on any AVX512-VNNI CPU. Only with the vnni512 body
+// (the +128 offset).
+bool use_brgemm(Body body) {
+  if (body != Body::kVnni512) return false;
+  const char* env = std::getenv("PAGEDSERVE_CPU_W8A8_BRGEMM");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  if (env != nullptr && std::strcmp(env, "1") == 0) return true;
+  return active_isa() == Isa::kAmx;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Packing
@@ -444,26 +465,40 @@ at::Tensor w8a8_linear(const at::Tensor& x_in, const at::Tensor& packed,
 
   const int64_t chunks = (m + kChunkRows - 1) / kChunkRows;
   const int64_t items = chunks * num_blocks;  // item i: rows chunk i / nb, block i % nb
+  const bool brgemm = use_brgemm(body);
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> acc(std::min(kChunkRows, m) * kBlockN);
     std::vector<float> facc(acc.size());
+    bool used_brgemm = false;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t chunk = i / num_blocks, block = i % num_blocks;
       const int64_t m0 = chunk * kChunkRows, rows = std::min(kChunkRows, m - m0);
       const int8_t* w = a.packed + block * k4 * kQuadBytes;
-      for (int64_t r = 0; r < rows; r += tiles.mr) {
-        const int64_t mt = std::min<int64_t>(tiles.mr, rows - r);
-        tiles.fn[mt - 1](a.xq + (m0 + r) * ldq, ldq, w, k4, acc.data() + r * kBlockN);
+      if (brgemm && rows >= kBrgemmRows) {  // one call, K whole (integers: any order)
+        at::native::cpublas::brgemm(rows, kBlockN, ldq, ldq, kBlockN, kBlockN, false,
+                                    reinterpret_cast<const unsigned char*>(a.xq + m0 * ldq),
+                                    reinterpret_cast<const signed char*>(w), acc.data(),
+                                    /*is_vnni=*/true);
+        used_brgemm = true;
+      } else {
+        for (int64_t r = 0; r < rows; r += tiles.mr) {
+          const int64_t mt = std::min<int64_t>(tiles.mr, rows - r);
+          tiles.fn[mt - 1](a.xq + (m0 + r) * ldq, ldq, w, k4, acc.data() + r * kBlockN);
+        }
       }
       store(a, m0, rows, block, acc.data(), facc.data());
     }
+    if (used_brgemm) at::native::cpublas::brgemm_release(/*is_vnni=*/true);
   });
   return y;
 }
 
 }  // namespace
 
-std::string w8a8_linear_body() { return body_name(pick_body()); }
+std::string w8a8_linear_body() {
+  const Body body = pick_body();
+  return use_brgemm(body) ? "brgemm" : body_name(body);
+}
 
 }  // namespace pagedserve
 

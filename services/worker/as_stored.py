@@ -3,7 +3,8 @@ serves so (a GGUF's quantized ones: ``gguf_weights.py``; a 4-bit AWQ / GPTQ chec
 layers: ``int4_checkpoints.py``), the checks before any is served (the device, tensor
 parallelism, the native kernels, ``--quantization`` against the checkpoint, the GGUF's first
 layer against its float conversion), and the modules put in place of the float ones
-(``quantized_linear.GroupQuantLinear`` / ``QuantizedEmbedding``).
+(``quantized_linear.GroupQuantLinear`` / ``QuantizedEmbedding`` on the native CPU kernels;
+on the Triton backend ``triton_int4_linear.TritonInt4Linear``, 4-bit layers only).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from services.worker.quantized_linear import (
     QuantizedEmbedding,
     a8_requested,
 )
+from services.worker.triton_int4_linear import four_bit_only, serve_on_triton
 
 log = logging.getLogger(__name__)
 
@@ -67,22 +69,25 @@ def check_int4(int4: Int4Config | None, quantization: str | None, folder: Path) 
 
 
 def int4_stored(folder: Path, int4: Int4Config, device: torch.device, plan: ShardPlan | None,
-                layers: list[int] | range) -> tuple[StoredWeights, dict[str, tuple[int, int]]]:
+                layers: list[int] | range, triton: bool = False
+                ) -> tuple[StoredWeights, dict[str, tuple[int, int]]]:
     """A 4-bit AWQ / GPTQ checkpoint's linear layers as stored (``int4_checkpoints.py``), and
-    the shapes of the float weights they stand for.
+    the shapes of the float weights they stand for. ``triton``: the worker's attention
+    backend is triton (CUDA, or the interpreter): served by ``TritonInt4Linear`` on any
+    device, without the native CPU kernels.
 
     Raises:
-        ValueError: not a CPU, tensor parallelism, the native kernels missing, or a malformed
-            tensor.
+        ValueError: not a CPU (without ``triton``), tensor parallelism, the native kernels
+            missing (without ``triton``), or a malformed tensor.
     """
     method = int4.quant_method
-    if device.type != "cpu":
-        raise ValueError(f"{folder}: {method} checkpoints are served on the CPU only, not "
-                         f"{device.type}")
+    if device.type != "cpu" and not triton:
+        raise ValueError(f"{folder}: {method} checkpoints are served on the CPU or with the "
+                         f"triton attention backend only, not {device.type} with another")
     if plan is not None and plan.pc.tensor_parallel_size > 1:
         raise ValueError(f"{folder}: {method} checkpoints are not served with tensor "
                          f"parallelism yet")
-    if missing := native_kernels_missing():
+    if not triton and (missing := native_kernels_missing()):
         raise ValueError(f"{folder}: {method} checkpoints need the native CPU kernels, which "
                          f"could not be built or loaded: {missing}")
     with ExitStack() as stack:
@@ -109,13 +114,19 @@ def open_safetensors(folder: Path, stack: ExitStack) -> dict[str, tuple[Any, str
 
 def gguf_as_stored(source: ModelSource, folder: Path, cfg: LlamaConfig | Gemma3Config,
                    device: torch.device, plan: ShardPlan | None, quantization: str | None,
-                   index: GGUFIndex | None, embedding: bool) -> StoredWeights:
+                   index: GGUFIndex | None, embedding: bool, triton: bool = False
+                   ) -> StoredWeights:
     """The GGUF's quantized tensors this rank serves as stored (``gguf_weights.py``): its
     decoder layers' linear weights, and with ``embedding`` the embedding and an untied LM
     head; empty: not a GGUF (``index`` None), nothing of a supported type, or not servable
     here (not a
     CPU, tensor parallel, no native kernels, ``--quantization w8a8`` or ``none``), each said
     in the log. The first layer and the embedding are checked against the float conversion.
+    ``triton`` (the worker's attention backend is triton): only with ``--quantization gguf``
+    (the default there stays dequantize-at-load: the Triton kernel has never run on a GPU);
+    any device, no native kernels; only the modules whose every tensor has 4-bit codes (Q4_0,
+    Q4_1, Q4_K), never the embedding or LM head (``triton_int4_linear.four_bit_only``); the
+    rest is dequantized at load, said in the log.
 
     Raises:
         ValueError: ``--quantization gguf`` where it cannot be served; a corrupt or truncated
@@ -128,11 +139,19 @@ def gguf_as_stored(source: ModelSource, folder: Path, cfg: LlamaConfig | Gemma3C
                         "dequantized values", source.name)
         return StoredWeights()
     why_not = None
-    if device.type != "cpu":
-        why_not = f"they are served as stored on the CPU only, not {device.type}"
+    if triton and quantization != "gguf":
+        # NOTE: opt-in until kernels.triton_int4 has run on a GPU (it has only run in Triton's
+        # CPU interpreter); AWQ / GPTQ, which have no other path off the CPU, take it anyway
+        log.info("%s: dequantized at load on the triton backend; --quantization gguf serves "
+                 "its 4-bit layers as stored with the Triton int4 kernel (not yet run on a "
+                 "GPU)", source.name)
+        return StoredWeights()
+    if device.type != "cpu" and not triton:
+        why_not = (f"they are served as stored on the CPU or with the triton attention "
+                   f"backend only, not {device.type} with another")
     elif plan is not None and plan.pc.tensor_parallel_size > 1:
         why_not = "tensor parallelism slices them (served from the float conversion)"
-    elif missing := native_kernels_missing():
+    elif not triton and (missing := native_kernels_missing()):
         why_not = f"the native CPU kernels could not be built or loaded ({missing})"
     if why_not is not None:
         if quantization == "gguf":
@@ -143,13 +162,33 @@ def gguf_as_stored(source: ModelSource, folder: Path, cfg: LlamaConfig | Gemma3C
         return StoredWeights()
     layers = plan.layers if plan else range(cfg.num_hidden_layers)
     stored = read_stored_weights(source.path, index, cfg.num_attention_heads,
-                                 cfg.num_key_value_heads, layers, embedding)
+                                 cfg.num_key_value_heads, layers, embedding and not triton)
     if stored and not _matches_conversion(folder, stored, layers[0] if len(layers) else 0):
         log.warning("%s: the GGUF's quantized tensors are not served as stored: their first "
                     "layer or embedding differs from the float conversion's (an unknown "
                     "layout)", source.name)
         return StoredWeights()
-    return stored
+    return _four_bit_on_triton(source.name, stored, quantization) if triton else stored
+
+
+def _four_bit_on_triton(name: str, stored: StoredWeights, quantization: str | None
+                        ) -> StoredWeights:
+    """``stored``'s 4-bit modules, the others logged as dequantized at load.
+
+    Raises:
+        ValueError: ``--quantization gguf`` and no module with 4-bit codes.
+    """
+    kept, dropped = four_bit_only(stored)
+    if not kept and quantization == "gguf":
+        raise ValueError(f"--quantization gguf: {name} has no layer of 4-bit codes (Q4_0, "
+                         f"Q4_1, Q4_K), the only ones the Triton backend serves as stored")
+    if dropped:
+        types = sorted({t for ts in dropped.values() for t in ts})
+        log.info("%s: on the Triton backend %d of %d GGUF modules are served as stored (4-bit "
+                 "codes); %d with %s parts are dequantized at load, and so are the embedding "
+                 "and LM head", name, len(kept.linears), len(stored.linears), len(dropped),
+                 "/".join(types))
+    return kept
 
 
 def _matches_conversion(folder: Path, stored: StoredWeights, layer: int) -> bool:
@@ -182,12 +221,17 @@ def _matches_conversion(folder: Path, stored: StoredWeights, layer: int) -> bool
 
 
 def serve_as_stored(net: nn.Module, stored: StoredWeights, dtype: torch.dtype,
-                    fuse_gate: bool, lm_head: bool) -> None:
+                    fuse_gate: bool, lm_head: bool, triton: bool = False) -> None:
     """Put ``GroupQuantLinear``s (and a ``QuantizedEmbedding``) over ``stored`` in ``net``, in
     place of the modules whose weights were not read (meta). ``fuse_gate``: a SwiGLU gate_up
     layer applies its gate in the kernel's epilogue (not with LoRA, which adds to gate and
     up); ``lm_head``: a tied model's LM head reads the stored embedding (not for pooling).
-    With ``PAGEDSERVE_CPU_A8=1`` they take int8 activations where they can (``a8_requested``)."""
+    With ``PAGEDSERVE_CPU_A8=1`` they take int8 activations where they can (``a8_requested``).
+    ``triton``: ``TritonInt4Linear``s instead (4-bit linear layers only: ``serve_on_triton``).
+    """
+    if triton:
+        serve_on_triton(net, stored)
+        return
     a8 = a8_requested()
     for name, weight in stored.linears.items():
         parent, _, attr = name.rpartition(".")

@@ -19,7 +19,11 @@ the default for a ``.gguf``; ``gguf_weights.py``): the file's codes with their p
 and mins, dequantized inside the GEMM, rather than the float32 conversion.
 ``--quantization none`` serves a GGUF from that conversion in ``--dtype`` (dequantized at
 load). A 4-bit AWQ or GPTQ safetensors checkpoint (its ``quantization_config``) has its linear
-layers served as stored too (``int4_checkpoints.py``). One log line at start says what the
+layers served as stored too (``int4_checkpoints.py``). With the triton attention backend (CUDA,
+or a CPU under ``TRITON_INTERPRET=1``) the 4-bit layers (AWQ / GPTQ; GGUF Q4_0 / Q4_1 / Q4_K
+under ``--quantization gguf`` only, the kernel not yet run on a GPU) are served as stored by
+``triton_int4_linear.TritonInt4Linear`` instead, and a GGUF's other types, embedding and LM
+head are dequantized at load. One log line at start says what the
 weights are stored as, and a GGUF is only re-quantized when ``--quantization`` asks, with a
 warning.
 """
@@ -78,6 +82,7 @@ from services.worker.quantized_linear import (
     W8A8Linear,
     quantize_model_linears,
 )
+from services.worker.triton_int4_linear import TritonInt4Linear, triton_note
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +141,9 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
             served so: a CPU worker without tensor parallelism), ``"none"`` (a GGUF
             dequantized at load), ``"awq"`` / ``"gptq"`` (a 4-bit checkpoint of that
             ``quantization_config``, also detected without the flag; served as stored by
-            ``int4_checkpoints.py``).
+            ``int4_checkpoints.py``). With a triton ``attn_backend`` the 4-bit layers (AWQ /
+            GPTQ; a GGUF's only under ``"gguf"``) are served by ``TritonInt4Linear`` on any
+            device (the GGUF's other types, embedding and LM head dequantized at load).
         runner: ``--runner``: ``"generate"``, ``"pooling"`` (the model without an LM head,
             none read: an embedding checkpoint has none) or ``"auto"`` (``resolve_runner``).
         lora: ``--enable-lora``'s limits: the targetable linear layers are wrapped in
@@ -158,16 +165,18 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     source = resolve_model(model)
     with startup_step(f"loading {source.name} on {device}"):
         ckpt = _open_checkpoint(source, quantization, runner)
-        net, plan = _build_on_meta(ckpt, attn_backend or select_backend("auto", device),
-                                   parallel)
-        stored, skip_shapes = _stored_weights(ckpt, device, plan, quantization)
+        backend = attn_backend or select_backend("auto", device)
+        triton = backend.name == "triton"  # 4-bit layers on TritonInt4Linear
+        net, plan = _build_on_meta(ckpt, backend, parallel)
+        stored, skip_shapes = _stored_weights(ckpt, device, plan, quantization, triton)
         _load_weights(net, ckpt, dtype, device, plan, stored, skip_shapes,
                       int8_modes=quantization in QUANTIZATIONS)
         net = _finish_weights(net, ckpt, stored, dtype, device, plan, quantization, lora,
-                              batch_invariant)
-    log.info("weights: %s", describe_weights(net, dtype, quantization,
-                                             ckpt.index.type_counts() if ckpt.index else None,
-                                             stored.types))
+                              batch_invariant, triton)
+    gguf_types = ckpt.index.type_counts() if ckpt.index else None
+    log.info("weights: %s%s", describe_weights(net, dtype, quantization, gguf_types,
+                                               stored.types),
+             triton_note(gguf_types if triton and stored else None))
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", ckpt.source.name,
              len(net.layers), _num_weights(net) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)
@@ -231,17 +240,18 @@ def _build_on_meta(ckpt: _Checkpoint, backend: AttentionBackend,
 
 
 def _stored_weights(ckpt: _Checkpoint, device: torch.device, plan: ShardPlan | None,
-                    quantization: str | None
+                    quantization: str | None, triton: bool
                     ) -> tuple[StoredWeights, dict[str, tuple[int, int]]]:
-    """The weights served as stored (a 4-bit checkpoint's or a GGUF's), and the shapes of
-    the 4-bit layers' float weights the checkpoint does not hold."""
+    """The weights served as stored (a 4-bit checkpoint's or a GGUF's; ``triton``: 4-bit
+    layers for ``TritonInt4Linear``), and the shapes of the 4-bit layers' float weights the
+    checkpoint does not hold."""
     if quantization == "gguf" and not ckpt.source.is_gguf:
         raise ValueError(f"--quantization gguf needs a .gguf model, not {ckpt.source.path}")
     layers = plan.layers if plan else range(ckpt.cfg.num_hidden_layers)
     if ckpt.int4 is not None:
-        return int4_stored(ckpt.folder, ckpt.int4, device, plan, layers)
+        return int4_stored(ckpt.folder, ckpt.int4, device, plan, layers, triton)
     return gguf_as_stored(ckpt.source, ckpt.folder, ckpt.cfg, device, plan, quantization,
-                          ckpt.index, embedding=plan is None), {}
+                          ckpt.index, embedding=plan is None, triton=triton), {}
 
 
 def _load_weights(net: Model, ckpt: _Checkpoint, dtype: torch.dtype, device: torch.device,
@@ -267,14 +277,14 @@ def _load_weights(net: Model, ckpt: _Checkpoint, dtype: torch.dtype, device: tor
 
 def _finish_weights(net: Model, ckpt: _Checkpoint, stored: StoredWeights, dtype: torch.dtype,
                     device: torch.device, plan: ShardPlan | None, quantization: str | None,
-                    lora: LoRAConfig | None, batch_invariant: bool) -> Model:
+                    lora: LoRAConfig | None, batch_invariant: bool, triton: bool) -> Model:
     """Turn the loaded ``net`` into the served one, on ``device`` in eval mode: the weights
-    served as stored swapped in, LoRA wrappers, ``--quantization``'s int8 layers and the
-    native CPU kernel's packed layers."""
+    served as stored swapped in (``triton``: ``TritonInt4Linear``s), LoRA wrappers,
+    ``--quantization``'s int8 layers and the native CPU kernel's packed layers."""
     int8_modes = quantization in QUANTIZATIONS
     # before .to(): their float weights were never read
     serve_as_stored(net, stored, dtype, fuse_gate=lora is None,
-                    lm_head=ckpt.runner != "pooling")
+                    lm_head=ckpt.runner != "pooling", triton=triton)
     if lora is not None:
         wrap_lora_layers(net, lora.max_loras, lora.max_lora_rank, dtype,
                          fuse=not int8_modes)
@@ -309,7 +319,8 @@ def _model_info(ckpt: _Checkpoint, quantization: str | None, stored: StoredWeigh
 
 def _num_weights(net: nn.Module) -> int:
     """The model's weights counted as values (a quantized layer's ``N * K``, not its bytes)."""
-    quantized = {id(m): m for m in net.modules() if isinstance(m, (Int8Linear, W8A8Linear))}
+    quantized = {id(m): m for m in net.modules()
+                 if isinstance(m, (Int8Linear, W8A8Linear, TritonInt4Linear))}
     return (sum(p.numel() for p in net.parameters())
             + sum(m.in_features * m.out_features for m in quantized.values()))
 
@@ -359,7 +370,8 @@ def describe_weights(net: nn.Module, dtype: torch.dtype, quantization: str | Non
     kinds: dict[str, int] = {}
     for layer in cast(nn.ModuleList, net.layers):
         for m in layer.modules():
-            kind = (f"{m.stored_as} as stored ("
+            kind = (m.describe() if isinstance(m, TritonInt4Linear) else
+                    f"{m.stored_as} as stored ("
                     f"{'4-bit' if m.packed.dtype == torch.uint8 else 'int8'}"
                     f" codes, a scale{' and min' if m.weight_min is not None else ''} per "
                     f"{m.in_features // m.weight_scale.shape[1]}"

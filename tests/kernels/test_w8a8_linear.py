@@ -3,9 +3,12 @@ bit for bit ``kernels.int8_linear.w8a8_linear`` (torch._int_mm, itself checked a
 in test_int8_linear.py) and within float32 rounding of the float64 reference; a row's result
 the same at any batch size; the SiLU-gated epilogue; packing and bad input.
 
-Bodies (``PAGEDSERVE_CPU_ISA`` caps them, ``PAGEDSERVE_CPU_VNNI=0`` turns VNNI off): vnni512
-(AVX512-VNNI), avxvnni (AVX-VNNI), avx2 (vpmaddubsw), scalar. Each is probed: one this CPU
-cannot run is not listed (the op never picks it here).
+Bodies (``PAGEDSERVE_CPU_ISA`` caps them, ``PAGEDSERVE_CPU_VNNI=0`` turns VNNI off): brgemm
+(items of 16+ rows on ATen's ``cpublas::brgemm``, oneDNN's ukernel: AMX-INT8 tiles on an AMX
+CPU, where it is the default, oneDNN's VNNI code on any other AVX512-VNNI CPU under
+``PAGEDSERVE_CPU_W8A8_BRGEMM=1``), vnni512 (AVX512-VNNI), avxvnni (AVX-VNNI), avx2
+(vpmaddubsw), scalar. Each is probed: one this CPU cannot run is not listed (the op never
+picks it here).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from kernels.cpu_attention import ISA_ENV
 from kernels.cpu_linear import (
+    BRGEMM_ENV,
     VNNI_ENV,
     cpu_w8a8_linear,
     gate_up_blocks,
@@ -24,19 +28,24 @@ from kernels.cpu_linear import (
 from kernels.int8_linear import quantize_symmetric, reference_w8a8, w8a8_linear
 from tests.kernels.cpu_isas import RUNNABLE_ISAS
 
-# body -> (PAGEDSERVE_CPU_ISA, PAGEDSERVE_CPU_VNNI)
-SETTINGS = {"vnni512": (RUNNABLE_ISAS[-1], "1"), "avxvnni": ("avx2", "1"),
-            "avx2": ("avx2", "0"), "scalar": ("scalar", "1")}
+# body -> (PAGEDSERVE_CPU_ISA, PAGEDSERVE_CPU_VNNI, PAGEDSERVE_CPU_W8A8_BRGEMM)
+SETTINGS = {"brgemm": (RUNNABLE_ISAS[-1], "1", "1"), "vnni512": (RUNNABLE_ISAS[-1], "1", "0"),
+            "avxvnni": ("avx2", "1", "0"), "avx2": ("avx2", "0", "0"),
+            "scalar": ("scalar", "1", "0")}
+
+
+def set_body(mp: pytest.MonkeyPatch, body: str) -> None:
+    for env, value in zip((ISA_ENV, VNNI_ENV, BRGEMM_ENV), SETTINGS[body], strict=True):
+        mp.setenv(env, value)
 
 
 def _runnable() -> list[str]:
     found = []
     with pytest.MonkeyPatch.context() as mp:
-        for body, (isa, vnni) in SETTINGS.items():
-            if isa not in RUNNABLE_ISAS:
+        for body in SETTINGS:
+            if SETTINGS[body][0] not in RUNNABLE_ISAS:
                 continue
-            mp.setenv(ISA_ENV, isa)
-            mp.setenv(VNNI_ENV, vnni)
+            set_body(mp, body)
             if w8a8_linear_body() == body:
                 found.append(body)
     return found
@@ -46,22 +55,24 @@ BODIES = _runnable()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (M, N, K): SmolLM2's qkv / gate_up / down at decode and prefill sizes, N not a multiple of
 # 32, K not a multiple of 4, tiles of every row count of the widest body (12) and a remainder
-SHAPES = [(1, 960, 576), (8, 3072, 576), (300, 576, 1536), (13, 37, 98), (25, 3, 5), (2, 64, 1)]
+# (brgemm: 300 rows = a chunk of 256 and one of 44 rows, 270 = 256 + 14 rows on the tiles)
+SHAPES = [(1, 960, 576), (8, 3072, 576), (300, 576, 1536), (13, 37, 98), (25, 3, 5), (2, 64, 1),
+          (270, 40, 64)]
 
 
 @pytest.fixture(params=BODIES)
 def body(request, monkeypatch) -> str:
-    isa, vnni = SETTINGS[request.param]
-    monkeypatch.setenv(ISA_ENV, isa)
-    monkeypatch.setenv(VNNI_ENV, vnni)
+    set_body(monkeypatch, request.param)
     assert w8a8_linear_body() == request.param
     return request.param
 
 
 def test_the_best_body_runs_by_default(monkeypatch):
-    monkeypatch.delenv(ISA_ENV, raising=False)
-    monkeypatch.delenv(VNNI_ENV, raising=False)
-    assert w8a8_linear_body() == BODIES[0]
+    for env in (ISA_ENV, VNNI_ENV, BRGEMM_ENV):
+        monkeypatch.delenv(env, raising=False)
+    # brgemm is the default on an AMX CPU only (AMX-INT8 tiles); elsewhere the best tiles
+    best = next(b for b in BODIES if b != "brgemm" or RUNNABLE_ISAS[-1] == "amx")
+    assert w8a8_linear_body() == best
     assert "avx2" in BODIES or RUNNABLE_ISAS == ["scalar"]
 
 
