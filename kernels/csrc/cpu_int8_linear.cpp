@@ -76,7 +76,8 @@ constexpr int64_t kBrgemmRows = 16;
 // as on vnni512): AMX-INT8 tiles on an AMX CPU, oneDNN's own AVX512-VNNI code elsewhere.
 // The sums are integers, so it gives the tiles' y bit for bit. On by default where the active
 // ISA is amx (PAGEDSERVE_CPU_ISA caps it); off elsewhere: on AVX512-VNNI without AMX it ran
-// at 0.87-1.01x the vnni512 tiles (docs/benchmarks.md). PAGEDSERVE_CPU_W8A8_BRGEMM=1 / 0
+// at 0.94-1.02x the vnni512 tiles' speed (benchmarks/kernels/w8a8_brgemm.py,
+// docs/benchmarks.md). PAGEDSERVE_CPU_W8A8_BRGEMM=1 / 0
 // forces it on / off, so that it is tested on any AVX512-VNNI CPU. Only with the vnni512 body
 // (the +128 offset).
 bool use_brgemm(Body body) {

@@ -10,7 +10,9 @@ What it serves when the worker's attention backend is ``"triton"`` (``loader.loa
 
 - an AWQ / GPTQ checkpoint's 4-bit layers (``int4_checkpoints.py``; a GPTQ act-order layer
   permutes x first, ``x.index_select(1, perm)``), which the native CPU kernel serves on a CPU;
-- a GGUF's decoder modules whose every tensor has 4-bit codes (Q4_0, Q4_1, Q4_K). A module with
+- under ``--quantization gguf`` (unset, a GGUF is dequantized at load on this path until the
+  kernel has run on a GPU: ``as_stored.gguf_as_stored``), a GGUF's decoder modules whose every
+  tensor has 4-bit codes (Q4_0, Q4_1, Q4_K). A module with
   an int8-code part (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: e.g. Q4_K_M's Q6_K ``attn_v``), the
   embedding and the LM head are dequantized at load to ``--dtype`` on this path (the kernel
   reads 4-bit codes only), and the start-up log says so (``triton_note``).
