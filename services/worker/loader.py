@@ -176,7 +176,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
     gguf_types = ckpt.index.type_counts() if ckpt.index else None
     log.info("weights: %s%s", describe_weights(net, dtype, quantization, gguf_types,
                                                stored.types),
-             triton_note(gguf_types if triton and stored else None))
+             triton_note(triton and gguf_types is not None and bool(stored)))
     log.info("loaded %s (%d layers, %.1fM params) as %s on %s in %.2f s", ckpt.source.name,
              len(net.layers), _num_weights(net) / 1e6,
              str(dtype).removeprefix("torch."), device, time.perf_counter() - start)

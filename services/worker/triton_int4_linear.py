@@ -28,7 +28,7 @@ worker on another backend never imports triton.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -136,10 +136,10 @@ def serve_on_triton(net: nn.Module, stored: StoredWeights) -> None:
         net.get_submodule(parent).register_module(attr, layer)
 
 
-def triton_note(gguf_types: dict[str, Any] | None) -> str:
-    """The start-up log's note for a GGUF on the Triton backend (``gguf_types`` not None):
-    what is dequantized at load on that path; "" otherwise."""
-    if gguf_types is None:
+def triton_note(gguf_on_triton: bool) -> str:
+    """The start-up log's note for a GGUF served as stored on the Triton backend: what is
+    dequantized at load on that path; "" otherwise."""
+    if not gguf_on_triton:
         return ""
     return ("; Triton backend: GGUF Q4_0 / Q4_1 / Q4_K layers as stored, every other GGUF "
             "type (Q5_*, Q6_K, Q8_0) and the embedding and LM head dequantized at load")
